@@ -1,0 +1,1 @@
+//! Guest images: recipes, builds, digests and the image store.

@@ -1,0 +1,47 @@
+//! Warren's host<->guest protocol: wire types, the resync framing that sits under HTTP/2 on the
+//! virtio-serial port, the mutual authentication proofs and the limits both sides enforce.
+//!
+//! Layering on the port, bottom to top:
+//! 1. [`framing`]: byte stuffing that can carry `Sync`/`SyncAck` markers which never occur in
+//!    data. The host starts every (re)connection with a `Sync` carrying a fresh nonce and drops
+//!    everything it reads until the matching `SyncAck`; the guest drops its previous session
+//!    when it sees a `Sync`. This is what makes reconnection after a supervisor restart or a
+//!    snapshot restore safe although stale bytes may sit in either direction.
+//! 2. HTTP/2 (the `h2` crate) in the data stream: one stream per operation, so operations are
+//!    multiplexed and cancelled by resetting their stream.
+//! 3. [`messages`]: each HTTP/2 request body is one postcard-encoded [`messages::HostRequest`],
+//!    each response body one postcard-encoded `Result<GuestResponse, GuestError>`.
+//!
+//! See `PROTOCOL.md` at the repository root for versioning and compatibility rules.
+#![forbid(unsafe_code)]
+
+pub mod auth;
+pub mod framing;
+pub mod limits;
+pub mod messages;
+
+pub use messages::*;
+
+/// Protocol version spoken by this build. Bump on any incompatible change of [`messages`]
+/// (see `PROTOCOL.md`); the schema snapshot test fails until the bump is deliberate.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Oldest protocol version this build still speaks.
+pub const MIN_PROTOCOL_VERSION: u32 = 1;
+
+/// Name of the virtio-serial port carrying the channel (`/sys/class/virtio-ports/*/name`).
+pub const PORT_NAME: &str = "org.warren.agent.0";
+
+/// HTTP/2 request path used for every operation; the operation is the body's enum variant.
+pub const RPC_PATH: &str = "/warren/v1";
+
+/// Path of the per-VM secret inside the initramfs (appended per VM by the host, read once by
+/// the agent at boot and then removed with the rest of the initramfs).
+pub const SECRET_PATH: &str = "/warren/secret";
+
+/// Length in bytes of the per-VM secret.
+pub const SECRET_LEN: usize = 32;
+
+/// The agent's first console line once it serves the channel; the benchmark and boot-failure
+/// diagnostics look for it.
+pub const READY_LINE: &str = "warren-guest: ready";

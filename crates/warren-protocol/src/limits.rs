@@ -1,0 +1,25 @@
+//! Limits enforced by the guest agent and relied upon by the host. Values follow the
+//! reference service's documented bounds.
+
+/// Jobs that may run at once in one VM.
+pub const MAX_RUNNING_JOBS: usize = 4;
+/// Job records retained per VM; the oldest finished one is evicted first.
+pub const MAX_JOB_RECORDS: usize = 256;
+/// Output bytes retained per job across stdout and stderr together.
+pub const MAX_RETAINED_OUTPUT: u64 = 256 * 1024;
+/// Bytes returned per stream per output read.
+pub const MAX_READ_PER_STREAM: u32 = 16 * 1024;
+/// Bytes per file read or write call.
+pub const MAX_FILE_CHUNK: u32 = 128 * 1024;
+/// Longest long-poll an output read may ask for.
+pub const MAX_OUTPUT_WAIT_MS: u32 = 30_000;
+/// Largest encoded message in either direction (a file chunk plus headroom).
+pub const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
+/// Longest path accepted for file operations and cwd.
+pub const MAX_PATH_BYTES: usize = 4096;
+/// Most argv entries, env entries and bytes of stdin accepted by exec.
+pub const MAX_ARGV: usize = 4096;
+pub const MAX_ENV: usize = 1024;
+pub const MAX_STDIN_BYTES: usize = 128 * 1024;
+/// uid/gid commands and file operations run as in the guest.
+pub const GUEST_USER_ID: u32 = 1000;

@@ -1,0 +1,470 @@
+//! The messages of protocol version [`crate::PROTOCOL_VERSION`]: one enum per direction.
+//!
+//! Encoding is postcard. Variants are identified by position, so new variants are only ever
+//! appended, and a field change means a new version (see `PROTOCOL.md`). The schema snapshot
+//! test in this file pins the encoding of every variant.
+
+use serde::{Deserialize, Serialize};
+
+/// A job's id, unique within one guest boot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct JobId(pub u64);
+
+impl std::fmt::Display for JobId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Host -> guest: one per HTTP/2 request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HostRequest {
+    /// First request of a session: version negotiation and the host's challenge.
+    Hello(Hello),
+    /// Second request: the host's proof, plus clock and entropy for the guest.
+    Auth(Auth),
+    /// Liveness and round-trip measurement.
+    Ping,
+    /// Starts a job.
+    ExecStart(ExecStart),
+    /// Reads retained output at byte cursors, optionally waiting for news.
+    JobOutput(JobOutputRequest),
+    /// Kills a running job's whole cgroup.
+    JobCancel(JobId),
+    /// Reads part of a file below /workspace.
+    FileRead(FileRead),
+    /// Writes part of a file below /workspace.
+    FileWrite(FileWrite),
+    /// Measures in-guest costs for `warren bench`.
+    Bench(BenchRequest),
+    /// Throughput probe: the guest discards the bytes.
+    Discard(#[serde(with = "serde_bytes")] Vec<u8>),
+    /// Throughput probe: the guest answers with this many zero bytes (at most one message).
+    Source(u32),
+    /// Syncs the filesystem and powers the guest off.
+    PowerOff,
+}
+
+/// Guest -> host: the success half of every response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GuestResponse {
+    Hello(HelloReply),
+    Authenticated(AgentInfo),
+    Pong,
+    ExecStarted(JobId),
+    JobOutput(JobOutput),
+    JobCancelled,
+    FileData(FileData),
+    FileWritten(FileWritten),
+    Bench(BenchReply),
+    Discarded,
+    Source(#[serde(with = "serde_bytes")] Vec<u8>),
+    PoweringOff,
+}
+
+/// Every response body is this, postcard-encoded.
+pub type Response = Result<GuestResponse, GuestError>;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Highest version the host speaks.
+    pub max_version: u32,
+    /// Lowest version the host speaks.
+    pub min_version: u32,
+    pub host_nonce: [u8; 32],
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HelloReply {
+    /// The version the guest chose for this session.
+    pub version: u32,
+    pub guest_nonce: [u8; 32],
+    pub proof: [u8; 32],
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Auth {
+    pub proof: [u8; 32],
+    /// Host wall clock, nanoseconds since the Unix epoch; the guest sets its clock from it
+    /// (covers resume after a snapshot as well as boot).
+    pub unix_time_ns: u64,
+    /// Fresh host randomness mixed into the guest's pool.
+    pub entropy: [u8; 32],
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentInfo {
+    pub agent_version: String,
+    pub kernel_release: String,
+    /// Guest `/proc/sys/kernel/random/boot_id`.
+    pub boot_id: String,
+    pub uptime_ms: u64,
+}
+
+/// Starts `argv` as uid 1000 in a cgroup of its own.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecStart {
+    /// Program and arguments; `argv[0]` is looked up in `PATH`.
+    pub argv: Vec<String>,
+    /// Extra environment on top of the agent's base environment.
+    pub env: Vec<(String, String)>,
+    /// Working directory relative to /workspace; `None` is /workspace itself.
+    pub cwd: Option<String>,
+    /// Bytes for stdin; `None` means /dev/null.
+    pub stdin: Option<serde_bytes::ByteBuf>,
+    /// Kills the job's cgroup after this long.
+    pub timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobOutputRequest {
+    pub job: JobId,
+    pub stdout_cursor: u64,
+    pub stderr_cursor: u64,
+    /// At most this many bytes per stream (capped at `MAX_READ_PER_STREAM`).
+    pub max_bytes: u32,
+    /// When nothing is available past both cursors and the job runs, wait up to this long for
+    /// output or the job's end (capped at `MAX_OUTPUT_WAIT_MS`).
+    pub wait_ms: u32,
+}
+
+/// How a finished job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobExit {
+    /// Exit code when the main process exited normally.
+    pub code: Option<i32>,
+    /// Signal number when it was killed by a signal.
+    pub signal: Option<i32>,
+    /// The timeout fired.
+    pub timed_out: bool,
+    /// A `JobCancel` killed it.
+    pub cancelled: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobState {
+    Running,
+    /// The main process ended, its cgroup is empty and both pipes reached end of file.
+    Finished(JobExit),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobOutput {
+    #[serde(with = "serde_bytes")]
+    pub stdout: Vec<u8>,
+    #[serde(with = "serde_bytes")]
+    pub stderr: Vec<u8>,
+    /// Bytes retained so far per stream; a cursor equal to this is caught up.
+    pub stdout_retained: u64,
+    pub stderr_retained: u64,
+    pub state: JobState,
+    /// Output beyond the retention limit was discarded.
+    pub truncated: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileRead {
+    pub path: String,
+    pub offset: u64,
+    /// At most `MAX_FILE_CHUNK`.
+    pub len: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileData {
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    /// File size when read.
+    pub size: u64,
+    /// `offset + data.len() >= size`.
+    pub eof: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WriteMode {
+    /// Create or truncate, then write at 0.
+    Truncate,
+    /// Create if missing, write at the end.
+    Append,
+    /// Create if missing, write at this offset.
+    At(u64),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileWrite {
+    pub path: String,
+    pub mode: WriteMode,
+    /// At most `MAX_FILE_CHUNK`.
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    /// Create missing parent directories.
+    pub create_parents: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileWritten {
+    /// File size after the write.
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BenchRequest {
+    /// fork+exec+wait of `/bin/true` in the guest, this many times.
+    ForkExecWait { iterations: u32 },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BenchReply {
+    /// One duration per iteration, nanoseconds.
+    pub samples_ns: Vec<u64>,
+}
+
+/// Stable machine-readable error codes (see `PROTOCOL.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorCode {
+    InvalidArgument,
+    NotFound,
+    QuotaExceeded,
+    PermissionDenied,
+    Unauthenticated,
+    VersionMismatch,
+    /// The path exists but is of the wrong kind (a directory where a file was expected, ...).
+    WrongType,
+    Io,
+    Internal,
+}
+
+impl ErrorCode {
+    /// The code as the stable snake_case string used by the CLI and the API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidArgument => "invalid_argument",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::QuotaExceeded => "quota_exceeded",
+            ErrorCode::PermissionDenied => "forbidden",
+            ErrorCode::Unauthenticated => "unauthenticated",
+            ErrorCode::VersionMismatch => "version_mismatch",
+            ErrorCode::WrongType => "invalid_argument",
+            ErrorCode::Io => "io_error",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
+/// A typed error from the guest: a code plus a human-readable detail.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct GuestError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl GuestError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// Encoding or decoding failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    #[error("message of {0} bytes exceeds the limit")]
+    TooLarge(usize),
+    #[error("malformed message")]
+    Malformed(#[from] postcard::Error),
+}
+
+/// Encodes a message body.
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, CodecError> {
+    let v = postcard::to_stdvec(msg)?;
+    if v.len() > crate::limits::MAX_MESSAGE_BYTES {
+        return Err(CodecError::TooLarge(v.len()));
+    }
+    Ok(v)
+}
+
+/// Decodes a message body, refusing oversized ones.
+pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError> {
+    if bytes.len() > crate::limits::MAX_MESSAGE_BYTES {
+        return Err(CodecError::TooLarge(bytes.len()));
+    }
+    Ok(postcard::from_bytes(bytes)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One sample of every variant, in declaration order. Appending a variant means appending
+    /// a sample and a snapshot line.
+    fn samples() -> Vec<(&'static str, Vec<u8>)> {
+        let req = |r: HostRequest| encode(&r).expect("encode");
+        let rsp = |r: Response| encode(&r).expect("encode");
+        vec![
+            (
+                "req.hello",
+                req(HostRequest::Hello(Hello {
+                    max_version: 1,
+                    min_version: 1,
+                    host_nonce: [1; 32],
+                })),
+            ),
+            (
+                "req.auth",
+                req(HostRequest::Auth(Auth {
+                    proof: [2; 32],
+                    unix_time_ns: 5,
+                    entropy: [3; 32],
+                })),
+            ),
+            ("req.ping", req(HostRequest::Ping)),
+            (
+                "req.exec",
+                req(HostRequest::ExecStart(ExecStart {
+                    argv: vec!["sh".into()],
+                    env: vec![("A".into(), "b".into())],
+                    cwd: Some("d".into()),
+                    stdin: Some(serde_bytes::ByteBuf::from(vec![0xff])),
+                    timeout_ms: Some(7),
+                })),
+            ),
+            (
+                "req.output",
+                req(HostRequest::JobOutput(JobOutputRequest {
+                    job: JobId(9),
+                    stdout_cursor: 1,
+                    stderr_cursor: 2,
+                    max_bytes: 3,
+                    wait_ms: 4,
+                })),
+            ),
+            ("req.cancel", req(HostRequest::JobCancel(JobId(9)))),
+            (
+                "req.read",
+                req(HostRequest::FileRead(FileRead {
+                    path: "a".into(),
+                    offset: 1,
+                    len: 2,
+                })),
+            ),
+            (
+                "req.write",
+                req(HostRequest::FileWrite(FileWrite {
+                    path: "a".into(),
+                    mode: WriteMode::At(3),
+                    data: vec![1],
+                    create_parents: true,
+                })),
+            ),
+            (
+                "req.bench",
+                req(HostRequest::Bench(BenchRequest::ForkExecWait { iterations: 2 })),
+            ),
+            ("req.discard", req(HostRequest::Discard(vec![1, 2]))),
+            ("req.source", req(HostRequest::Source(3))),
+            ("req.poweroff", req(HostRequest::PowerOff)),
+            (
+                "rsp.hello",
+                rsp(Ok(GuestResponse::Hello(HelloReply {
+                    version: 1,
+                    guest_nonce: [4; 32],
+                    proof: [5; 32],
+                }))),
+            ),
+            (
+                "rsp.auth",
+                rsp(Ok(GuestResponse::Authenticated(AgentInfo {
+                    agent_version: "v".into(),
+                    kernel_release: "k".into(),
+                    boot_id: "b".into(),
+                    uptime_ms: 1,
+                }))),
+            ),
+            ("rsp.pong", rsp(Ok(GuestResponse::Pong))),
+            ("rsp.exec", rsp(Ok(GuestResponse::ExecStarted(JobId(1))))),
+            (
+                "rsp.output",
+                rsp(Ok(GuestResponse::JobOutput(JobOutput {
+                    stdout: vec![b'o'],
+                    stderr: vec![b'e'],
+                    stdout_retained: 1,
+                    stderr_retained: 1,
+                    state: JobState::Finished(JobExit {
+                        code: Some(3),
+                        signal: None,
+                        timed_out: false,
+                        cancelled: true,
+                    }),
+                    truncated: true,
+                }))),
+            ),
+            ("rsp.cancel", rsp(Ok(GuestResponse::JobCancelled))),
+            (
+                "rsp.read",
+                rsp(Ok(GuestResponse::FileData(FileData {
+                    data: vec![7],
+                    size: 1,
+                    eof: true,
+                }))),
+            ),
+            (
+                "rsp.write",
+                rsp(Ok(GuestResponse::FileWritten(FileWritten { size: 2 }))),
+            ),
+            (
+                "rsp.bench",
+                rsp(Ok(GuestResponse::Bench(BenchReply {
+                    samples_ns: vec![1, 2],
+                }))),
+            ),
+            ("rsp.discarded", rsp(Ok(GuestResponse::Discarded))),
+            ("rsp.source", rsp(Ok(GuestResponse::Source(vec![0, 0])))),
+            ("rsp.poweroff", rsp(Ok(GuestResponse::PoweringOff))),
+            (
+                "rsp.error",
+                rsp(Err(GuestError::new(ErrorCode::Internal, "x"))),
+            ),
+        ]
+    }
+
+    /// Contract test: the encoding of every message is pinned. If this fails, either revert
+    /// the change or bump PROTOCOL_VERSION and update `schema.snapshot` deliberately
+    /// (`WARREN_UPDATE_SNAPSHOT=1 cargo test -p warren-protocol`).
+    #[test]
+    fn test_schema_snapshot_unchanged() {
+        let rendered: String = samples()
+            .into_iter()
+            .map(|(name, bytes)| format!("{name} {}\n", hex::encode(bytes)))
+            .collect();
+        let rendered = format!("version {}\n{rendered}", crate::PROTOCOL_VERSION);
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/schema.snapshot");
+        if std::env::var_os("WARREN_UPDATE_SNAPSHOT").is_some() {
+            std::fs::write(path, &rendered).expect("write snapshot");
+        }
+        let expected = std::fs::read_to_string(path).expect("schema.snapshot exists");
+        assert_eq!(rendered, expected, "protocol schema changed");
+    }
+
+    #[test]
+    fn test_decode_roundtrip_request_preserved() {
+        let r = HostRequest::FileWrite(FileWrite {
+            path: "x/y".into(),
+            mode: WriteMode::Append,
+            data: vec![0, 255, 1],
+            create_parents: false,
+        });
+        let back: HostRequest = decode(&encode(&r).expect("encode")).expect("decode");
+        assert_eq!(back, r);
+    }
+
+    #[test]
+    fn test_decode_garbage_is_malformed() {
+        assert!(matches!(
+            decode::<HostRequest>(&[0xff, 0xff, 0xff]),
+            Err(CodecError::Malformed(_))
+        ));
+    }
+}
