@@ -1,1 +1,38 @@
-fn main() {}
+//! `warren`: parse arguments, set up logging, run the command, map errors to exit codes.
+//!
+//! Exit codes: `vm exec` exits with the command's code (128+N for signal N, 124 on timeout);
+//! every Warren error exits 125 and prints `error[<code>]: <message chain>`.
+
+mod bench;
+mod cli;
+mod commands;
+
+use clap::Parser;
+
+fn main() {
+    let args = cli::Cli::parse();
+    let filter = match args.verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let code = match commands::run(args) {
+        Ok(code) => code,
+        Err(e) => {
+            let code = e
+                .downcast_ref::<warren_core::CoreError>()
+                .map(|c| c.code())
+                .unwrap_or("error");
+            eprintln!("error[{code}]: {e:#}");
+            commands::EXIT_WARREN_ERROR
+        }
+    };
+    std::process::exit(code);
+}

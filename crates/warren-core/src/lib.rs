@@ -1,1 +1,16 @@
-//! warren-core
+//! Warren's engine: the VM registry and its state machine, the SQLite store, and the actions
+//! the CLI (and later the service) performs on VMs. It knows nothing of HTTP or MCP.
+//!
+//! A VM's life: `creating` (disk, secret, per-VM initramfs, supervisor spawned) -> `running`
+//! (the guest answered) -> destroyed (row and directory gone), or `failed` at any point with
+//! the reason the supervisor recorded. The supervisor, not this crate, owns the running VM;
+//! this crate reconciles its records with the supervisors' on every listing.
+#![forbid(unsafe_code)]
+
+pub mod error;
+pub mod output;
+pub mod store;
+pub mod vm;
+
+pub use error::CoreError;
+pub use vm::{CreateVm, Warren, WarrenConfig};

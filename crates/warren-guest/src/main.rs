@@ -1,1 +1,30 @@
-fn main() {}
+//! `warren-guest`: Warren's in-guest agent, PID 1 of the initramfs.
+//!
+//! [`boot`] brings the guest up in named phases (and powers off on failure), then the agent
+//! serves the host over the virtio-serial port ([`channel`], [`session`]) with jobs
+//! ([`jobs`]) and file operations ([`files`]). All `unsafe` code is in [`sys`].
+
+mod boot;
+mod channel;
+mod console;
+mod files;
+mod jobs;
+mod reaper;
+mod session;
+mod sys;
+
+fn main() {
+    if std::process::id() != 1 {
+        eprintln!("warren-guest: this is the guest agent; it only runs as PID 1 of a Warren VM");
+        std::process::exit(2);
+    }
+    let booted = boot::boot().unwrap_or_else(|(phase, err)| boot::fail(phase, &err));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| boot::fail("runtime", &e));
+    if let Err((phase, err)) = runtime.block_on(boot::serve(booted)) {
+        boot::fail(phase, &*err);
+    }
+}

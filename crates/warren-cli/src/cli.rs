@@ -1,0 +1,159 @@
+//! Command-line grammar (clap derive).
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(name = "warren", version, about = "Private Linux workspaces in microVMs for AI coding agents")]
+pub struct Cli {
+    /// State directory (default: $XDG_STATE_HOME/warren, /var/lib/warren for root).
+    #[arg(long, global = true, env = "WARREN_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Image store (default: <state-dir>/images).
+    #[arg(long, global = true, env = "WARREN_IMAGE_DIR")]
+    pub image_dir: Option<PathBuf>,
+    /// More logging (-v info, -vv debug); RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Guest images.
+    #[command(subcommand)]
+    Image(ImageCmd),
+    /// Virtual machines.
+    #[command(subcommand)]
+    Vm(VmCmd),
+    /// Checks this host: QEMU, firmware, accelerator, cgroups, privileges.
+    Preflight,
+    /// Measures boot, exec and file transfer costs against raw baselines.
+    Bench(BenchArgs),
+    /// Runs the per-VM supervisor (started by `vm create`, not by hand).
+    #[command(hide = true)]
+    Supervise {
+        #[arg(long)]
+        vm_dir: PathBuf,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ImageCmd {
+    /// Builds an image from a recipe (cached by recipe digest).
+    Build {
+        #[arg(long, default_value = "dev")]
+        recipe: String,
+        /// The static guest agent binary (default: next to this binary or in the target dir).
+        #[arg(long, env = "WARREN_GUEST_AGENT")]
+        agent: Option<PathBuf>,
+    },
+    /// Lists images, newest first.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Removes an image (refused while a VM uses it).
+    Rm { image: String },
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct AccelArg {
+    /// Accelerator: kvm, hvf, tcg or auto.
+    #[arg(long, env = "WARREN_ACCEL", default_value = "auto")]
+    pub accel: String,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum VmCmd {
+    /// Creates and boots a VM, printing its id once the guest answers.
+    Create {
+        /// Image id, unique id prefix, or recipe name (newest image of it). Default: dev.
+        #[arg(long)]
+        image: Option<String>,
+        #[arg(long)]
+        memory_mib: Option<u32>,
+        #[arg(long)]
+        vcpus: Option<u32>,
+        #[command(flatten)]
+        accel: AccelArg,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Lists VMs with their states (a VM whose VMM died shows as failed, with the reason).
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Runs a command in the VM, streaming its output; exits with its exit code.
+    Exec {
+        vm: String,
+        /// Kill the command's whole process tree after this many seconds (exit 124).
+        #[arg(long)]
+        timeout: Option<f64>,
+        /// Working directory relative to /workspace.
+        #[arg(long)]
+        cwd: Option<String>,
+        /// Extra environment, NAME=VALUE (repeatable).
+        #[arg(long = "env", value_name = "NAME=VALUE")]
+        env: Vec<String>,
+        /// Feed this process's stdin to the command (at most 128 KiB).
+        #[arg(long)]
+        stdin: bool,
+        /// Print the job id as JSON and return without waiting.
+        #[arg(long)]
+        detach: bool,
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
+    /// Reads a job's retained output at byte cursors, as JSON.
+    Output {
+        vm: String,
+        job: u64,
+        #[arg(long, default_value_t = 0)]
+        stdout_cursor: u64,
+        #[arg(long, default_value_t = 0)]
+        stderr_cursor: u64,
+        /// utf-8 or base64.
+        #[arg(long, default_value = "utf-8")]
+        encoding: String,
+        /// Wait up to this long for news while the job runs.
+        #[arg(long, default_value_t = 0)]
+        wait_ms: u32,
+        /// Bytes per stream (at most 16384).
+        #[arg(long, default_value_t = 16384)]
+        max_bytes: u32,
+    },
+    /// Kills a running job's whole process tree.
+    Cancel { vm: String, job: u64 },
+    /// Writes stdin to PATH (relative to /workspace) in the VM.
+    Write { vm: String, path: String },
+    /// Prints PATH (relative to /workspace) from the VM to stdout.
+    Read { vm: String, path: String },
+    /// Prints the VM's serial console log.
+    Logs { vm: String },
+    /// Stops the VM and removes its disk, sockets, cgroup and directory.
+    Destroy { vm: String },
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Image to boot.
+    #[arg(long, default_value = "minimal")]
+    pub image: String,
+    /// Boots per boot measurement.
+    #[arg(long, default_value_t = 5)]
+    pub boots: usize,
+    /// Round trips per latency measurement.
+    #[arg(long, default_value_t = 300)]
+    pub iterations: usize,
+    /// MiB moved per throughput measurement.
+    #[arg(long, default_value_t = 32)]
+    pub mib: usize,
+    #[command(flatten)]
+    pub accel: AccelArg,
+    #[arg(long)]
+    pub json: bool,
+}

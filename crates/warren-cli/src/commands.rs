@@ -1,0 +1,449 @@
+//! Command implementations: thin adapters from arguments to `warren_core` actions.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use warren_core::output::{self, Cursor, Encoding};
+use warren_core::store::VmRecord;
+use warren_core::{CreateVm, Warren, WarrenConfig};
+use warren_image::Recipe;
+use warren_protocol::{ExecStart, JobId, JobOutputRequest, JobState};
+use warren_vmm::AccelChoice;
+
+use crate::cli::{Cli, Command, ImageCmd, VmCmd};
+
+/// Exit code for any Warren error (as opposed to the command's own code).
+pub const EXIT_WARREN_ERROR: i32 = 125;
+/// Exit code when `--timeout` killed the command (as coreutils' `timeout`).
+pub const EXIT_TIMEOUT: i32 = 124;
+
+pub fn run(cli: Cli) -> Result<i32> {
+    if let Command::Supervise { vm_dir } = &cli.command {
+        warren_supervisor::run(vm_dir.clone()).context("supervisor")?;
+        return Ok(0);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(run_async(cli))
+}
+
+fn default_state_dir() -> PathBuf {
+    if let Some(x) = std::env::var_os("XDG_STATE_HOME") {
+        return PathBuf::from(x).join("warren");
+    }
+    if nix::unistd::geteuid().is_root() {
+        return PathBuf::from("/var/lib/warren");
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into());
+    PathBuf::from(home).join(".local/state/warren")
+}
+
+pub(crate) fn open(cli: &Cli, accel: Option<&str>) -> Result<Warren> {
+    let state = cli.state_dir.clone().unwrap_or_else(default_state_dir);
+    let exe = std::env::current_exe().context("locating the warren binary")?;
+    let mut cfg = WarrenConfig::new(state, exe);
+    if let Some(d) = &cli.image_dir {
+        cfg.image_dir = d.clone();
+    }
+    if let Some(a) = accel {
+        cfg.accel = a.parse::<AccelChoice>().map_err(warren_core::CoreError::from)?;
+    }
+    Ok(Warren::open(cfg)?)
+}
+
+async fn run_async(cli: Cli) -> Result<i32> {
+    match &cli.command {
+        Command::Image(cmd) => image(&cli, cmd).await,
+        Command::Vm(cmd) => vm(&cli, cmd).await,
+        Command::Preflight => preflight(&cli),
+        Command::Bench(args) => crate::bench::run(&cli, args).await,
+        Command::Supervise { .. } => unreachable!("handled before the runtime starts"),
+    }
+}
+
+fn find_agent() -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("binary has no directory")?;
+    let profile = dir.file_name().map(|s| s.to_owned()).unwrap_or_default();
+    let candidates = [
+        dir.join("warren-guest"),
+        dir.join("../x86_64-unknown-linux-gnu/release/warren-guest"),
+        dir.join("../x86_64-unknown-linux-gnu")
+            .join(&profile)
+            .join("warren-guest"),
+    ];
+    candidates
+        .into_iter()
+        .find(|p| p.is_file())
+        .map(|p| p.canonicalize().unwrap_or(p))
+        .context(
+            "no static warren-guest binary found; build it with scripts/build-guest.sh \
+             or pass --agent",
+        )
+}
+
+async fn image(cli: &Cli, cmd: &ImageCmd) -> Result<i32> {
+    let w = open(cli, None)?;
+    match cmd {
+        ImageCmd::Build { recipe, agent } => {
+            let recipe: Recipe = recipe
+                .parse()
+                .map_err(|_| warren_core::CoreError::InvalidArgument(format!(
+                    "unknown recipe {recipe:?} (expected minimal or dev)"
+                )))?;
+            let agent = match agent {
+                Some(a) => a.clone(),
+                None => find_agent()?,
+            };
+            let started = std::time::Instant::now();
+            let id = w.images().build(recipe, &agent, &mut |p| {
+                eprintln!("[{:>6.1}s] {}: {}", started.elapsed().as_secs_f64(), p.step, p.detail);
+            })?;
+            println!("{id}");
+            Ok(0)
+        }
+        ImageCmd::List { json } => {
+            let list = w.images().list()?;
+            if *json {
+                let v: Vec<_> = list
+                    .iter()
+                    .map(|i| {
+                        serde_json::json!({
+                            "image_id": i.id.to_string(),
+                            "recipe": i.recipe.to_string(),
+                            "kernel_release": i.kernel_release,
+                            "created_unix": i.created_unix,
+                            "rootfs_size": i.rootfs_size,
+                            "disk_bytes": i.disk_bytes,
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                println!("{:<66} {:<8} {:<22} {:>10}", "IMAGE", "RECIPE", "KERNEL", "DISK MiB");
+                for i in list {
+                    println!(
+                        "{:<66} {:<8} {:<22} {:>10}",
+                        i.id.to_string(),
+                        i.recipe.to_string(),
+                        i.kernel_release,
+                        i.disk_bytes / (1024 * 1024)
+                    );
+                }
+            }
+            Ok(0)
+        }
+        ImageCmd::Rm { image } => {
+            let id = w.remove_image(image)?;
+            println!("removed {id}");
+            Ok(0)
+        }
+    }
+}
+
+fn print_vms(list: &[VmRecord], json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(list)?);
+        return Ok(());
+    }
+    println!("{:<16} {:<9} {:<5} {:>6} {:>5} {:<14} REASON", "VM", "STATE", "ACCEL", "MiB", "VCPU", "IMAGE");
+    for r in list {
+        println!(
+            "{:<16} {:<9} {:<5} {:>6} {:>5} {:<14} {}",
+            r.id,
+            r.state.as_str(),
+            r.accel,
+            r.memory_mib,
+            r.vcpus,
+            &r.image_id[..r.image_id.len().min(12)],
+            r.reason.as_deref().unwrap_or("").lines().next().unwrap_or("")
+        );
+    }
+    Ok(())
+}
+
+async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
+    match cmd {
+        VmCmd::Create {
+            image,
+            memory_mib,
+            vcpus,
+            accel,
+            json,
+        } => {
+            let w = open(cli, Some(&accel.accel))?;
+            let req = CreateVm {
+                image: image.clone(),
+                memory_mib: *memory_mib,
+                vcpus: *vcpus,
+            };
+            let rec = w
+                .create_vm(&req, &mut |m| eprintln!("warning: {m}"))
+                .await?;
+            if *json {
+                println!("{}", serde_json::json!({ "vm_id": rec.id, "boot_ms": rec.boot_ms, "accel": rec.accel }));
+            } else {
+                println!("{}", rec.id);
+            }
+            Ok(0)
+        }
+        VmCmd::List { json } => {
+            let w = open(cli, None)?;
+            print_vms(&w.list_vms()?, *json)?;
+            Ok(0)
+        }
+        VmCmd::Exec {
+            vm,
+            timeout,
+            cwd,
+            env,
+            stdin,
+            detach,
+            command,
+        } => {
+            let w = open(cli, None)?;
+            let env = env
+                .iter()
+                .map(|kv| {
+                    kv.split_once('=')
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .ok_or_else(|| {
+                            warren_core::CoreError::InvalidArgument(format!(
+                                "--env takes NAME=VALUE, got {kv:?}"
+                            ))
+                        })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let timeout_ms = match timeout {
+                Some(t) if !(t.is_finite() && *t > 0.0) => {
+                    return Err(warren_core::CoreError::InvalidArgument(format!(
+                        "--timeout must be a positive number of seconds, got {t}"
+                    ))
+                    .into())
+                }
+                Some(t) => Some((t * 1000.0) as u64),
+                None => None,
+            };
+            let stdin_data = if *stdin {
+                let mut buf = Vec::new();
+                std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf)?;
+                Some(buf.into())
+            } else {
+                None
+            };
+            let job = w
+                .exec_start(
+                    vm,
+                    ExecStart {
+                        argv: command.clone(),
+                        env,
+                        cwd: cwd.clone(),
+                        stdin: stdin_data,
+                        timeout_ms,
+                    },
+                )
+                .await?;
+            if *detach {
+                println!("{}", serde_json::json!({ "job_id": job.0 }));
+                return Ok(0);
+            }
+            stream_job(&w, vm, job).await
+        }
+        VmCmd::Output {
+            vm,
+            job,
+            stdout_cursor,
+            stderr_cursor,
+            encoding,
+            wait_ms,
+            max_bytes,
+        } => {
+            let w = open(cli, None)?;
+            let enc = match encoding.as_str() {
+                "utf-8" | "utf8" => Encoding::Utf8,
+                "base64" => Encoding::Base64,
+                other => {
+                    return Err(warren_core::CoreError::InvalidArgument(format!(
+                        "--encoding must be utf-8 or base64, got {other:?}"
+                    ))
+                    .into())
+                }
+            };
+            let cursor = Cursor {
+                stdout: *stdout_cursor,
+                stderr: *stderr_cursor,
+            };
+            let out = w
+                .job_output(
+                    vm,
+                    JobOutputRequest {
+                        job: JobId(*job),
+                        stdout_cursor: cursor.stdout,
+                        stderr_cursor: cursor.stderr,
+                        max_bytes: *max_bytes,
+                        wait_ms: *wait_ms,
+                    },
+                )
+                .await?;
+            let page = output::page(&job.to_string(), cursor, &out, enc);
+            println!("{}", serde_json::to_string_pretty(&page)?);
+            Ok(0)
+        }
+        VmCmd::Cancel { vm, job } => {
+            let w = open(cli, None)?;
+            w.job_cancel(vm, JobId(*job)).await?;
+            Ok(0)
+        }
+        VmCmd::Write { vm, path } => {
+            let w = open(cli, None)?;
+            let n = w.write_file(vm, path, &mut std::io::stdin().lock()).await?;
+            eprintln!("wrote {n} bytes");
+            Ok(0)
+        }
+        VmCmd::Read { vm, path } => {
+            let w = open(cli, None)?;
+            let mut out = std::io::stdout().lock();
+            let mut err = None;
+            w.read_file(vm, path, &mut |d| {
+                if err.is_none() {
+                    if let Err(e) = out.write_all(d) {
+                        err = Some(e);
+                    }
+                }
+            })
+            .await?;
+            if let Some(e) = err {
+                bail!("writing to stdout: {e}");
+            }
+            out.flush()?;
+            Ok(0)
+        }
+        VmCmd::Logs { vm } => {
+            let w = open(cli, None)?;
+            print!("{}", w.logs(vm)?);
+            Ok(0)
+        }
+        VmCmd::Destroy { vm } => {
+            let w = open(cli, None)?;
+            w.destroy_vm(vm).await?;
+            Ok(0)
+        }
+    }
+}
+
+/// Streams a job's output to our stdout/stderr as it arrives; returns its exit code.
+/// Ctrl-C cancels the job (its whole process tree) and still drains what it printed.
+async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> {
+    let mut cursor = Cursor::default();
+    let mut interrupted = false;
+    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+    loop {
+        let req = JobOutputRequest {
+            job,
+            stdout_cursor: cursor.stdout,
+            stderr_cursor: cursor.stderr,
+            max_bytes: warren_protocol::limits::MAX_READ_PER_STREAM,
+            wait_ms: 5_000,
+        };
+        let out = tokio::select! {
+            r = w.job_output(vm, req) => r?,
+            _ = &mut ctrl_c, if !interrupted => {
+                interrupted = true;
+                w.job_cancel(vm, job).await?;
+                continue;
+            }
+        };
+        {
+            let mut so = std::io::stdout().lock();
+            so.write_all(&out.stdout)?;
+            so.flush()?;
+            let mut se = std::io::stderr().lock();
+            se.write_all(&out.stderr)?;
+            se.flush()?;
+        }
+        cursor.stdout += out.stdout.len() as u64;
+        cursor.stderr += out.stderr.len() as u64;
+        let caught_up = cursor.stdout >= out.stdout_retained && cursor.stderr >= out.stderr_retained;
+        if let (JobState::Finished(x), true) = (out.state, caught_up) {
+            if out.truncated {
+                eprintln!("warren: output truncated (more than 256 KiB); the rest was discarded");
+            }
+            if x.timed_out {
+                return Ok(EXIT_TIMEOUT);
+            }
+            if let Some(sig) = x.signal {
+                return Ok(128 + sig);
+            }
+            return Ok(x.code.unwrap_or(EXIT_WARREN_ERROR));
+        }
+    }
+}
+
+fn preflight(cli: &Cli) -> Result<i32> {
+    let mut problems = 0;
+    let mut line = |ok: bool, what: &str, detail: String| {
+        if !ok {
+            problems += 1;
+        }
+        println!("{} {what}: {detail}", if ok { "ok  " } else { "FAIL" });
+    };
+    match warren_vmm::accel::find_qemu() {
+        Ok(q) => {
+            let v = std::process::Command::new(&q).arg("--version").output();
+            let v = v
+                .ok()
+                .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").to_string())
+                .unwrap_or_default();
+            line(v.contains("version 1") || v.contains("version 9"), "qemu", format!("{} ({v})", q.display()));
+        }
+        Err(e) => line(false, "qemu", e.to_string()),
+    }
+    line(
+        std::path::Path::new(warren_vmm::qemu::QBOOT).exists(),
+        "qboot firmware",
+        warren_vmm::qemu::QBOOT.to_string(),
+    );
+    let qimg = std::process::Command::new("qemu-img").arg("--version").output().is_ok();
+    line(qimg, "qemu-img", if qimg { "present".into() } else { "missing (apt-get install qemu-utils)".into() });
+    let kvm = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm");
+    println!(
+        "info accelerator: /dev/kvm {}; `auto` probes it once per host boot and falls back to TCG",
+        if kvm.is_ok() { "opens" } else { "is unavailable" }
+    );
+    let root = nix::unistd::geteuid().is_root();
+    line(
+        true,
+        "privileges",
+        if root {
+            "root: each VMM runs as its own unprivileged uid".into()
+        } else {
+            "not root: VMMs run as your uid and no host cgroup is used".into()
+        },
+    );
+    match warren_vmm::sys::cgroup::Hierarchy::detect() {
+        Some(h) => {
+            let ctl = h.limits_supported();
+            let missing: Vec<&str> = ["cpu", "memory", "pids"]
+                .into_iter()
+                .filter(|c| !ctl.iter().any(|x| x == c))
+                .collect();
+            line(true, "cgroup v2", format!("{} (membership and cgroup.kill)", h.root.display()));
+            if !missing.is_empty() {
+                println!(
+                    "info limits: controllers {missing:?} are not enabled in {}; per-VM CPU/memory/pids \
+                     limits cannot be applied on this host (VM memory is still bounded by -m)",
+                    h.root.display()
+                );
+            }
+        }
+        None => line(false, "cgroup v2", "no cgroup2 mount found: VM processes cannot be tracked".into()),
+    }
+    let w = open(cli, None)?;
+    let imgs = w.images().list()?;
+    line(!imgs.is_empty(), "images", format!("{} built (warren image build)", imgs.len()));
+    Ok(if problems == 0 { 0 } else { 1 })
+}
+

@@ -1,0 +1,271 @@
+//! `TestVm`: a real VM booted under the host's accelerator (TCG on our machines) through the
+//! `warren` binary, with a private state directory and the shared image store.
+//!
+//! The image store is `$WARREN_TEST_IMAGE_DIR` (set by `.ci/run`), falling back to
+//! `target/test-images`; images are built on first use through the build cache, so after
+//! `.ci/run`'s build step this costs nothing. `Drop` destroys the VM, checks that nothing is
+//! left behind, and fails the test if the VM ended abnormally while the test did not expect it.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+
+pub const WARREN: &str = env!("CARGO_BIN_EXE_warren");
+
+pub fn image_dir() -> PathBuf {
+    std::env::var_os("WARREN_TEST_IMAGE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/test-images")))
+}
+
+/// Builds (or finds in the cache) the image for `recipe`, once per test process.
+pub fn ensure_image(recipe: &str) {
+    static DONE: OnceLock<()> = OnceLock::new();
+    if recipe != "minimal" {
+        build_image(recipe);
+        return;
+    }
+    DONE.get_or_init(|| build_image(recipe));
+}
+
+fn build_image(recipe: &str) {
+    let state = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(WARREN)
+        .args(["--state-dir"])
+        .arg(state.path())
+        .arg("--image-dir")
+        .arg(image_dir())
+        .args(["image", "build", "--recipe", recipe])
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run warren image build");
+    assert!(out.status.success(), "image build failed");
+}
+
+/// A private state directory sharing the image store.
+pub struct TestEnv {
+    pub state: tempfile::TempDir,
+}
+
+impl TestEnv {
+    pub fn new() -> Self {
+        TestEnv {
+            state: tempfile::Builder::new()
+                .prefix("warren-test-")
+                .tempdir()
+                .expect("tempdir"),
+        }
+    }
+
+    pub fn cmd(&self) -> Command {
+        let mut c = Command::new(WARREN);
+        c.arg("--state-dir")
+            .arg(self.state.path())
+            .arg("--image-dir")
+            .arg(image_dir())
+            .env("WARREN_ACCEL", std::env::var("WARREN_ACCEL").unwrap_or_else(|_| "auto".into()));
+        c
+    }
+
+    pub fn run(&self, args: &[&str]) -> Output {
+        self.cmd().args(args).output().expect("run warren")
+    }
+
+    pub fn vm_dir(&self, id: &str) -> PathBuf {
+        self.state.path().join("vms").join(id)
+    }
+
+    /// The VM's record from `vm list --json`.
+    pub fn record(&self, id: &str) -> Option<serde_json::Value> {
+        let out = self.run(&["vm", "list", "--json"]);
+        assert!(out.status.success(), "vm list: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("list json");
+        v.as_array()
+            .expect("array")
+            .iter()
+            .find(|r| r["id"] == id)
+            .cloned()
+    }
+}
+
+pub struct TestVm {
+    pub env: TestEnv,
+    pub id: String,
+    /// The test kills or breaks the VM on purpose.
+    pub expect_failure: bool,
+    destroyed: bool,
+}
+
+pub struct Run {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    pub raw_stdout: Vec<u8>,
+}
+
+impl TestVm {
+    pub fn boot() -> TestVm {
+        Self::boot_image("minimal")
+    }
+
+    pub fn boot_image(recipe: &str) -> TestVm {
+        ensure_image(recipe);
+        let env = TestEnv::new();
+        let out = env.run(&["vm", "create", "--image", recipe, "--json"]);
+        assert!(
+            out.status.success(),
+            "vm create failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("create json");
+        let id = v["vm_id"].as_str().expect("vm_id").to_string();
+        TestVm {
+            env,
+            id,
+            expect_failure: false,
+            destroyed: false,
+        }
+    }
+
+    pub fn warren(&self, args: &[&str]) -> Output {
+        self.env.run(args)
+    }
+
+    /// Runs `sh -c script` in the guest through `warren vm exec`.
+    pub fn sh(&self, script: &str) -> Run {
+        self.exec_args(&[], &["sh", "-c", script])
+    }
+
+    pub fn exec_args(&self, opts: &[&str], argv: &[&str]) -> Run {
+        let mut args = vec!["vm", "exec", self.id.as_str()];
+        args.extend_from_slice(opts);
+        args.push("--");
+        args.extend_from_slice(argv);
+        let out = self.warren(&args);
+        Run {
+            code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            raw_stdout: out.stdout,
+        }
+    }
+
+    /// Starts a job without waiting; returns its id.
+    pub fn detach(&self, script: &str) -> u64 {
+        let out = self.warren(&["vm", "exec", &self.id, "--detach", "--", "sh", "-c", script]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        v["job_id"].as_u64().expect("job id")
+    }
+
+    /// `vm output` as JSON.
+    pub fn output(&self, job: u64, extra: &[&str]) -> serde_json::Value {
+        let j = job.to_string();
+        let mut args = vec!["vm", "output", self.id.as_str(), j.as_str()];
+        args.extend_from_slice(extra);
+        let out = self.warren(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("output json")
+    }
+
+    /// Waits until the job completes; returns its last page.
+    pub fn wait_job(&self, job: u64) -> serde_json::Value {
+        for _ in 0..120 {
+            let p = self.output(job, &["--wait-ms", "1000"]);
+            if p["state"] == "completed" {
+                return p;
+            }
+        }
+        panic!("job {job} did not complete");
+    }
+
+    pub fn state(&self) -> String {
+        self.env
+            .record(&self.id)
+            .map(|r| r["state"].as_str().unwrap_or("").to_string())
+            .unwrap_or_else(|| "gone".into())
+    }
+
+    /// Pid of this VM's QEMU (its `-name` carries the VM id).
+    pub fn qemu_pids(&self) -> Vec<i32> {
+        pids_matching(&format!("process=warren-{}", self.id))
+    }
+
+    pub fn supervisor_pid(&self) -> i32 {
+        std::fs::read_to_string(self.env.vm_dir(&self.id).join("supervisor.lock"))
+            .expect("lock file")
+            .trim()
+            .parse()
+            .expect("pid")
+    }
+
+    pub fn cgroup_dir(&self) -> Option<PathBuf> {
+        ["/sys/fs/cgroup/unified/warren", "/sys/fs/cgroup/warren"]
+            .iter()
+            .map(|r| Path::new(r).join(&self.id))
+            .find(|p| p.parent().map(|x| x.exists()).unwrap_or(false))
+    }
+
+    /// Destroys the VM and asserts nothing of it remains.
+    pub fn destroy(mut self) {
+        self.destroy_inner();
+    }
+
+    fn destroy_inner(&mut self) {
+        if self.destroyed {
+            return;
+        }
+        self.destroyed = true;
+        let state = self.state();
+        let out = self.warren(&["vm", "destroy", &self.id]);
+        assert!(
+            out.status.success(),
+            "destroy failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!self.env.vm_dir(&self.id).exists(), "VM directory left behind");
+        assert!(self.qemu_pids().is_empty(), "QEMU left running");
+        if let Some(cg) = self.cgroup_dir() {
+            assert!(!cg.exists(), "cgroup left behind: {}", cg.display());
+        }
+        if !self.expect_failure {
+            assert_eq!(state, "running", "the VM ended abnormally");
+        }
+    }
+}
+
+impl Drop for TestVm {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = self.warren(&["vm", "destroy", &self.id]);
+            return;
+        }
+        self.destroy_inner();
+    }
+}
+
+/// Pids whose command line contains `needle`.
+pub fn pids_matching(needle: &str) -> Vec<i32> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if let Ok(c) = std::fs::read(e.path().join("cmdline")) {
+            let c = String::from_utf8_lossy(&c).replace('\0', " ");
+            if c.contains(needle) && pid != std::process::id() as i32 {
+                v.push(pid);
+            }
+        }
+    }
+    v
+}
+
+pub fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while !f() {
+        assert!(std::time::Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}

@@ -1,0 +1,154 @@
+//! Real-VM tests of the VM lifecycle: failure detection, cleanup, image integrity.
+
+mod common;
+
+use common::*;
+
+#[test]
+fn test_lifecycle_qemu_killed_vm_failed_with_reason() {
+    let mut vm = TestVm::boot();
+    vm.expect_failure = true;
+    let pids = vm.qemu_pids();
+    assert_eq!(pids.len(), 1, "one QEMU per VM");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pids[0]), nix::sys::signal::Signal::SIGKILL)
+        .expect("kill qemu");
+    wait_until("failed state", 20, || vm.state() == "failed");
+    let rec = vm.env.record(&vm.id).expect("record");
+    let reason = rec["reason"].as_str().expect("reason");
+    assert!(reason.contains("SIGKILL"), "reason: {reason}");
+    let r = vm.sh("true");
+    assert_eq!(r.code, 125);
+    assert!(r.stderr.contains("failed"), "{}", r.stderr);
+}
+
+#[test]
+fn test_lifecycle_supervisor_killed_no_orphan_qemu() {
+    let mut vm = TestVm::boot();
+    vm.expect_failure = true;
+    let sup = vm.supervisor_pid();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(sup), nix::sys::signal::Signal::SIGKILL)
+        .expect("kill supervisor");
+    wait_until("QEMU to die with its supervisor", 20, || vm.qemu_pids().is_empty());
+    wait_until("failed state", 20, || vm.state() == "failed");
+    let rec = vm.env.record(&vm.id).expect("record");
+    assert!(rec["reason"].as_str().expect("reason").contains("supervisor"));
+}
+
+#[test]
+fn test_lifecycle_destroy_leaves_nothing() {
+    let vm = TestVm::boot();
+    let dir = vm.env.vm_dir(&vm.id);
+    assert!(dir.join("disk.qcow2").exists());
+    assert!(dir.join("supervisor.sock").exists());
+    let qemu = vm.qemu_pids();
+    assert_eq!(qemu.len(), 1);
+    let sup = vm.supervisor_pid();
+    let cg = vm.cgroup_dir();
+    if let Some(cg) = &cg {
+        assert!(cg.exists(), "VM cgroup exists while running");
+    }
+    let id = vm.id.clone();
+    let state_dir = vm.env.state.path().to_path_buf();
+    // destroy() also asserts that the directory, QEMU and the cgroup are gone.
+    vm.destroy();
+    assert!(!std::path::Path::new(&format!("/proc/{sup}")).exists() || zombie(sup));
+    assert!(!state_dir.join("vms").join(&id).exists());
+    if let Some(cg) = cg {
+        assert!(!cg.exists());
+    }
+}
+
+fn zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| s.contains(") Z "))
+        .unwrap_or(true)
+}
+
+#[test]
+fn test_lifecycle_vm_list_and_logs() {
+    let vm = TestVm::boot();
+    assert_eq!(vm.state(), "running");
+    let out = vm.warren(&["vm", "logs", &vm.id]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains(warren_protocol_ready()));
+    let out = vm.warren(&["vm", "exec", "vm-nosuch", "--", "true"]);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not_found"));
+}
+
+fn warren_protocol_ready() -> &'static str {
+    "warren-guest: ready"
+}
+
+#[test]
+fn test_lifecycle_bad_create_arguments_rejected() {
+    ensure_image("minimal");
+    let env = TestEnv::new();
+    for args in [
+        vec!["vm", "create", "--image", "minimal", "--memory-mib", "1"],
+        vec!["vm", "create", "--image", "minimal", "--vcpus", "0"],
+        vec!["vm", "create", "--image", "no-such-image"],
+        vec!["vm", "create", "--image", "minimal", "--accel", "hvf"],
+        vec!["vm", "create", "--image", "minimal", "--accel", "xen"],
+    ] {
+        let out = env.run(&args);
+        assert_eq!(out.status.code(), Some(125), "{args:?} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("error["), "{args:?}: {err}");
+    }
+    let out = env.run(&["vm", "list", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v.as_array().map(Vec::len), Some(0), "a rejected create left a record");
+}
+
+#[test]
+fn test_lifecycle_image_digest_mismatch_refused() {
+    ensure_image("minimal");
+    // A private copy of the store (hard links, so nothing shared is modified).
+    let store = tempfile::tempdir().expect("tempdir");
+    let src = image_dir();
+    let out = std::process::Command::new("cp")
+        .arg("-al")
+        .arg(&src)
+        .arg(store.path().join("images"))
+        .status()
+        .expect("cp");
+    assert!(out.success());
+    let images = store.path().join("images");
+    let env = TestEnv::new();
+    let list = env
+        .cmd()
+        .env("WARREN_IMAGE_DIR", &images)
+        .args(["--image-dir"])
+        .arg(&images)
+        .args(["image", "list", "--json"])
+        .output()
+        .expect("list");
+    let v: serde_json::Value = serde_json::from_slice(&list.stdout).expect("json");
+    let id = v
+        .as_array()
+        .expect("array")
+        .iter()
+        .find(|i| i["recipe"] == "minimal")
+        .expect("minimal image")["image_id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    // Replace the hard link with a tampered copy.
+    let initramfs = images.join(&id).join("initramfs.cpio");
+    let mut data = std::fs::read(&initramfs).expect("read");
+    let last = data.len() - 1;
+    data[last] ^= 0xff;
+    std::fs::remove_file(&initramfs).expect("unlink");
+    std::fs::write(&initramfs, data).expect("write");
+    let out = env
+        .cmd()
+        .args(["--image-dir"])
+        .arg(&images)
+        .args(["vm", "create", "--image", &id])
+        .output()
+        .expect("create");
+    assert_eq!(out.status.code(), Some(125));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("integrity") && err.contains("initramfs"), "{err}");
+}

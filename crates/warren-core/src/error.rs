@@ -1,0 +1,110 @@
+//! The engine's error type and its stable machine codes.
+
+use warren_image::ImageError;
+use warren_protocol::{ErrorCode, GuestError};
+use warren_supervisor::client::ClientError;
+use warren_supervisor::SupervisorError;
+use warren_vmm::VmmError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    #[error("no VM {0}")]
+    VmNotFound(String),
+    #[error("VM {id} is {state}{}", reason.as_ref().map(|r| format!(": {r}")).unwrap_or_default())]
+    VmNotRunning {
+        id: String,
+        state: String,
+        reason: Option<String>,
+    },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("image {0} is in use by VM {1}")]
+    ImageInUse(String, String),
+    #[error("the VM failed to boot: {0}")]
+    BootFailed(String),
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    #[error(transparent)]
+    Vmm(#[from] VmmError),
+    #[error(transparent)]
+    Supervisor(#[from] ClientError),
+    #[error("store")]
+    Store(#[from] rusqlite::Error),
+    #[error("{op} {path}")]
+    Io {
+        op: &'static str,
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl CoreError {
+    pub(crate) fn io(op: &'static str, path: impl Into<std::path::PathBuf>, e: std::io::Error) -> Self {
+        CoreError::Io {
+            op,
+            path: path.into(),
+            source: e,
+        }
+    }
+
+    /// The stable machine code a client can act on.
+    pub fn code(&self) -> &'static str {
+        match self {
+            CoreError::VmNotFound(_) => "not_found",
+            CoreError::VmNotRunning { .. } => "conflict",
+            CoreError::InvalidArgument(_) => "invalid_argument",
+            CoreError::ImageInUse(..) => "conflict",
+            CoreError::BootFailed(_) => "unavailable",
+            CoreError::Image(ImageError::NotFound(_)) => "not_found",
+            CoreError::Image(ImageError::Ambiguous(_)) => "invalid_argument",
+            CoreError::Image(ImageError::DigestMismatch { .. }) => "integrity",
+            CoreError::Image(_) => "internal",
+            CoreError::Vmm(VmmError::AccelUnsupported(_) | VmmError::AccelParse(_)) => {
+                "invalid_argument"
+            }
+            CoreError::Vmm(_) => "internal",
+            CoreError::Supervisor(ClientError::Supervisor(SupervisorError::Guest(g))) => {
+                g.code.as_str()
+            }
+            CoreError::Supervisor(ClientError::Supervisor(
+                SupervisorError::NotReady(_) | SupervisorError::Channel(_),
+            )) => "unavailable",
+            CoreError::Supervisor(ClientError::Supervisor(SupervisorError::Failed(_))) => {
+                "conflict"
+            }
+            CoreError::Supervisor(_) => "unavailable",
+            CoreError::Store(_) | CoreError::Io { .. } => "internal",
+        }
+    }
+
+    /// The guest's typed error, when this is one.
+    pub fn guest(&self) -> Option<&GuestError> {
+        match self {
+            CoreError::Supervisor(ClientError::Supervisor(SupervisorError::Guest(g))) => Some(g),
+            _ => None,
+        }
+    }
+
+    pub fn is_guest_code(&self, code: ErrorCode) -> bool {
+        self.guest().map(|g| g.code == code).unwrap_or(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_code_guest_quota_maps_to_quota_exceeded() {
+        let e = CoreError::Supervisor(ClientError::Supervisor(SupervisorError::Guest(
+            GuestError::new(ErrorCode::QuotaExceeded, "4 jobs running"),
+        )));
+        assert_eq!(e.code(), "quota_exceeded");
+    }
+
+    #[test]
+    fn test_code_missing_vm_not_found() {
+        assert_eq!(CoreError::VmNotFound("x".into()).code(), "not_found");
+    }
+}

@@ -1,0 +1,553 @@
+//! Actions on VMs: create, list (with reconciliation), exec, files, logs, destroy.
+
+use std::os::unix::fs::{PermissionsExt, chown};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rand::RngCore;
+use warren_image::{ImageStore, VerifiedImage};
+use warren_protocol::{
+    ExecStart, FileRead, FileWrite, GuestResponse, HostRequest, JobId, JobOutput,
+    JobOutputRequest, WriteMode,
+};
+use warren_supervisor::{ExitRecord, SupervisorClient, SupervisorConfig, VmDir};
+use warren_vmm::accel::{self, AccelChoice};
+use warren_vmm::backend::MemMib;
+use warren_vmm::sys::cgroup;
+use warren_vmm::{Accel, LaunchSpec};
+
+use crate::error::CoreError;
+use crate::store::{Store, VmRecord, VmState};
+
+/// Default guest memory: enough for compilers in the `dev` image, cheap under TCG (only
+/// touched pages cost host memory).
+pub const DEFAULT_MEMORY_MIB: u32 = 512;
+pub const DEFAULT_VCPUS: u32 = 1;
+/// Bounds accepted for `--memory-mib` and `--vcpus`.
+pub const MEMORY_MIB_RANGE: std::ops::RangeInclusive<u32> = 128..=65536;
+pub const VCPUS_RANGE: std::ops::RangeInclusive<u32> = 1..=64;
+/// How long a guest may take from launch to answering on its channel. TCG boots take ~2 s
+/// alone, but 2-core CI machines booting several VMs at once are far slower.
+pub const DEFAULT_BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// First uid handed to VMM processes; each VM gets its own.
+pub const VM_UID_BASE: u32 = 2_000_000;
+/// The recipe whose newest image is used when none is named.
+pub const DEFAULT_IMAGE: &str = "dev";
+
+#[derive(Debug, Clone)]
+pub struct WarrenConfig {
+    pub state_dir: PathBuf,
+    pub image_dir: PathBuf,
+    /// The executable that runs `supervise --vm-dir DIR` (the `warren` binary).
+    pub supervisor_exe: PathBuf,
+    pub accel: AccelChoice,
+    pub boot_timeout: Duration,
+}
+
+impl WarrenConfig {
+    /// Defaults for a state directory: images in `<state>/images`.
+    pub fn new(state_dir: PathBuf, supervisor_exe: PathBuf) -> Self {
+        WarrenConfig {
+            image_dir: state_dir.join("images"),
+            state_dir,
+            supervisor_exe,
+            accel: AccelChoice::Auto,
+            boot_timeout: DEFAULT_BOOT_TIMEOUT,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct CreateVm {
+    pub image: Option<String>,
+    pub memory_mib: Option<u32>,
+    pub vcpus: Option<u32>,
+}
+
+pub struct Warren {
+    cfg: WarrenConfig,
+    store: Store,
+    images: ImageStore,
+}
+
+/// Resolves an accelerator warning to the user (printed by the CLI).
+pub type Warning = String;
+
+impl Warren {
+    pub fn open(cfg: WarrenConfig) -> Result<Warren, CoreError> {
+        for d in [&cfg.state_dir, &cfg.state_dir.join("vms")] {
+            std::fs::create_dir_all(d).map_err(|e| CoreError::io("create", d, e))?;
+        }
+        // VMM processes run as per-VM uids and must traverse to their own directory.
+        let vms = cfg.state_dir.join("vms");
+        let _ = std::fs::set_permissions(&vms, std::fs::Permissions::from_mode(0o711));
+        let _ = std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o711));
+        let store = Store::open(&cfg.state_dir.join("warren.db"))?;
+        let images = ImageStore::open(&cfg.image_dir)?;
+        Ok(Warren { cfg, store, images })
+    }
+
+    pub fn images(&self) -> &ImageStore {
+        &self.images
+    }
+
+    pub fn config(&self) -> &WarrenConfig {
+        &self.cfg
+    }
+
+    fn vm_dir(&self, id: &str) -> VmDir {
+        VmDir(self.cfg.state_dir.join("vms").join(id))
+    }
+
+    /// Removes an image unless a VM uses it.
+    pub fn remove_image(&self, spec: &str) -> Result<String, CoreError> {
+        let id = self.images.resolve(spec)?;
+        if let Some(vm) = self.store.vm_using_image(&id.to_string())? {
+            return Err(CoreError::ImageInUse(id.to_string(), vm));
+        }
+        self.images.remove(&id)?;
+        Ok(id.to_string())
+    }
+
+    /// Resolves the accelerator, probing KVM with `image` when asked for `auto`.
+    pub async fn resolve_accel(
+        &self,
+        image: &VerifiedImage,
+    ) -> Result<(Accel, Option<Warning>), CoreError> {
+        let qemu = accel::find_qemu()?;
+        let cache = self.cfg.state_dir.join("cache");
+        let choice = self.cfg.accel;
+        // The probe boots the image's own kernel and base initramfs: with no per-VM secret the
+        // agent prints its failing phase right away, which proves the guest reached user space.
+        let verdict = if choice == AccelChoice::Auto && !cache_has_probe(&cache) {
+            Some(
+                warren_vmm::qemu::probe_kvm(
+                    &qemu,
+                    &image.kernel,
+                    &image.initramfs,
+                    "guest",
+                    accel::KVM_PROBE_DEADLINE,
+                )
+                .await,
+            )
+        } else {
+            None
+        };
+        let r = accel::resolve(choice, &cache, &qemu, || {
+            verdict.unwrap_or(accel::ProbeVerdict {
+                usable: false,
+                detail: "probe skipped".into(),
+            })
+        })?;
+        Ok((r.accel, r.warning))
+    }
+
+    /// Creates and boots a VM; returns its record once the guest answered.
+    pub async fn create_vm(
+        &self,
+        req: &CreateVm,
+        warn: &mut dyn FnMut(&str),
+    ) -> Result<VmRecord, CoreError> {
+        let memory = req.memory_mib.unwrap_or(DEFAULT_MEMORY_MIB);
+        if !MEMORY_MIB_RANGE.contains(&memory) {
+            return Err(CoreError::InvalidArgument(format!(
+                "memory_mib must be within {MEMORY_MIB_RANGE:?}, got {memory}"
+            )));
+        }
+        let vcpus = req.vcpus.unwrap_or(DEFAULT_VCPUS);
+        if !VCPUS_RANGE.contains(&vcpus) {
+            return Err(CoreError::InvalidArgument(format!(
+                "vcpus must be within {VCPUS_RANGE:?}, got {vcpus}"
+            )));
+        }
+        let spec = req.image.as_deref().unwrap_or(DEFAULT_IMAGE);
+        let image_id = self.images.resolve(spec)?;
+        let image = self.images.verify(&image_id)?;
+        let (accel, warning) = self.resolve_accel(&image).await?;
+        if let Some(w) = warning {
+            warn(&w);
+        }
+
+        let mut id_bytes = [0u8; 6];
+        rand::rng().fill_bytes(&mut id_bytes);
+        let id = format!("vm-{}", hex::encode(id_bytes));
+        let mut rec = VmRecord {
+            id: id.clone(),
+            image_id: image_id.to_string(),
+            state: VmState::Creating,
+            reason: None,
+            memory_mib: memory,
+            vcpus,
+            accel: accel.to_string(),
+            uid: 0,
+            created_unix: now_unix(),
+            boot_ms: None,
+        };
+        self.store.insert(&mut rec, VM_UID_BASE)?;
+        match self.start(&rec, &image, accel).await {
+            Ok(boot_ms) => {
+                self.store
+                    .set_state(&id, VmState::Running, None, Some(boot_ms))?;
+                rec.state = VmState::Running;
+                rec.boot_ms = Some(boot_ms);
+                Ok(rec)
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                self.store.set_state(&id, VmState::Failed, Some(&reason), None)?;
+                Err(e)
+            }
+        }
+    }
+
+    async fn start(&self, rec: &VmRecord, image: &VerifiedImage, accel: Accel) -> Result<u64, CoreError> {
+        let dir = self.vm_dir(&rec.id);
+        let p = dir.path();
+        std::fs::create_dir(p).map_err(|e| CoreError::io("create", p, e))?;
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| CoreError::io("chmod", p, e))?;
+        let root = nix::unistd::geteuid().is_root();
+        let run_as = root.then_some((rec.uid, rec.uid));
+        let give = |path: &Path| -> Result<(), CoreError> {
+            if let Some((u, g)) = run_as {
+                chown(path, Some(u), Some(g)).map_err(|e| CoreError::io("chown", path, e))?;
+            }
+            Ok(())
+        };
+        // The VMM (as the VM's uid) creates its sockets here; the supervisor (root) reads all.
+        give(p)?;
+
+        let disk = p.join("disk.qcow2");
+        warren_vmm::disk::create_overlay(&image.rootfs, &disk)?;
+        give(&disk)?;
+
+        let mut secret = [0u8; warren_protocol::SECRET_LEN];
+        rand::rng().fill_bytes(&mut secret);
+        write_private(&dir.secret(), &secret)?;
+        let initramfs = p.join("initramfs.cpio");
+        warren_image::write_vm_initramfs(&image.initramfs, &secret, &initramfs)?;
+        std::fs::set_permissions(&initramfs, std::fs::Permissions::from_mode(0o400))
+            .map_err(|e| CoreError::io("chmod", &initramfs, e))?;
+        give(&initramfs)?;
+
+        let cgroup = if root {
+            cgroup::Hierarchy::detect().map(|h| h.vm_cgroup(&rec.id))
+        } else {
+            None
+        };
+        let cfg = SupervisorConfig {
+            vm_id: rec.id.clone(),
+            launch: LaunchSpec {
+                name: rec.id.clone(),
+                run_dir: p.to_path_buf(),
+                kernel: image.kernel.clone(),
+                initramfs,
+                disk,
+                memory: MemMib(rec.memory_mib),
+                vcpus: rec.vcpus,
+                accel,
+                extra_cmdline: vec![],
+                run_as,
+                cgroup,
+            },
+            boot_timeout_ms: self.cfg.boot_timeout.as_millis() as u64,
+        };
+        let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
+        write_private(&dir.config(), &body)?;
+        self.spawn_supervisor(&dir)?;
+
+        let client = SupervisorClient::new(&dir.socket());
+        // The socket appears once the supervisor holds its lock.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !dir.socket().exists() {
+            if std::time::Instant::now() > deadline || dir.exit_record().exists() {
+                let reason = dir
+                    .read_exit()
+                    .map(|r| r.reason)
+                    .unwrap_or_else(|| tail(&dir.supervisor_log(), 10));
+                return Err(CoreError::BootFailed(reason));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        match client.wait_ready(self.cfg.boot_timeout + Duration::from_secs(5)).await {
+            Ok(st) => Ok(st.boot_ms.unwrap_or(0)),
+            Err(e) => {
+                // The supervisor records the precise reason (console tail included).
+                let _ = client.stop().await;
+                wait_supervisor_exit(&dir, Duration::from_secs(10)).await;
+                let reason = dir.read_exit().map(|r| r.reason).unwrap_or_else(|| e.to_string());
+                Err(CoreError::BootFailed(reason))
+            }
+        }
+    }
+
+    fn spawn_supervisor(&self, dir: &VmDir) -> Result<(), CoreError> {
+        use std::os::unix::process::CommandExt;
+        let log = std::fs::File::create(dir.supervisor_log())
+            .map_err(|e| CoreError::io("create", dir.supervisor_log(), e))?;
+        let log2 = log.try_clone().map_err(|e| CoreError::io("dup", dir.supervisor_log(), e))?;
+        let mut cmd = std::process::Command::new(&self.cfg.supervisor_exe);
+        cmd.arg("supervise")
+            .arg("--vm-dir")
+            .arg(dir.path())
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            // Its own session: terminal signals to the CLI never reach it.
+            .process_group(0);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| CoreError::io("spawn", &self.cfg.supervisor_exe, e))?;
+        // Reap it if it ends while we still run; otherwise init inherits it.
+        std::thread::spawn(move || {
+            let _ = child.wait();
+        });
+        Ok(())
+    }
+
+    /// All VMs, with states reconciled against their supervisors.
+    pub fn list_vms(&self) -> Result<Vec<VmRecord>, CoreError> {
+        let mut out = Vec::new();
+        for rec in self.store.list()? {
+            out.push(self.reconcile(rec)?);
+        }
+        Ok(out)
+    }
+
+    pub fn get_vm(&self, id: &str) -> Result<VmRecord, CoreError> {
+        let rec = self
+            .store
+            .get(id)?
+            .ok_or_else(|| CoreError::VmNotFound(id.to_string()))?;
+        self.reconcile(rec)
+    }
+
+    /// A running VM whose supervisor is gone becomes failed with the recorded reason, and
+    /// anything left in its cgroup is killed.
+    fn reconcile(&self, mut rec: VmRecord) -> Result<VmRecord, CoreError> {
+        if rec.state != VmState::Running {
+            return Ok(rec);
+        }
+        let dir = self.vm_dir(&rec.id);
+        if dir.supervisor_alive() {
+            return Ok(rec);
+        }
+        let reason = match dir.read_exit() {
+            Some(ExitRecord { reason, .. }) => reason,
+            None => "the supervisor exited unexpectedly (its VMM was killed with it)".to_string(),
+        };
+        if let Some(h) = cgroup::Hierarchy::detect() {
+            let _ = cgroup::kill_and_remove(&h.vm_cgroup(&rec.id));
+        }
+        self.store
+            .set_state(&rec.id, VmState::Failed, Some(&reason), None)?;
+        rec.state = VmState::Failed;
+        rec.reason = Some(reason);
+        Ok(rec)
+    }
+
+    /// A client for a running VM.
+    pub fn client(&self, id: &str) -> Result<SupervisorClient, CoreError> {
+        let rec = self.get_vm(id)?;
+        if rec.state != VmState::Running {
+            return Err(CoreError::VmNotRunning {
+                id: rec.id,
+                state: rec.state.as_str().to_string(),
+                reason: rec.reason,
+            });
+        }
+        Ok(SupervisorClient::new(&self.vm_dir(id).socket()))
+    }
+
+    /// Stops the VM if it runs and removes every trace of it.
+    pub async fn destroy_vm(&self, id: &str) -> Result<(), CoreError> {
+        let rec = self
+            .store
+            .get(id)?
+            .ok_or_else(|| CoreError::VmNotFound(id.to_string()))?;
+        let dir = self.vm_dir(&rec.id);
+        if dir.supervisor_alive() {
+            let client = SupervisorClient::new(&dir.socket());
+            if let Err(e) = client.stop().await {
+                tracing::warn!(error = %e, "stop request failed; killing the supervisor");
+            }
+            if !wait_supervisor_exit(&dir, Duration::from_secs(10)).await {
+                kill_supervisor(&dir);
+                wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+            }
+        }
+        if let Some(h) = cgroup::Hierarchy::detect() {
+            cgroup::kill_and_remove(&h.vm_cgroup(&rec.id))?;
+        }
+        match std::fs::remove_dir_all(dir.path()) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(CoreError::io("remove", dir.path(), e)),
+        }
+        self.store.delete(&rec.id)?;
+        Ok(())
+    }
+
+    /// The VM's console log (bounded by the supervisor).
+    pub fn logs(&self, id: &str) -> Result<String, CoreError> {
+        let rec = self
+            .store
+            .get(id)?
+            .ok_or_else(|| CoreError::VmNotFound(id.to_string()))?;
+        Ok(self.vm_dir(&rec.id).console_text())
+    }
+
+    pub fn vm_dir_path(&self, id: &str) -> PathBuf {
+        self.vm_dir(id).0
+    }
+
+    pub async fn exec_start(&self, id: &str, req: ExecStart) -> Result<JobId, CoreError> {
+        match self.client(id)?.guest(HostRequest::ExecStart(req)).await? {
+            GuestResponse::ExecStarted(j) => Ok(j),
+            _ => Err(unexpected()),
+        }
+    }
+
+    pub async fn job_output(&self, id: &str, req: JobOutputRequest) -> Result<JobOutput, CoreError> {
+        match self.client(id)?.guest(HostRequest::JobOutput(req)).await? {
+            GuestResponse::JobOutput(o) => Ok(o),
+            _ => Err(unexpected()),
+        }
+    }
+
+    pub async fn job_cancel(&self, id: &str, job: JobId) -> Result<(), CoreError> {
+        match self.client(id)?.guest(HostRequest::JobCancel(job)).await? {
+            GuestResponse::JobCancelled => Ok(()),
+            _ => Err(unexpected()),
+        }
+    }
+
+    /// Reads a whole file in bounded chunks.
+    pub async fn read_file(&self, id: &str, path: &str, sink: &mut dyn FnMut(&[u8])) -> Result<u64, CoreError> {
+        let client = self.client(id)?;
+        let mut offset = 0u64;
+        loop {
+            let req = HostRequest::FileRead(FileRead {
+                path: path.to_string(),
+                offset,
+                len: warren_protocol::limits::MAX_FILE_CHUNK,
+            });
+            let GuestResponse::FileData(d) = client.guest(req).await? else {
+                return Err(unexpected());
+            };
+            offset += d.data.len() as u64;
+            sink(&d.data);
+            if d.eof || d.data.is_empty() {
+                return Ok(offset);
+            }
+        }
+    }
+
+    /// Writes a whole file from `source`, chunked to the protocol's bound.
+    pub async fn write_file(
+        &self,
+        id: &str,
+        path: &str,
+        source: &mut dyn std::io::Read,
+    ) -> Result<u64, CoreError> {
+        let client = self.client(id)?;
+        let chunk = warren_protocol::limits::MAX_FILE_CHUNK as usize;
+        let mut first = true;
+        let mut total = 0u64;
+        loop {
+            let mut buf = vec![0u8; chunk];
+            let mut n = 0;
+            while n < chunk {
+                let r = source
+                    .read(&mut buf[n..])
+                    .map_err(|e| CoreError::io("read", "<input>", e))?;
+                if r == 0 {
+                    break;
+                }
+                n += r;
+            }
+            buf.truncate(n);
+            if n == 0 && !first {
+                return Ok(total);
+            }
+            let req = HostRequest::FileWrite(FileWrite {
+                path: path.to_string(),
+                mode: if first { WriteMode::Truncate } else { WriteMode::At(total) },
+                data: buf,
+                create_parents: true,
+            });
+            let GuestResponse::FileWritten(_) = client.guest(req).await? else {
+                return Err(unexpected());
+            };
+            total += n as u64;
+            first = false;
+            if n < chunk {
+                return Ok(total);
+            }
+        }
+    }
+}
+
+fn unexpected() -> CoreError {
+    CoreError::Supervisor(warren_supervisor::client::ClientError::Unexpected)
+}
+
+fn cache_has_probe(cache: &Path) -> bool {
+    std::fs::read_dir(cache)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .any(|e| e.file_name().to_string_lossy().starts_with("accel-probe-"))
+        })
+        .unwrap_or(false)
+}
+
+fn write_private(path: &Path, data: &[u8]) -> Result<(), CoreError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .create_new(true)
+        .write(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| CoreError::io("create", path, e))?;
+    f.write_all(data).map_err(|e| CoreError::io("write", path, e))
+}
+
+fn tail(path: &Path, n: usize) -> String {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+async fn wait_supervisor_exit(dir: &VmDir, limit: Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    while dir.supervisor_alive() {
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    true
+}
+
+fn kill_supervisor(dir: &VmDir) {
+    // The supervisor writes its pid into the lock file it holds.
+    let pid = std::fs::read_to_string(dir.lock())
+        .ok()
+        .and_then(|s| s.trim().parse::<i32>().ok());
+    if let (Some(pid), true) = (pid, dir.supervisor_alive()) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
+}

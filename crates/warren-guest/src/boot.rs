@@ -1,0 +1,421 @@
+//! Guest bring-up, run once by PID 1 before the runtime starts. Phases, in order:
+//! 1. `early-mounts`: proc, sysfs, devtmpfs; the console becomes stdin/stdout/stderr;
+//! 2. `modules`: `finit_module` every path listed in `/etc/warren/modules`, in order;
+//! 3. `secret`: read the per-VM secret from the initramfs into memory;
+//! 4. `root`: wait for `/dev/vda`, mount it (ext4) at `/newroot` and switch root into it the
+//!    way busybox `switch_root` does (the agent stays PID 1 and keeps running);
+//! 5. `system`: tmpfs, devpts, hostname;
+//! 6. `cgroup`: cgroup2, the agent in `agent/`, controllers enabled for `jobs/`;
+//! 7. `port`: find and open the virtio-serial port, once, never to be closed;
+//!
+//! then [`serve`] starts the agent and prints `READY_LINE`. A failing phase prints
+//! `guest: <phase> failed: <error chain>` on the console and powers the VM off.
+
+use std::error::Error;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::kmod::{finit_module, ModuleInitFlags};
+use nix::mount::{mount, MsFlags};
+use nix::sys::reboot::{reboot, RebootMode};
+use warren_protocol::limits::GUEST_USER_ID;
+use warren_protocol::{PORT_NAME, READY_LINE, SECRET_LEN, SECRET_PATH};
+
+use crate::files::FilesConfig;
+use crate::jobs::{JobManager, JobsConfig};
+use crate::reaper::{ReapMode, Reaper};
+use crate::session::{Agent, Secret, System};
+
+const MODULE_LIST: &str = "/etc/warren/modules";
+const ROOT_DEVICE: &str = "/dev/vda";
+const NEW_ROOT: &str = "/newroot";
+const WORKSPACE: &str = "/workspace";
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+const VIRTIO_PORTS: &str = "/sys/class/virtio-ports";
+/// Bounded waits for devices that appear asynchronously after their driver probes.
+const ROOT_DEVICE_WAIT: Duration = Duration::from_secs(5);
+const PORT_WAIT: Duration = Duration::from_secs(10);
+const POLL: Duration = Duration::from_millis(10);
+/// `MODULE_INIT_COMPRESSED_FILE`: let the kernel decompress `.ko.xz`/`.ko.zst`.
+const MODULE_INIT_COMPRESSED_FILE: u32 = 4;
+
+/// What boot hands to the serving agent.
+pub struct Booted {
+    port: File,
+    secret: Secret,
+}
+
+/// A failed boot step.
+#[derive(Debug, thiserror::Error)]
+pub enum BootError {
+    #[error("mount {target}")]
+    Mount {
+        target: String,
+        #[source]
+        source: nix::Error,
+    },
+    #[error("{what} {path}")]
+    Io {
+        what: &'static str,
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("load module {path}")]
+    Module {
+        path: String,
+        #[source]
+        source: nix::Error,
+    },
+    #[error("{what}")]
+    Sys {
+        what: &'static str,
+        #[source]
+        source: nix::Error,
+    },
+    #[error("{0}")]
+    Other(String),
+}
+
+type Phase<T> = Result<T, BootError>;
+
+fn io_err(what: &'static str, path: impl AsRef<Path>) -> impl FnOnce(io::Error) -> BootError {
+    let path = path.as_ref().display().to_string();
+    move |source| BootError::Io { what, path, source }
+}
+
+fn do_mount(
+    source: &str,
+    target: &str,
+    fstype: &str,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> Phase<()> {
+    fs::create_dir_all(target).map_err(io_err("mkdir", target))?;
+    match mount(Some(source), target, Some(fstype), flags, data) {
+        // Already mounted (e.g. devtmpfs by the kernel): fine.
+        Ok(()) | Err(nix::Error::EBUSY) => Ok(()),
+        Err(source) => Err(BootError::Mount {
+            target: target.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// Runs the boot phases; on failure returns the phase name and the error.
+pub fn boot() -> Result<Booted, (&'static str, BootError)> {
+    early_mounts().map_err(|e| ("early-mounts", e))?;
+    load_modules().map_err(|e| ("modules", e))?;
+    let secret = read_secret().map_err(|e| ("secret", e))?;
+    switch_root().map_err(|e| ("root", e))?;
+    system_setup().map_err(|e| ("system", e))?;
+    cgroup_setup().map_err(|e| ("cgroup", e))?;
+    let port = open_port().map_err(|e| ("port", e))?;
+    Ok(Booted { port, secret })
+}
+
+fn early_mounts() -> Phase<()> {
+    let common = MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC | MsFlags::MS_NODEV;
+    do_mount("proc", "/proc", "proc", common, None)?;
+    do_mount("sysfs", "/sys", "sysfs", common, None)?;
+    do_mount(
+        "devtmpfs",
+        "/dev",
+        "devtmpfs",
+        MsFlags::MS_NOSUID,
+        Some("mode=0755"),
+    )?;
+    // The kernel gives PID 1 the console only if the initramfs has /dev/console; make sure
+    // our lines reach it either way.
+    if let Ok(console) = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/console")
+    {
+        let _ = rustix::stdio::dup2_stdin(&console);
+        let _ = rustix::stdio::dup2_stdout(&console);
+        let _ = rustix::stdio::dup2_stderr(&console);
+    }
+    Ok(())
+}
+
+fn load_modules() -> Phase<()> {
+    let list = match fs::read_to_string(MODULE_LIST) {
+        Ok(list) => list,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io_err("read", MODULE_LIST)(e)),
+    };
+    for path in list.lines().map(str::trim) {
+        if path.is_empty() || path.starts_with('#') {
+            continue;
+        }
+        let file = File::open(path).map_err(io_err("open", path))?;
+        let flags = if path.ends_with(".ko") {
+            ModuleInitFlags::empty()
+        } else {
+            ModuleInitFlags::from_bits_retain(MODULE_INIT_COMPRESSED_FILE)
+        };
+        match finit_module(&file, c"", flags) {
+            Ok(()) | Err(nix::Error::EEXIST) => {}
+            Err(source) => {
+                return Err(BootError::Module {
+                    path: path.to_owned(),
+                    source,
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+fn read_secret() -> Phase<Secret> {
+    let bytes = fs::read(SECRET_PATH).map_err(io_err("read", SECRET_PATH))?;
+    let secret: [u8; SECRET_LEN] = bytes.as_slice().try_into().map_err(|_| {
+        BootError::Other(format!(
+            "{SECRET_PATH} has {} bytes, expected {SECRET_LEN}",
+            bytes.len()
+        ))
+    })?;
+    Ok(Secret(secret))
+}
+
+fn wait_for(path: &Path, limit: Duration) -> bool {
+    let start = Instant::now();
+    while !path.exists() {
+        if start.elapsed() >= limit {
+            return false;
+        }
+        std::thread::sleep(POLL);
+    }
+    true
+}
+
+/// Deletes the initramfs contents below `dir`, staying on the device `dev` (so mounts such as
+/// `/newroot` are left alone). Best effort, like busybox `switch_root`.
+fn delete_tree(dir: &Path, dev: u64) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Ok(meta) = fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if meta.dev() != dev {
+            continue;
+        }
+        if meta.is_dir() {
+            delete_tree(&path, dev);
+            let _ = fs::remove_dir(&path);
+        } else {
+            let _ = fs::remove_file(&path);
+        }
+    }
+}
+
+fn switch_root() -> Phase<()> {
+    if !wait_for(Path::new(ROOT_DEVICE), ROOT_DEVICE_WAIT) {
+        return Err(BootError::Other(format!(
+            "{ROOT_DEVICE} did not appear within {ROOT_DEVICE_WAIT:?}"
+        )));
+    }
+    fs::create_dir_all(NEW_ROOT).map_err(io_err("mkdir", NEW_ROOT))?;
+    mount(
+        Some(ROOT_DEVICE),
+        NEW_ROOT,
+        Some("ext4"),
+        MsFlags::empty(),
+        None::<&str>,
+    )
+    .map_err(|source| BootError::Mount {
+        target: NEW_ROOT.into(),
+        source,
+    })?;
+    for dir in ["/proc", "/sys", "/dev"] {
+        let target = format!("{NEW_ROOT}{dir}");
+        fs::create_dir_all(&target).map_err(io_err("mkdir", &target))?;
+        mount(
+            Some(dir),
+            target.as_str(),
+            None::<&str>,
+            MsFlags::MS_MOVE,
+            None::<&str>,
+        )
+        .map_err(|source| BootError::Mount { target, source })?;
+    }
+    std::env::set_current_dir(NEW_ROOT).map_err(io_err("chdir", NEW_ROOT))?;
+    let root_dev = fs::symlink_metadata("/")
+        .map_err(io_err("stat", "/"))?
+        .dev();
+    delete_tree(Path::new("/"), root_dev);
+    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>).map_err(|source| {
+        BootError::Mount {
+            target: "/".into(),
+            source,
+        }
+    })?;
+    nix::unistd::chroot(".").map_err(|source| BootError::Sys {
+        what: "chroot",
+        source,
+    })?;
+    std::env::set_current_dir("/").map_err(io_err("chdir", "/"))?;
+    Ok(())
+}
+
+fn system_setup() -> Phase<()> {
+    let nosuid_nodev = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    do_mount("tmpfs", "/tmp", "tmpfs", nosuid_nodev, Some("mode=1777"))?;
+    do_mount("tmpfs", "/run", "tmpfs", nosuid_nodev, Some("mode=0755"))?;
+    do_mount(
+        "devpts",
+        "/dev/pts",
+        "devpts",
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
+    )?;
+    do_mount(
+        "tmpfs",
+        "/dev/shm",
+        "tmpfs",
+        nosuid_nodev,
+        Some("mode=1777"),
+    )?;
+    rustix::system::sethostname(b"warren").map_err(|e| BootError::Sys {
+        what: "sethostname",
+        source: nix::Error::from_raw(e.raw_os_error()),
+    })?;
+    if !Path::new(WORKSPACE).exists() {
+        fs::create_dir(WORKSPACE).map_err(io_err("mkdir", WORKSPACE))?;
+        let id = Some(GUEST_USER_ID);
+        std::os::unix::fs::chown(WORKSPACE, id, id).map_err(io_err("chown", WORKSPACE))?;
+    }
+    Ok(())
+}
+
+/// Enables every available controller in `dir`'s children, one at a time so one refusal does
+/// not block the others.
+fn enable_controllers(dir: &Path, controllers: &str) {
+    for c in controllers.split_whitespace() {
+        let path = dir.join("cgroup.subtree_control");
+        if let Err(e) = fs::write(&path, format!("+{c}")) {
+            crate::console::log(format_args!("enable {c} in {}: {e}", path.display()));
+        }
+    }
+}
+
+fn cgroup_setup() -> Phase<()> {
+    do_mount(
+        "cgroup2",
+        CGROUP_ROOT,
+        "cgroup2",
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None,
+    )?;
+    let root = Path::new(CGROUP_ROOT);
+    // "No internal processes": a cgroup that delegates domain controllers to children cannot
+    // hold processes itself, so the agent leaves the root for its own leaf first.
+    let agent = root.join("agent");
+    fs::create_dir_all(&agent).map_err(io_err("mkdir", &agent))?;
+    let procs = agent.join("cgroup.procs");
+    fs::write(&procs, std::process::id().to_string()).map_err(io_err("write", &procs))?;
+    let controllers_path = root.join("cgroup.controllers");
+    let controllers =
+        fs::read_to_string(&controllers_path).map_err(io_err("read", &controllers_path))?;
+    enable_controllers(root, &controllers);
+    let jobs = jobs_cgroup();
+    fs::create_dir_all(&jobs).map_err(io_err("mkdir", &jobs))?;
+    enable_controllers(&jobs, &controllers);
+    Ok(())
+}
+
+fn jobs_cgroup() -> PathBuf {
+    Path::new(CGROUP_ROOT).join("jobs")
+}
+
+fn find_port() -> Option<PathBuf> {
+    for entry in fs::read_dir(VIRTIO_PORTS).ok()?.flatten() {
+        let name = fs::read_to_string(entry.path().join("name")).unwrap_or_default();
+        if name.trim() == PORT_NAME {
+            let dev = Path::new("/dev").join(entry.file_name());
+            if dev.exists() {
+                return Some(dev);
+            }
+        }
+    }
+    None
+}
+
+fn open_port() -> Phase<File> {
+    let start = Instant::now();
+    let dev = loop {
+        if let Some(dev) = find_port() {
+            break dev;
+        }
+        if start.elapsed() >= PORT_WAIT {
+            return Err(BootError::Other(format!(
+                "virtio port {PORT_NAME} did not appear within {PORT_WAIT:?}"
+            )));
+        }
+        std::thread::sleep(POLL);
+    };
+    // std opens with O_CLOEXEC: a job inheriting the port would make it busy.
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&dev)
+        .map_err(io_err("open", &dev))
+}
+
+/// Starts the agent on the current runtime, prints the ready line and serves forever.
+pub async fn serve(booted: Booted) -> Result<(), (&'static str, Box<dyn Error>)> {
+    let files = FilesConfig {
+        workspace: PathBuf::from(WORKSPACE),
+        user: Some(GUEST_USER_ID),
+    };
+    let reaper = Reaper::start(ReapMode::AllChildren).map_err(|e| ("reaper", e.into()))?;
+    let jobs = JobManager::new(JobsConfig::guest(files.clone(), jobs_cgroup()), reaper);
+    let agent = Arc::new(Agent {
+        jobs,
+        files,
+        secret: booted.secret,
+        system: System {
+            pid1: true,
+            power_off_requested: AtomicBool::new(false),
+        },
+    });
+    let reader = booted.port.try_clone().map_err(|e| ("port", e.into()))?;
+    let manager =
+        crate::channel::start(reader, booted.port, agent).map_err(|e| ("serve", e.into()))?;
+    println!("{READY_LINE}");
+    match manager.await {
+        Ok(()) => Err(("serve", "channel manager stopped".into())),
+        Err(e) => Err(("serve", e.into())),
+    }
+}
+
+/// Prints the failure with its cause chain and powers off; never returns.
+pub fn fail(phase: &str, err: &dyn Error) -> ! {
+    let mut line = format!("guest: {phase} failed: {err}");
+    let mut source = err.source();
+    while let Some(s) = source {
+        line.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    println!("{line}");
+    power_off()
+}
+
+/// Syncs and powers the VM off. If that fails, parks forever: PID 1 must never exit.
+pub fn power_off() -> ! {
+    nix::unistd::sync();
+    let Err(e) = reboot(RebootMode::RB_POWER_OFF);
+    println!("guest: poweroff failed: {e}");
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}

@@ -1,0 +1,629 @@
+//! The job manager: starts commands, drains and retains their output, enforces limits and
+//! timeouts, and reports how they ended. Jobs belong to the agent, not to a session: they and
+//! their output survive host reconnections.
+//!
+//! Per job, on the agent's tokio runtime:
+//! - two drain tasks read stdout and stderr to end of file into the job's buffers, keeping at
+//!   most `max_retained` bytes across both streams and discarding the rest (`truncated`), so a
+//!   command never blocks on output whatever the host does;
+//! - an optional stdin task writes the given bytes and closes the pipe;
+//! - a supervisor task waits for the main process's status (from the [`Reaper`], never from
+//!   `Child::wait`), fires the timeout, kills whatever remains of the job once the main process
+//!   ended, waits for both drains, marks the job `Finished`, then removes its cgroup.
+//!
+//! Locks: `JobManager::table` guards the set of records; each `Job::data` guards that job's
+//! buffers and state. Order: table, then job data; never the other way round. `Job::changed`
+//! is bumped after every change of `data` and wakes long-polling output readers.
+
+use std::collections::BTreeMap;
+use std::fs::{self, OpenOptions};
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::pipe;
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+use warren_protocol::limits::{
+    MAX_ARGV, MAX_ENV, MAX_JOB_RECORDS, MAX_OUTPUT_WAIT_MS, MAX_READ_PER_STREAM,
+    MAX_RETAINED_OUTPUT, MAX_RUNNING_JOBS, MAX_STDIN_BYTES,
+};
+use warren_protocol::{
+    BenchReply, ErrorCode, ExecStart, GuestError, JobExit, JobId, JobOutput, JobOutputRequest,
+    JobState,
+};
+
+use crate::files::{self, FilesConfig};
+use crate::reaper::{ExitStatus, Reaper};
+use crate::sys::{configure_child, ChildSetup};
+
+/// Environment every job starts from; the request's `env` overrides it.
+const BASE_ENV: [(&str, &str); 6] = [
+    (
+        "PATH",
+        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    ),
+    ("HOME", "/home/user"),
+    ("USER", "user"),
+    ("LOGNAME", "user"),
+    ("LANG", "C.UTF-8"),
+    ("TERM", "dumb"),
+];
+
+/// Most iterations one `ForkExecWait` bench request may ask for (bounds its duration).
+pub const MAX_BENCH_ITERATIONS: u32 = 10_000;
+
+/// How long to keep retrying `rmdir` of a job cgroup the kernel still reports populated.
+const CGROUP_RMDIR_ATTEMPTS: u32 = 200;
+const CGROUP_RMDIR_PAUSE: Duration = Duration::from_millis(10);
+
+const DRAIN_CHUNK: usize = 64 * 1024;
+
+/// How the processes of a job are tracked and killed.
+#[derive(Debug, Clone)]
+pub enum Containment {
+    /// Each job runs in the cgroup v2 `<dir>/<job id>`; kills write `cgroup.kill`, which also
+    /// catches descendants that left the job's session.
+    Cgroup(PathBuf),
+    /// ONLY for unit tests on hosts without a writable cgroup v2: kill the job's process group.
+    /// Misses descendants that call `setsid` themselves; the agent never uses it.
+    #[cfg_attr(not(test), allow(dead_code))]
+    ProcessGroupForTestsOnly,
+}
+
+/// Job manager configuration; [`JobsConfig::guest`] is what the agent uses in the VM.
+#[derive(Debug, Clone)]
+pub struct JobsConfig {
+    /// Workspace root and the user jobs run as (`None`: keep the caller's, for tests).
+    pub files: FilesConfig,
+    pub containment: Containment,
+    pub max_running: usize,
+    pub max_records: usize,
+    pub max_retained: u64,
+}
+
+impl JobsConfig {
+    /// The in-guest configuration with the protocol's limits.
+    pub fn guest(files: FilesConfig, cgroup_jobs_dir: PathBuf) -> Self {
+        Self {
+            files,
+            containment: Containment::Cgroup(cgroup_jobs_dir),
+            max_running: MAX_RUNNING_JOBS,
+            max_records: MAX_JOB_RECORDS,
+            max_retained: MAX_RETAINED_OUTPUT,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KillReason {
+    Timeout,
+    Cancel,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Stream {
+    Stdout,
+    Stderr,
+}
+
+struct JobData {
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    truncated: bool,
+    state: JobState,
+    kill: Option<KillReason>,
+    /// Main process id, once spawned; it leads the job's process group.
+    pid: Option<i32>,
+}
+
+struct Job {
+    id: JobId,
+    cgroup: Option<PathBuf>,
+    data: Mutex<JobData>,
+    /// Bumped after every change of `data`.
+    changed: watch::Sender<u64>,
+}
+
+impl Job {
+    fn data(&self) -> MutexGuard<'_, JobData> {
+        // Job data stays consistent under every early exit: recover from poisoning.
+        self.data.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn is_running(&self) -> bool {
+        matches!(self.data().state, JobState::Running)
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    fn append(&self, stream: Stream, bytes: &[u8], max_retained: u64) {
+        let mut d = self.data();
+        let used = (d.stdout.len() + d.stderr.len()) as u64;
+        let room = usize::try_from(max_retained.saturating_sub(used)).unwrap_or(usize::MAX);
+        let keep = bytes.len().min(room);
+        let was_truncated = d.truncated;
+        if keep < bytes.len() {
+            d.truncated = true;
+        }
+        let buf = match stream {
+            Stream::Stdout => &mut d.stdout,
+            Stream::Stderr => &mut d.stderr,
+        };
+        buf.extend_from_slice(&bytes[..keep]);
+        let changed = keep > 0 || d.truncated != was_truncated;
+        drop(d);
+        if changed {
+            self.bump();
+        }
+    }
+
+    /// Kills every process of the job; records `reason` unless one was recorded before.
+    fn kill(&self, reason: Option<KillReason>) {
+        let pid = {
+            let mut d = self.data();
+            if !matches!(d.state, JobState::Running) {
+                return;
+            }
+            if d.kill.is_none() {
+                d.kill = reason;
+            }
+            d.pid
+        };
+        match &self.cgroup {
+            Some(dir) => {
+                if let Err(e) = fs::write(dir.join("cgroup.kill"), b"1") {
+                    crate::console::log(format_args!("job {}: cgroup.kill: {e}", self.id));
+                }
+            }
+            None => {
+                if let Some(pid) = pid {
+                    // ESRCH: the group is already gone.
+                    let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+                }
+            }
+        }
+    }
+
+    fn read(&self, req: &JobOutputRequest) -> Result<(JobOutput, bool), GuestError> {
+        let max = req.max_bytes.min(MAX_READ_PER_STREAM) as usize;
+        let d = self.data();
+        let slice = |buf: &[u8], cursor: u64, name: &str| -> Result<Vec<u8>, GuestError> {
+            let start = usize::try_from(cursor)
+                .ok()
+                .filter(|&c| c <= buf.len())
+                .ok_or_else(|| {
+                    GuestError::new(
+                        ErrorCode::InvalidArgument,
+                        format!("{name} cursor is past the retained output"),
+                    )
+                })?;
+            let end = buf.len().min(start.saturating_add(max));
+            Ok(buf[start..end].to_vec())
+        };
+        let stdout = slice(&d.stdout, req.stdout_cursor, "stdout")?;
+        let stderr = slice(&d.stderr, req.stderr_cursor, "stderr")?;
+        let caught_up = req.stdout_cursor == d.stdout.len() as u64
+            && req.stderr_cursor == d.stderr.len() as u64;
+        let running = matches!(d.state, JobState::Running);
+        let out = JobOutput {
+            stdout,
+            stderr,
+            stdout_retained: d.stdout.len() as u64,
+            stderr_retained: d.stderr.len() as u64,
+            state: d.state,
+            truncated: d.truncated,
+        };
+        Ok((out, caught_up && running))
+    }
+}
+
+struct Table {
+    next_id: u64,
+    jobs: BTreeMap<JobId, Arc<Job>>,
+}
+
+/// Owns every job of the agent.
+pub struct JobManager {
+    cfg: JobsConfig,
+    reaper: Arc<Reaper>,
+    /// All job records, by id (ids grow, so iteration order is age order).
+    table: Mutex<Table>,
+}
+
+fn invalid(msg: impl Into<String>) -> GuestError {
+    GuestError::new(ErrorCode::InvalidArgument, msg)
+}
+
+/// Checks an exec request against the protocol's limits before anything is created.
+pub fn validate_exec(req: &ExecStart) -> Result<(), GuestError> {
+    let Some(program) = req.argv.first() else {
+        return Err(invalid("argv is empty"));
+    };
+    if program.is_empty() {
+        return Err(invalid("argv[0] is empty"));
+    }
+    if req.argv.len() > MAX_ARGV {
+        return Err(invalid(format!("more than {MAX_ARGV} arguments")));
+    }
+    if req.argv.iter().any(|a| a.contains('\0')) {
+        return Err(invalid("argv contains NUL"));
+    }
+    if req.env.len() > MAX_ENV {
+        return Err(invalid(format!("more than {MAX_ENV} environment entries")));
+    }
+    for (name, value) in &req.env {
+        if name.is_empty() || name.contains('=') || name.contains('\0') {
+            return Err(invalid("invalid environment variable name"));
+        }
+        if value.contains('\0') {
+            return Err(invalid("environment value contains NUL"));
+        }
+    }
+    if req
+        .stdin
+        .as_ref()
+        .is_some_and(|s| s.len() > MAX_STDIN_BYTES)
+    {
+        return Err(invalid(format!("stdin exceeds {MAX_STDIN_BYTES} bytes")));
+    }
+    if req.timeout_ms == Some(0) {
+        return Err(invalid("timeout_ms must be positive"));
+    }
+    if let Some(cwd) = &req.cwd {
+        files::split_rel_path(cwd)?;
+    }
+    Ok(())
+}
+
+fn spawn_error(program: &str, err: &io::Error) -> GuestError {
+    match err.kind() {
+        io::ErrorKind::NotFound => {
+            GuestError::new(ErrorCode::NotFound, format!("command not found: {program}"))
+        }
+        io::ErrorKind::PermissionDenied => GuestError::new(
+            ErrorCode::PermissionDenied,
+            format!("permission denied: {program}"),
+        ),
+        _ => GuestError::new(ErrorCode::Io, format!("spawn {program}: {err}")),
+    }
+}
+
+fn internal(what: &str, err: impl std::fmt::Display) -> GuestError {
+    GuestError::new(ErrorCode::Internal, format!("{what}: {err}"))
+}
+
+impl JobManager {
+    pub fn new(cfg: JobsConfig, reaper: Arc<Reaper>) -> Arc<Self> {
+        Arc::new(Self {
+            cfg,
+            reaper,
+            table: Mutex::new(Table {
+                next_id: 1,
+                jobs: BTreeMap::new(),
+            }),
+        })
+    }
+
+    fn table(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn get(&self, id: JobId) -> Result<Arc<Job>, GuestError> {
+        self.table()
+            .jobs
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| GuestError::new(ErrorCode::NotFound, format!("no job {id}")))
+    }
+
+    /// Takes a running slot and a record, evicting the oldest finished record if needed.
+    fn reserve(&self) -> Result<Arc<Job>, GuestError> {
+        let mut t = self.table();
+        let running = t.jobs.values().filter(|j| j.is_running()).count();
+        if running >= self.cfg.max_running {
+            return Err(GuestError::new(
+                ErrorCode::QuotaExceeded,
+                format!("at most {} jobs may run at once", self.cfg.max_running),
+            ));
+        }
+        if t.jobs.len() >= self.cfg.max_records {
+            let oldest_finished = t
+                .jobs
+                .iter()
+                .find(|(_, j)| !j.is_running())
+                .map(|(id, _)| *id);
+            match oldest_finished {
+                Some(id) => {
+                    t.jobs.remove(&id);
+                }
+                None => {
+                    return Err(GuestError::new(
+                        ErrorCode::QuotaExceeded,
+                        "job records are full and none has finished",
+                    ))
+                }
+            }
+        }
+        let id = JobId(t.next_id);
+        t.next_id += 1;
+        let cgroup = match &self.cfg.containment {
+            Containment::Cgroup(dir) => Some(dir.join(id.0.to_string())),
+            Containment::ProcessGroupForTestsOnly => None,
+        };
+        let job = Arc::new(Job {
+            id,
+            cgroup,
+            data: Mutex::new(JobData {
+                stdout: Vec::new(),
+                stderr: Vec::new(),
+                truncated: false,
+                state: JobState::Running,
+                kill: None,
+                pid: None,
+            }),
+            changed: watch::Sender::new(0),
+        });
+        t.jobs.insert(id, job.clone());
+        Ok(job)
+    }
+
+    /// Starts a job and returns its id once the process runs.
+    pub async fn start(self: &Arc<Self>, req: ExecStart) -> Result<JobId, GuestError> {
+        validate_exec(&req)?;
+        let files_cfg = self.cfg.files.clone();
+        let cwd = req.cwd.clone();
+        let cwd_fd =
+            tokio::task::spawn_blocking(move || files::open_dir(&files_cfg, cwd.as_deref()))
+                .await
+                .map_err(|e| internal("cwd task", e))??;
+        let job = self.reserve()?;
+        match self.launch(&job, req, cwd_fd) {
+            Ok(()) => Ok(job.id),
+            Err(e) => {
+                self.table().jobs.remove(&job.id);
+                if let Some(dir) = &job.cgroup {
+                    let _ = fs::remove_dir(dir);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn launch(
+        self: &Arc<Self>,
+        job: &Arc<Job>,
+        req: ExecStart,
+        cwd: OwnedFd,
+    ) -> Result<(), GuestError> {
+        let cgroup_procs = match &job.cgroup {
+            Some(dir) => {
+                fs::create_dir(dir).map_err(|e| internal("create job cgroup", e))?;
+                let procs = OpenOptions::new()
+                    .write(true)
+                    .open(dir.join("cgroup.procs"))
+                    .map_err(|e| internal("open cgroup.procs", e))?;
+                Some(OwnedFd::from(procs))
+            }
+            None => None,
+        };
+        let mut cmd = Command::new(&req.argv[0]);
+        cmd.args(&req.argv[1..])
+            .env_clear()
+            .envs(BASE_ENV)
+            .envs(req.env.iter().map(|(k, v)| (k, v)))
+            .stdin(if req.stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        configure_child(
+            &mut cmd,
+            ChildSetup {
+                new_session: true,
+                cgroup_procs,
+                user: self.cfg.files.user,
+                cwd: Some(cwd),
+            },
+        );
+        let (mut child, exit) = self
+            .reaper
+            .spawn(&mut cmd)
+            .map_err(|e| spawn_error(&req.argv[0], &e))?;
+        // Closes the parent's copies of the cgroup.procs and cwd fds.
+        drop(cmd);
+        job.data().pid = Some(child.id() as i32);
+
+        let stdin = child.stdin.take().map(OwnedFd::from);
+        let stdout = child.stdout.take().map(OwnedFd::from);
+        let stderr = child.stderr.take().map(OwnedFd::from);
+        if let (Some(fd), Some(data)) = (stdin, req.stdin) {
+            match pipe::Sender::from_owned_fd(fd) {
+                Ok(mut tx) => {
+                    tokio::spawn(async move {
+                        // EPIPE when the job does not read everything: fine.
+                        let _ = tx.write_all(&data).await;
+                    });
+                }
+                Err(e) => crate::console::log(format_args!("job {}: stdin: {e}", job.id)),
+            }
+        }
+        let mut drains = Vec::with_capacity(2);
+        for (fd, stream) in [(stdout, Stream::Stdout), (stderr, Stream::Stderr)] {
+            let Some(fd) = fd else { continue };
+            let rx = pipe::Receiver::from_owned_fd(fd).map_err(|e| internal("output pipe", e))?;
+            drains.push(tokio::spawn(drain(
+                job.clone(),
+                rx,
+                stream,
+                self.cfg.max_retained,
+            )));
+        }
+        let timeout = req.timeout_ms.map(Duration::from_millis);
+        tokio::spawn(supervise(job.clone(), exit, drains, timeout));
+        Ok(())
+    }
+
+    /// Reads output at the request's cursors, long-polling when asked and nothing is new.
+    pub async fn output(&self, req: &JobOutputRequest) -> Result<JobOutput, GuestError> {
+        let job = self.get(req.job)?;
+        // Subscribe before looking, so a change between the look and the wait is not lost.
+        let mut changes = job.changed.subscribe();
+        let (out, nothing_new) = job.read(req)?;
+        if !nothing_new || req.wait_ms == 0 {
+            return Ok(out);
+        }
+        let wait = Duration::from_millis(u64::from(req.wait_ms.min(MAX_OUTPUT_WAIT_MS)));
+        let _ = tokio::time::timeout(wait, changes.changed()).await;
+        Ok(job.read(req)?.0)
+    }
+
+    /// Kills a running job's processes; a finished job is left as it is.
+    pub fn cancel(&self, id: JobId) -> Result<(), GuestError> {
+        self.get(id)?.kill(Some(KillReason::Cancel));
+        Ok(())
+    }
+
+    /// Times `iterations` spawns and waits of `/bin/true` as the guest user, outside job
+    /// accounting.
+    pub async fn bench_fork_exec_wait(&self, iterations: u32) -> Result<BenchReply, GuestError> {
+        if iterations > MAX_BENCH_ITERATIONS {
+            return Err(invalid(format!(
+                "at most {MAX_BENCH_ITERATIONS} iterations"
+            )));
+        }
+        let mut samples_ns = Vec::with_capacity(iterations as usize);
+        for _ in 0..iterations {
+            let mut cmd = Command::new("/bin/true");
+            cmd.stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            configure_child(
+                &mut cmd,
+                ChildSetup {
+                    new_session: false,
+                    cgroup_procs: None,
+                    user: self.cfg.files.user,
+                    cwd: None,
+                },
+            );
+            let started = Instant::now();
+            let (_child, exit) = self
+                .reaper
+                .spawn(&mut cmd)
+                .map_err(|e| spawn_error("/bin/true", &e))?;
+            exit.await.map_err(|e| internal("bench wait", e))?;
+            samples_ns.push(u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX));
+        }
+        Ok(BenchReply { samples_ns })
+    }
+}
+
+async fn drain(job: Arc<Job>, mut rx: pipe::Receiver, stream: Stream, max_retained: u64) {
+    let mut buf = vec![0u8; DRAIN_CHUNK];
+    loop {
+        match rx.read(&mut buf).await {
+            Ok(0) => return,
+            Ok(n) => job.append(stream, &buf[..n], max_retained),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                crate::console::log(format_args!("job {}: read output: {e}", job.id));
+                return;
+            }
+        }
+    }
+}
+
+async fn supervise(
+    job: Arc<Job>,
+    mut exit: oneshot::Receiver<ExitStatus>,
+    drains: Vec<JoinHandle<()>>,
+    timeout: Option<Duration>,
+) {
+    let deadline = async {
+        match timeout {
+            Some(t) => tokio::time::sleep(t).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(deadline);
+    let mut timed_out = false;
+    let status = loop {
+        tokio::select! {
+            status = &mut exit => break status.ok(),
+            () = &mut deadline, if !timed_out => {
+                timed_out = true;
+                job.kill(Some(KillReason::Timeout));
+            }
+        }
+    };
+    // The main process ended: whatever it left behind goes too.
+    job.kill(None);
+    let drained = async {
+        for d in drains {
+            let _ = d.await;
+        }
+    };
+    tokio::pin!(drained);
+    loop {
+        tokio::select! {
+            () = &mut drained => break,
+            () = &mut deadline, if !timed_out => {
+                timed_out = true;
+                job.kill(Some(KillReason::Timeout));
+            }
+        }
+    }
+    {
+        let mut d = job.data();
+        let (code, signal) = match status {
+            Some(ExitStatus::Code(c)) => (Some(c), None),
+            Some(ExitStatus::Signal(s)) => (None, Some(s)),
+            None => (None, None),
+        };
+        d.state = JobState::Finished(JobExit {
+            code,
+            signal,
+            timed_out: d.kill == Some(KillReason::Timeout),
+            cancelled: d.kill == Some(KillReason::Cancel),
+        });
+    }
+    job.bump();
+    if let Some(dir) = &job.cgroup {
+        remove_cgroup(job.id, dir).await;
+    }
+}
+
+async fn remove_cgroup(id: JobId, dir: &std::path::Path) {
+    for _ in 0..CGROUP_RMDIR_ATTEMPTS {
+        match fs::remove_dir(dir) {
+            Ok(()) => return,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return,
+            // EBUSY: killed processes are still leaving the cgroup.
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                tokio::time::sleep(CGROUP_RMDIR_PAUSE).await;
+            }
+            Err(e) => {
+                crate::console::log(format_args!("job {id}: remove cgroup: {e}"));
+                return;
+            }
+        }
+    }
+    crate::console::log(format_args!(
+        "job {id}: cgroup still populated, left in place"
+    ));
+}
+
+#[cfg(test)]
+#[path = "jobs_tests.rs"]
+mod tests;

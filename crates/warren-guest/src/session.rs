@@ -1,0 +1,404 @@
+//! One authenticated HTTP/2 session with the host, and the dispatch of its requests.
+//!
+//! A session is created by [`crate::channel`] for every `Sync` the host sends and lives until
+//! the next one (its task is then aborted, which drops the h2 connection and every request
+//! task of the session). Steps of a session, in order:
+//! 1. h2 server handshake over the in-memory stream the channel feeds;
+//! 2. `Hello`: version negotiation and the guest's proof (see `warren_protocol::auth`);
+//! 3. `Auth`: the host's proof; on success the guest sets its clock, mixes in the host's
+//!    entropy and answers `AgentInfo`;
+//! 4. any other request, each on its own task; before step 3 they get `Unauthenticated`.
+//!
+//! A request is a POST to `RPC_PATH` whose body is one postcard `HostRequest`; the answer is
+//! status 200 with one postcard `Response`. When the host resets a stream, the request's
+//! future is dropped (this is how a long-poll is cancelled).
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use h2::server::SendResponse;
+use h2::RecvStream;
+use nix::sys::time::TimeSpec;
+use nix::time::{clock_gettime, clock_settime, ClockId};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::task::JoinSet;
+use warren_protocol::auth::{guest_proof, host_proof, verify, NONCE_LEN};
+use warren_protocol::limits::MAX_MESSAGE_BYTES;
+use warren_protocol::{
+    AgentInfo, Auth, ErrorCode, GuestError, GuestResponse, Hello, HelloReply, HostRequest,
+    Response, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RPC_PATH, SECRET_LEN,
+};
+
+use crate::files::{self, FilesConfig};
+use crate::jobs::JobManager;
+
+/// The per-VM secret. Never printed.
+pub struct Secret(pub [u8; SECRET_LEN]);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+/// Which system-wide side effects requests may have.
+#[derive(Debug)]
+pub struct System {
+    /// In the guest (PID 1): set the clock, feed entropy, power off for real. Off in tests.
+    pub pid1: bool,
+    /// A `PowerOff` was requested (what tests observe instead of a power-off).
+    pub power_off_requested: AtomicBool,
+}
+
+/// Delay between answering `PowerOff` and powering off, so the reply reaches the host.
+const POWER_OFF_DELAY: Duration = Duration::from_millis(300);
+
+/// Everything requests act on; shared by all sessions.
+pub struct Agent {
+    pub jobs: Arc<JobManager>,
+    pub files: FilesConfig,
+    pub secret: Secret,
+    pub system: System,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum AuthState {
+    Fresh,
+    Challenged {
+        host_nonce: [u8; NONCE_LEN],
+        guest_nonce: [u8; NONCE_LEN],
+    },
+    Authenticated,
+}
+
+/// Why a session ended abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("http/2 handshake")]
+    Handshake(#[source] h2::Error),
+    #[error("http/2 connection")]
+    Connection(#[source] h2::Error),
+}
+
+/// h2 settings: windows large enough for a file chunk in flight on a ~200 MB/s port.
+const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
+const CONNECTION_WINDOW: u32 = 8 * 1024 * 1024;
+const MAX_FRAME: u32 = 256 * 1024;
+
+/// Serves one session over `io` until the host goes away or the task is aborted.
+pub async fn serve<IO>(agent: Arc<Agent>, io: IO) -> Result<(), SessionError>
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mut conn = h2::server::Builder::new()
+        .initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(MAX_FRAME)
+        .max_send_buffer_size(MAX_MESSAGE_BYTES + 64 * 1024)
+        .handshake::<_, Bytes>(io)
+        .await
+        .map_err(SessionError::Handshake)?;
+    let auth = Arc::new(Mutex::new(AuthState::Fresh));
+    // Dropping the set (session end) aborts every request of the session.
+    let mut requests = JoinSet::new();
+    loop {
+        tokio::select! {
+            next = conn.accept() => match next {
+                Some(Ok((req, respond))) => {
+                    requests.spawn(handle(agent.clone(), auth.clone(), req, respond));
+                }
+                Some(Err(e)) => return Err(SessionError::Connection(e)),
+                None => return Ok(()),
+            },
+            Some(_) = requests.join_next(), if !requests.is_empty() => {}
+        }
+    }
+}
+
+enum Reply {
+    Body(Vec<u8>),
+    Status(http::StatusCode),
+    /// The request stream failed; nothing can be sent.
+    Abandon,
+}
+
+async fn handle(
+    agent: Arc<Agent>,
+    auth: Arc<Mutex<AuthState>>,
+    req: http::Request<RecvStream>,
+    mut respond: SendResponse<Bytes>,
+) {
+    let work = answer(&agent, &auth, req);
+    tokio::pin!(work);
+    let reply = tokio::select! {
+        reply = &mut work => reply,
+        // The host reset the stream: drop the work (e.g. a long-poll) unanswered.
+        _ = std::future::poll_fn(|cx| respond.poll_reset(cx)) => return,
+    };
+    let (status, body) = match reply {
+        Reply::Body(body) => (http::StatusCode::OK, Some(body)),
+        Reply::Status(status) => (status, None),
+        Reply::Abandon => return,
+    };
+    let head = match http::Response::builder().status(status).body(()) {
+        Ok(head) => head,
+        Err(_) => return,
+    };
+    let Ok(mut stream) = respond.send_response(head, body.is_none()) else {
+        return;
+    };
+    if let Some(body) = body {
+        // Queued in the connection; it is flushed even after `stream` is dropped.
+        let _ = stream.send_data(Bytes::from(body), true);
+    }
+}
+
+async fn answer(
+    agent: &Arc<Agent>,
+    auth: &Mutex<AuthState>,
+    req: http::Request<RecvStream>,
+) -> Reply {
+    if req.uri().path() != RPC_PATH {
+        return Reply::Status(http::StatusCode::NOT_FOUND);
+    }
+    if req.method() != http::Method::POST {
+        return Reply::Status(http::StatusCode::METHOD_NOT_ALLOWED);
+    }
+    let mut body = req.into_body();
+    let mut buf = Vec::new();
+    while let Some(chunk) = body.data().await {
+        let Ok(chunk) = chunk else {
+            return Reply::Abandon;
+        };
+        let _ = body.flow_control().release_capacity(chunk.len());
+        if buf.len() + chunk.len() > MAX_MESSAGE_BYTES {
+            return encode(Err(GuestError::new(
+                ErrorCode::InvalidArgument,
+                "request exceeds the message size limit",
+            )));
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    let response = match warren_protocol::decode::<HostRequest>(&buf) {
+        Ok(request) => dispatch(agent, auth, request).await,
+        Err(e) => Err(GuestError::new(
+            ErrorCode::InvalidArgument,
+            format!("undecodable request: {e}"),
+        )),
+    };
+    encode(response)
+}
+
+fn encode(response: Response) -> Reply {
+    match warren_protocol::encode(&response) {
+        Ok(body) => Reply::Body(body),
+        Err(e) => match warren_protocol::encode::<Response>(&Err(GuestError::new(
+            ErrorCode::Internal,
+            format!("encode response: {e}"),
+        ))) {
+            Ok(body) => Reply::Body(body),
+            Err(_) => Reply::Status(http::StatusCode::INTERNAL_SERVER_ERROR),
+        },
+    }
+}
+
+fn lock(auth: &Mutex<AuthState>) -> std::sync::MutexGuard<'_, AuthState> {
+    auth.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+async fn dispatch(agent: &Arc<Agent>, auth: &Mutex<AuthState>, req: HostRequest) -> Response {
+    match req {
+        HostRequest::Hello(hello) => say_hello(agent, auth, &hello),
+        HostRequest::Auth(proof) => authenticate(agent, auth, &proof),
+        other => {
+            if !matches!(*lock(auth), AuthState::Authenticated) {
+                return Err(GuestError::new(
+                    ErrorCode::Unauthenticated,
+                    "authenticate with Hello and Auth first",
+                ));
+            }
+            serve_request(agent, other).await
+        }
+    }
+}
+
+fn say_hello(agent: &Agent, auth: &Mutex<AuthState>, hello: &Hello) -> Response {
+    let mut state = lock(auth);
+    if matches!(*state, AuthState::Authenticated) {
+        return Err(GuestError::new(
+            ErrorCode::InvalidArgument,
+            "session already authenticated",
+        ));
+    }
+    let version = hello.max_version.min(PROTOCOL_VERSION);
+    if version < hello.min_version.max(MIN_PROTOCOL_VERSION) {
+        *state = AuthState::Fresh;
+        return Err(GuestError::new(
+            ErrorCode::VersionMismatch,
+            format!(
+                "guest speaks {MIN_PROTOCOL_VERSION}..={PROTOCOL_VERSION}, host {}..={}",
+                hello.min_version, hello.max_version
+            ),
+        ));
+    }
+    let guest_nonce: [u8; NONCE_LEN] = rand::random();
+    *state = AuthState::Challenged {
+        host_nonce: hello.host_nonce,
+        guest_nonce,
+    };
+    Ok(GuestResponse::Hello(HelloReply {
+        version,
+        guest_nonce,
+        proof: guest_proof(&agent.secret.0, &hello.host_nonce, &guest_nonce),
+    }))
+}
+
+fn authenticate(agent: &Agent, auth: &Mutex<AuthState>, req: &Auth) -> Response {
+    {
+        let mut state = lock(auth);
+        match *state {
+            AuthState::Challenged {
+                host_nonce,
+                guest_nonce,
+            } => {
+                let expected = host_proof(&agent.secret.0, &host_nonce, &guest_nonce);
+                if !verify(&expected, &req.proof) {
+                    // One attempt per challenge: a new Hello is needed.
+                    *state = AuthState::Fresh;
+                    return Err(GuestError::new(ErrorCode::Unauthenticated, "bad proof"));
+                }
+                *state = AuthState::Authenticated;
+            }
+            AuthState::Fresh => {
+                return Err(GuestError::new(ErrorCode::Unauthenticated, "Hello first"))
+            }
+            AuthState::Authenticated => {
+                return Err(GuestError::new(
+                    ErrorCode::InvalidArgument,
+                    "session already authenticated",
+                ))
+            }
+        }
+    }
+    if agent.system.pid1 {
+        set_clock(req.unix_time_ns);
+        add_entropy(&req.entropy);
+    }
+    Ok(GuestResponse::Authenticated(agent_info()))
+}
+
+fn set_clock(unix_time_ns: u64) {
+    let secs = i64::try_from(unix_time_ns / 1_000_000_000).unwrap_or(i64::MAX);
+    let nanos = i64::try_from(unix_time_ns % 1_000_000_000).unwrap_or(0);
+    if let Err(e) = clock_settime(ClockId::CLOCK_REALTIME, TimeSpec::new(secs, nanos)) {
+        crate::console::log(format_args!("set clock: {e}"));
+    }
+}
+
+fn add_entropy(entropy: &[u8; 32]) {
+    let urandom = match OpenOptions::new().write(true).open("/dev/urandom") {
+        Ok(f) => f,
+        Err(e) => {
+            crate::console::log(format_args!("open /dev/urandom: {e}"));
+            return;
+        }
+    };
+    if let Err(e) = crate::sys::add_entropy(&urandom, entropy) {
+        crate::console::log(format_args!("RNDADDENTROPY: {e}; mixing without credit"));
+        let mut f: &File = &urandom;
+        let _ = f.write_all(entropy);
+    }
+}
+
+fn agent_info() -> AgentInfo {
+    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default();
+    let uptime_ms = clock_gettime(ClockId::CLOCK_BOOTTIME)
+        .map(|t| {
+            let ms = t.tv_sec() * 1000 + t.tv_nsec() / 1_000_000;
+            u64::try_from(ms).unwrap_or(0)
+        })
+        .unwrap_or(0);
+    AgentInfo {
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        kernel_release: rustix::system::uname()
+            .release()
+            .to_string_lossy()
+            .into_owned(),
+        boot_id,
+        uptime_ms,
+    }
+}
+
+/// Largest `Source` payload that still fits one message (tags and length prefix included).
+const SOURCE_MAX: usize = MAX_MESSAGE_BYTES - 16;
+
+async fn serve_request(agent: &Arc<Agent>, req: HostRequest) -> Response {
+    match req {
+        HostRequest::Hello(_) | HostRequest::Auth(_) => Err(GuestError::new(
+            ErrorCode::InvalidArgument,
+            "session already authenticated",
+        )),
+        HostRequest::Ping => Ok(GuestResponse::Pong),
+        HostRequest::ExecStart(exec) => {
+            agent.jobs.start(exec).await.map(GuestResponse::ExecStarted)
+        }
+        HostRequest::JobOutput(req) => agent.jobs.output(&req).await.map(GuestResponse::JobOutput),
+        HostRequest::JobCancel(id) => agent.jobs.cancel(id).map(|()| GuestResponse::JobCancelled),
+        HostRequest::FileRead(req) => {
+            let cfg = agent.files.clone();
+            blocking(move || files::read(&cfg, &req))
+                .await
+                .map(GuestResponse::FileData)
+        }
+        HostRequest::FileWrite(req) => {
+            let cfg = agent.files.clone();
+            blocking(move || files::write(&cfg, &req))
+                .await
+                .map(GuestResponse::FileWritten)
+        }
+        HostRequest::Bench(warren_protocol::BenchRequest::ForkExecWait { iterations }) => agent
+            .jobs
+            .bench_fork_exec_wait(iterations)
+            .await
+            .map(GuestResponse::Bench),
+        HostRequest::Discard(_) => Ok(GuestResponse::Discarded),
+        HostRequest::Source(n) => {
+            let n = usize::try_from(n).unwrap_or(usize::MAX).min(SOURCE_MAX);
+            Ok(GuestResponse::Source(vec![0; n]))
+        }
+        HostRequest::PowerOff => {
+            power_off_soon(&agent.system);
+            Ok(GuestResponse::PoweringOff)
+        }
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, GuestError> + Send + 'static,
+) -> Result<T, GuestError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| GuestError::new(ErrorCode::Internal, format!("file task: {e}")))?
+}
+
+fn power_off_soon(system: &System) {
+    system.power_off_requested.store(true, Ordering::SeqCst);
+    if !system.pid1 {
+        return;
+    }
+    nix::unistd::sync();
+    tokio::spawn(async {
+        tokio::time::sleep(POWER_OFF_DELAY).await;
+        crate::boot::power_off();
+    });
+}
+
+#[cfg(test)]
+#[path = "session_tests.rs"]
+mod tests;

@@ -1,0 +1,628 @@
+//! Building images: the expensive, agent-independent *stage* (debootstrap rootfs, kernel,
+//! modules) and the cheap *assembly* of an image from a stage plus an agent binary.
+//!
+//! Stage build steps, in order (run on the caller's thread, progress via callback):
+//! 1. `debootstrap --variant=minbase <suite>` into `<tmp>/root` (log: `<tmp>/build.log`).
+//! 2. `apt-get install --no-install-recommends` of the recipe's extra packages in a chroot.
+//! 3. Kernel: resolve + download the cloud kernel `.deb` with the chroot's apt, unpack it,
+//!    extract `vmlinux`, `depmod`, decompress the needed modules to plain `.ko`.
+//! 4. Root tree: drop apt caches/lists, add `user` (1000:1000), `/workspace` (1000:1000 0755).
+//! 5. `mkfs.ext4 -d` into a sparse image of the recipe's size; the tree is then deleted.
+//! 6. Hash, record identities in `stage.json`, rename the temp dir to `stages/<digest>`.
+//!
+//! Invariant: a directory under `stages/` whose name is a digest is complete (it only appears
+//! by rename); temp dirs start with `.` and are removed on failure.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde::{Deserialize, Serialize};
+
+use crate::command::{run_logged, run_output};
+use crate::digest::{self, FileIdentity};
+use crate::initramfs::BaseInitramfs;
+use crate::kernel;
+use crate::manifest::{
+    FileDigest, Manifest, VerifiedRecord, INITRAMFS_FILE, MANIFEST_FILE, MANIFEST_FORMAT,
+    ROOTFS_FILE, VMLINUX_FILE,
+};
+use crate::recipe::{self, Recipe};
+use crate::store::{set_mode, BuildProgress};
+use crate::ImageError;
+
+/// Record of a finished stage (`stage.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StageRecord {
+    pub recipe: String,
+    pub stage_digest: String,
+    pub kernel_release: String,
+    pub kernel_package: String,
+    /// Plain `.ko` file names under `modules/`, in load order.
+    pub modules: Vec<String>,
+    pub rootfs_virtual_size: u64,
+    /// Digest and identity at hashing time of `vmlinux` and `rootfs.ext4`.
+    pub files: BTreeMap<String, (FileDigest, FileIdentity)>,
+}
+
+const STAGE_FILE: &str = "stage.json";
+const LOG_FILE: &str = "build.log";
+
+/// Loads the stage for `recipe` from `stages_dir`, building it if it is missing.
+pub fn ensure_stage(
+    stages_dir: &Path,
+    recipe: Recipe,
+    progress: &mut dyn FnMut(BuildProgress),
+) -> Result<(PathBuf, StageRecord), ImageError> {
+    let digest = recipe.stage_digest();
+    let dir = stages_dir.join(&digest);
+    if dir.join(STAGE_FILE).is_file() {
+        let path = dir.join(STAGE_FILE);
+        let bytes = std::fs::read(&path).map_err(ImageError::io("read", &path))?;
+        let rec: StageRecord =
+            serde_json::from_slice(&bytes).map_err(|e| ImageError::Manifest {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+        progress(BuildProgress::new(
+            "stage",
+            format!("reusing cached stage {}", &digest[..12]),
+        ));
+        return Ok((dir, rec));
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix(".stage-")
+        .tempdir_in(stages_dir)
+        .map_err(ImageError::io("create temp dir in", stages_dir))?;
+    // The temp dir is never dropped as a `TempDir`: a failed debootstrap may leave mounts
+    // inside it, and a recursive delete must not descend into them.
+    let work = tmp.keep();
+    let rec = match build_stage(&work, recipe, &digest, progress) {
+        Ok(rec) => rec,
+        Err(e) => {
+            let e = keep_failed_log(stages_dir, recipe, &work, e);
+            cleanup_work_dir(&work);
+            return Err(e);
+        }
+    };
+    let kept = work;
+    if let Err(e) = std::fs::rename(&kept, &dir) {
+        cleanup_work_dir(&kept);
+        return Err(ImageError::io("rename", &dir)(e));
+    }
+    Ok((dir, rec))
+}
+
+/// Copies the failed build's log to `<stages_dir>/<recipe>-failed.log` (the work dir is about
+/// to be deleted) and points the error at the copy.
+fn keep_failed_log(stages_dir: &Path, recipe: Recipe, work: &Path, e: ImageError) -> ImageError {
+    let kept = stages_dir.join(format!("{}-failed.log", recipe.name()));
+    if std::fs::copy(work.join(LOG_FILE), &kept).is_err() {
+        return e;
+    }
+    match e {
+        ImageError::Debootstrap {
+            status, log_tail, ..
+        } => ImageError::Debootstrap {
+            status,
+            log: kept,
+            log_tail,
+        },
+        ImageError::Packages {
+            status, log_tail, ..
+        } => ImageError::Packages {
+            status,
+            log: kept,
+            log_tail,
+        },
+        other => other,
+    }
+}
+
+/// Mount points at or below `dir`, deepest first (from `/proc/self/mountinfo`).
+fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        // mountinfo escapes spaces etc. as octal; our temp paths contain none.
+        .map(PathBuf::from)
+        .filter(|m| m.starts_with(dir))
+        .collect();
+    out.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
+    out
+}
+
+/// Removes a failed build's work dir. Mounts left inside it (debootstrap mounts /proc and
+/// /sys in the target) are lazily unmounted first; if any survive, the dir is left in place
+/// (with a warning) rather than recursing into a live filesystem.
+pub(crate) fn cleanup_work_dir(work: &Path) {
+    for m in mounts_under(work) {
+        let _ = Command::new("umount").arg("-l").arg(&m).status();
+    }
+    let left = mounts_under(work);
+    if !left.is_empty() {
+        tracing::warn!(dir = %work.display(), mounts = ?left, "leaving build dir with mounts in place");
+        return;
+    }
+    if let Err(e) = std::fs::remove_dir_all(work) {
+        tracing::warn!(dir = %work.display(), error = %e, "cannot remove build dir");
+    }
+}
+
+/// Removes leftover `.stage-*` dirs of builds that crashed (the caller holds the build lock,
+/// so none of them is in use).
+pub(crate) fn cleanup_stale(dir: &Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(prefix) {
+            cleanup_work_dir(&e.path());
+        }
+    }
+}
+
+fn build_stage(
+    work: &Path,
+    recipe: Recipe,
+    digest: &str,
+    progress: &mut dyn FnMut(BuildProgress),
+) -> Result<StageRecord, ImageError> {
+    set_mode(work, 0o755)?;
+    let root = work.join("root");
+    let log = work.join(LOG_FILE);
+    let started = std::time::Instant::now();
+
+    // 1. debootstrap.
+    progress(BuildProgress::new(
+        "debootstrap",
+        format!(
+            "{} {} (log {})",
+            recipe::SUITE,
+            recipe::MIRROR,
+            log.display()
+        ),
+    ));
+    let mut cmd = Command::new("debootstrap");
+    cmd.args(["--variant=minbase", recipe::SUITE])
+        .arg(&root)
+        .arg(recipe::MIRROR);
+    let mut summary = LineSummary::new("debootstrap");
+    run_logged(cmd, &log, &mut |line| summary.line(line, progress))?.map_err(|f| {
+        ImageError::Debootstrap {
+            status: f.status,
+            log: log.clone(),
+            log_tail: f.log_tail,
+        }
+    })?;
+    progress(BuildProgress::new(
+        "debootstrap",
+        format!("done in {:.0?}", started.elapsed()),
+    ));
+
+    // 2. Extra packages.
+    let packages = recipe.packages();
+    if !packages.is_empty() {
+        progress(BuildProgress::new("packages", packages.join(" ")));
+        let mut cmd = Command::new("chroot");
+        cmd.arg(&root)
+            .args(["apt-get", "-q", "-y", "--no-install-recommends", "install"])
+            .args(packages)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .env("LC_ALL", "C");
+        let mut summary = LineSummary::new("packages");
+        run_logged(cmd, &log, &mut |line| summary.line(line, progress))?.map_err(|f| {
+            ImageError::Packages {
+                status: f.status,
+                log: log.clone(),
+                log_tail: f.log_tail,
+            }
+        })?;
+    }
+
+    // 3. Kernel and modules.
+    let kernel_package = kernel::resolve_kernel_package(&root, recipe::KERNEL_METAPACKAGE)?;
+    progress(BuildProgress::new(
+        "kernel",
+        format!("downloading {kernel_package}"),
+    ));
+    let deb = kernel::download_package(&root, &kernel_package, work)?;
+    let unpacked = work.join("kernel");
+    kernel::unpack_deb(&deb, &unpacked)?;
+    let k = kernel::locate(&unpacked)?;
+    progress(BuildProgress::new(
+        "kernel",
+        format!("extracting vmlinux {}", k.release),
+    ));
+    let bz = std::fs::read(&k.bzimage).map_err(ImageError::io("read", &k.bzimage))?;
+    let vmlinux = kernel::extract_vmlinux(&bz)?;
+    let vmlinux_path = work.join(VMLINUX_FILE);
+    std::fs::write(&vmlinux_path, &vmlinux).map_err(ImageError::io("write", &vmlinux_path))?;
+    drop((bz, vmlinux));
+
+    kernel::depmod(&k)?;
+    let read = |name: &str| {
+        let p = k.modules_dir.join(name);
+        std::fs::read_to_string(&p).map_err(ImageError::io("read", p))
+    };
+    let order = kernel::load_order(
+        &read("modules.dep")?,
+        &read("modules.builtin").unwrap_or_default(),
+        recipe::AGENT_MODULES,
+    )?;
+    let modules_out = work.join("modules");
+    std::fs::create_dir(&modules_out).map_err(ImageError::io("create", &modules_out))?;
+    let mut modules = Vec::new();
+    for dep_path in &order {
+        let plain = kernel::read_module_plain(&k.modules_dir.join(dep_path))?;
+        let name = kernel::plain_file_name(dep_path);
+        let dest = modules_out.join(&name);
+        std::fs::write(&dest, plain).map_err(ImageError::io("write", &dest))?;
+        set_mode(&dest, 0o444)?;
+        modules.push(name);
+    }
+    progress(BuildProgress::new("modules", modules.join(" ")));
+    remove_all(&unpacked)?;
+    std::fs::remove_file(&deb).map_err(ImageError::io("remove", &deb))?;
+
+    // 4. Root tree.
+    progress(BuildProgress::new(
+        "rootfs",
+        "user, /workspace, apt cleanup".to_string(),
+    ));
+    prepare_root(&root)?;
+
+    // 5. mkfs.ext4.
+    let rootfs = work.join(ROOTFS_FILE);
+    let size = recipe.rootfs_size();
+    progress(BuildProgress::new(
+        "mkfs",
+        format!("ext4 {} MiB from {}", size >> 20, root.display()),
+    ));
+    let mut cmd = Command::new("mkfs.ext4");
+    cmd.args(["-q", "-F", "-d"])
+        .arg(&root)
+        .args(["-L", "warren-root"])
+        .arg(&rootfs)
+        .arg(format!("{}k", size / 1024));
+    run_output(cmd)?.map_err(|f| ImageError::Mkfs {
+        status: f.status,
+        output: f.log_tail,
+    })?;
+    remove_all(&root)?;
+
+    // 6. Hash and record.
+    progress(BuildProgress::new(
+        "digest",
+        "hashing vmlinux and rootfs".to_string(),
+    ));
+    let mut files = BTreeMap::new();
+    for name in [VMLINUX_FILE, ROOTFS_FILE] {
+        let p = work.join(name);
+        set_mode(&p, 0o444)?;
+        let sha256 = digest::sha256_file(&p)?;
+        let id = FileIdentity::of(&p)?;
+        files.insert(
+            name.to_string(),
+            (
+                FileDigest {
+                    sha256,
+                    size: id.size,
+                },
+                id,
+            ),
+        );
+    }
+    let rec = StageRecord {
+        recipe: recipe.name().to_string(),
+        stage_digest: digest.to_string(),
+        kernel_release: k.release,
+        kernel_package,
+        modules,
+        rootfs_virtual_size: size,
+        files,
+    };
+    let path = work.join(STAGE_FILE);
+    std::fs::write(&path, digest::canonical_json(&rec)).map_err(ImageError::io("write", &path))?;
+    progress(BuildProgress::new(
+        "stage",
+        format!("built in {:.0?}", started.elapsed()),
+    ));
+    Ok(rec)
+}
+
+fn remove_all(p: &Path) -> Result<(), ImageError> {
+    std::fs::remove_dir_all(p).map_err(ImageError::io("remove", p))
+}
+
+/// Empties a directory without removing it.
+fn clear_dir(dir: &Path, keep: &[&str]) -> Result<(), ImageError> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
+    for e in entries {
+        let e = e.map_err(ImageError::io("read dir", dir))?;
+        if keep.iter().any(|k| e.file_name() == *k) {
+            continue;
+        }
+        let p = e.path();
+        let ft = e.file_type().map_err(ImageError::io("stat", &p))?;
+        if ft.is_dir() {
+            remove_all(&p)?;
+        } else {
+            std::fs::remove_file(&p).map_err(ImageError::io("remove", &p))?;
+        }
+    }
+    Ok(())
+}
+
+/// Shrinks the tree and adds the guest user and `/workspace`.
+fn prepare_root(root: &Path) -> Result<(), ImageError> {
+    clear_dir(&root.join("var/lib/apt/lists"), &["partial", "lock"])?;
+    clear_dir(&root.join("var/lib/apt/lists/partial"), &[])?;
+    clear_dir(&root.join("var/cache/apt/archives"), &["partial", "lock"])?;
+    clear_dir(&root.join("var/cache/apt/archives/partial"), &[])?;
+    for f in [
+        "var/cache/apt/pkgcache.bin",
+        "var/cache/apt/srcpkgcache.bin",
+    ] {
+        let _ = std::fs::remove_file(root.join(f));
+    }
+    clear_dir(&root.join("var/log/apt"), &[])?;
+    let _ = std::fs::remove_file(root.join("var/log/dpkg.log"));
+    let _ = std::fs::remove_file(root.join("var/log/bootstrap.log"));
+
+    let uid = recipe::USER_ID;
+    let etc = root.join("etc");
+    add_line(
+        &etc.join("passwd"),
+        &format!("user:x:{uid}:{uid}:Warren user:/home/user:/bin/bash"),
+    )?;
+    add_line(&etc.join("group"), &format!("user:x:{uid}:"))?;
+    add_line(&etc.join("shadow"), "user:!::0:99999:7:::")?;
+    add_line(&etc.join("gshadow"), "user:!::")?;
+
+    let home = root.join("home/user");
+    std::fs::create_dir_all(&home).map_err(ImageError::io("create", &home))?;
+    if let Ok(skel) = std::fs::read_dir(etc.join("skel")) {
+        for e in skel.flatten() {
+            if e.file_type().map(|t| t.is_file()).unwrap_or(false) {
+                let dest = home.join(e.file_name());
+                std::fs::copy(e.path(), &dest).map_err(ImageError::io("copy", &dest))?;
+                std::os::unix::fs::chown(&dest, Some(uid), Some(uid))
+                    .map_err(ImageError::io("chown", &dest))?;
+            }
+        }
+    }
+    std::os::unix::fs::chown(&home, Some(uid), Some(uid))
+        .map_err(ImageError::io("chown", &home))?;
+    set_mode(&home, 0o755)?;
+
+    let ws = root.join("workspace");
+    std::fs::create_dir_all(&ws).map_err(ImageError::io("create", &ws))?;
+    std::os::unix::fs::chown(&ws, Some(uid), Some(uid)).map_err(ImageError::io("chown", &ws))?;
+    set_mode(&ws, 0o755)
+}
+
+/// Appends `line` to an `/etc` account file unless an entry with the same name exists.
+fn add_line(path: &Path, line: &str) -> Result<(), ImageError> {
+    let mut text = std::fs::read_to_string(path).map_err(ImageError::io("read", path))?;
+    let name = line.split(':').next().unwrap_or(line);
+    if text.lines().any(|l| l.split(':').next() == Some(name)) {
+        return Err(ImageError::RootfsSetup(format!(
+            "{} already has an entry {name:?}",
+            path.display()
+        )));
+    }
+    if !text.is_empty() && !text.ends_with('\n') {
+        text.push('\n');
+    }
+    text.push_str(line);
+    text.push('\n');
+    let mode = std::fs::metadata(path)
+        .map_err(ImageError::io("stat", path))?
+        .permissions()
+        .mode();
+    std::fs::write(path, text).map_err(ImageError::io("write", path))?;
+    set_mode(path, mode & 0o7777)
+}
+
+/// Summarises debootstrap/apt output into a few progress events: one per phase change
+/// (`Retrieving`, `Extracting`, `Unpacking`, `Configuring`, `Setting up`...) and one per
+/// 25 packages within a phase.
+struct LineSummary {
+    step: &'static str,
+    phase: String,
+    count: usize,
+}
+
+impl LineSummary {
+    fn new(step: &'static str) -> Self {
+        LineSummary {
+            step,
+            phase: String::new(),
+            count: 0,
+        }
+    }
+
+    fn line(&mut self, line: &str, progress: &mut dyn FnMut(BuildProgress)) {
+        let body = line.strip_prefix("I: ").unwrap_or(line).trim();
+        let mut words = body.split_whitespace();
+        let verb = match (words.next(), words.next()) {
+            (Some("Setting"), Some("up")) => "Setting up",
+            (Some(w), _) if w.starts_with("Get:") => "Downloading",
+            (Some(w), Some(_)) => match w {
+                "Retrieving" | "Validating" | "Extracting" | "Installing" | "Unpacking"
+                | "Configuring" | "Processing" => w,
+                _ => return,
+            },
+            _ => return,
+        }
+        .to_string();
+        if verb != self.phase {
+            if self.count > 0 {
+                progress(BuildProgress::new(
+                    self.step,
+                    format!("{} {} packages", self.phase, self.count),
+                ));
+            }
+            self.phase = verb;
+            self.count = 0;
+            progress(BuildProgress::new(self.step, body.to_string()));
+        }
+        self.count += 1;
+        if self.count.is_multiple_of(25) {
+            progress(BuildProgress::new(
+                self.step,
+                format!("{} ... {}", self.phase, self.count),
+            ));
+        }
+    }
+}
+
+/// Assembles an image from a stage and an agent into `out` (a fresh temp dir inside the
+/// image store) and returns the manifest. The caller renames `out` to the image id.
+pub fn assemble(
+    stage_dir: &Path,
+    stage: &StageRecord,
+    recipe: Recipe,
+    agent: &Path,
+    agent_sha256: &str,
+    out: &Path,
+    progress: &mut dyn FnMut(BuildProgress),
+) -> Result<Manifest, ImageError> {
+    progress(BuildProgress::new(
+        "initramfs",
+        format!("agent {}", agent.display()),
+    ));
+    let agent_bytes = std::fs::read(agent).map_err(ImageError::io("read", agent))?;
+    if digest::sha256_hex(&agent_bytes) != agent_sha256 {
+        return Err(ImageError::InvalidInput(format!(
+            "agent {} changed during the build",
+            agent.display()
+        )));
+    }
+    let mut modules = Vec::new();
+    for name in &stage.modules {
+        let p = stage_dir.join("modules").join(name);
+        let bytes = std::fs::read(&p).map_err(ImageError::io("read", &p))?;
+        modules.push((name.clone(), bytes));
+    }
+    let cpio = BaseInitramfs {
+        agent: &agent_bytes,
+        modules: &modules,
+    }
+    .to_bytes();
+    let initramfs = out.join(INITRAMFS_FILE);
+    std::fs::write(&initramfs, &cpio).map_err(ImageError::io("write", &initramfs))?;
+    set_mode(&initramfs, 0o444)?;
+
+    let mut files = BTreeMap::new();
+    let mut record = VerifiedRecord::default();
+    files.insert(
+        INITRAMFS_FILE.to_string(),
+        FileDigest {
+            sha256: digest::sha256_hex(&cpio),
+            size: cpio.len() as u64,
+        },
+    );
+    record
+        .files
+        .insert(INITRAMFS_FILE.to_string(), FileIdentity::of(&initramfs)?);
+
+    // Stage files are shared by hard link (read-only, same inode); fall back to a sparse copy
+    // across filesystems. Their digests are reused if the identity is unchanged.
+    for name in [VMLINUX_FILE, ROOTFS_FILE] {
+        let src = stage_dir.join(name);
+        let dst = out.join(name);
+        if std::fs::hard_link(&src, &dst).is_err() {
+            progress(BuildProgress::new("install", format!("copying {name}")));
+            let mut cmd = Command::new("cp");
+            cmd.arg("--sparse=always").arg(&src).arg(&dst);
+            run_output(cmd)?
+                .map_err(|f| ImageError::io("copy", &dst)(std::io::Error::other(f.log_tail)))?;
+            set_mode(&dst, 0o444)?;
+        }
+        let (recorded, recorded_id) =
+            stage.files.get(name).ok_or_else(|| ImageError::Manifest {
+                path: stage_dir.join(STAGE_FILE),
+                reason: format!("no entry for {name}"),
+            })?;
+        let id = FileIdentity::of(&dst)?;
+        if id != *recorded_id {
+            progress(BuildProgress::new("digest", format!("verifying {name}")));
+            digest::verify_file(&dst, &recorded.sha256)?;
+        }
+        files.insert(name.to_string(), recorded.clone());
+        record.files.insert(name.to_string(), id);
+    }
+
+    let manifest = Manifest {
+        format: MANIFEST_FORMAT,
+        recipe: recipe.name().to_string(),
+        recipe_digest: recipe.recipe_digest(agent_sha256),
+        stage_digest: stage.stage_digest.clone(),
+        agent_sha256: agent_sha256.to_string(),
+        kernel_release: stage.kernel_release.clone(),
+        kernel_package: stage.kernel_package.clone(),
+        modules: stage.modules.clone(),
+        created_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        rootfs_virtual_size: stage.rootfs_virtual_size,
+        files,
+    };
+    let mpath = out.join(MANIFEST_FILE);
+    std::fs::write(&mpath, manifest.canonical_bytes()).map_err(ImageError::io("write", &mpath))?;
+    set_mode(&mpath, 0o444)?;
+    record.store(out)?;
+    set_mode(out, 0o755)?;
+    Ok(manifest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_line_summary_apt_output_few_events() {
+        let mut events = Vec::new();
+        let mut s = LineSummary::new("packages");
+        for i in 0..30 {
+            s.line(
+                &format!("Preparing to unpack .../{i}-pkg.deb ..."),
+                &mut |p| events.push(p),
+            );
+            s.line(&format!("Unpacking pkg{i} (1.0) ..."), &mut |p| {
+                events.push(p)
+            });
+        }
+        s.line("Setting up pkg0 (1.0) ...", &mut |p| events.push(p));
+        let details: Vec<&str> = events.iter().map(|e| e.detail.as_str()).collect();
+        assert_eq!(
+            details,
+            [
+                "Unpacking pkg0 (1.0) ...",
+                "Unpacking ... 25",
+                "Unpacking 30 packages",
+                "Setting up pkg0 (1.0) ..."
+            ]
+        );
+    }
+
+    #[test]
+    fn test_add_line_existing_user_rejected() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("passwd");
+        std::fs::write(&p, "root:x:0:0:root:/root:/bin/bash").expect("write");
+        add_line(&p, "user:x:1000:1000::/home/user:/bin/bash").expect("add");
+        let text = std::fs::read_to_string(&p).expect("read");
+        assert!(text.ends_with("\nuser:x:1000:1000::/home/user:/bin/bash\n"));
+        assert!(add_line(&p, "user:x:1001:1001::/x:/bin/sh").is_err());
+    }
+}

@@ -1,0 +1,88 @@
+//! The crate's error type: one variant per failed operation.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong while building, importing, resolving or verifying an image.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    /// A filesystem operation failed.
+    #[error("{op} {path}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A helper program could not be started.
+    #[error("cannot run {program}")]
+    Spawn {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// `debootstrap` failed; `log_tail` holds the end of its output.
+    #[error("debootstrap failed ({status}); log {log}:\n{log_tail}")]
+    Debootstrap {
+        status: String,
+        log: PathBuf,
+        log_tail: String,
+    },
+    /// Installing the recipe's extra packages in the chroot failed.
+    #[error("package install failed ({status}); log {log}:\n{log_tail}")]
+    Packages {
+        status: String,
+        log: PathBuf,
+        log_tail: String,
+    },
+    /// Finding or downloading the kernel package failed.
+    #[error("kernel fetch failed: {0}")]
+    KernelFetch(String),
+    /// Unpacking the kernel package or extracting `vmlinux` from the bzImage failed.
+    #[error("kernel extract failed: {0}")]
+    KernelExtract(String),
+    /// Computing or decompressing the module set failed.
+    #[error("kernel modules: {0}")]
+    Modules(String),
+    /// Preparing the root filesystem tree (user, /workspace, cleanup) failed.
+    #[error("rootfs setup failed: {0}")]
+    RootfsSetup(String),
+    /// `mkfs.ext4` failed.
+    #[error("mkfs.ext4 failed ({status}): {output}")]
+    Mkfs { status: String, output: String },
+    /// A file's content does not match the digest recorded in the manifest.
+    #[error("digest mismatch for {file}: expected sha256 {expected}, found {actual}")]
+    DigestMismatch {
+        file: PathBuf,
+        expected: String,
+        actual: String,
+    },
+    /// A manifest or cache record could not be parsed or is inconsistent.
+    #[error("invalid manifest {path}: {reason}")]
+    Manifest { path: PathBuf, reason: String },
+    /// No image matches the given spec.
+    #[error("no image matches {0:?}")]
+    NotFound(String),
+    /// More than one image matches the given prefix.
+    #[error("image spec {0:?} is ambiguous")]
+    Ambiguous(String),
+    /// A recipe name that is not `minimal` or `dev`.
+    #[error("unknown recipe {0:?} (expected minimal or dev)")]
+    UnknownRecipe(String),
+    /// The string is not a 64-hex-digit image id.
+    #[error("invalid image id {0:?}")]
+    InvalidId(String),
+    /// The per-VM secret or another input is malformed.
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+}
+
+impl ImageError {
+    /// Builds an [`ImageError::Io`] for `op` on `path`; use as `.map_err(io("read", &p))`.
+    pub(crate) fn io(
+        op: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(std::io::Error) -> ImageError {
+        let path = path.into();
+        move |source| ImageError::Io { op, path, source }
+    }
+}

@@ -1,0 +1,95 @@
+//! The serial console: read from the VMM's console socket into a bounded log.
+//!
+//! The log is `console.log`; when it reaches [`LOG_HALF`] bytes it becomes `console.log.1`
+//! (replacing the previous one) and a new `console.log` starts, so at most 2 × LOG_HALF bytes
+//! are kept. A guest flooding its console cannot fill the host disk.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::AsyncReadExt;
+use tokio::net::UnixStream;
+
+use crate::layout::VmDir;
+
+/// Bytes per console log file.
+pub const LOG_HALF: u64 = 512 * 1024;
+/// Bytes of console output kept in memory for error messages.
+const TAIL: usize = 4096;
+
+/// The last bytes the console printed, shared with the supervisor for error reports.
+#[derive(Clone, Default)]
+pub struct ConsoleTail(Arc<Mutex<Vec<u8>>>);
+
+impl ConsoleTail {
+    pub fn text(&self) -> String {
+        let t = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        String::from_utf8_lossy(&t).into_owned()
+    }
+
+    fn push(&self, data: &[u8]) {
+        let mut t = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        t.extend_from_slice(data);
+        if t.len() > TAIL {
+            let cut = t.len() - TAIL;
+            t.drain(..cut);
+        }
+    }
+
+    /// The last `n` lines.
+    pub fn last_lines(&self, n: usize) -> String {
+        let text = self.text();
+        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+}
+
+/// Connects to the console socket (retrying until it exists, up to `wait`).
+pub async fn connect(path: &std::path::Path, wait: Duration) -> std::io::Result<UnixStream> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match UnixStream::connect(path).await {
+            Ok(s) => return Ok(s),
+            Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
+            Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
+        }
+    }
+}
+
+/// Copies the console into the bounded log until the VMM closes it.
+pub async fn pump(mut stream: UnixStream, dir: VmDir, tail: ConsoleTail) {
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut file = open_log(&dir);
+    let mut written = file
+        .as_ref()
+        .and_then(|f| f.metadata().ok())
+        .map(|m| m.len())
+        .unwrap_or(0);
+    loop {
+        let n = match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        tail.push(&buf[..n]);
+        if written >= LOG_HALF {
+            let _ = std::fs::rename(dir.console_log(), dir.console_log_old());
+            file = open_log(&dir);
+            written = 0;
+        }
+        if let Some(f) = file.as_mut() {
+            if f.write_all(&buf[..n]).is_ok() {
+                written += n as u64;
+            }
+        }
+    }
+}
+
+fn open_log(dir: &VmDir) -> Option<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.console_log())
+        .map_err(|e| tracing::warn!(error = %e, "console log unavailable"))
+        .ok()
+}

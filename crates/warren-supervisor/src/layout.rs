@@ -1,0 +1,93 @@
+//! Files of a VM directory and the records the supervisor leaves in it.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use warren_vmm::LaunchSpec;
+
+/// Paths inside one VM's private directory.
+#[derive(Debug, Clone)]
+pub struct VmDir(pub PathBuf);
+
+impl VmDir {
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+    /// What the supervisor is to run (written by the creator before spawning it).
+    pub fn config(&self) -> PathBuf {
+        self.0.join("supervisor.json")
+    }
+    /// The per-VM channel secret (root-only; also inside the per-VM initramfs).
+    pub fn secret(&self) -> PathBuf {
+        self.0.join("secret")
+    }
+    /// Held locked by the live supervisor.
+    pub fn lock(&self) -> PathBuf {
+        self.0.join("supervisor.lock")
+    }
+    pub fn socket(&self) -> PathBuf {
+        self.0.join("supervisor.sock")
+    }
+    /// The supervisor's own log (stderr).
+    pub fn supervisor_log(&self) -> PathBuf {
+        self.0.join("supervisor.log")
+    }
+    /// Why the VM ended, written once by the supervisor.
+    pub fn exit_record(&self) -> PathBuf {
+        self.0.join("exit.json")
+    }
+    pub fn console_log(&self) -> PathBuf {
+        self.0.join("console.log")
+    }
+    pub fn console_log_old(&self) -> PathBuf {
+        self.0.join("console.log.1")
+    }
+    pub fn qemu_stderr(&self) -> PathBuf {
+        self.0.join("qemu.stderr")
+    }
+
+    /// True while a supervisor holds the lock.
+    pub fn supervisor_alive(&self) -> bool {
+        use std::os::fd::AsFd;
+        let Ok(f) = std::fs::File::open(self.lock()) else {
+            return false;
+        };
+        match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockSharedNonblock) {
+            Ok(l) => {
+                let _ = l.as_fd();
+                false
+            }
+            Err(_) => true,
+        }
+    }
+
+    pub fn read_exit(&self) -> Option<ExitRecord> {
+        let b = std::fs::read(self.exit_record()).ok()?;
+        serde_json::from_slice(&b).ok()
+    }
+
+    /// The console log, older half first.
+    pub fn console_text(&self) -> String {
+        let mut s = std::fs::read(self.console_log_old()).unwrap_or_default();
+        s.extend(std::fs::read(self.console_log()).unwrap_or_default());
+        String::from_utf8_lossy(&s).into_owned()
+    }
+}
+
+/// What the supervisor runs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SupervisorConfig {
+    pub vm_id: String,
+    pub launch: LaunchSpec,
+    /// How long the guest may take to answer on the channel after launch.
+    pub boot_timeout_ms: u64,
+}
+
+/// Why a VM ended.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExitRecord {
+    /// A client asked for it (destroy); otherwise the VM failed.
+    pub requested: bool,
+    pub reason: String,
+    pub unix_time: u64,
+}

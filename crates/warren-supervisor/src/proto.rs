@@ -1,0 +1,102 @@
+//! The supervisor's client protocol: one request per connection on `supervisor.sock`,
+//! each message a big-endian u32 length followed by a postcard body.
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use warren_protocol::{AgentInfo, GuestError, GuestResponse, HostRequest};
+
+/// Largest client message (a guest message plus headroom).
+pub const MAX_FRAME: usize = warren_protocol::limits::MAX_MESSAGE_BYTES + 1024;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum SupervisorRequest {
+    /// Forward to the guest agent. Session requests (Hello, Auth) are refused.
+    Guest(HostRequest),
+    /// Current phase, without waiting.
+    Status,
+    /// Waits until the guest answered (or failed to) for up to this long.
+    WaitReady { timeout_ms: u64 },
+    /// Stops the VM: the VMM is killed and the supervisor exits.
+    Stop,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum SupervisorResponse {
+    Guest(GuestResponse),
+    Status(StatusInfo),
+    Stopping,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub enum VmPhase {
+    Booting,
+    Ready(AgentInfo),
+    /// The channel dropped and is being re-established.
+    Reconnecting,
+    Failed(String),
+    Stopping,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StatusInfo {
+    pub phase: VmPhase,
+    pub vmm_pid: Option<u32>,
+    pub supervisor_pid: u32,
+    /// Milliseconds from launch to the guest's authenticated answer.
+    pub boot_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, thiserror::Error)]
+pub enum SupervisorError {
+    #[error("{0}")]
+    Guest(GuestError),
+    #[error("the guest is not ready: {0}")]
+    NotReady(String),
+    #[error("the VM failed: {0}")]
+    Failed(String),
+    #[error("request refused: {0}")]
+    Refused(String),
+    #[error("guest channel: {0}")]
+    Channel(String),
+}
+
+pub type Reply = Result<SupervisorResponse, SupervisorError>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("I/O on the supervisor socket")]
+    Io(#[from] std::io::Error),
+    #[error("frame of {0} bytes is too large")]
+    TooLarge(usize),
+    #[error("malformed frame")]
+    Codec(#[from] postcard::Error),
+}
+
+pub async fn write_frame<W: AsyncWriteExt + Unpin, T: Serialize>(
+    w: &mut W,
+    msg: &T,
+) -> Result<(), FrameError> {
+    let body = postcard::to_stdvec(msg)?;
+    if body.len() > MAX_FRAME {
+        return Err(FrameError::TooLarge(body.len()));
+    }
+    let len = u32::try_from(body.len()).map_err(|_| FrameError::TooLarge(body.len()))?;
+    w.write_all(&len.to_be_bytes()).await?;
+    w.write_all(&body).await?;
+    w.flush().await?;
+    Ok(())
+}
+
+pub async fn read_frame<R: AsyncReadExt + Unpin, T: for<'de> Deserialize<'de>>(
+    r: &mut R,
+) -> Result<T, FrameError> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len).await?;
+    let len = u32::from_be_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(FrameError::TooLarge(len));
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).await?;
+    Ok(postcard::from_bytes(&body)?)
+}

@@ -1,0 +1,426 @@
+//! The supervisor process: launch, watch, serve, clean up (see the crate docs for the order).
+//!
+//! Runs on a current-thread runtime: the VMM's parent-death signal is tied to the thread that
+//! spawned it, so that thread must be the process's only one.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tokio::io::AsyncReadExt;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{watch, Notify};
+use warren_protocol::HostRequest;
+use warren_vmm::qemu::QemuBackend;
+use warren_vmm::{sys::cgroup, VmBackend};
+
+use crate::channel::GuestChannel;
+use crate::console::{self, ConsoleTail};
+use crate::layout::{ExitRecord, SupervisorConfig, VmDir};
+use crate::proto::{
+    read_frame, write_frame, Reply, StatusInfo, SupervisorError, SupervisorRequest,
+    SupervisorResponse, VmPhase,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SuperviseError {
+    #[error("reading {path}")]
+    Config {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("parsing the supervisor config")]
+    ConfigParse(#[from] serde_json::Error),
+    #[error("another supervisor holds {0}")]
+    Locked(PathBuf),
+    #[error("I/O on {what}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Vmm(#[from] warren_vmm::VmmError),
+}
+
+/// How long a stopping VMM gets to exit after `quit` before it is killed.
+const QUIT_GRACE: Duration = Duration::from_secs(3);
+/// How long a request waits for a reconnecting channel.
+const RECONNECT_WAIT: Duration = Duration::from_secs(30);
+
+struct Shared {
+    phase: watch::Sender<VmPhase>,
+    channel: Mutex<Option<GuestChannel>>,
+    stop: Notify,
+    vmm_pid: Option<u32>,
+    boot_ms: Mutex<Option<u64>>,
+}
+
+impl Shared {
+    fn current_channel(&self) -> Option<GuestChannel> {
+        self.channel
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    async fn channel(&self, wait: Duration) -> Result<GuestChannel, SupervisorError> {
+        let mut rx = self.phase.subscribe();
+        let waited = tokio::time::timeout(wait, async {
+            loop {
+                match &*rx.borrow_and_update() {
+                    VmPhase::Ready(_) => {
+                        if let Some(ch) = self.current_channel() {
+                            return Ok(ch);
+                        }
+                    }
+                    VmPhase::Failed(r) => return Err(SupervisorError::Failed(r.clone())),
+                    VmPhase::Stopping => {
+                        return Err(SupervisorError::NotReady("the VM is stopping".into()))
+                    }
+                    VmPhase::Booting | VmPhase::Reconnecting => {}
+                }
+                if rx.changed().await.is_err() {
+                    return Err(SupervisorError::NotReady("supervisor exiting".into()));
+                }
+            }
+        })
+        .await;
+        waited.unwrap_or_else(|_| {
+            Err(SupervisorError::NotReady(format!(
+                "no guest channel within {wait:?}"
+            )))
+        })
+    }
+}
+
+/// Runs the supervisor for the VM in `dir` until the VM ends.
+pub fn run(dir: PathBuf) -> Result<(), SuperviseError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| SuperviseError::Io {
+            what: "runtime",
+            source,
+        })?;
+    rt.block_on(run_async(VmDir(dir)))
+}
+
+async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
+    let cfg_bytes = std::fs::read(dir.config()).map_err(|source| SuperviseError::Config {
+        path: dir.config(),
+        source,
+    })?;
+    let cfg: SupervisorConfig = serde_json::from_slice(&cfg_bytes)?;
+    let secret = std::fs::read(dir.secret()).map_err(|source| SuperviseError::Config {
+        path: dir.secret(),
+        source,
+    })?;
+
+    // 1. The lock: held until this process exits.
+    let lock_file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.lock())
+        .map_err(|source| SuperviseError::Io {
+            what: "lock file",
+            source,
+        })?;
+    let _lock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|_| SuperviseError::Locked(dir.lock()))?;
+    {
+        use std::io::Write;
+        let mut f: &std::fs::File = &_lock;
+        let _ = f.write_all(std::process::id().to_string().as_bytes());
+    }
+    let _ = std::fs::remove_file(dir.socket());
+    let listener = UnixListener::bind(dir.socket()).map_err(|source| SuperviseError::Io {
+        what: "supervisor socket",
+        source,
+    })?;
+
+    // 2. Launch.
+    let backend = QemuBackend::new(warren_vmm::accel::find_qemu()?)?;
+    if let Some(cg) = &cfg.launch.cgroup {
+        cgroup::create(cg)?;
+    }
+    let launched_at = Instant::now();
+    let launched = match backend.launch(&cfg.launch) {
+        Ok(l) => l,
+        Err(e) => {
+            record_exit(&dir, false, format!("launching the VMM failed: {e}"));
+            return Err(e.into());
+        }
+    };
+    let mut child = launched.child;
+    let endpoints = launched.endpoints;
+    tracing::info!(vm = %cfg.vm_id, pid = ?child.id(), "VMM launched");
+
+    let (phase, _) = watch::channel(VmPhase::Booting);
+    let shared = Arc::new(Shared {
+        phase,
+        channel: Mutex::new(None),
+        stop: Notify::new(),
+        vmm_pid: child.id(),
+        boot_ms: Mutex::new(None),
+    });
+
+    // 3. Console.
+    let tail = ConsoleTail::default();
+    let console_task = {
+        let dir = dir.clone();
+        let tail = tail.clone();
+        let path = endpoints.console.clone();
+        tokio::spawn(async move {
+            match console::connect(&path, Duration::from_secs(10)).await {
+                Ok(s) => console::pump(s, dir, tail).await,
+                Err(e) => tracing::warn!(error = %e, "console unavailable"),
+            }
+        })
+    };
+
+    // 4. Channel, re-established whenever it drops.
+    let failure = Arc::new(Mutex::new(None::<String>));
+    {
+        let shared = shared.clone();
+        let path = endpoints.channel.clone();
+        let tail = tail.clone();
+        let failure = failure.clone();
+        let boot_deadline = launched_at + Duration::from_millis(cfg.boot_timeout_ms);
+        tokio::spawn(async move {
+            let mut first = true;
+            loop {
+                let deadline = if first {
+                    boot_deadline
+                } else {
+                    Instant::now() + RECONNECT_WAIT
+                };
+                match GuestChannel::connect(&path, &secret, deadline).await {
+                    Ok(ch) => {
+                        if first {
+                            let ms = launched_at.elapsed().as_millis() as u64;
+                            *shared.boot_ms.lock().unwrap_or_else(|p| p.into_inner()) = Some(ms);
+                            tracing::info!(boot_ms = ms, "guest ready");
+                        }
+                        first = false;
+                        let info = ch.info.clone();
+                        *shared.channel.lock().unwrap_or_else(|p| p.into_inner()) =
+                            Some(ch.clone());
+                        shared.phase.send_replace(VmPhase::Ready(info));
+                        ch.closed().await;
+                        *shared.channel.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                        if matches!(*shared.phase.borrow(), VmPhase::Stopping) {
+                            return;
+                        }
+                        tracing::warn!("guest channel dropped; resynchronising");
+                        shared.phase.send_replace(VmPhase::Reconnecting);
+                    }
+                    Err(e) => {
+                        let mut reason = format!("the guest agent did not come up: {e}");
+                        let lines = tail.last_lines(20);
+                        if !lines.is_empty() {
+                            reason.push_str(&format!("\nconsole:\n{lines}"));
+                        }
+                        tracing::error!(%reason, "guest channel failed");
+                        *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
+                        shared.phase.send_replace(VmPhase::Failed(reason));
+                        shared.stop.notify_one();
+                        return;
+                    }
+                }
+            }
+        });
+    }
+
+    // 5. Serve until the VMM exits or someone asks to stop.
+    let serve = {
+        let shared = shared.clone();
+        async move {
+            loop {
+                match listener.accept().await {
+                    Ok((conn, _)) => {
+                        tokio::spawn(handle(conn, shared.clone()));
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        }
+    };
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|source| SuperviseError::Io {
+            what: "signal handler",
+            source,
+        })?;
+    let (requested, reason) = tokio::select! {
+        status = child.wait() => {
+            let status = status.map_err(|source| SuperviseError::Io { what: "wait for VMM", source })?;
+            let mut reason = format!("the VMM exited unexpectedly ({})", describe_status(status));
+            let stderr = std::fs::read_to_string(dir.qemu_stderr()).unwrap_or_default();
+            if let Some(l) = stderr.lines().rev().find(|l| !l.trim().is_empty()) {
+                reason.push_str(&format!(": {l}"));
+            }
+            let lines = tail.last_lines(10);
+            if !lines.is_empty() {
+                reason.push_str(&format!("\nconsole:\n{lines}"));
+            }
+            (false, reason)
+        }
+        _ = shared.stop.notified() => {
+            let fail = failure.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            shared.phase.send_replace(VmPhase::Stopping);
+            stop_vmm(&backend, &endpoints, &mut child).await;
+            match fail {
+                Some(r) => (false, r),
+                None => (true, "destroyed".to_string()),
+            }
+        }
+        _ = sigterm.recv() => {
+            shared.phase.send_replace(VmPhase::Stopping);
+            stop_vmm(&backend, &endpoints, &mut child).await;
+            (true, "supervisor terminated (SIGTERM)".to_string())
+        }
+        _ = serve => unreachable!("the accept loop never ends"),
+    };
+    if !matches!(*shared.phase.borrow(), VmPhase::Stopping) {
+        shared.phase.send_replace(VmPhase::Failed(reason.clone()));
+    }
+
+    // 6. Clean up.
+    if let Some(cg) = &cfg.launch.cgroup {
+        if let Err(e) = cgroup::kill_and_remove(cg) {
+            tracing::warn!(error = %e, "cgroup cleanup failed");
+        }
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(1), console_task).await;
+    record_exit(&dir, requested, reason);
+    for p in [
+        dir.socket(),
+        endpoints.console,
+        endpoints.channel,
+        endpoints.control,
+    ] {
+        let _ = std::fs::remove_file(p);
+    }
+    Ok(())
+}
+
+async fn stop_vmm(
+    backend: &QemuBackend,
+    endpoints: &warren_vmm::VmEndpoints,
+    child: &mut tokio::process::Child,
+) {
+    let quit = async {
+        if let Ok(mut ctl) = backend.control(endpoints).await {
+            let _ = ctl.quit().await;
+        }
+        child.wait().await
+    };
+    if tokio::time::timeout(QUIT_GRACE, quit).await.is_err() {
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+    }
+}
+
+fn describe_status(s: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(sig) = s.signal() {
+        let name = nix::sys::signal::Signal::try_from(sig)
+            .map(|s| s.as_str().to_string())
+            .unwrap_or_else(|_| sig.to_string());
+        format!("killed by {name}")
+    } else {
+        format!("exit status {}", s.code().unwrap_or(-1))
+    }
+}
+
+fn record_exit(dir: &VmDir, requested: bool, reason: String) {
+    let rec = ExitRecord {
+        requested,
+        reason,
+        unix_time: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs(),
+    };
+    let tmp = dir.path().join("exit.json.tmp");
+    let body = serde_json::to_vec_pretty(&rec).expect("invariant: record serialises");
+    if std::fs::write(&tmp, body)
+        .and_then(|_| std::fs::rename(&tmp, dir.exit_record()))
+        .is_err()
+    {
+        tracing::error!("could not write the exit record");
+    }
+}
+
+async fn handle(conn: UnixStream, shared: Arc<Shared>) {
+    let (mut rd, mut wr) = conn.into_split();
+    let req: SupervisorRequest = match read_frame(&mut rd).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(error = %e, "bad client request");
+            return;
+        }
+    };
+    // A client that goes away cancels its request (and with it the guest's HTTP/2 stream).
+    let gone = async {
+        let mut b = [0u8; 1];
+        let _ = rd.read(&mut b).await;
+    };
+    tokio::select! {
+        reply = process(req, &shared) => {
+            let _ = write_frame(&mut wr, &reply).await;
+        }
+        _ = gone => {}
+    }
+}
+
+async fn process(req: SupervisorRequest, shared: &Shared) -> Reply {
+    match req {
+        SupervisorRequest::Status => Ok(SupervisorResponse::Status(status(shared))),
+        SupervisorRequest::WaitReady { timeout_ms } => {
+            shared
+                .channel(Duration::from_millis(timeout_ms.min(600_000)))
+                .await?;
+            Ok(SupervisorResponse::Status(status(shared)))
+        }
+        SupervisorRequest::Stop => {
+            shared.stop.notify_one();
+            Ok(SupervisorResponse::Stopping)
+        }
+        SupervisorRequest::Guest(HostRequest::Hello(_) | HostRequest::Auth(_)) => Err(
+            SupervisorError::Refused("session requests belong to the supervisor".into()),
+        ),
+        SupervisorRequest::Guest(r) => {
+            let ch = shared.channel(RECONNECT_WAIT).await?;
+            match ch.call(&r).await {
+                Ok(Ok(resp)) => Ok(SupervisorResponse::Guest(resp)),
+                Ok(Err(e)) => Err(SupervisorError::Guest(e)),
+                Err(e) => Err(SupervisorError::Channel(error_chain(&e))),
+            }
+        }
+    }
+}
+
+fn status(shared: &Shared) -> StatusInfo {
+    StatusInfo {
+        phase: shared.phase.borrow().clone(),
+        vmm_pid: shared.vmm_pid,
+        supervisor_pid: std::process::id(),
+        boot_ms: *shared.boot_ms.lock().unwrap_or_else(|p| p.into_inner()),
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s.push_str(&format!(": {x}"));
+        src = x.source();
+    }
+    s
+}

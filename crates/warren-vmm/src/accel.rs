@@ -1,0 +1,214 @@
+//! Accelerator choice: `kvm | hvf | tcg | auto`.
+//!
+//! `auto` must never hang. On hosts where `/dev/kvm` exists but cannot boot a guest (nested
+//! PVM on our build machines: a stock kernel hangs after real-mode setup), a short probe boot
+//! under a deadline tells; its verdict is cached per host boot and QEMU binary digest, so the
+//! probe costs once per host boot.
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::error::VmmError;
+
+/// What the user asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AccelChoice {
+    Kvm,
+    Hvf,
+    Tcg,
+    Auto,
+}
+
+impl FromStr for AccelChoice {
+    type Err = VmmError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "kvm" => Ok(AccelChoice::Kvm),
+            "hvf" => Ok(AccelChoice::Hvf),
+            "tcg" => Ok(AccelChoice::Tcg),
+            "auto" => Ok(AccelChoice::Auto),
+            other => Err(VmmError::AccelParse(other.to_string())),
+        }
+    }
+}
+
+/// A resolved accelerator a backend can use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+impl std::fmt::Display for Accel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        })
+    }
+}
+
+/// Deadline of the KVM probe boot. A usable KVM reaches the agent's first console line in
+/// well under a second; a broken one never does.
+pub const KVM_PROBE_DEADLINE: Duration = Duration::from_secs(8);
+
+/// The cached verdict of a probe.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ProbeVerdict {
+    pub usable: bool,
+    pub detail: String,
+}
+
+/// The outcome of resolving a choice: the accelerator and, when it is not what was asked
+/// for, a warning to show the user.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub accel: Accel,
+    pub warning: Option<String>,
+}
+
+/// Resolves `choice`. `probe` boots a guest under KVM with a deadline and reports whether the
+/// guest reached user space; it is only called for `auto` on a cache miss.
+pub fn resolve(
+    choice: AccelChoice,
+    cache_dir: &Path,
+    qemu: &Path,
+    probe: impl FnOnce() -> ProbeVerdict,
+) -> Result<Resolved, VmmError> {
+    match choice {
+        AccelChoice::Tcg => Ok(Resolved {
+            accel: Accel::Tcg,
+            warning: None,
+        }),
+        AccelChoice::Hvf => Err(VmmError::AccelUnsupported(
+            "hvf (needs the macOS backend, which does not exist yet)".into(),
+        )),
+        AccelChoice::Kvm => {
+            kvm_device_usable().map_err(|e| VmmError::AccelUnsupported(format!("kvm: {e}")))?;
+            Ok(Resolved {
+                accel: Accel::Kvm,
+                warning: None,
+            })
+        }
+        AccelChoice::Auto => {
+            if let Err(e) = kvm_device_usable() {
+                return Ok(Resolved {
+                    accel: Accel::Tcg,
+                    warning: Some(format!("KVM unavailable ({e}); using TCG (slow)")),
+                });
+            }
+            let key = cache_key(qemu)?;
+            let path = cache_dir.join(format!("accel-probe-{key}.json"));
+            let verdict = match std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<ProbeVerdict>(&b).ok())
+            {
+                Some(v) => v,
+                None => {
+                    let v = probe();
+                    std::fs::create_dir_all(cache_dir)
+                        .map_err(|e| VmmError::io("create", cache_dir, e))?;
+                    let body = serde_json::to_vec(&v).expect("invariant: verdict serialises");
+                    std::fs::write(&path, body).map_err(|e| VmmError::io("write", &path, e))?;
+                    v
+                }
+            };
+            if verdict.usable {
+                Ok(Resolved {
+                    accel: Accel::Kvm,
+                    warning: None,
+                })
+            } else {
+                Ok(Resolved {
+                    accel: Accel::Tcg,
+                    warning: Some(format!(
+                        "/dev/kvm exists but cannot boot a guest ({}); using TCG (slow). \
+                         Pass --accel tcg to skip the check",
+                        verdict.detail
+                    )),
+                })
+            }
+        }
+    }
+}
+
+fn kvm_device_usable() -> Result<(), String> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .map(|_| ())
+        .map_err(|e| format!("/dev/kvm: {e}"))
+}
+
+/// Host boot id + QEMU binary digest: a new boot or a new QEMU re-probes.
+fn cache_key(qemu: &Path) -> Result<String, VmmError> {
+    use sha2::{Digest, Sha256};
+    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map_err(|e| VmmError::io("read", "/proc/sys/kernel/random/boot_id", e))?;
+    let bin = std::fs::read(qemu).map_err(|e| VmmError::io("read", qemu, e))?;
+    let mut h = Sha256::new();
+    h.update(boot_id.trim().as_bytes());
+    h.update(Sha256::digest(&bin));
+    Ok(hex::encode(&h.finalize()[..12]))
+}
+
+/// Finds the QEMU binary: `$WARREN_QEMU` or `qemu-system-x86_64` on `PATH`.
+pub fn find_qemu() -> Result<PathBuf, VmmError> {
+    if let Some(p) = std::env::var_os("WARREN_QEMU") {
+        return Ok(PathBuf::from(p));
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join("qemu-system-x86_64"))
+        .find(|p| p.is_file())
+        .ok_or(VmmError::QemuMissing)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_accel_parse_unknown_rejected() {
+        assert!(matches!(
+            "xen".parse::<AccelChoice>(),
+            Err(VmmError::AccelParse(_))
+        ));
+        assert_eq!("auto".parse::<AccelChoice>().ok(), Some(AccelChoice::Auto));
+    }
+
+    #[test]
+    fn test_resolve_hvf_refused_as_unsupported() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let r = resolve(AccelChoice::Hvf, dir.path(), Path::new("/bin/sh"), || {
+            unreachable!("no probe for hvf")
+        });
+        assert!(matches!(r, Err(VmmError::AccelUnsupported(_))));
+    }
+
+    #[test]
+    fn test_resolve_auto_probe_verdict_cached() {
+        if kvm_device_usable().is_err() {
+            return; // the cache is only consulted when /dev/kvm opens
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut calls = 0;
+        for _ in 0..2 {
+            let r = resolve(AccelChoice::Auto, dir.path(), Path::new("/bin/sh"), || {
+                calls += 1;
+                ProbeVerdict {
+                    usable: false,
+                    detail: "probe timed out".into(),
+                }
+            })
+            .expect("resolve");
+            assert_eq!(r.accel, Accel::Tcg);
+            assert!(r.warning.expect("warning").contains("probe timed out"));
+        }
+        assert_eq!(calls, 1);
+    }
+}

@@ -1,0 +1,76 @@
+//! The backend trait the supervisor drives, and the launch description shared by backends.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+
+use crate::accel::Accel;
+use crate::error::VmmError;
+
+/// Guest memory in MiB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemMib(pub u32);
+
+/// Everything a backend needs to start one VM. Paths are absolute.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct LaunchSpec {
+    /// Used for the process name only.
+    pub name: String,
+    /// Private 0700 directory where the backend creates its sockets.
+    pub run_dir: PathBuf,
+    pub kernel: PathBuf,
+    pub initramfs: PathBuf,
+    /// The VM's own copy-on-write disk.
+    pub disk: PathBuf,
+    pub memory: MemMib,
+    pub vcpus: u32,
+    pub accel: Accel,
+    /// Extra kernel command line arguments appended after the backend's own.
+    pub extra_cmdline: Vec<String>,
+    /// uid/gid the VMM process runs as; `None` keeps the caller's (non-root developer runs).
+    pub run_as: Option<(u32, u32)>,
+    /// Host cgroup (v2) directory the VMM process is placed in, if any.
+    pub cgroup: Option<PathBuf>,
+}
+
+/// Where a launched VM's endpoints are.
+#[derive(Debug, Clone)]
+pub struct VmEndpoints {
+    /// Serial console (UNIX stream; the VMM waits for a client before starting the guest).
+    pub console: PathBuf,
+    /// The agent channel's virtio-serial port (UNIX stream).
+    pub channel: PathBuf,
+    /// The VMM control socket.
+    pub control: PathBuf,
+}
+
+/// A started VM process.
+pub struct LaunchedVm {
+    pub child: tokio::process::Child,
+    pub endpoints: VmEndpoints,
+}
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A VMM: creates disks and launches VMs. One instance serves any number of VMs.
+pub trait VmBackend: Send + Sync {
+    /// Short name for logs and `vm list`.
+    fn name(&self) -> &'static str;
+    /// Creates `overlay` as a copy-on-write disk over the read-only `base`.
+    fn create_disk(&self, base: &Path, overlay: &Path) -> Result<(), VmmError>;
+    /// Starts the VM process. The guest does not run until a client connects to the console.
+    fn launch(&self, spec: &LaunchSpec) -> Result<LaunchedVm, VmmError>;
+    /// Connects to the control endpoint of a launched VM.
+    fn control<'a>(
+        &'a self,
+        endpoints: &'a VmEndpoints,
+    ) -> BoxFuture<'a, Result<Box<dyn VmControl>, VmmError>>;
+}
+
+/// Run-state control of one VM.
+pub trait VmControl: Send {
+    fn pause(&mut self) -> BoxFuture<'_, Result<(), VmmError>>;
+    fn resume(&mut self) -> BoxFuture<'_, Result<(), VmmError>>;
+    /// Asks the VMM to exit now (no guest shutdown).
+    fn quit(&mut self) -> BoxFuture<'_, Result<(), VmmError>>;
+}

@@ -1,0 +1,131 @@
+//! QEMU and kernel command lines.
+
+use crate::backend::{LaunchSpec, VmEndpoints};
+
+/// Kernel arguments measured in PLATFORM.md: quiet console, no crypto self-tests, trusted TSC
+/// and CPU RNG, one UART, no legacy keyboard probing, and always `tsc_early_khz`.
+pub fn kernel_cmdline(tsc_khz: u64, extra: &[String]) -> String {
+    let mut s = String::from(
+        "console=ttyS0 quiet loglevel=0 cryptomgr.notests no_timer_check tsc=reliable \
+         random.trust_cpu=on 8250.nr_uarts=1 nowatchdog audit=0 panic=-1 \
+         i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd",
+    );
+    if tsc_khz > 0 {
+        s.push_str(&format!(" tsc_early_khz={tsc_khz}"));
+    }
+    for e in extra {
+        s.push(' ');
+        s.push_str(e);
+    }
+    s
+}
+
+/// The full QEMU argument list for `spec`.
+pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<String> {
+    let mut a: Vec<String> = Vec::new();
+    let mut push = |xs: &[&str]| a.extend(xs.iter().map(|s| s.to_string()));
+    push(&["-name", &format!("warren-{},process=warren-{}", spec.name, spec.name)]);
+    push(&["-M", "microvm,acpi=on"]);
+    push(&spec.accel.qemu_args());
+    if spec.accel == crate::Accel::Kvm {
+        push(&["-cpu", "host"]);
+    }
+    push(&[
+        "-bios",
+        super::QBOOT,
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-no-reboot",
+    ]);
+    push(&["-m", &spec.memory.0.to_string(), "-smp", &spec.vcpus.to_string()]);
+    push(&[
+        "-kernel",
+        &spec.kernel.display().to_string(),
+        "-initrd",
+        &spec.initramfs.display().to_string(),
+        "-append",
+        &kernel_cmdline(tsc_khz, &spec.extra_cmdline),
+    ]);
+    push(&[
+        "-chardev",
+        &format!(
+            "socket,id=con,path={},server=on,wait=on",
+            ep.console.display()
+        ),
+        "-serial",
+        "chardev:con",
+    ]);
+    push(&[
+        "-device",
+        "virtio-serial-device",
+        "-chardev",
+        &format!(
+            "socket,id=agent,path={},server=on,wait=off",
+            ep.channel.display()
+        ),
+        "-device",
+        "virtserialport,chardev=agent,name=org.warren.agent.0",
+    ]);
+    push(&[
+        "-drive",
+        &format!(
+            "id=root,file={},format=qcow2,if=none,discard=unmap",
+            spec.disk.display()
+        ),
+        "-device",
+        "virtio-blk-device,drive=root",
+    ]);
+    push(&["-qmp", &format!("unix:{},server=on,wait=off", ep.control.display())]);
+    // QEMU's seccomp filter: no obsolete syscalls, no privilege changes, no fork/exec,
+    // no scheduler/resource tweaks.
+    push(&[
+        "-sandbox",
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+    ]);
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::MemMib;
+    use crate::Accel;
+    use std::path::PathBuf;
+
+    fn spec() -> LaunchSpec {
+        LaunchSpec {
+            name: "t".into(),
+            run_dir: PathBuf::from("/r"),
+            kernel: PathBuf::from("/k"),
+            initramfs: PathBuf::from("/i"),
+            disk: PathBuf::from("/d.qcow2"),
+            memory: MemMib(512),
+            vcpus: 1,
+            accel: Accel::Tcg,
+            extra_cmdline: vec![],
+            run_as: None,
+            cgroup: None,
+        }
+    }
+
+    #[test]
+    fn test_qemu_args_tcg_fast_boot_recipe() {
+        let a = qemu_args(&spec(), &crate::qemu::QemuBackend::endpoints(&PathBuf::from("/r")), 2445406);
+        let s = a.join(" ");
+        assert!(s.contains("-M microvm,acpi=on"));
+        assert!(s.contains("-bios /usr/share/qemu/qboot.rom"));
+        assert!(s.contains("tsc_early_khz=2445406"));
+        assert!(s.contains("-sandbox on,"));
+        assert!(s.contains("name=org.warren.agent.0"));
+        assert!(!s.contains("-cpu host"));
+    }
+
+    #[test]
+    fn test_kernel_cmdline_no_secret_material() {
+        // The per-VM secret travels in the initramfs, never on the world-readable cmdline.
+        let c = kernel_cmdline(1, &[]);
+        assert!(!c.contains("secret"));
+    }
+}

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The full test suite: install, build, build the test images, then lints and all three test
+# tiers (unit, integration, real VM) under nextest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+if ! command -v cargo-nextest >/dev/null; then cargo install --locked cargo-nextest; fi
+
+export WARREN_GUEST_AGENT="$(pwd)/target/x86_64-unknown-linux-gnu/release/warren-guest"
+# Images outlive the checkout, keyed by recipe digest: a rerun on the same machine reuses them.
+export WARREN_TEST_IMAGE_DIR="${WARREN_TEST_IMAGE_DIR:-/var/cache/warren-test/images}"
+mkdir -p "$WARREN_TEST_IMAGE_DIR"
+state=$(mktemp -d)
+trap 'rm -rf "$state"' EXIT
+for recipe in minimal dev; do
+  echo "==> image $recipe"
+  target/release/warren --state-dir "$state" --image-dir "$WARREN_TEST_IMAGE_DIR" image build --recipe "$recipe"
+done
+
+echo "==> cargo fmt --check"
+cargo fmt --all -- --check
+echo "==> cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+echo "==> cargo doc"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
+echo "==> tests"
+cargo nextest run --workspace --no-fail-fast
