@@ -46,7 +46,11 @@ pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
     let state = tempfile_dir()?;
     let mut cfg = WarrenConfig::new(state.clone(), std::env::current_exe()?);
     cfg.image_dir = main.config().image_dir.clone();
-    cfg.accel = args.accel.accel.parse::<AccelChoice>().map_err(warren_core::CoreError::from)?;
+    cfg.accel = args
+        .accel
+        .accel
+        .parse::<AccelChoice>()
+        .map_err(warren_core::CoreError::from)?;
     let w = Warren::open(cfg)?;
     let result = bench(&w, args).await;
     for vm in w.list_vms().unwrap_or_default() {
@@ -103,7 +107,10 @@ fn print_report(r: &Report) {
         "    guest fork+exec+wait p50          {:>9.0} us",
         r.guest_fork_exec_wait_us_p50
     );
-    println!("    channel ping p50                  {:>9.0} us", r.ping_us_p50);
+    println!(
+        "    channel ping p50                  {:>9.0} us",
+        r.ping_us_p50
+    );
     println!(
         "(d) file write+read through agent     {:>9.1} MiB/s   raw channel {:.1} MiB/s   ratio {:.2} (target >= 0.5)",
         r.file_mib_s, r.raw_channel_mib_s, r.file_vs_raw
@@ -177,7 +184,11 @@ async fn bench(w: &Warren, args: &BenchArgs) -> Result<Report> {
         client
             .guest(HostRequest::FileWrite(FileWrite {
                 path: "bench.bin".into(),
-                mode: if i == 0 { WriteMode::Truncate } else { WriteMode::At((i * chunk) as u64) },
+                mode: if i == 0 {
+                    WriteMode::Truncate
+                } else {
+                    WriteMode::At((i * chunk) as u64)
+                },
                 data: data.clone(),
                 create_parents: false,
             }))

@@ -5,12 +5,16 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "warren", version, about = "Private Linux workspaces in microVMs for AI coding agents")]
+#[command(
+    name = "warren",
+    version,
+    about = "Private Linux workspaces in microVMs for AI coding agents"
+)]
 pub struct Cli {
     /// State directory (default: $XDG_STATE_HOME/warren, /var/lib/warren for root).
     #[arg(long, global = true, env = "WARREN_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
-    /// Image store (default: <state-dir>/images).
+    /// Image store (default: STATE_DIR/images).
     #[arg(long, global = true, env = "WARREN_IMAGE_DIR")]
     pub image_dir: Option<PathBuf>,
     /// More logging (-v info, -vv debug); RUST_LOG overrides.

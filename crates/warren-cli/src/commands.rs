@@ -49,7 +49,9 @@ pub(crate) fn open(cli: &Cli, accel: Option<&str>) -> Result<Warren> {
         cfg.image_dir = d.clone();
     }
     if let Some(a) = accel {
-        cfg.accel = a.parse::<AccelChoice>().map_err(warren_core::CoreError::from)?;
+        cfg.accel = a
+            .parse::<AccelChoice>()
+            .map_err(warren_core::CoreError::from)?;
     }
     Ok(Warren::open(cfg)?)
 }
@@ -89,18 +91,23 @@ async fn image(cli: &Cli, cmd: &ImageCmd) -> Result<i32> {
     let w = open(cli, None)?;
     match cmd {
         ImageCmd::Build { recipe, agent } => {
-            let recipe: Recipe = recipe
-                .parse()
-                .map_err(|_| warren_core::CoreError::InvalidArgument(format!(
+            let recipe: Recipe = recipe.parse().map_err(|_| {
+                warren_core::CoreError::InvalidArgument(format!(
                     "unknown recipe {recipe:?} (expected minimal or dev)"
-                )))?;
+                ))
+            })?;
             let agent = match agent {
                 Some(a) => a.clone(),
                 None => find_agent()?,
             };
             let started = std::time::Instant::now();
             let id = w.images().build(recipe, &agent, &mut |p| {
-                eprintln!("[{:>6.1}s] {}: {}", started.elapsed().as_secs_f64(), p.step, p.detail);
+                eprintln!(
+                    "[{:>6.1}s] {}: {}",
+                    started.elapsed().as_secs_f64(),
+                    p.step,
+                    p.detail
+                );
             })?;
             println!("{id}");
             Ok(0)
@@ -123,7 +130,10 @@ async fn image(cli: &Cli, cmd: &ImageCmd) -> Result<i32> {
                     .collect();
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
-                println!("{:<66} {:<8} {:<22} {:>10}", "IMAGE", "RECIPE", "KERNEL", "DISK MiB");
+                println!(
+                    "{:<66} {:<8} {:<22} {:>10}",
+                    "IMAGE", "RECIPE", "KERNEL", "DISK MiB"
+                );
                 for i in list {
                     println!(
                         "{:<66} {:<8} {:<22} {:>10}",
@@ -149,7 +159,10 @@ fn print_vms(list: &[VmRecord], json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(list)?);
         return Ok(());
     }
-    println!("{:<16} {:<9} {:<5} {:>6} {:>5} {:<14} REASON", "VM", "STATE", "ACCEL", "MiB", "VCPU", "IMAGE");
+    println!(
+        "{:<16} {:<9} {:<5} {:>6} {:>5} {:<14} REASON",
+        "VM", "STATE", "ACCEL", "MiB", "VCPU", "IMAGE"
+    );
     for r in list {
         println!(
             "{:<16} {:<9} {:<5} {:>6} {:>5} {:<14} {}",
@@ -159,7 +172,12 @@ fn print_vms(list: &[VmRecord], json: bool) -> Result<()> {
             r.memory_mib,
             r.vcpus,
             &r.image_id[..r.image_id.len().min(12)],
-            r.reason.as_deref().unwrap_or("").lines().next().unwrap_or("")
+            r.reason
+                .as_deref()
+                .unwrap_or("")
+                .lines()
+                .next()
+                .unwrap_or("")
         );
     }
     Ok(())
@@ -184,7 +202,10 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                 .create_vm(&req, &mut |m| eprintln!("warning: {m}"))
                 .await?;
             if *json {
-                println!("{}", serde_json::json!({ "vm_id": rec.id, "boot_ms": rec.boot_ms, "accel": rec.accel }));
+                println!(
+                    "{}",
+                    serde_json::json!({ "vm_id": rec.id, "boot_ms": rec.boot_ms, "accel": rec.accel })
+                );
             } else {
                 println!("{}", rec.id);
             }
@@ -366,7 +387,8 @@ async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> {
         }
         cursor.stdout += out.stdout.len() as u64;
         cursor.stderr += out.stderr.len() as u64;
-        let caught_up = cursor.stdout >= out.stdout_retained && cursor.stderr >= out.stderr_retained;
+        let caught_up =
+            cursor.stdout >= out.stdout_retained && cursor.stderr >= out.stderr_retained;
         if let (JobState::Finished(x), true) = (out.state, caught_up) {
             if out.truncated {
                 eprintln!("warren: output truncated (more than 256 KiB); the rest was discarded");
@@ -395,9 +417,19 @@ fn preflight(cli: &Cli) -> Result<i32> {
             let v = std::process::Command::new(&q).arg("--version").output();
             let v = v
                 .ok()
-                .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").to_string())
+                .map(|o| {
+                    String::from_utf8_lossy(&o.stdout)
+                        .lines()
+                        .next()
+                        .unwrap_or("")
+                        .to_string()
+                })
                 .unwrap_or_default();
-            line(v.contains("version 1") || v.contains("version 9"), "qemu", format!("{} ({v})", q.display()));
+            line(
+                v.contains("version 1") || v.contains("version 9"),
+                "qemu",
+                format!("{} ({v})", q.display()),
+            );
         }
         Err(e) => line(false, "qemu", e.to_string()),
     }
@@ -406,12 +438,30 @@ fn preflight(cli: &Cli) -> Result<i32> {
         "qboot firmware",
         warren_vmm::qemu::QBOOT.to_string(),
     );
-    let qimg = std::process::Command::new("qemu-img").arg("--version").output().is_ok();
-    line(qimg, "qemu-img", if qimg { "present".into() } else { "missing (apt-get install qemu-utils)".into() });
-    let kvm = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm");
+    let qimg = std::process::Command::new("qemu-img")
+        .arg("--version")
+        .output()
+        .is_ok();
+    line(
+        qimg,
+        "qemu-img",
+        if qimg {
+            "present".into()
+        } else {
+            "missing (apt-get install qemu-utils)".into()
+        },
+    );
+    let kvm = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm");
     println!(
         "info accelerator: /dev/kvm {}; `auto` probes it once per host boot and falls back to TCG",
-        if kvm.is_ok() { "opens" } else { "is unavailable" }
+        if kvm.is_ok() {
+            "opens"
+        } else {
+            "is unavailable"
+        }
     );
     let root = nix::unistd::geteuid().is_root();
     line(
@@ -430,7 +480,11 @@ fn preflight(cli: &Cli) -> Result<i32> {
                 .into_iter()
                 .filter(|c| !ctl.iter().any(|x| x == c))
                 .collect();
-            line(true, "cgroup v2", format!("{} (membership and cgroup.kill)", h.root.display()));
+            line(
+                true,
+                "cgroup v2",
+                format!("{} (membership and cgroup.kill)", h.root.display()),
+            );
             if !missing.is_empty() {
                 println!(
                     "info limits: controllers {missing:?} are not enabled in {}; per-VM CPU/memory/pids \
@@ -439,11 +493,18 @@ fn preflight(cli: &Cli) -> Result<i32> {
                 );
             }
         }
-        None => line(false, "cgroup v2", "no cgroup2 mount found: VM processes cannot be tracked".into()),
+        None => line(
+            false,
+            "cgroup v2",
+            "no cgroup2 mount found: VM processes cannot be tracked".into(),
+        ),
     }
     let w = open(cli, None)?;
     let imgs = w.images().list()?;
-    line(!imgs.is_empty(), "images", format!("{} built (warren image build)", imgs.len()));
+    line(
+        !imgs.is_empty(),
+        "images",
+        format!("{} built (warren image build)", imgs.len()),
+    );
     Ok(if problems == 0 { 0 } else { 1 })
 }
-

@@ -17,14 +17,24 @@ fn test_exec_echo_prints_guest_output() {
 fn test_exec_streams_separate_and_exit_codes() {
     let vm = TestVm::boot();
     let r = vm.sh("echo out; echo err >&2; exit 3");
-    assert_eq!((r.code, r.stdout.as_str(), r.stderr.as_str()), (3, "out\n", "err\n"));
+    assert_eq!(
+        (r.code, r.stdout.as_str(), r.stderr.as_str()),
+        (3, "out\n", "err\n")
+    );
     let r = vm.sh("kill -TERM $$");
     assert_eq!(r.code, 128 + 15);
     let r = vm.exec_args(&[], &["/no/such/program"]);
-    assert_eq!(r.code, 125, "a missing program is a Warren error: {}", r.stderr);
+    assert_eq!(
+        r.code, 125,
+        "a missing program is a Warren error: {}",
+        r.stderr
+    );
     // Environment and cwd reach the command.
     vm.sh("mkdir -p sub");
-    let r = vm.exec_args(&["--cwd", "sub", "--env", "GREETING=hi"], &["sh", "-c", "echo $GREETING; pwd"]);
+    let r = vm.exec_args(
+        &["--cwd", "sub", "--env", "GREETING=hi"],
+        &["sh", "-c", "echo $GREETING; pwd"],
+    );
     assert_eq!(r.stdout, "hi\n/workspace/sub\n");
 }
 
@@ -41,16 +51,27 @@ fn test_exec_50mb_output_truncated_guest_stays_healthy() {
     loop {
         let p = vm.output(
             job,
-            &["--stdout-cursor", &cursor.0.to_string(), "--stderr-cursor", &cursor.1.to_string()],
+            &[
+                "--stdout-cursor",
+                &cursor.0.to_string(),
+                "--stderr-cursor",
+                &cursor.1.to_string(),
+            ],
         );
-        let n = (p["next_cursor"]["stdout"].as_u64().expect("c"), p["next_cursor"]["stderr"].as_u64().expect("c"));
+        let n = (
+            p["next_cursor"]["stdout"].as_u64().expect("c"),
+            p["next_cursor"]["stderr"].as_u64().expect("c"),
+        );
         total += p["stdout"].as_str().expect("s").len();
         if n == cursor {
             break;
         }
         cursor = n;
     }
-    assert!(total <= 256 * 1024 && total > 200 * 1024, "retained {total}");
+    assert!(
+        total <= 256 * 1024 && total > 200 * 1024,
+        "retained {total}"
+    );
     let r = vm.sh("echo still alive");
     assert_eq!(r.stdout, "still alive\n");
 }
@@ -63,7 +84,10 @@ fn test_exec_utf8_split_across_reads_and_base64() {
     vm.wait_job(job);
     let p = vm.output(job, &["--max-bytes", "2"]);
     assert_eq!(p["stdout"], "a");
-    assert_eq!(p["next_cursor"]["stdout"], 1, "the split character waits for the next read");
+    assert_eq!(
+        p["next_cursor"]["stdout"], 1,
+        "the split character waits for the next read"
+    );
     assert_eq!(p["decoding_errors"]["stdout"], false);
     let p = vm.output(job, &["--stdout-cursor", "1", "--stderr-cursor", "2"]);
     assert_eq!(p["stdout"], "é");
@@ -73,8 +97,16 @@ fn test_exec_utf8_split_across_reads_and_base64() {
     assert_eq!(p["decoding_errors"]["stderr"], true);
     let p = vm.output(job, &["--encoding", "base64"]);
     let b = base64::engine::general_purpose::STANDARD;
-    assert_eq!(b.decode(p["stderr_base64"].as_str().expect("b64")).expect("decode"), vec![0, 255]);
-    assert_eq!(b.decode(p["stdout_base64"].as_str().expect("b64")).expect("decode"), "aé".as_bytes());
+    assert_eq!(
+        b.decode(p["stderr_base64"].as_str().expect("b64"))
+            .expect("decode"),
+        vec![0, 255]
+    );
+    assert_eq!(
+        b.decode(p["stdout_base64"].as_str().expect("b64"))
+            .expect("decode"),
+        "aé".as_bytes()
+    );
     // Re-reading a cursor is non-destructive.
     let again = vm.output(job, &["--encoding", "base64"]);
     assert_eq!(again["stdout_base64"], p["stdout_base64"]);
@@ -99,7 +131,11 @@ fn test_exec_cancel_kills_job() {
     let vm = TestVm::boot();
     let job = vm.detach("echo started; sleep 1000");
     let out = vm.warren(&["vm", "cancel", &vm.id, &job.to_string()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let p = vm.wait_job(job);
     assert_eq!(p["cancelled"], true);
     assert_eq!(p["signal"], 9);
@@ -123,7 +159,11 @@ fn test_exec_concurrent_cli_processes_one_vm() {
     let started = std::time::Instant::now();
     for (i, h) in handles.into_iter().enumerate() {
         let out = h.join().expect("thread");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert_eq!(String::from_utf8_lossy(&out.stdout), format!("job{i}\n"));
     }
     assert!(started.elapsed().as_secs_f64() < 20.0);
@@ -144,7 +184,8 @@ fn test_exec_fifth_running_job_quota_exceeded() {
 #[test]
 fn test_exec_dev_image_runs_python_and_node() {
     let vm = TestVm::boot_image("dev");
-    let r = vm.sh("python3 -c 'print(6*7)' && node -e 'console.log(1+1)' && gcc --version | head -1");
+    let r =
+        vm.sh("python3 -c 'print(6*7)' && node -e 'console.log(1+1)' && gcc --version | head -1");
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(r.stdout.starts_with("42\n2\n"), "{}", r.stdout);
 }

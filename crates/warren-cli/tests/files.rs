@@ -16,18 +16,32 @@ fn write(vm: &TestVm, path: &str, data: &[u8]) -> std::process::Output {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
-    c.stdin.take().expect("stdin").write_all(data).expect("write");
+    c.stdin
+        .take()
+        .expect("stdin")
+        .write_all(data)
+        .expect("write");
     c.wait_with_output().expect("wait")
 }
 
 #[test]
 fn test_files_roundtrip_larger_than_chunk() {
     let vm = TestVm::boot();
-    let data: Vec<u8> = (0..300 * 1024u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    let data: Vec<u8> = (0..300 * 1024u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
     let out = write(&vm, "dir/sub/blob.bin", &data);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = vm.warren(&["vm", "read", &vm.id, "dir/sub/blob.bin"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(out.stdout.len(), data.len());
     assert!(out.stdout == data, "content differs");
     // The guest sees the same bytes, owned by the unprivileged user.
@@ -39,7 +53,14 @@ fn test_files_roundtrip_larger_than_chunk() {
 fn test_files_escapes_refused() {
     let vm = TestVm::boot();
     vm.sh("ln -s /etc /workspace/etc-link; ln -s /etc/passwd /workspace/passwd-link");
-    for bad in ["../etc/passwd", "/etc/passwd", "etc-link/passwd", "passwd-link", "a//b", ""] {
+    for bad in [
+        "../etc/passwd",
+        "/etc/passwd",
+        "etc-link/passwd",
+        "passwd-link",
+        "a//b",
+        "",
+    ] {
         let out = vm.warren(&["vm", "read", &vm.id, bad]);
         assert_eq!(out.status.code(), Some(125), "read {bad:?} was allowed");
         let err = String::from_utf8_lossy(&out.stderr);

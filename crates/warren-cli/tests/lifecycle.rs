@@ -10,8 +10,11 @@ fn test_lifecycle_qemu_killed_vm_failed_with_reason() {
     vm.expect_failure = true;
     let pids = vm.qemu_pids();
     assert_eq!(pids.len(), 1, "one QEMU per VM");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pids[0]), nix::sys::signal::Signal::SIGKILL)
-        .expect("kill qemu");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pids[0]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill qemu");
     wait_until("failed state", 20, || vm.state() == "failed");
     let rec = vm.env.record(&vm.id).expect("record");
     let reason = rec["reason"].as_str().expect("reason");
@@ -26,12 +29,20 @@ fn test_lifecycle_supervisor_killed_no_orphan_qemu() {
     let mut vm = TestVm::boot();
     vm.expect_failure = true;
     let sup = vm.supervisor_pid();
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(sup), nix::sys::signal::Signal::SIGKILL)
-        .expect("kill supervisor");
-    wait_until("QEMU to die with its supervisor", 20, || vm.qemu_pids().is_empty());
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(sup),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill supervisor");
+    wait_until("QEMU to die with its supervisor", 20, || {
+        vm.qemu_pids().is_empty()
+    });
     wait_until("failed state", 20, || vm.state() == "failed");
     let rec = vm.env.record(&vm.id).expect("record");
-    assert!(rec["reason"].as_str().expect("reason").contains("supervisor"));
+    assert!(rec["reason"]
+        .as_str()
+        .expect("reason")
+        .contains("supervisor"));
 }
 
 #[test]
@@ -98,7 +109,11 @@ fn test_lifecycle_bad_create_arguments_rejected() {
     }
     let out = env.run(&["vm", "list", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
-    assert_eq!(v.as_array().map(Vec::len), Some(0), "a rejected create left a record");
+    assert_eq!(
+        v.as_array().map(Vec::len),
+        Some(0),
+        "a rejected create left a record"
+    );
 }
 
 #[test]
@@ -115,15 +130,8 @@ fn test_lifecycle_image_digest_mismatch_refused() {
         .expect("cp");
     assert!(out.success());
     let images = store.path().join("images");
-    let env = TestEnv::new();
-    let list = env
-        .cmd()
-        .env("WARREN_IMAGE_DIR", &images)
-        .args(["--image-dir"])
-        .arg(&images)
-        .args(["image", "list", "--json"])
-        .output()
-        .expect("list");
+    let env = TestEnv::with_image_dir(images.clone());
+    let list = env.run(&["image", "list", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&list.stdout).expect("json");
     let id = v
         .as_array()
@@ -141,14 +149,11 @@ fn test_lifecycle_image_digest_mismatch_refused() {
     data[last] ^= 0xff;
     std::fs::remove_file(&initramfs).expect("unlink");
     std::fs::write(&initramfs, data).expect("write");
-    let out = env
-        .cmd()
-        .args(["--image-dir"])
-        .arg(&images)
-        .args(["vm", "create", "--image", &id])
-        .output()
-        .expect("create");
+    let out = env.run(&["vm", "create", "--image", &id]);
     assert_eq!(out.status.code(), Some(125));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("integrity") && err.contains("initramfs"), "{err}");
+    assert!(
+        err.contains("integrity") && err.contains("initramfs"),
+        "{err}"
+    );
 }

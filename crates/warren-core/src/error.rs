@@ -40,7 +40,11 @@ pub enum CoreError {
 }
 
 impl CoreError {
-    pub(crate) fn io(op: &'static str, path: impl Into<std::path::PathBuf>, e: std::io::Error) -> Self {
+    pub(crate) fn io(
+        op: &'static str,
+        path: impl Into<std::path::PathBuf>,
+        e: std::io::Error,
+    ) -> Self {
         CoreError::Io {
             op,
             path: path.into(),

@@ -185,7 +185,13 @@ mod tests {
         };
         let p = page("1", Cursor::default(), &out, Encoding::Utf8);
         assert_eq!(p.stdout.as_deref(), Some("h"));
-        assert_eq!(p.next_cursor, Cursor { stdout: 1, stderr: 0 });
+        assert_eq!(
+            p.next_cursor,
+            Cursor {
+                stdout: 1,
+                stderr: 0
+            }
+        );
         assert_eq!(p.state, "running");
     }
 

@@ -130,7 +130,9 @@ impl Store {
     }
 
     pub fn list(&self) -> Result<Vec<VmRecord>, rusqlite::Error> {
-        let mut st = self.conn.prepare("SELECT * FROM vms ORDER BY created_unix, id")?;
+        let mut st = self
+            .conn
+            .prepare("SELECT * FROM vms ORDER BY created_unix, id")?;
         let rows = st.query_map([], row)?;
         rows.collect()
     }
@@ -204,7 +206,8 @@ mod tests {
         let d = tempfile::tempdir().expect("tempdir");
         let s = Store::open(&d.path().join("db")).expect("open");
         s.insert(&mut rec("a"), 1).expect("insert");
-        s.set_state("a", VmState::Failed, Some("qemu died"), None).expect("set");
+        s.set_state("a", VmState::Failed, Some("qemu died"), None)
+            .expect("set");
         let r = s.get("a").expect("get").expect("row");
         assert_eq!(r.state, VmState::Failed);
         assert_eq!(r.reason.as_deref(), Some("qemu died"));

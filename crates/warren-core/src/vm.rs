@@ -1,6 +1,6 @@
 //! Actions on VMs: create, list (with reconciliation), exec, files, logs, destroy.
 
-use std::os::unix::fs::{PermissionsExt, chown};
+use std::os::unix::fs::{chown, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -8,8 +8,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use rand::RngCore;
 use warren_image::{ImageStore, VerifiedImage};
 use warren_protocol::{
-    ExecStart, FileRead, FileWrite, GuestResponse, HostRequest, JobId, JobOutput,
-    JobOutputRequest, WriteMode,
+    ExecStart, FileRead, FileWrite, GuestResponse, HostRequest, JobId, JobOutput, JobOutputRequest,
+    WriteMode,
 };
 use warren_supervisor::{ExitRecord, SupervisorClient, SupervisorConfig, VmDir};
 use warren_vmm::accel::{self, AccelChoice};
@@ -120,26 +120,14 @@ impl Warren {
         let choice = self.cfg.accel;
         // The probe boots the image's own kernel and base initramfs: with no per-VM secret the
         // agent prints its failing phase right away, which proves the guest reached user space.
-        let verdict = if choice == AccelChoice::Auto && !cache_has_probe(&cache) {
-            Some(
-                warren_vmm::qemu::probe_kvm(
-                    &qemu,
-                    &image.kernel,
-                    &image.initramfs,
-                    "guest",
-                    accel::KVM_PROBE_DEADLINE,
-                )
-                .await,
-            )
-        } else {
-            None
-        };
-        let r = accel::resolve(choice, &cache, &qemu, || {
-            verdict.unwrap_or(accel::ProbeVerdict {
-                usable: false,
-                detail: "probe skipped".into(),
-            })
-        })?;
+        let probe = warren_vmm::qemu::probe_kvm(
+            &qemu,
+            &image.kernel,
+            &image.initramfs,
+            "guest",
+            accel::KVM_PROBE_DEADLINE,
+        );
+        let r = accel::resolve(choice, &cache, &qemu, probe).await?;
         Ok((r.accel, r.warning))
     }
 
@@ -195,13 +183,19 @@ impl Warren {
             }
             Err(e) => {
                 let reason = e.to_string();
-                self.store.set_state(&id, VmState::Failed, Some(&reason), None)?;
+                self.store
+                    .set_state(&id, VmState::Failed, Some(&reason), None)?;
                 Err(e)
             }
         }
     }
 
-    async fn start(&self, rec: &VmRecord, image: &VerifiedImage, accel: Accel) -> Result<u64, CoreError> {
+    async fn start(
+        &self,
+        rec: &VmRecord,
+        image: &VerifiedImage,
+        accel: Accel,
+    ) -> Result<u64, CoreError> {
         let dir = self.vm_dir(&rec.id);
         let p = dir.path();
         std::fs::create_dir(p).map_err(|e| CoreError::io("create", p, e))?;
@@ -270,13 +264,19 @@ impl Warren {
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        match client.wait_ready(self.cfg.boot_timeout + Duration::from_secs(5)).await {
+        match client
+            .wait_ready(self.cfg.boot_timeout + Duration::from_secs(5))
+            .await
+        {
             Ok(st) => Ok(st.boot_ms.unwrap_or(0)),
             Err(e) => {
                 // The supervisor records the precise reason (console tail included).
                 let _ = client.stop().await;
                 wait_supervisor_exit(&dir, Duration::from_secs(10)).await;
-                let reason = dir.read_exit().map(|r| r.reason).unwrap_or_else(|| e.to_string());
+                let reason = dir
+                    .read_exit()
+                    .map(|r| r.reason)
+                    .unwrap_or_else(|| e.to_string());
                 Err(CoreError::BootFailed(reason))
             }
         }
@@ -286,7 +286,9 @@ impl Warren {
         use std::os::unix::process::CommandExt;
         let log = std::fs::File::create(dir.supervisor_log())
             .map_err(|e| CoreError::io("create", dir.supervisor_log(), e))?;
-        let log2 = log.try_clone().map_err(|e| CoreError::io("dup", dir.supervisor_log(), e))?;
+        let log2 = log
+            .try_clone()
+            .map_err(|e| CoreError::io("dup", dir.supervisor_log(), e))?;
         let mut cmd = std::process::Command::new(&self.cfg.supervisor_exe);
         cmd.arg("supervise")
             .arg("--vm-dir")
@@ -294,7 +296,10 @@ impl Warren {
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2)
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             // Its own session: terminal signals to the CLI never reach it.
             .process_group(0);
         let mut child = cmd
@@ -410,7 +415,11 @@ impl Warren {
         }
     }
 
-    pub async fn job_output(&self, id: &str, req: JobOutputRequest) -> Result<JobOutput, CoreError> {
+    pub async fn job_output(
+        &self,
+        id: &str,
+        req: JobOutputRequest,
+    ) -> Result<JobOutput, CoreError> {
         match self.client(id)?.guest(HostRequest::JobOutput(req)).await? {
             GuestResponse::JobOutput(o) => Ok(o),
             _ => Err(unexpected()),
@@ -425,7 +434,12 @@ impl Warren {
     }
 
     /// Reads a whole file in bounded chunks.
-    pub async fn read_file(&self, id: &str, path: &str, sink: &mut dyn FnMut(&[u8])) -> Result<u64, CoreError> {
+    pub async fn read_file(
+        &self,
+        id: &str,
+        path: &str,
+        sink: &mut dyn FnMut(&[u8]),
+    ) -> Result<u64, CoreError> {
         let client = self.client(id)?;
         let mut offset = 0u64;
         loop {
@@ -474,7 +488,11 @@ impl Warren {
             }
             let req = HostRequest::FileWrite(FileWrite {
                 path: path.to_string(),
-                mode: if first { WriteMode::Truncate } else { WriteMode::At(total) },
+                mode: if first {
+                    WriteMode::Truncate
+                } else {
+                    WriteMode::At(total)
+                },
                 data: buf,
                 create_parents: true,
             });
@@ -494,15 +512,6 @@ fn unexpected() -> CoreError {
     CoreError::Supervisor(warren_supervisor::client::ClientError::Unexpected)
 }
 
-fn cache_has_probe(cache: &Path) -> bool {
-    std::fs::read_dir(cache)
-        .map(|d| {
-            d.filter_map(Result::ok)
-                .any(|e| e.file_name().to_string_lossy().starts_with("accel-probe-"))
-        })
-        .unwrap_or(false)
-}
-
 fn write_private(path: &Path, data: &[u8]) -> Result<(), CoreError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
@@ -512,7 +521,8 @@ fn write_private(path: &Path, data: &[u8]) -> Result<(), CoreError> {
         .mode(0o600)
         .open(path)
         .map_err(|e| CoreError::io("create", path, e))?;
-    f.write_all(data).map_err(|e| CoreError::io("write", path, e))
+    f.write_all(data)
+        .map_err(|e| CoreError::io("write", path, e))
 }
 
 fn tail(path: &Path, n: usize) -> String {

@@ -245,7 +245,7 @@ fn say_hello(agent: &Agent, auth: &Mutex<AuthState>, hello: &Hello) -> Response 
             ),
         ));
     }
-    let guest_nonce: [u8; NONCE_LEN] = rand::random();
+    let guest_nonce = fresh_nonce();
     *state = AuthState::Challenged {
         host_nonce: hello.host_nonce,
         guest_nonce,
@@ -255,6 +255,35 @@ fn say_hello(agent: &Agent, auth: &Mutex<AuthState>, hello: &Hello) -> Response 
         guest_nonce,
         proof: guest_proof(&agent.secret.0, &hello.host_nonce, &guest_nonce),
     }))
+}
+
+/// A guest nonce that never blocks. At boot the kernel's CRNG may not be initialised yet (no
+/// RDRAND under TCG) and a blocking `getrandom` would hang `Hello` until the host's entropy,
+/// which only arrives with `Auth`. A nonce needs uniqueness, not secrecy: `GRND_INSECURE`
+/// bytes mixed with the boot-time clock and a per-boot counter provide it.
+fn fresh_nonce() -> [u8; NONCE_LEN] {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut nonce = [0u8; NONCE_LEN];
+    let mut filled = 0;
+    while filled < NONCE_LEN {
+        match rustix::rand::getrandom(&mut nonce[filled..], rustix::rand::GetRandomFlags::INSECURE)
+        {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(_) => break,
+        }
+    }
+    let now = clock_gettime(ClockId::CLOCK_BOOTTIME)
+        .map(|t| (t.tv_sec() as u64).wrapping_mul(1_000_000_000) ^ t.tv_nsec() as u64)
+        .unwrap_or(0);
+    let count = COUNTER.fetch_add(1, Ordering::Relaxed);
+    for (byte, extra) in nonce
+        .iter_mut()
+        .zip(now.to_le_bytes().into_iter().chain(count.to_le_bytes()))
+    {
+        *byte ^= extra;
+    }
+    nonce
 }
 
 fn authenticate(agent: &Agent, auth: &Mutex<AuthState>, req: &Auth) -> Response {

@@ -247,7 +247,7 @@ fn code(r: Response) -> ErrorCode {
     r.expect_err("error expected").code
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn test_session_sync_hello_auth_ping_pong() {
     let wire = start_agent().await;
     // Stale bytes before the first Sync are discarded.

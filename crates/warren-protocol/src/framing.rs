@@ -238,7 +238,11 @@ mod tests {
         d.feed(&[b'a', ESC, 0x77, b'b'], &mut ev);
         assert_eq!(
             ev,
-            vec![Event::Data(b"a".to_vec()), Event::Garbage, Event::Data(b"b".to_vec())]
+            vec![
+                Event::Data(b"a".to_vec()),
+                Event::Garbage,
+                Event::Data(b"b".to_vec())
+            ]
         );
     }
 }

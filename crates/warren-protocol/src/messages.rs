@@ -361,7 +361,9 @@ mod tests {
             ),
             (
                 "req.bench",
-                req(HostRequest::Bench(BenchRequest::ForkExecWait { iterations: 2 })),
+                req(HostRequest::Bench(BenchRequest::ForkExecWait {
+                    iterations: 2,
+                })),
             ),
             ("req.discard", req(HostRequest::Discard(vec![1, 2]))),
             ("req.source", req(HostRequest::Source(3))),

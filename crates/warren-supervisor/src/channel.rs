@@ -21,8 +21,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use warren_protocol::framing::{self, Decoder, Event, SyncNonce};
 use warren_protocol::{
-    auth, decode, encode, AgentInfo, Auth, GuestError, GuestResponse, Hello, HostRequest,
-    Response, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RPC_PATH,
+    auth, decode, encode, AgentInfo, Auth, GuestError, GuestResponse, Hello, HostRequest, Response,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RPC_PATH,
 };
 
 /// How often an unanswered `Sync` is repeated.

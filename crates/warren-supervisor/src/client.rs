@@ -6,7 +6,10 @@ use std::time::Duration;
 use tokio::net::UnixStream;
 use warren_protocol::{GuestResponse, HostRequest};
 
-use crate::proto::{read_frame, write_frame, FrameError, Reply, SupervisorError, SupervisorRequest, SupervisorResponse, StatusInfo};
+use crate::proto::{
+    read_frame, write_frame, FrameError, Reply, StatusInfo, SupervisorError, SupervisorRequest,
+    SupervisorResponse,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -36,13 +39,17 @@ impl SupervisorClient {
         }
     }
 
-    pub async fn request(&self, req: &SupervisorRequest) -> Result<SupervisorResponse, ClientError> {
-        let mut s = UnixStream::connect(&self.socket)
-            .await
-            .map_err(|source| ClientError::Connect {
-                path: self.socket.clone(),
-                source,
-            })?;
+    pub async fn request(
+        &self,
+        req: &SupervisorRequest,
+    ) -> Result<SupervisorResponse, ClientError> {
+        let mut s =
+            UnixStream::connect(&self.socket)
+                .await
+                .map_err(|source| ClientError::Connect {
+                    path: self.socket.clone(),
+                    source,
+                })?;
         write_frame(&mut s, req).await?;
         let reply: Reply = read_frame(&mut s).await?;
         Ok(reply?)

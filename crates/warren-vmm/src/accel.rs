@@ -71,12 +71,12 @@ pub struct Resolved {
 }
 
 /// Resolves `choice`. `probe` boots a guest under KVM with a deadline and reports whether the
-/// guest reached user space; it is only called for `auto` on a cache miss.
-pub fn resolve(
+/// guest reached user space; it is only awaited for `auto` on a cache miss.
+pub async fn resolve(
     choice: AccelChoice,
     cache_dir: &Path,
     qemu: &Path,
-    probe: impl FnOnce() -> ProbeVerdict,
+    probe: impl std::future::Future<Output = ProbeVerdict>,
 ) -> Result<Resolved, VmmError> {
     match choice {
         AccelChoice::Tcg => Ok(Resolved {
@@ -108,7 +108,7 @@ pub fn resolve(
             {
                 Some(v) => v,
                 None => {
-                    let v = probe();
+                    let v = probe.await;
                     std::fs::create_dir_all(cache_dir)
                         .map_err(|e| VmmError::io("create", cache_dir, e))?;
                     let body = serde_json::to_vec(&v).expect("invariant: verdict serialises");
@@ -181,12 +181,22 @@ mod tests {
         assert_eq!("auto".parse::<AccelChoice>().ok(), Some(AccelChoice::Auto));
     }
 
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime")
+            .block_on(f)
+    }
+
     #[test]
     fn test_resolve_hvf_refused_as_unsupported() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let r = resolve(AccelChoice::Hvf, dir.path(), Path::new("/bin/sh"), || {
-            unreachable!("no probe for hvf")
-        });
+        let r = block_on(resolve(
+            AccelChoice::Hvf,
+            dir.path(),
+            Path::new("/bin/sh"),
+            async { unreachable!("no probe for hvf") },
+        ));
         assert!(matches!(r, Err(VmmError::AccelUnsupported(_))));
     }
 
@@ -198,13 +208,18 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut calls = 0;
         for _ in 0..2 {
-            let r = resolve(AccelChoice::Auto, dir.path(), Path::new("/bin/sh"), || {
-                calls += 1;
-                ProbeVerdict {
-                    usable: false,
-                    detail: "probe timed out".into(),
-                }
-            })
+            let r = block_on(resolve(
+                AccelChoice::Auto,
+                dir.path(),
+                Path::new("/bin/sh"),
+                async {
+                    calls += 1;
+                    ProbeVerdict {
+                        usable: false,
+                        detail: "probe timed out".into(),
+                    }
+                },
+            ))
             .expect("resolve");
             assert_eq!(r.accel, Accel::Tcg);
             assert!(r.warning.expect("warning").contains("probe timed out"));

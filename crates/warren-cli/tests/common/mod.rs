@@ -16,7 +16,12 @@ pub const WARREN: &str = env!("CARGO_BIN_EXE_warren");
 pub fn image_dir() -> PathBuf {
     std::env::var_os("WARREN_TEST_IMAGE_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/test-images")))
+        .unwrap_or_else(|| {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../target/test-images"
+            ))
+        })
 }
 
 /// Builds (or finds in the cache) the image for `recipe`, once per test process.
@@ -46,6 +51,7 @@ fn build_image(recipe: &str) {
 /// A private state directory sharing the image store.
 pub struct TestEnv {
     pub state: tempfile::TempDir,
+    pub image_dir: PathBuf,
 }
 
 impl TestEnv {
@@ -55,6 +61,15 @@ impl TestEnv {
                 .prefix("warren-test-")
                 .tempdir()
                 .expect("tempdir"),
+            image_dir: image_dir(),
+        }
+    }
+
+    /// An environment using its own image store.
+    pub fn with_image_dir(image_dir: PathBuf) -> Self {
+        TestEnv {
+            image_dir,
+            ..TestEnv::new()
         }
     }
 
@@ -63,8 +78,11 @@ impl TestEnv {
         c.arg("--state-dir")
             .arg(self.state.path())
             .arg("--image-dir")
-            .arg(image_dir())
-            .env("WARREN_ACCEL", std::env::var("WARREN_ACCEL").unwrap_or_else(|_| "auto".into()));
+            .arg(&self.image_dir)
+            .env(
+                "WARREN_ACCEL",
+                std::env::var("WARREN_ACCEL").unwrap_or_else(|_| "auto".into()),
+            );
         c
     }
 
@@ -79,7 +97,11 @@ impl TestEnv {
     /// The VM's record from `vm list --json`.
     pub fn record(&self, id: &str) -> Option<serde_json::Value> {
         let out = self.run(&["vm", "list", "--json"]);
-        assert!(out.status.success(), "vm list: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "vm list: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("list json");
         v.as_array()
             .expect("array")
@@ -154,7 +176,11 @@ impl TestVm {
     /// Starts a job without waiting; returns its id.
     pub fn detach(&self, script: &str) -> u64 {
         let out = self.warren(&["vm", "exec", &self.id, "--detach", "--", "sh", "-c", script]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
         v["job_id"].as_u64().expect("job id")
     }
@@ -165,17 +191,38 @@ impl TestVm {
         let mut args = vec!["vm", "output", self.id.as_str(), j.as_str()];
         args.extend_from_slice(extra);
         let out = self.warren(&args);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         serde_json::from_slice(&out.stdout).expect("output json")
     }
 
-    /// Waits until the job completes; returns its last page.
+    /// Waits until the job completes (following the cursors so each read long-polls);
+    /// returns its last page.
     pub fn wait_job(&self, job: u64) -> serde_json::Value {
-        for _ in 0..120 {
-            let p = self.output(job, &["--wait-ms", "1000"]);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+        let (mut so, mut se) = (0u64, 0u64);
+        while std::time::Instant::now() < deadline {
+            let p = self.output(
+                job,
+                &[
+                    "--wait-ms",
+                    "2000",
+                    "--encoding",
+                    "base64",
+                    "--stdout-cursor",
+                    &so.to_string(),
+                    "--stderr-cursor",
+                    &se.to_string(),
+                ],
+            );
             if p["state"] == "completed" {
                 return p;
             }
+            so = p["next_cursor"]["stdout"].as_u64().expect("cursor");
+            se = p["next_cursor"]["stderr"].as_u64().expect("cursor");
         }
         panic!("job {job} did not complete");
     }
@@ -224,7 +271,10 @@ impl TestVm {
             "destroy failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        assert!(!self.env.vm_dir(&self.id).exists(), "VM directory left behind");
+        assert!(
+            !self.env.vm_dir(&self.id).exists(),
+            "VM directory left behind"
+        );
         assert!(self.qemu_pids().is_empty(), "QEMU left running");
         if let Some(cg) = self.cgroup_dir() {
             assert!(!cg.exists(), "cgroup left behind: {}", cg.display());
@@ -265,7 +315,10 @@ pub fn pids_matching(needle: &str) -> Vec<i32> {
 pub fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
     while !f() {
-        assert!(std::time::Instant::now() < deadline, "timed out waiting for {what}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }

@@ -24,7 +24,10 @@ pub fn kernel_cmdline(tsc_khz: u64, extra: &[String]) -> String {
 pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<String> {
     let mut a: Vec<String> = Vec::new();
     let mut push = |xs: &[&str]| a.extend(xs.iter().map(|s| s.to_string()));
-    push(&["-name", &format!("warren-{},process=warren-{}", spec.name, spec.name)]);
+    push(&[
+        "-name",
+        &format!("warren-{},process=warren-{}", spec.name, spec.name),
+    ]);
     push(&["-M", "microvm,acpi=on"]);
     push(&spec.accel.qemu_args());
     if spec.accel == crate::Accel::Kvm {
@@ -39,7 +42,12 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
         "none",
         "-no-reboot",
     ]);
-    push(&["-m", &spec.memory.0.to_string(), "-smp", &spec.vcpus.to_string()]);
+    push(&[
+        "-m",
+        &spec.memory.0.to_string(),
+        "-smp",
+        &spec.vcpus.to_string(),
+    ]);
     push(&[
         "-kernel",
         &spec.kernel.display().to_string(),
@@ -77,7 +85,10 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
         "-device",
         "virtio-blk-device,drive=root",
     ]);
-    push(&["-qmp", &format!("unix:{},server=on,wait=off", ep.control.display())]);
+    push(&[
+        "-qmp",
+        &format!("unix:{},server=on,wait=off", ep.control.display()),
+    ]);
     // QEMU's seccomp filter: no obsolete syscalls, no privilege changes, no fork/exec,
     // no scheduler/resource tweaks.
     push(&[
@@ -112,7 +123,11 @@ mod tests {
 
     #[test]
     fn test_qemu_args_tcg_fast_boot_recipe() {
-        let a = qemu_args(&spec(), &crate::qemu::QemuBackend::endpoints(&PathBuf::from("/r")), 2445406);
+        let a = qemu_args(
+            &spec(),
+            &crate::qemu::QemuBackend::endpoints(&PathBuf::from("/r")),
+            2445406,
+        );
         let s = a.join(" ");
         assert!(s.contains("-M microvm,acpi=on"));
         assert!(s.contains("-bios /usr/share/qemu/qboot.rom"));

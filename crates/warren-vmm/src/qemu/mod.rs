@@ -106,7 +106,13 @@ pub fn host_tsc_khz() -> Result<u64, VmmError> {
         .and_then(|l| l.split(':').nth(1))
         .and_then(|v| v.trim().parse::<f64>().ok())
         .map(|mhz| (mhz * 1000.0) as u64)
-        .ok_or_else(|| VmmError::io("parse", "/proc/cpuinfo", std::io::Error::other("no cpu MHz")))
+        .ok_or_else(|| {
+            VmmError::io(
+                "parse",
+                "/proc/cpuinfo",
+                std::io::Error::other("no cpu MHz"),
+            )
+        })
 }
 
 /// Boots `kernel` + `initramfs` under KVM with a deadline and reports whether the guest

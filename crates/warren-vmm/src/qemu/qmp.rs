@@ -31,7 +31,9 @@ impl Qmp {
         };
         let greeting = q.read_msg().await?;
         if greeting.get("QMP").is_none() {
-            return Err(VmmError::QmpProtocol(format!("unexpected greeting {greeting}")));
+            return Err(VmmError::QmpProtocol(format!(
+                "unexpected greeting {greeting}"
+            )));
         }
         q.execute("qmp_capabilities", None).await?;
         Ok(q)

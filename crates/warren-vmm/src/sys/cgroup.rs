@@ -21,8 +21,10 @@ impl Hierarchy {
         ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
             .into_iter()
             .map(PathBuf::from)
-            .find(|p| p.join("cgroup.procs").exists() && p.join("cgroup.kill").exists() || {
-                p.join("cgroup.procs").exists() && is_cgroup2(p)
+            .find(|p| {
+                p.join("cgroup.procs").exists() && p.join("cgroup.kill").exists() || {
+                    p.join("cgroup.procs").exists() && is_cgroup2(p)
+                }
             })
             .map(|root| Hierarchy { root })
     }
@@ -59,12 +61,10 @@ pub fn create(path: &Path) -> Result<(), VmmError> {
 
 /// Moves `pid` into the cgroup.
 pub fn add_pid(path: &Path, pid: u32) -> Result<(), VmmError> {
-    std::fs::write(path.join("cgroup.procs"), pid.to_string()).map_err(|source| {
-        VmmError::Cgroup {
-            op: "add process to",
-            path: path.to_path_buf(),
-            source,
-        }
+    std::fs::write(path.join("cgroup.procs"), pid.to_string()).map_err(|source| VmmError::Cgroup {
+        op: "add process to",
+        path: path.to_path_buf(),
+        source,
     })
 }
 
