@@ -81,6 +81,7 @@ struct Report {
     boot_ratio: f64,
     exec_rtt_us_p50: f64,
     exec_rtt_us_p99: f64,
+    exec_start_us_p50: f64,
     guest_fork_exec_wait_us_p50: f64,
     ping_us_p50: f64,
     exec_target_us: f64,
@@ -102,6 +103,10 @@ fn print_report(r: &Report) {
     println!(
         "(c) exec `true` round trip p50 / p99  {:>9.0} / {:.0} us   target p50 <= 2*fork+exec+wait + ping = {:.0} us",
         r.exec_rtt_us_p50, r.exec_rtt_us_p99, r.exec_target_us
+    );
+    println!(
+        "    of which ExecStart p50            {:>9.0} us",
+        r.exec_start_us_p50
     );
     println!(
         "    guest fork+exec+wait p50          {:>9.0} us",
@@ -154,9 +159,11 @@ async fn bench(w: &Warren, args: &BenchArgs) -> Result<Report> {
     let rec = w.create_vm(&create, &mut |_| {}).await?;
     let client = SupervisorClient::new(&w.vm_dir_path(&rec.id).join("supervisor.sock"));
     let mut rtt = Vec::new();
+    let mut start = Vec::new();
     for _ in 0..args.iterations {
         let t = Instant::now();
         let job = w.exec_start(&rec.id, exec_true()).await?;
+        start.push(t.elapsed().as_secs_f64() * 1e6);
         wait_job(w, &rec.id, job).await?;
         rtt.push(t.elapsed().as_secs_f64() * 1e6);
     }
@@ -227,6 +234,7 @@ async fn bench(w: &Warren, args: &BenchArgs) -> Result<Report> {
         boot_ratio: warren_ms / raw_boot_ms,
         exec_rtt_us_p50: pct(&mut rtt, 0.5),
         exec_rtt_us_p99: pct(&mut rtt, 0.99),
+        exec_start_us_p50: median(&mut start),
         guest_fork_exec_wait_us_p50: few_p50,
         ping_us_p50: ping_p50,
         exec_target_us: 2.0 * few_p50 + ping_p50,

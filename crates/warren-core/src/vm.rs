@@ -149,10 +149,13 @@ impl Warren {
                 "vcpus must be within {VCPUS_RANGE:?}, got {vcpus}"
             )));
         }
+        let t = std::time::Instant::now();
         let spec = req.image.as_deref().unwrap_or(DEFAULT_IMAGE);
         let image_id = self.images.resolve(spec)?;
         let image = self.images.verify(&image_id)?;
+        tracing::debug!(ms = t.elapsed().as_millis() as u64, "image verified");
         let (accel, warning) = self.resolve_accel(&image).await?;
+        tracing::debug!(ms = t.elapsed().as_millis() as u64, %accel, "accelerator resolved");
         if let Some(w) = warning {
             warn(&w);
         }
@@ -249,7 +252,9 @@ impl Warren {
         };
         let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
         write_private(&dir.config(), &body)?;
+        let t = std::time::Instant::now();
         self.spawn_supervisor(&dir)?;
+        tracing::debug!(ms = t.elapsed().as_millis() as u64, "supervisor spawned");
 
         let client = SupervisorClient::new(&dir.socket());
         // The socket appears once the supervisor holds its lock.

@@ -48,6 +48,8 @@ const MODULE_INIT_COMPRESSED_FILE: u32 = 4;
 pub struct Booted {
     port: File,
     secret: Secret,
+    /// Opened before switch-root, loaded once the agent serves.
+    deferred_modules: Vec<(String, File)>,
 }
 
 /// A failed boot step.
@@ -110,13 +112,17 @@ fn do_mount(
 /// Runs the boot phases; on failure returns the phase name and the error.
 pub fn boot() -> Result<Booted, (&'static str, BootError)> {
     early_mounts().map_err(|e| ("early-mounts", e))?;
-    load_modules().map_err(|e| ("modules", e))?;
+    let deferred = load_modules().map_err(|e| ("modules", e))?;
     let secret = read_secret().map_err(|e| ("secret", e))?;
     switch_root().map_err(|e| ("root", e))?;
     system_setup().map_err(|e| ("system", e))?;
     cgroup_setup().map_err(|e| ("cgroup", e))?;
     let port = open_port().map_err(|e| ("port", e))?;
-    Ok(Booted { port, secret })
+    Ok(Booted {
+        port,
+        secret,
+        deferred_modules: deferred,
+    })
 }
 
 fn early_mounts() -> Phase<()> {
@@ -144,33 +150,69 @@ fn early_mounts() -> Phase<()> {
     Ok(())
 }
 
-fn load_modules() -> Phase<()> {
+/// Modules the boot path needs (the root disk and the agent's port sit on virtio-mmio).
+/// Everything else in the list (network, vsock, overlay) is loaded after the agent is ready,
+/// which takes ~0.3 s off every boot under TCG.
+const BOOT_CRITICAL_MODULES: &[&str] = &["virtio", "virtio_ring", "virtio_mmio", "virtio_blk"];
+
+/// Loads the boot-critical modules; opens the others (their files vanish at switch-root) and
+/// returns them for [`load_deferred_modules`].
+fn load_modules() -> Phase<Vec<(String, File)>> {
     let list = match fs::read_to_string(MODULE_LIST) {
         Ok(list) => list,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(io_err("read", MODULE_LIST)(e)),
     };
+    let mut deferred = Vec::new();
     for path in list.lines().map(str::trim) {
         if path.is_empty() || path.starts_with('#') {
             continue;
         }
         let file = File::open(path).map_err(io_err("open", path))?;
-        let flags = if path.ends_with(".ko") {
-            ModuleInitFlags::empty()
+        let stem = Path::new(path)
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.split('.').next())
+            .unwrap_or("");
+        if BOOT_CRITICAL_MODULES.contains(&stem) {
+            load_module(path, &file)?;
         } else {
-            ModuleInitFlags::from_bits_retain(MODULE_INIT_COMPRESSED_FILE)
-        };
-        match finit_module(&file, c"", flags) {
-            Ok(()) | Err(nix::Error::EEXIST) => {}
-            Err(source) => {
-                return Err(BootError::Module {
-                    path: path.to_owned(),
-                    source,
-                })
-            }
+            deferred.push((path.to_owned(), file));
         }
     }
-    Ok(())
+    Ok(deferred)
+}
+
+fn load_module(path: &str, file: &File) -> Phase<()> {
+    let flags = if path.ends_with(".ko") {
+        ModuleInitFlags::empty()
+    } else {
+        ModuleInitFlags::from_bits_retain(MODULE_INIT_COMPRESSED_FILE)
+    };
+    match finit_module(file, c"", flags) {
+        Ok(()) | Err(nix::Error::EEXIST) => Ok(()),
+        Err(source) => Err(BootError::Module {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// Loads the non-critical modules in list order on a thread of their own; failures are
+/// logged, not fatal (nothing in the boot path needs them).
+fn load_deferred_modules(modules: Vec<(String, File)>) {
+    if modules.is_empty() {
+        return;
+    }
+    std::thread::spawn(move || {
+        // Lowest priority: the first requests after boot must not wait for these.
+        let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), 19);
+        for (path, file) in modules {
+            if let Err(e) = load_module(&path, &file) {
+                crate::console::log(format_args!("deferred module: {e}"));
+            }
+        }
+    });
 }
 
 fn read_secret() -> Phase<Secret> {
@@ -309,13 +351,20 @@ fn enable_controllers(dir: &Path, controllers: &str) {
 }
 
 fn cgroup_setup() -> Phase<()> {
-    do_mount(
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    // Every job moves into a cgroup of its own: `favordynmods` makes such migrations cheap
+    // (no RCU grace period per move), which dominates exec latency under TCG otherwise.
+    if do_mount(
         "cgroup2",
         CGROUP_ROOT,
         "cgroup2",
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-        None,
-    )?;
+        flags,
+        Some("favordynmods"),
+    )
+    .is_err()
+    {
+        do_mount("cgroup2", CGROUP_ROOT, "cgroup2", flags, None)?;
+    }
     let root = Path::new(CGROUP_ROOT);
     // "No internal processes": a cgroup that delegates domain controllers to children cannot
     // hold processes itself, so the agent leaves the root for its own leaf first.
@@ -392,6 +441,7 @@ pub async fn serve(booted: Booted) -> Result<(), (&'static str, Box<dyn Error>)>
     let manager =
         crate::channel::start(reader, booted.port, agent).map_err(|e| ("serve", e.into()))?;
     println!("{READY_LINE}");
+    load_deferred_modules(booted.deferred_modules);
     match manager.await {
         Ok(()) => Err(("serve", "channel manager stopped".into())),
         Err(e) => Err(("serve", e.into())),

@@ -26,7 +26,7 @@ use warren_protocol::{
 };
 
 /// How often an unanswered `Sync` is repeated.
-pub const SYNC_RETRY: Duration = Duration::from_millis(50);
+pub const SYNC_RETRY: Duration = Duration::from_millis(20);
 /// HTTP/2 windows: large enough that a 128 KiB file chunk flows without waiting for updates.
 const STREAM_WINDOW: u32 = 1 << 20;
 const CONN_WINDOW: u32 = 8 << 20;
@@ -96,6 +96,7 @@ impl GuestChannel {
         let (mut rd, mut wr) = stream.into_split();
         let mut decoder = Decoder::new();
         let leftover = resync(&mut rd, &mut wr, &mut decoder).await?;
+        tracing::debug!("channel resynchronised");
 
         let (h2_io, bridge_io) = tokio::io::duplex(1 << 20);
         tokio::spawn(bridge(rd, wr, decoder, leftover, bridge_io));
@@ -124,7 +125,9 @@ impl GuestChannel {
                 uptime_ms: 0,
             },
         };
+        tracing::debug!("HTTP/2 session up");
         ch.info = ch.authenticate(secret).await?;
+        tracing::debug!("guest authenticated");
         Ok(ch)
     }
 

@@ -72,6 +72,11 @@ pub async fn pump(mut stream: UnixStream, dir: VmDir, tail: ConsoleTail) {
             Ok(n) => n,
         };
         tail.push(&buf[..n]);
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            for line in String::from_utf8_lossy(&buf[..n]).lines() {
+                tracing::debug!(%line, "console");
+            }
+        }
         if written >= LOG_HALF {
             let _ = std::fs::rename(dir.console_log(), dir.console_log_old());
             file = open_log(&dir);

@@ -100,7 +100,7 @@ pub async fn resolve(
                     warning: Some(format!("KVM unavailable ({e}); using TCG (slow)")),
                 });
             }
-            let key = cache_key(qemu)?;
+            let key = cache_key(qemu, cache_dir)?;
             let path = cache_dir.join(format!("accel-probe-{key}.json"));
             let verdict = match std::fs::read(&path)
                 .ok()
@@ -145,15 +145,57 @@ fn kvm_device_usable() -> Result<(), String> {
 }
 
 /// Host boot id + QEMU binary digest: a new boot or a new QEMU re-probes.
-fn cache_key(qemu: &Path) -> Result<String, VmmError> {
+fn cache_key(qemu: &Path, cache_dir: &Path) -> Result<String, VmmError> {
     use sha2::{Digest, Sha256};
     let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map_err(|e| VmmError::io("read", "/proc/sys/kernel/random/boot_id", e))?;
-    let bin = std::fs::read(qemu).map_err(|e| VmmError::io("read", qemu, e))?;
     let mut h = Sha256::new();
     h.update(boot_id.trim().as_bytes());
-    h.update(Sha256::digest(&bin));
+    h.update(qemu_digest(qemu, cache_dir)?.as_bytes());
     Ok(hex::encode(&h.finalize()[..12]))
+}
+
+/// What a cached QEMU digest was computed for.
+#[derive(Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct BinaryIdentity {
+    path: PathBuf,
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime_ns: i128,
+    sha256: String,
+}
+
+/// SHA-256 of the QEMU binary, recomputed only when its identity (device, inode, size,
+/// mtime) changes: hashing it costs ~100 ms, too much for every `vm create`.
+fn qemu_digest(qemu: &Path, cache_dir: &Path) -> Result<String, VmmError> {
+    use sha2::{Digest, Sha256};
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(qemu).map_err(|e| VmmError::io("stat", qemu, e))?;
+    let mut id = BinaryIdentity {
+        path: qemu.to_path_buf(),
+        dev: meta.dev(),
+        ino: meta.ino(),
+        size: meta.size(),
+        mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+        sha256: String::new(),
+    };
+    let record = cache_dir.join("qemu-digest.json");
+    if let Some(cached) = std::fs::read(&record)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<BinaryIdentity>(&b).ok())
+    {
+        id.sha256.clone_from(&cached.sha256);
+        if cached == id {
+            return Ok(cached.sha256);
+        }
+    }
+    let bin = std::fs::read(qemu).map_err(|e| VmmError::io("read", qemu, e))?;
+    id.sha256 = hex::encode(Sha256::digest(&bin));
+    std::fs::create_dir_all(cache_dir).map_err(|e| VmmError::io("create", cache_dir, e))?;
+    let body = serde_json::to_vec(&id).expect("invariant: identity serialises");
+    std::fs::write(&record, body).map_err(|e| VmmError::io("write", &record, e))?;
+    Ok(id.sha256)
 }
 
 /// Finds the QEMU binary: `$WARREN_QEMU` or `qemu-system-x86_64` on `PATH`.
