@@ -16,9 +16,11 @@
 //! is bumped after every change of `data` and wakes long-polling output readers.
 
 use std::collections::BTreeMap;
-use std::fs::{self, OpenOptions};
+use std::ffi::CString;
+use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -41,6 +43,7 @@ use warren_protocol::{
 
 use crate::files::{self, FilesConfig};
 use crate::reaper::{ExitStatus, Reaper};
+use crate::sys::spawn::SpawnRequest;
 use crate::sys::{configure_child, ChildSetup};
 
 /// Environment every job starts from; the request's `env` overrides it.
@@ -284,6 +287,43 @@ pub fn validate_exec(req: &ExecStart) -> Result<(), GuestError> {
     Ok(())
 }
 
+/// The job's environment: the base environment overridden by the request's entries.
+fn job_env(extra: &[(String, String)]) -> Vec<(String, String)> {
+    let mut env: BTreeMap<String, String> = BASE_ENV
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    for (k, v) in extra {
+        env.insert(k.clone(), v.clone());
+    }
+    env.into_iter().collect()
+}
+
+/// Finds `program` the way `execvp` does: as given when it contains a `/` (relative ones are
+/// resolved by `execve` against the job's working directory), otherwise the first executable
+/// regular file of that name in the job's `PATH`.
+fn resolve_program(program: &str, env: &[(String, String)]) -> io::Result<CString> {
+    let nul = || io::Error::new(io::ErrorKind::InvalidInput, "program contains NUL");
+    if program.contains('/') {
+        return CString::new(program).map_err(|_| nul());
+    }
+    let path = env
+        .iter()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.as_str())
+        .unwrap_or_default();
+    for dir in path.split(':').filter(|d| !d.is_empty()) {
+        let candidate = PathBuf::from(dir).join(program);
+        if let Ok(meta) = fs::metadata(&candidate) {
+            if meta.is_file() && meta.permissions().mode() & 0o111 != 0 {
+                return CString::new(candidate.into_os_string().into_encoded_bytes())
+                    .map_err(|_| nul());
+            }
+        }
+    }
+    Err(io::Error::new(io::ErrorKind::NotFound, "not found in PATH"))
+}
+
 fn spawn_error(program: &str, err: &io::Error) -> GuestError {
     match err.kind() {
         io::ErrorKind::NotFound => {
@@ -415,39 +455,56 @@ impl JobManager {
             }
             None => None,
         };
-        let mut cmd = Command::new(&req.argv[0]);
-        cmd.args(&req.argv[1..])
-            .env_clear()
-            .envs(BASE_ENV)
-            .envs(req.env.iter().map(|(k, v)| (k, v)))
-            .stdin(if req.stdin.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        configure_child(
-            &mut cmd,
-            ChildSetup {
-                new_session: true,
-                cgroup_procs,
-                user: self.cfg.files.user,
-                cwd: Some(cwd),
-            },
-        );
-        let (mut child, exit) = self
+        let env = job_env(&req.env);
+        let program =
+            resolve_program(&req.argv[0], &env).map_err(|e| spawn_error(&req.argv[0], &e))?;
+        let to_c = |s: &str| CString::new(s).map_err(|_| invalid("argument contains NUL"));
+        let argv = req
+            .argv
+            .iter()
+            .map(|a| to_c(a))
+            .collect::<Result<Vec<_>, _>>()?;
+        let envp = env
+            .iter()
+            .map(|(k, v)| to_c(&format!("{k}={v}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let pipe = || {
+            rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+                .map_err(|e| internal("pipe", io::Error::from(e)))
+        };
+        let (out_r, out_w) = pipe()?;
+        let (err_r, err_w) = pipe()?;
+        let (stdin_child, stdin_parent) = if req.stdin.is_some() {
+            let (r, w) = pipe()?;
+            (r, Some(w))
+        } else {
+            let null = File::open("/dev/null").map_err(|e| internal("open /dev/null", e))?;
+            (OwnedFd::from(null), None)
+        };
+        let setup = ChildSetup {
+            new_session: true,
+            cgroup_procs,
+            user: self.cfg.files.user,
+            cwd: Some(cwd),
+        };
+        let spawn_req = SpawnRequest {
+            program: &program,
+            argv: &argv,
+            envp: &envp,
+            stdin: stdin_child.as_fd(),
+            stdout: out_w.as_fd(),
+            stderr: err_w.as_fd(),
+            setup: &setup,
+        };
+        let (pid, exit) = self
             .reaper
-            .spawn(&mut cmd)
+            .spawn_with(|| crate::sys::spawn::spawn(&spawn_req))
             .map_err(|e| spawn_error(&req.argv[0], &e))?;
-        // Closes the parent's copies of the cgroup.procs and cwd fds.
-        drop(cmd);
-        job.data().pid = Some(child.id() as i32);
+        // The child has its copies; closing ours lets the pipes reach end of file.
+        drop((stdin_child, out_w, err_w, setup));
+        job.data().pid = Some(pid);
 
-        let stdin = child.stdin.take().map(OwnedFd::from);
-        let stdout = child.stdout.take().map(OwnedFd::from);
-        let stderr = child.stderr.take().map(OwnedFd::from);
-        if let (Some(fd), Some(data)) = (stdin, req.stdin) {
+        if let (Some(fd), Some(data)) = (stdin_parent, req.stdin) {
             match pipe::Sender::from_owned_fd(fd) {
                 Ok(mut tx) => {
                     tokio::spawn(async move {
@@ -459,8 +516,7 @@ impl JobManager {
             }
         }
         let mut drains = Vec::with_capacity(2);
-        for (fd, stream) in [(stdout, Stream::Stdout), (stderr, Stream::Stderr)] {
-            let Some(fd) = fd else { continue };
+        for (fd, stream) in [(out_r, Stream::Stdout), (err_r, Stream::Stderr)] {
             let rx = pipe::Receiver::from_owned_fd(fd).map_err(|e| internal("output pipe", e))?;
             drains.push(tokio::spawn(drain(
                 job.clone(),

@@ -89,6 +89,19 @@ impl Reaper {
         Ok((child, rx))
     }
 
+    /// Runs `spawn` (which starts a child and returns its pid) with reaping held off, and
+    /// registers the pid before any status can be collected.
+    pub fn spawn_with(
+        &self,
+        spawn: impl FnOnce() -> io::Result<i32>,
+    ) -> io::Result<(i32, oneshot::Receiver<ExitStatus>)> {
+        let mut waiters = self.waiters();
+        let pid = spawn()?;
+        let (tx, rx) = oneshot::channel();
+        waiters.insert(pid, tx);
+        Ok((pid, rx))
+    }
+
     /// Collects every exited child that is ours to collect and dispatches the statuses.
     pub fn reap(&self) {
         match self.mode {

@@ -1,6 +1,6 @@
 //! Every `unsafe` operation of the agent lives here, each with its safety argument:
-//! the `pre_exec` hook that puts a job's process into its session, cgroup and user before
-//! `exec`, and the `RNDADDENTROPY` ioctl. Everything else uses the safe `nix`/`rustix` APIs.
+//! the vfork-style job spawn ([`spawn`]), the `pre_exec` hook used by the fork+exec+wait
+//! benchmark (the same setup for a forked child), and the `RNDADDENTROPY` ioctl. Everything else uses the safe `nix`/`rustix` APIs.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::fs::File;
@@ -10,6 +10,8 @@ use std::os::unix::process::CommandExt;
 use std::process::Command;
 
 use rustix::process::{Gid, Uid};
+
+pub mod spawn;
 
 /// What the forked child does to itself between `fork` and `exec`, in this order.
 pub struct ChildSetup {
