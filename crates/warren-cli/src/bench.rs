@@ -291,6 +291,7 @@ async fn raw_boot(vm_dir: &std::path::Path, accel: warren_vmm::Accel) -> Result<
     let spec = LaunchSpec {
         name: "bench-raw".into(),
         run_dir: run_dir.clone(),
+        stderr_log: run_dir.join("qemu.stderr"),
         disk,
         initramfs,
         memory: MemMib(cfg.launch.memory.0),

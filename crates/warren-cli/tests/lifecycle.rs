@@ -49,7 +49,7 @@ fn test_lifecycle_supervisor_killed_no_orphan_qemu() {
 fn test_lifecycle_destroy_leaves_nothing() {
     let vm = TestVm::boot();
     let dir = vm.env.vm_dir(&vm.id);
-    assert!(dir.join("disk.qcow2").exists());
+    assert!(dir.join("run/disk.qcow2").exists());
     assert!(dir.join("supervisor.sock").exists());
     let qemu = vm.qemu_pids();
     assert_eq!(qemu.len(), 1);

@@ -200,10 +200,16 @@ impl Warren {
         accel: Accel,
     ) -> Result<u64, CoreError> {
         let dir = self.vm_dir(&rec.id);
+        // The VM directory is root's (0711: the VMM may only traverse it); the VMM's own
+        // files live in `run/`, owned by the VM's uid.
         let p = dir.path();
         std::fs::create_dir(p).map_err(|e| CoreError::io("create", p, e))?;
-        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o711))
             .map_err(|e| CoreError::io("chmod", p, e))?;
+        let run = dir.run_dir();
+        std::fs::create_dir(&run).map_err(|e| CoreError::io("create", &run, e))?;
+        std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| CoreError::io("chmod", &run, e))?;
         let root = nix::unistd::geteuid().is_root();
         let run_as = root.then_some((rec.uid, rec.uid));
         let give = |path: &Path| -> Result<(), CoreError> {
@@ -212,17 +218,16 @@ impl Warren {
             }
             Ok(())
         };
-        // The VMM (as the VM's uid) creates its sockets here; the supervisor (root) reads all.
-        give(p)?;
+        give(&run)?;
 
-        let disk = p.join("disk.qcow2");
+        let disk = run.join("disk.qcow2");
         warren_vmm::disk::create_overlay(&image.rootfs, &disk)?;
         give(&disk)?;
 
         let mut secret = [0u8; warren_protocol::SECRET_LEN];
         rand::rng().fill_bytes(&mut secret);
         write_private(&dir.secret(), &secret)?;
-        let initramfs = p.join("initramfs.cpio");
+        let initramfs = run.join("initramfs.cpio");
         warren_image::write_vm_initramfs(&image.initramfs, &secret, &initramfs)?;
         std::fs::set_permissions(&initramfs, std::fs::Permissions::from_mode(0o400))
             .map_err(|e| CoreError::io("chmod", &initramfs, e))?;
@@ -237,7 +242,8 @@ impl Warren {
             vm_id: rec.id.clone(),
             launch: LaunchSpec {
                 name: rec.id.clone(),
-                run_dir: p.to_path_buf(),
+                run_dir: run.clone(),
+                stderr_log: dir.qemu_stderr(),
                 kernel: image.kernel.clone(),
                 initramfs,
                 disk,

@@ -19,8 +19,9 @@ fn main() {
         std::process::exit(2);
     }
     let booted = boot::boot().unwrap_or_else(|(phase, err)| boot::fail(phase, &err));
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // One runtime thread: guests usually have one vCPU, and under TCG every cross-thread
+    // wakeup is expensive (blocking file work still runs on tokio's blocking pool).
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap_or_else(|e| boot::fail("runtime", &e));

@@ -13,6 +13,12 @@ impl VmDir {
     pub fn path(&self) -> &Path {
         &self.0
     }
+    /// The VMM's own directory (owned by the VM's uid): its disk, initramfs and sockets.
+    /// Everything else in the VM directory is root's, so a compromised VMM cannot plant
+    /// symlinks where the supervisor writes.
+    pub fn run_dir(&self) -> PathBuf {
+        self.0.join("run")
+    }
     /// What the supervisor is to run (written by the creator before spawning it).
     pub fn config(&self) -> PathBuf {
         self.0.join("supervisor.json")

@@ -140,6 +140,16 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         what: "supervisor socket",
         source,
     })?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        // Root's only: not even the VM's own uid (its VMM) may drive the supervisor.
+        std::fs::set_permissions(dir.socket(), std::fs::Permissions::from_mode(0o600)).map_err(
+            |source| SuperviseError::Io {
+                what: "supervisor socket permissions",
+                source,
+            },
+        )?;
+    }
 
     // 2. Launch.
     let backend = QemuBackend::new(warren_vmm::accel::find_qemu()?)?;
@@ -217,6 +227,12 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                         tracing::warn!("guest channel dropped; resynchronising");
                         shared.phase.send_replace(VmPhase::Reconnecting);
                     }
+                    Err(e) if !first => {
+                        // The VM came up before: keep trying (a VMM exit ends everything
+                        // through the main loop, with its own reason).
+                        tracing::warn!(error = %e, "guest channel reconnect failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
                     Err(e) => {
                         let mut reason = format!("the guest agent did not come up: {e}");
                         let lines = tail.last_lines(20);
@@ -259,24 +275,18 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
     let (requested, reason) = tokio::select! {
         status = child.wait() => {
             let status = status.map_err(|source| SuperviseError::Io { what: "wait for VMM", source })?;
-            let mut reason = format!("the VMM exited unexpectedly ({})", describe_status(status));
-            let stderr = std::fs::read_to_string(dir.qemu_stderr()).unwrap_or_default();
-            if let Some(l) = stderr.lines().rev().find(|l| !l.trim().is_empty()) {
-                reason.push_str(&format!(": {l}"));
-            }
-            let lines = tail.last_lines(10);
-            if !lines.is_empty() {
-                reason.push_str(&format!("\nconsole:\n{lines}"));
-            }
-            (false, reason)
+            (false, vmm_exit_reason(&dir, status, &tail))
         }
         _ = shared.stop.notified() => {
             let fail = failure.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            // A VMM that already died explains a failed channel better than the channel does.
+            let died = child.try_wait().ok().flatten();
             shared.phase.send_replace(VmPhase::Stopping);
             stop_vmm(&backend, &endpoints, &mut child).await;
-            match fail {
-                Some(r) => (false, r),
-                None => (true, "destroyed".to_string()),
+            match (died, fail) {
+                (Some(status), Some(_)) => (false, vmm_exit_reason(&dir, status, &tail)),
+                (_, Some(r)) => (false, r),
+                (_, None) => (true, "destroyed".to_string()),
             }
         }
         _ = sigterm.recv() => {
@@ -324,6 +334,20 @@ async fn stop_vmm(
         let _ = child.start_kill();
         let _ = child.wait().await;
     }
+}
+
+/// Why the VMM ended on its own: its status, its last stderr line, the console tail.
+fn vmm_exit_reason(dir: &VmDir, status: std::process::ExitStatus, tail: &ConsoleTail) -> String {
+    let mut reason = format!("the VMM exited unexpectedly ({})", describe_status(status));
+    let stderr = std::fs::read_to_string(dir.qemu_stderr()).unwrap_or_default();
+    if let Some(l) = stderr.lines().rev().find(|l| !l.trim().is_empty()) {
+        reason.push_str(&format!(": {l}"));
+    }
+    let lines = tail.last_lines(10);
+    if !lines.is_empty() {
+        reason.push_str(&format!("\nconsole:\n{lines}"));
+    }
+    reason
 }
 
 fn describe_status(s: std::process::ExitStatus) -> String {

@@ -16,8 +16,11 @@ pub struct MemMib(pub u32);
 pub struct LaunchSpec {
     /// Used for the process name only.
     pub name: String,
-    /// Private 0700 directory where the backend creates its sockets.
+    /// Private 0700 directory, owned by `run_as`, where the backend creates its sockets.
     pub run_dir: PathBuf,
+    /// The VMM's stderr goes here; opened by the caller's (privileged) process, outside
+    /// `run_dir`, so the VMM cannot redirect the caller's writes.
+    pub stderr_log: PathBuf,
     pub kernel: PathBuf,
     pub initramfs: PathBuf,
     /// The VM's own copy-on-write disk.

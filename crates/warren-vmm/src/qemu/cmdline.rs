@@ -109,6 +109,7 @@ mod tests {
         LaunchSpec {
             name: "t".into(),
             run_dir: PathBuf::from("/r"),
+            stderr_log: PathBuf::from("/l"),
             kernel: PathBuf::from("/k"),
             initramfs: PathBuf::from("/i"),
             disk: PathBuf::from("/d.qcow2"),

@@ -71,8 +71,8 @@ impl VmBackend for QemuBackend {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(
-                std::fs::File::create(spec.run_dir.join("qemu.stderr"))
-                    .map_err(|e| VmmError::io("create", spec.run_dir.join("qemu.stderr"), e))?,
+                std::fs::File::create(&spec.stderr_log)
+                    .map_err(|e| VmmError::io("create", &spec.stderr_log, e))?,
             ))
             .kill_on_drop(false);
         crate::sys::process::confine(cmd.as_std_mut(), spec.run_as);
