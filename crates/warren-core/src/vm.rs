@@ -116,7 +116,7 @@ impl Warren {
         image: &VerifiedImage,
     ) -> Result<(Accel, Option<Warning>), CoreError> {
         let qemu = accel::find_qemu()?;
-        let cache = self.cfg.state_dir.join("cache");
+        let cache = probe_cache_dir(&self.cfg.state_dir);
         let choice = self.cfg.accel;
         // The probe boots the image's own kernel and base initramfs: with no per-VM secret the
         // agent prints its failing phase right away, which proves the guest reached user space.
@@ -521,6 +521,18 @@ impl Warren {
 
 fn unexpected() -> CoreError {
     CoreError::Supervisor(warren_supervisor::client::ClientError::Unexpected)
+}
+
+/// Where accelerator verdicts are cached: they hold for one host boot, so a runtime directory
+/// (cleared at reboot, shared by every state directory) when there is one.
+fn probe_cache_dir(state_dir: &Path) -> PathBuf {
+    if nix::unistd::geteuid().is_root() {
+        return PathBuf::from("/run/warren");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) => PathBuf::from(d).join("warren"),
+        None => state_dir.join("cache"),
+    }
 }
 
 fn write_private(path: &Path, data: &[u8]) -> Result<(), CoreError> {

@@ -419,12 +419,9 @@ impl JobManager {
     /// Starts a job and returns its id once the process runs.
     pub async fn start(self: &Arc<Self>, req: ExecStart) -> Result<JobId, GuestError> {
         validate_exec(&req)?;
-        let files_cfg = self.cfg.files.clone();
-        let cwd = req.cwd.clone();
-        let cwd_fd =
-            tokio::task::spawn_blocking(move || files::open_dir(&files_cfg, cwd.as_deref()))
-                .await
-                .map_err(|e| internal("cwd task", e))??;
+        // A single openat2 with the guest user's fs identity (restored before returning):
+        // cheap enough to run inline, and a blocking-pool hop costs milliseconds under TCG.
+        let cwd_fd = files::open_dir(&self.cfg.files, req.cwd.as_deref())?;
         let job = self.reserve()?;
         match self.launch(&job, req, cwd_fd) {
             Ok(()) => Ok(job.id),

@@ -189,8 +189,11 @@ pub async fn probe_kvm(
         }
     })
     .await;
+    // Never wait for the probe VM to die: a vCPU stuck in a broken KVM may take long to
+    // honour SIGKILL. The runtime reaps it in the background (kill_on_drop).
     let _ = child.start_kill();
-    let _ = child.wait().await;
+    let mut err_pipe = child.stderr.take();
+    drop(child);
     match found {
         Ok(true) => ProbeVerdict {
             usable: true,
@@ -198,8 +201,9 @@ pub async fn probe_kvm(
         },
         Ok(false) => {
             let mut err = String::new();
-            if let Some(mut e) = child.stderr.take() {
-                let _ = e.read_to_string(&mut err).await;
+            if let Some(e) = err_pipe.as_mut() {
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(1), e.read_to_string(&mut err)).await;
             }
             ProbeVerdict {
                 usable: false,
