@@ -119,17 +119,7 @@ fn test_lifecycle_bad_create_arguments_rejected() {
 #[test]
 fn test_lifecycle_image_digest_mismatch_refused() {
     ensure_image("minimal");
-    // A private copy of the store (hard links, so nothing shared is modified).
-    let store = tempfile::tempdir().expect("tempdir");
-    let src = image_dir();
-    let out = std::process::Command::new("cp")
-        .arg("-al")
-        .arg(&src)
-        .arg(store.path().join("images"))
-        .status()
-        .expect("cp");
-    assert!(out.success());
-    let images = store.path().join("images");
+    let (_store, images) = private_store();
     let env = TestEnv::with_image_dir(images.clone());
     let list = env.run(&["image", "list", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&list.stdout).expect("json");
@@ -156,4 +146,49 @@ fn test_lifecycle_image_digest_mismatch_refused() {
         err.contains("integrity") && err.contains("initramfs"),
         "{err}"
     );
+}
+
+/// A private copy of the shared image store (hard links: nothing shared is modified).
+fn private_store() -> (tempfile::TempDir, std::path::PathBuf) {
+    let store = tempfile::tempdir().expect("tempdir");
+    let images = store.path().join("images");
+    let ok = std::process::Command::new("cp")
+        .arg("-al")
+        .arg(image_dir())
+        .arg(&images)
+        .status()
+        .expect("cp");
+    assert!(ok.success());
+    (store, images)
+}
+
+#[test]
+fn test_lifecycle_image_rm_refused_while_in_use() {
+    ensure_image("minimal");
+    let (_store, images) = private_store();
+    let env = TestEnv::with_image_dir(images);
+    let out = env.run(&["vm", "create", "--image", "minimal", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let vm: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let vm = vm["vm_id"].as_str().expect("id").to_string();
+    let image = env.record(&vm).expect("record")["image_id"]
+        .as_str()
+        .expect("image")
+        .to_string();
+    let out = env.run(&["image", "rm", &image]);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("conflict"));
+    assert!(env.run(&["vm", "destroy", &vm]).status.success());
+    let out = env.run(&["image", "rm", &image]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let list = env.run(&["image", "list", "--json"]);
+    assert!(!String::from_utf8_lossy(&list.stdout).contains(&image));
 }
