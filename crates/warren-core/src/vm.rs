@@ -284,10 +284,9 @@ impl Warren {
                 // The supervisor records the precise reason (console tail included).
                 let _ = client.stop().await;
                 wait_supervisor_exit(&dir, Duration::from_secs(10)).await;
-                let reason = dir
-                    .read_exit()
-                    .map(|r| r.reason)
-                    .unwrap_or_else(|| e.to_string());
+                let reason = dir.read_exit().map(|r| r.reason).unwrap_or_else(|| {
+                    format!("{e}; supervisor log:\n{}", tail(&dir.supervisor_log(), 10))
+                });
                 Err(CoreError::BootFailed(reason))
             }
         }

@@ -44,7 +44,7 @@ use warren_protocol::{
 use crate::files::{self, FilesConfig};
 use crate::reaper::{ExitStatus, Reaper};
 use crate::sys::spawn::SpawnRequest;
-use crate::sys::{configure_child, ChildSetup};
+use crate::sys::ChildSetup;
 
 /// Environment every job starts from; the request's `env` overrides it.
 const BASE_ENV: [(&str, &str); 6] = [
@@ -561,15 +561,11 @@ impl JobManager {
             cmd.stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
-            configure_child(
-                &mut cmd,
-                ChildSetup {
-                    new_session: false,
-                    cgroup_procs: None,
-                    user: self.cfg.files.user,
-                    cwd: None,
-                },
-            );
+            if let Some(id) = self.cfg.files.user {
+                // std's plain fork path: it drops supplementary groups, then sets gid and uid.
+                std::os::unix::process::CommandExt::uid(&mut cmd, id);
+                std::os::unix::process::CommandExt::gid(&mut cmd, id);
+            }
             let started = Instant::now();
             let (_child, exit) = self
                 .reaper

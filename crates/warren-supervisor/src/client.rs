@@ -13,7 +13,7 @@ use crate::proto::{
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("the VM's supervisor is not running ({path})")]
+    #[error("connecting to the VM's supervisor at {path} failed")]
     Connect {
         path: PathBuf,
         #[source]
@@ -43,16 +43,31 @@ impl SupervisorClient {
         &self,
         req: &SupervisorRequest,
     ) -> Result<SupervisorResponse, ClientError> {
-        let mut s =
-            UnixStream::connect(&self.socket)
-                .await
-                .map_err(|source| ClientError::Connect {
-                    path: self.socket.clone(),
-                    source,
-                })?;
+        let mut s = self.connect().await?;
         write_frame(&mut s, req).await?;
         let reply: Reply = read_frame(&mut s).await?;
         Ok(reply?)
+    }
+
+    /// Connects, retrying briefly on a transient refusal (a full accept backlog answers
+    /// EAGAIN on UNIX sockets); a missing socket or a dead supervisor fails at once.
+    async fn connect(&self) -> Result<UnixStream, ClientError> {
+        let mut attempt = 0;
+        loop {
+            match UnixStream::connect(&self.socket).await {
+                Ok(s) => return Ok(s),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && attempt < 100 => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(source) => {
+                    return Err(ClientError::Connect {
+                        path: self.socket.clone(),
+                        source,
+                    })
+                }
+            }
+        }
     }
 
     /// Sends a request to the guest agent.

@@ -1,19 +1,14 @@
 //! Every `unsafe` operation of the agent lives here, each with its safety argument:
-//! the vfork-style job spawn ([`spawn`]), the `pre_exec` hook used by the fork+exec+wait
-//! benchmark (the same setup for a forked child), and the `RNDADDENTROPY` ioctl. Everything else uses the safe `nix`/`rustix` APIs.
+//! the vfork-style job spawn ([`spawn`]) and the `RNDADDENTROPY` ioctl. Everything else uses the safe `nix`/`rustix` APIs.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::process::CommandExt;
-use std::process::Command;
-
-use rustix::process::{Gid, Uid};
 
 pub mod spawn;
 
-/// What the forked child does to itself between `fork` and `exec`, in this order.
+/// What the spawned child does to itself before `exec`, in this order.
 pub struct ChildSetup {
     /// `setsid()`: the job gets its own session and process group.
     pub new_session: bool,
@@ -25,44 +20,6 @@ pub struct ChildSetup {
     /// `fchdir` here (an `O_PATH` directory resolved beneath the workspace) after dropping
     /// privileges, so that the cwd check and the chdir see the same directory.
     pub cwd: Option<OwnedFd>,
-}
-
-/// Installs `setup` as the child's `pre_exec` hook. The fds are moved into the hook and closed
-/// when `cmd` is dropped (they are `O_CLOEXEC`, so the program never sees them).
-pub fn configure_child(cmd: &mut Command, setup: ChildSetup) {
-    let hook = move || -> io::Result<()> {
-        if setup.new_session {
-            rustix::process::setsid()?;
-        }
-        if let Some(procs) = &setup.cgroup_procs {
-            rustix::io::write(procs, b"0")?;
-        }
-        if let Some(id) = setup.user {
-            // Per-thread calls are right here: the forked child has exactly one thread.
-            rustix::thread::set_thread_groups(&[])?;
-            rustix::thread::set_thread_res_gid(
-                Gid::from_raw(id),
-                Gid::from_raw(id),
-                Gid::from_raw(id),
-            )?;
-            rustix::thread::set_thread_res_uid(
-                Uid::from_raw(id),
-                Uid::from_raw(id),
-                Uid::from_raw(id),
-            )?;
-        }
-        if let Some(dir) = &setup.cwd {
-            rustix::process::fchdir(dir)?;
-        }
-        Ok(())
-    };
-    // SAFETY: the hook runs in the forked child, where only async-signal-safe work is allowed.
-    // It only issues raw system calls through rustix's linux_raw backend (no allocation, no
-    // locks, no libc state) on values moved into the closure before the fork, and converts
-    // errors with `io::Error::from(Errno)`, which does not allocate.
-    unsafe {
-        cmd.pre_exec(hook);
-    }
 }
 
 /// `RNDADDENTROPY` from `<linux/random.h>`: `_IOW('R', 0x03, int[2])`.
