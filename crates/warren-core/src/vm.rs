@@ -283,7 +283,11 @@ impl Warren {
             Err(e) => {
                 // The supervisor records the precise reason (console tail included).
                 let _ = client.stop().await;
-                wait_supervisor_exit(&dir, Duration::from_secs(10)).await;
+                if !wait_supervisor_exit(&dir, Duration::from_secs(10)).await {
+                    // Never leave a VM running behind a failed create.
+                    kill_supervisor(&dir);
+                    wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+                }
                 let reason = dir.read_exit().map(|r| r.reason).unwrap_or_else(|| {
                     format!("{e}; supervisor log:\n{}", tail(&dir.supervisor_log(), 10))
                 });

@@ -135,20 +135,24 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         let mut f: &std::fs::File = &_lock;
         let _ = f.write_all(std::process::id().to_string().as_bytes());
     }
+    // Bound and listening under a temporary name, then renamed: clients that see the socket
+    // can always connect (between bind and listen a connect would be refused).
     let _ = std::fs::remove_file(dir.socket());
-    let listener = UnixListener::bind(dir.socket()).map_err(|source| SuperviseError::Io {
+    let staging = dir.path().join("supervisor.sock.new");
+    let _ = std::fs::remove_file(&staging);
+    let listener = UnixListener::bind(&staging).map_err(|source| SuperviseError::Io {
         what: "supervisor socket",
         source,
     })?;
     {
         use std::os::unix::fs::PermissionsExt;
         // Root's only: not even the VM's own uid (its VMM) may drive the supervisor.
-        std::fs::set_permissions(dir.socket(), std::fs::Permissions::from_mode(0o600)).map_err(
-            |source| SuperviseError::Io {
-                what: "supervisor socket permissions",
+        std::fs::set_permissions(&staging, std::fs::Permissions::from_mode(0o600))
+            .and_then(|_| std::fs::rename(&staging, dir.socket()))
+            .map_err(|source| SuperviseError::Io {
+                what: "supervisor socket",
                 source,
-            },
-        )?;
+            })?;
     }
 
     // 2. Launch.
