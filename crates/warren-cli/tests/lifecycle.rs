@@ -150,7 +150,12 @@ fn test_lifecycle_image_digest_mismatch_refused() {
 
 /// A private copy of the shared image store (hard links: nothing shared is modified).
 fn private_store() -> (tempfile::TempDir, std::path::PathBuf) {
-    let store = tempfile::tempdir().expect("tempdir");
+    // Next to the shared store, so hard links never cross a file system.
+    let parent = image_dir()
+        .parent()
+        .expect("image dir has a parent")
+        .to_path_buf();
+    let store = tempfile::tempdir_in(parent).expect("tempdir");
     let images = store.path().join("images");
     let ok = std::process::Command::new("cp")
         .arg("-al")
