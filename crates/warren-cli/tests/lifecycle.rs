@@ -172,14 +172,7 @@ fn test_lifecycle_image_rm_refused_while_in_use() {
     ensure_image("minimal");
     let (_store, images) = private_store();
     let env = TestEnv::with_image_dir(images);
-    let out = env.run(&["vm", "create", "--image", "minimal", "--json"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let vm: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
-    let vm = vm["vm_id"].as_str().expect("id").to_string();
+    let vm = env.create_vm("minimal");
     let image = env.record(&vm).expect("record")["image_id"]
         .as_str()
         .expect("image")

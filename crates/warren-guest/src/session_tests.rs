@@ -294,6 +294,23 @@ async fn test_session_wrong_proof_unauthenticated() {
     );
 }
 
+/// Starts `argv` as a job; panics unless the guest accepts it.
+async fn start_job(client: &mut Client, argv: &[&str]) -> warren_protocol::JobId {
+    match client
+        .call(&HostRequest::ExecStart(ExecStart {
+            argv: argv.iter().map(|a| a.to_string()).collect(),
+            env: Vec::new(),
+            cwd: None,
+            stdin: None,
+            timeout_ms: None,
+        }))
+        .await
+    {
+        Ok(GuestResponse::ExecStarted(id)) => id,
+        other => panic!("exec: {other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn test_session_version_outside_range_mismatch() {
     let wire = start_agent().await;
@@ -311,33 +328,9 @@ async fn test_session_resync_mid_session_fresh_session_works() {
     let wire = start_agent().await;
     let mut first = wire.connect().await;
     first.authenticate().await;
-    let job = match first
-        .call(&HostRequest::ExecStart(ExecStart {
-            argv: vec!["sh".into(), "-c".into(), "echo survived".into()],
-            env: Vec::new(),
-            cwd: None,
-            stdin: None,
-            timeout_ms: None,
-        }))
-        .await
-    {
-        Ok(GuestResponse::ExecStarted(id)) => id,
-        other => panic!("exec: {other:?}"),
-    };
+    let job = start_job(&mut first, &["sh", "-c", "echo survived"]).await;
     // A long-poll in flight when the host resyncs must not hold up the new session.
-    let sleeper = match first
-        .call(&HostRequest::ExecStart(ExecStart {
-            argv: vec!["sleep".into(), "3".into()],
-            env: Vec::new(),
-            cwd: None,
-            stdin: None,
-            timeout_ms: None,
-        }))
-        .await
-    {
-        Ok(GuestResponse::ExecStarted(id)) => id,
-        other => panic!("exec: {other:?}"),
-    };
+    let sleeper = start_job(&mut first, &["sleep", "3"]).await;
     let mut poller = Client {
         send: first.send.clone(),
     };

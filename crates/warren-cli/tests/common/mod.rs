@@ -94,6 +94,18 @@ impl TestEnv {
         self.state.path().join("vms").join(id)
     }
 
+    /// `vm create --image <image>`; panics with the CLI's message on failure. Returns the id.
+    pub fn create_vm(&self, image: &str) -> String {
+        let out = self.run(&["vm", "create", "--image", image, "--json"]);
+        assert!(
+            out.status.success(),
+            "vm create failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("create json");
+        v["vm_id"].as_str().expect("vm_id").to_string()
+    }
+
     /// The VM's record from `vm list --json`.
     pub fn record(&self, id: &str) -> Option<serde_json::Value> {
         let out = self.run(&["vm", "list", "--json"]);
@@ -134,14 +146,7 @@ impl TestVm {
     pub fn boot_image(recipe: &str) -> TestVm {
         ensure_image(recipe);
         let env = TestEnv::new();
-        let out = env.run(&["vm", "create", "--image", recipe, "--json"]);
-        assert!(
-            out.status.success(),
-            "vm create failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("create json");
-        let id = v["vm_id"].as_str().expect("vm_id").to_string();
+        let id = env.create_vm(recipe);
         TestVm {
             env,
             id,
