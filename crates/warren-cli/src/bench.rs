@@ -251,6 +251,7 @@ fn exec_true() -> ExecStart {
         cwd: None,
         stdin: None,
         timeout_ms: None,
+        request_key: None,
     }
 }
 

@@ -36,6 +36,15 @@ pub enum Command {
     Preflight,
     /// Measures boot, exec and file transfer costs against raw baselines.
     Bench(BenchArgs),
+    /// Runs warrend: the JSON HTTP API, MCP at /mcp, and the local control socket.
+    Serve {
+        /// The service's TOML configuration.
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Workspace credentials for the service (an operator action).
+    #[command(subcommand)]
+    Token(TokenCmd),
     /// Runs the per-VM supervisor (started by `vm create`, not by hand).
     #[command(hide = true)]
     Supervise {
@@ -61,6 +70,41 @@ pub enum ImageCmd {
     },
     /// Removes an image (refused while a VM uses it).
     Rm { image: String },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum TokenCmd {
+    /// Issues a bearer token for a workspace into a new 0600 file (never printed). The first
+    /// token fixes the workspace's policy; a reissue asking for another policy is refused.
+    Issue {
+        #[arg(long)]
+        workspace: String,
+        /// File to write the token to (mode 0600).
+        #[arg(long)]
+        output: PathBuf,
+        /// Lifetime in seconds (default: no expiry).
+        #[arg(long)]
+        ttl: Option<u64>,
+        /// Grant guest networking.
+        #[arg(long)]
+        allow_network: bool,
+        /// Restrict the workspace to this configured image (repeatable).
+        #[arg(long = "image")]
+        images: Vec<String>,
+        #[arg(long)]
+        max_vms: Option<u64>,
+        #[arg(long)]
+        max_memory_mib: Option<u64>,
+    },
+    /// Lists tokens: ids, workspaces, expiry; never secrets.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revokes one token.
+    Revoke { id: String },
+    /// Revokes every token of a workspace.
+    RevokeWorkspace { workspace: String },
 }
 
 #[derive(Args, Debug, Clone)]

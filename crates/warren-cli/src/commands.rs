@@ -11,7 +11,7 @@ use warren_image::Recipe;
 use warren_protocol::{ExecStart, JobId, JobOutputRequest, JobState};
 use warren_vmm::AccelChoice;
 
-use crate::cli::{Cli, Command, ImageCmd, VmCmd};
+use crate::cli::{Cli, Command, ImageCmd, TokenCmd, VmCmd};
 
 /// Exit code for any Warren error (as opposed to the command's own code).
 pub const EXIT_WARREN_ERROR: i32 = 125;
@@ -62,7 +62,104 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::Vm(cmd) => vm(&cli, cmd).await,
         Command::Preflight => preflight(&cli),
         Command::Bench(args) => crate::bench::run(&cli, args).await,
+        Command::Serve { config } => serve(config).await,
+        Command::Token(cmd) => token(&cli, cmd),
         Command::Supervise { .. } => unreachable!("handled before the runtime starts"),
+    }
+}
+
+async fn serve(config: &std::path::Path) -> Result<i32> {
+    let cfg = warren_api::config::ServiceConfig::load(config)?;
+    let exe = std::env::current_exe().context("locating the warren binary")?;
+    warren_api::serve::serve(cfg, exe, |b| {
+        println!(
+            "warrend: serving http://{}/mcp and /v1/tools, local socket {}",
+            b.http,
+            b.socket.display()
+        );
+        let _ = std::io::stdout().flush();
+    })
+    .await?;
+    Ok(0)
+}
+
+fn token(cli: &Cli, cmd: &TokenCmd) -> Result<i32> {
+    let state = cli.state_dir.clone().unwrap_or_else(default_state_dir);
+    std::fs::create_dir_all(&state).with_context(|| format!("creating {}", state.display()))?;
+    let creds = warren_api::auth::Credentials::open(&state.join("warren.db"))?;
+    match cmd {
+        TokenCmd::Issue {
+            workspace,
+            output,
+            ttl,
+            allow_network,
+            images,
+            max_vms,
+            max_memory_mib,
+        } => {
+            if let Some(bad) = images
+                .iter()
+                .find(|i| !warren_api::config::valid_image_name(i))
+            {
+                bail!("--image {bad:?} is not an image name");
+            }
+            let req = warren_api::auth::PolicyRequest {
+                allow_network: allow_network.then_some(true),
+                images: (!images.is_empty()).then(|| images.clone()),
+                max_vms: *max_vms,
+                max_memory_mib: *max_memory_mib,
+            };
+            let (info, secret) = creds.issue(workspace, *ttl, &req)?;
+            if let Err(e) = warren_api::auth::write_token_file(output, &secret) {
+                // Never leave a valid token nobody holds.
+                let _ = creds.revoke(&info.id);
+                return Err(e).with_context(|| format!("writing {}", output.display()));
+            }
+            eprintln!(
+                "issued {} for workspace {} into {}",
+                info.id,
+                info.workspace,
+                output.display()
+            );
+            Ok(0)
+        }
+        TokenCmd::List { json } => {
+            let list = creds.list()?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                println!("{:<18} {:<24} {:<12} STATUS", "ID", "WORKSPACE", "EXPIRES");
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0);
+                for t in list {
+                    let status = if t.revoked {
+                        "revoked"
+                    } else if t.expires_unix.is_some_and(|e| e <= now) {
+                        "expired"
+                    } else {
+                        "active"
+                    };
+                    let exp = t
+                        .expires_unix
+                        .map(|e| format!("in {}s", e.saturating_sub(now)))
+                        .unwrap_or_else(|| "never".into());
+                    println!("{:<18} {:<24} {:<12} {status}", t.id, t.workspace, exp);
+                }
+            }
+            Ok(0)
+        }
+        TokenCmd::Revoke { id } => {
+            creds.revoke(id)?;
+            eprintln!("revoked {id}");
+            Ok(0)
+        }
+        TokenCmd::RevokeWorkspace { workspace } => {
+            let n = creds.revoke_workspace(workspace)?;
+            eprintln!("revoked {n} active token(s) of workspace {workspace}");
+            Ok(0)
+        }
     }
 }
 
@@ -197,6 +294,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                 image: image.clone(),
                 memory_mib: *memory_mib,
                 vcpus: *vcpus,
+                ..Default::default()
             };
             let rec = w
                 .create_vm(&req, &mut |m| eprintln!("warning: {m}"))
@@ -264,6 +362,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                         cwd: cwd.clone(),
                         stdin: stdin_data,
                         timeout_ms,
+                        request_key: None,
                     },
                 )
                 .await?;

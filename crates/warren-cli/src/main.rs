@@ -12,6 +12,7 @@ use clap::Parser;
 fn main() {
     let args = cli::Cli::parse();
     let filter = match args.verbose {
+        0 if matches!(args.command, cli::Command::Serve { .. }) => "info",
         0 => "warn",
         1 => "info",
         _ => "debug",
@@ -30,6 +31,7 @@ fn main() {
             let code = e
                 .downcast_ref::<warren_core::CoreError>()
                 .map(|c| c.code())
+                .or_else(|| e.downcast_ref::<warren_api::ApiError>().map(|a| a.code))
                 .unwrap_or("error");
             eprintln!("error[{code}]: {e:#}");
             commands::EXIT_WARREN_ERROR

@@ -20,6 +20,8 @@ pub enum CoreError {
     InvalidArgument(String),
     #[error("image {0} is in use by VM {1}")]
     ImageInUse(String, String),
+    #[error("quota exceeded: {0}")]
+    QuotaExceeded(String),
     #[error("the VM failed to boot: {0}")]
     BootFailed(String),
     #[error(transparent)]
@@ -60,6 +62,7 @@ impl CoreError {
             CoreError::InvalidArgument(_) => "invalid_argument",
             CoreError::ImageInUse(..) => "conflict",
             CoreError::BootFailed(_) => "unavailable",
+            CoreError::QuotaExceeded(_) => "quota_exceeded",
             CoreError::Image(ImageError::NotFound(_)) => "not_found",
             CoreError::Image(ImageError::Ambiguous(_)) => "invalid_argument",
             CoreError::Image(ImageError::DigestMismatch { .. }) => "integrity",

@@ -11,13 +11,17 @@ use serde::Serialize;
 use warren_protocol::{JobOutput, JobState};
 
 /// Per-stream byte offsets.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 pub struct Cursor {
     pub stdout: u64,
     pub stderr: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Encoding {
     #[serde(rename = "utf-8")]
@@ -25,14 +29,22 @@ pub enum Encoding {
     Base64,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct StreamFlags {
     pub stdout: bool,
     pub stderr: bool,
 }
 
+/// A job's state as clients see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum JobStateName {
+    Running,
+    Completed,
+}
+
 /// One output page as clients see it (field names follow the reference service).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct OutputPage {
     pub job_id: String,
     pub encoding: Encoding,
@@ -47,7 +59,7 @@ pub struct OutputPage {
     pub next_cursor: Cursor,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decoding_errors: Option<StreamFlags>,
-    pub state: &'static str,
+    pub state: JobStateName,
     pub exit_code: Option<i32>,
     pub signal: Option<i32>,
     pub truncated: bool,
@@ -137,7 +149,11 @@ pub fn page(job_id: &str, cursor: Cursor, out: &JobOutput, encoding: Encoding) -
         stderr_base64: b_stderr,
         next_cursor: next,
         decoding_errors: flags,
-        state: if finished { "completed" } else { "running" },
+        state: if finished {
+            JobStateName::Completed
+        } else {
+            JobStateName::Running
+        },
         exit_code: exit.and_then(|x| x.code),
         signal: exit.and_then(|x| x.signal),
         truncated: out.truncated,
@@ -192,7 +208,7 @@ mod tests {
                 stderr: 0
             }
         );
-        assert_eq!(p.state, "running");
+        assert_eq!(p.state, JobStateName::Running);
     }
 
     #[test]

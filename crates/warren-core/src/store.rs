@@ -1,9 +1,11 @@
-//! The SQLite store of VM records. Many CLI processes may use it at once: WAL mode and a busy
-//! timeout serialise writers.
+//! The SQLite store of VM records. Many CLI processes and the service may use it at once: WAL
+//! mode and a busy timeout serialise writers, and admission runs in an immediate transaction so
+//! two creators never both pass a limit.
 
 use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
 
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
 use serde::Serialize;
 
 /// A VM's lifecycle state as stored.
@@ -44,10 +46,28 @@ pub struct VmRecord {
     pub uid: u32,
     pub created_unix: u64,
     pub boot_ms: Option<u64>,
+    /// The owning workspace (`local-<uid>` for the CLI and local callers).
+    pub workspace: String,
+    /// Storage reserved for the VM's disk (the image's virtual size), MiB.
+    pub disk_mib: u64,
+    /// The memory lineage; changes only when the VM's memory is lost and rebuilt.
+    pub generation: u64,
+    /// The idempotency key of the request that created it, if any.
+    pub request_id: Option<String>,
+}
+
+/// What the VMs already admitted hold, summed over a set of them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub vms: u64,
+    /// Memory of VMs that hold it (creating or running).
+    pub memory_mib: u64,
+    /// Disk reservations of every retained VM.
+    pub disk_mib: u64,
 }
 
 pub struct Store {
-    conn: Connection,
+    conn: Mutex<Connection>,
 }
 
 const SCHEMA: &str = "
@@ -64,18 +84,43 @@ CREATE TABLE IF NOT EXISTS vms (
     boot_ms INTEGER
 );";
 
+/// Columns added after the first release, with their defaults for existing rows.
+const ADDED_COLUMNS: &[(&str, &str)] = &[
+    ("workspace", "TEXT NOT NULL DEFAULT 'local-0'"),
+    ("disk_mib", "INTEGER NOT NULL DEFAULT 0"),
+    ("generation", "INTEGER NOT NULL DEFAULT 1"),
+    ("request_id", "TEXT"),
+];
+
 impl Store {
     pub fn open(path: &Path) -> Result<Store, rusqlite::Error> {
         let conn = Connection::open(path)?;
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.execute_batch(SCHEMA)?;
-        Ok(Store { conn })
+        migrate(&conn)?;
+        Ok(Store {
+            conn: Mutex::new(conn),
+        })
     }
 
-    /// Inserts a new record with the lowest free uid at or above `uid_base`.
-    pub fn insert(&self, rec: &mut VmRecord, uid_base: u32) -> Result<(), rusqlite::Error> {
-        let tx = self.conn.unchecked_transaction()?;
+    fn conn(&self) -> MutexGuard<'_, Connection> {
+        // A panic while holding the lock cannot leave SQLite inconsistent (transactions roll
+        // back on drop), so a poisoned lock is still usable.
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Inserts a new record with the lowest free uid at or above `uid_base`, after `admit`
+    /// approved it inside the same immediate transaction (so limits hold across processes).
+    pub fn insert<E: From<rusqlite::Error>>(
+        &self,
+        rec: &mut VmRecord,
+        uid_base: u32,
+        admit: impl FnOnce(&Transaction<'_>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut conn = self.conn();
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        admit(&tx)?;
         let used: Vec<u32> = {
             let mut st = tx.prepare("SELECT uid FROM vms ORDER BY uid")?;
             let rows = st.query_map([], |r| r.get(0))?;
@@ -91,8 +136,9 @@ impl Store {
         }
         rec.uid = uid;
         tx.execute(
-            "INSERT INTO vms (id, image_id, state, reason, memory_mib, vcpus, accel, uid, created_unix, boot_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+            "INSERT INTO vms (id, image_id, state, reason, memory_mib, vcpus, accel, uid, created_unix, boot_ms,
+                              workspace, disk_mib, generation, request_id)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
             params![
                 rec.id,
                 rec.image_id,
@@ -103,10 +149,15 @@ impl Store {
                 rec.accel,
                 rec.uid,
                 rec.created_unix as i64,
-                rec.boot_ms.map(|b| b as i64)
+                rec.boot_ms.map(|b| b as i64),
+                rec.workspace,
+                rec.disk_mib as i64,
+                rec.generation as i64,
+                rec.request_id,
             ],
         )?;
-        tx.commit()
+        tx.commit()?;
+        Ok(())
     }
 
     pub fn set_state(
@@ -116,7 +167,7 @@ impl Store {
         reason: Option<&str>,
         boot_ms: Option<u64>,
     ) -> Result<(), rusqlite::Error> {
-        self.conn.execute(
+        self.conn().execute(
             "UPDATE vms SET state = ?2, reason = ?3, boot_ms = COALESCE(?4, boot_ms) WHERE id = ?1",
             params![id, state.as_str(), reason, boot_ms.map(|b| b as i64)],
         )?;
@@ -124,27 +175,41 @@ impl Store {
     }
 
     pub fn get(&self, id: &str) -> Result<Option<VmRecord>, rusqlite::Error> {
-        self.conn
+        self.conn()
             .query_row("SELECT * FROM vms WHERE id = ?1", [id], row)
             .optional()
     }
 
     pub fn list(&self) -> Result<Vec<VmRecord>, rusqlite::Error> {
-        let mut st = self
-            .conn
-            .prepare("SELECT * FROM vms ORDER BY created_unix, id")?;
+        let conn = self.conn();
+        let mut st = conn.prepare("SELECT * FROM vms ORDER BY created_unix, id")?;
         let rows = st.query_map([], row)?;
         rows.collect()
     }
 
+    /// A workspace's VM created by the request `request_id`, if any.
+    pub fn by_request(
+        &self,
+        workspace: &str,
+        request_id: &str,
+    ) -> Result<Option<VmRecord>, rusqlite::Error> {
+        self.conn()
+            .query_row(
+                "SELECT * FROM vms WHERE workspace = ?1 AND request_id = ?2",
+                [workspace, request_id],
+                row,
+            )
+            .optional()
+    }
+
     pub fn delete(&self, id: &str) -> Result<(), rusqlite::Error> {
-        self.conn.execute("DELETE FROM vms WHERE id = ?1", [id])?;
+        self.conn().execute("DELETE FROM vms WHERE id = ?1", [id])?;
         Ok(())
     }
 
     /// A VM using `image_id`, if any.
     pub fn vm_using_image(&self, image_id: &str) -> Result<Option<String>, rusqlite::Error> {
-        self.conn
+        self.conn()
             .query_row(
                 "SELECT id FROM vms WHERE image_id = ?1 LIMIT 1",
                 [image_id],
@@ -152,6 +217,40 @@ impl Store {
             )
             .optional()
     }
+}
+
+/// Sums what admitted VMs hold; `workspace` restricts it to one workspace.
+pub fn usage(tx: &Transaction<'_>, workspace: Option<&str>) -> Result<Usage, rusqlite::Error> {
+    tx.query_row(
+        "SELECT COUNT(*),
+                COALESCE(SUM(CASE WHEN state IN ('creating', 'running') THEN memory_mib ELSE 0 END), 0),
+                COALESCE(SUM(disk_mib), 0)
+         FROM vms WHERE ?1 IS NULL OR workspace = ?1",
+        [workspace],
+        |r| {
+            Ok(Usage {
+                vms: r.get::<_, i64>(0)? as u64,
+                memory_mib: r.get::<_, i64>(1)? as u64,
+                disk_mib: r.get::<_, i64>(2)? as u64,
+            })
+        },
+    )
+}
+
+fn migrate(conn: &Connection) -> Result<(), rusqlite::Error> {
+    let have: Vec<String> = {
+        let mut st = conn.prepare("SELECT name FROM pragma_table_info('vms')")?;
+        let rows = st.query_map([], |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()?
+    };
+    for (name, decl) in ADDED_COLUMNS {
+        if !have.iter().any(|h| h == name) {
+            conn.execute_batch(&format!("ALTER TABLE vms ADD COLUMN {name} {decl}"))?;
+        }
+    }
+    conn.execute_batch(
+        "CREATE UNIQUE INDEX IF NOT EXISTS vms_request ON vms (workspace, request_id)",
+    )
 }
 
 fn row(r: &rusqlite::Row<'_>) -> Result<VmRecord, rusqlite::Error> {
@@ -166,6 +265,10 @@ fn row(r: &rusqlite::Row<'_>) -> Result<VmRecord, rusqlite::Error> {
         uid: r.get("uid")?,
         created_unix: r.get::<_, i64>("created_unix")? as u64,
         boot_ms: r.get::<_, Option<i64>>("boot_ms")?.map(|b| b as u64),
+        workspace: r.get("workspace")?,
+        disk_mib: r.get::<_, i64>("disk_mib")? as u64,
+        generation: r.get::<_, i64>("generation")? as u64,
+        request_id: r.get("request_id")?,
     })
 }
 
@@ -185,7 +288,15 @@ mod tests {
             uid: 0,
             created_unix: 1,
             boot_ms: None,
+            workspace: "w".into(),
+            disk_mib: 100,
+            generation: 1,
+            request_id: None,
         }
+    }
+
+    fn ok(_: &Transaction<'_>) -> Result<(), rusqlite::Error> {
+        Ok(())
     }
 
     #[test]
@@ -193,11 +304,11 @@ mod tests {
         let d = tempfile::tempdir().expect("tempdir");
         let s = Store::open(&d.path().join("db")).expect("open");
         let (mut a, mut b, mut c) = (rec("a"), rec("b"), rec("c"));
-        s.insert(&mut a, 100).expect("a");
-        s.insert(&mut b, 100).expect("b");
+        s.insert(&mut a, 100, ok).expect("a");
+        s.insert(&mut b, 100, ok).expect("b");
         assert_eq!((a.uid, b.uid), (100, 101));
         s.delete("a").expect("delete");
-        s.insert(&mut c, 100).expect("c");
+        s.insert(&mut c, 100, ok).expect("c");
         assert_eq!(c.uid, 100);
     }
 
@@ -205,12 +316,37 @@ mod tests {
     fn test_set_state_failed_keeps_reason() {
         let d = tempfile::tempdir().expect("tempdir");
         let s = Store::open(&d.path().join("db")).expect("open");
-        s.insert(&mut rec("a"), 1).expect("insert");
+        s.insert(&mut rec("a"), 1, ok).expect("insert");
         s.set_state("a", VmState::Failed, Some("qemu died"), None)
             .expect("set");
         let r = s.get("a").expect("get").expect("row");
         assert_eq!(r.state, VmState::Failed);
         assert_eq!(r.reason.as_deref(), Some("qemu died"));
         assert_eq!(s.vm_using_image("img").expect("q").as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn test_insert_admission_sees_usage_and_can_refuse() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let s = Store::open(&d.path().join("db")).expect("open");
+        s.insert(&mut rec("a"), 1, ok).expect("a");
+        let mut seen = Usage::default();
+        let r: Result<(), rusqlite::Error> = s.insert(&mut rec("b"), 1, |tx| {
+            seen = usage(tx, Some("w"))?;
+            Err(rusqlite::Error::InvalidQuery)
+        });
+        assert!(r.is_err());
+        assert_eq!(
+            seen,
+            Usage {
+                vms: 1,
+                memory_mib: 512,
+                disk_mib: 100
+            }
+        );
+        assert!(
+            s.get("b").expect("get").is_none(),
+            "refused insert left a row"
+        );
     }
 }

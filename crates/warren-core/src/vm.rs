@@ -18,7 +18,7 @@ use warren_vmm::sys::cgroup;
 use warren_vmm::{Accel, LaunchSpec};
 
 use crate::error::CoreError;
-use crate::store::{Store, VmRecord, VmState};
+use crate::store::{self as vmstore, Store, Usage, VmRecord, VmState};
 
 /// Default guest memory: enough for compilers in the `dev` image, cheap under TCG (only
 /// touched pages cost host memory).
@@ -63,6 +63,58 @@ pub struct CreateVm {
     pub image: Option<String>,
     pub memory_mib: Option<u32>,
     pub vcpus: Option<u32>,
+    /// The owner; empty means the calling user's local workspace.
+    pub workspace: String,
+    /// The idempotency key of the creating request (unique per workspace).
+    pub request_id: Option<String>,
+    /// Host-wide limits, checked atomically with the VM's admission.
+    pub host_limits: Limits,
+    /// The owning workspace's limits.
+    pub workspace_limits: Limits,
+}
+
+/// Admission limits; `None` is unlimited.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub max_vms: Option<u64>,
+    pub max_memory_mib: Option<u64>,
+    pub max_storage_mib: Option<u64>,
+}
+
+impl Limits {
+    /// Refuses `add` on top of `used` when it would pass a limit; `scope` names whose limit.
+    pub fn check(&self, scope: &str, used: Usage, add: Usage) -> Result<(), CoreError> {
+        let checks = [
+            ("VMs", self.max_vms, used.vms, add.vms),
+            (
+                "MiB of memory",
+                self.max_memory_mib,
+                used.memory_mib,
+                add.memory_mib,
+            ),
+            (
+                "MiB of storage",
+                self.max_storage_mib,
+                used.disk_mib,
+                add.disk_mib,
+            ),
+        ];
+        for (what, max, used, add) in checks {
+            if let Some(max) = max {
+                if used + add > max {
+                    return Err(CoreError::QuotaExceeded(format!(
+                        "{scope} limit of {max} {what} reached ({used} in use, {add} requested)"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The workspace a local user acts as.
+pub fn local_workspace(uid: u32) -> String {
+    format!("local-{uid}")
 }
 
 pub struct Warren {
@@ -135,7 +187,7 @@ impl Warren {
     pub async fn create_vm(
         &self,
         req: &CreateVm,
-        warn: &mut dyn FnMut(&str),
+        warn: &mut (dyn FnMut(&str) + Send),
     ) -> Result<VmRecord, CoreError> {
         let memory = req.memory_mib.unwrap_or(DEFAULT_MEMORY_MIB);
         if !MEMORY_MIB_RANGE.contains(&memory) {
@@ -163,7 +215,16 @@ impl Warren {
         let mut id_bytes = [0u8; 6];
         rand::rng().fill_bytes(&mut id_bytes);
         let id = format!("vm-{}", hex::encode(id_bytes));
+        let workspace = if req.workspace.is_empty() {
+            local_workspace(nix::unistd::geteuid().as_raw())
+        } else {
+            req.workspace.clone()
+        };
         let mut rec = VmRecord {
+            workspace,
+            disk_mib: image.rootfs_virtual_size.div_ceil(1 << 20),
+            generation: 1,
+            request_id: req.request_id.clone(),
             id: id.clone(),
             image_id: image_id.to_string(),
             state: VmState::Creating,
@@ -175,7 +236,22 @@ impl Warren {
             created_unix: now_unix(),
             boot_ms: None,
         };
-        self.store.insert(&mut rec, VM_UID_BASE)?;
+        let add = Usage {
+            vms: 1,
+            memory_mib: u64::from(memory),
+            disk_mib: rec.disk_mib,
+        };
+        let ws = rec.workspace.clone();
+        self.store
+            .insert(&mut rec, VM_UID_BASE, |tx| -> Result<(), CoreError> {
+                req.workspace_limits.check(
+                    &format!("workspace {ws}"),
+                    vmstore::usage(tx, Some(&ws))?,
+                    add,
+                )?;
+                req.host_limits
+                    .check("host", vmstore::usage(tx, None)?, add)
+            })?;
         match self.start(&rec, &image, accel).await {
             Ok(boot_ms) => {
                 self.store
@@ -335,6 +411,18 @@ impl Warren {
         Ok(out)
     }
 
+    /// The VM `workspace` created with request `request_id`, reconciled.
+    pub fn vm_by_request(
+        &self,
+        workspace: &str,
+        request_id: &str,
+    ) -> Result<Option<VmRecord>, CoreError> {
+        match self.store.by_request(workspace, request_id)? {
+            Some(rec) => Ok(Some(self.reconcile(rec)?)),
+            None => Ok(None),
+        }
+    }
+
     pub fn get_vm(&self, id: &str) -> Result<VmRecord, CoreError> {
         let rec = self
             .store
@@ -440,9 +528,57 @@ impl Warren {
         }
     }
 
+    /// The jobs the guest retains, oldest first.
+    pub async fn job_list(&self, id: &str) -> Result<Vec<warren_protocol::JobSummary>, CoreError> {
+        match self.client(id)?.guest(HostRequest::JobList).await? {
+            GuestResponse::Jobs(j) => Ok(j),
+            _ => Err(unexpected()),
+        }
+    }
+
     pub async fn job_cancel(&self, id: &str, job: JobId) -> Result<(), CoreError> {
         match self.client(id)?.guest(HostRequest::JobCancel(job)).await? {
             GuestResponse::JobCancelled => Ok(()),
+            _ => Err(unexpected()),
+        }
+    }
+
+    /// Reads one chunk of a file (at most `MAX_FILE_CHUNK` bytes).
+    pub async fn read_file_chunk(
+        &self,
+        id: &str,
+        path: &str,
+        offset: u64,
+        len: u32,
+    ) -> Result<warren_protocol::FileData, CoreError> {
+        let req = HostRequest::FileRead(FileRead {
+            path: path.to_string(),
+            offset,
+            len,
+        });
+        match self.client(id)?.guest(req).await? {
+            GuestResponse::FileData(d) => Ok(d),
+            _ => Err(unexpected()),
+        }
+    }
+
+    /// Writes one chunk (at most `MAX_FILE_CHUNK` bytes), creating parent directories.
+    pub async fn write_file_chunk(
+        &self,
+        id: &str,
+        path: &str,
+        mode: WriteMode,
+        data: Vec<u8>,
+    ) -> Result<u64, CoreError> {
+        let n = data.len() as u64;
+        let req = HostRequest::FileWrite(FileWrite {
+            path: path.to_string(),
+            mode,
+            data,
+            create_parents: true,
+        });
+        match self.client(id)?.guest(req).await? {
+            GuestResponse::FileWritten(_) => Ok(n),
             _ => Err(unexpected()),
         }
     }

@@ -11,9 +11,16 @@
 //!   `Child::wait`), fires the timeout, kills whatever remains of the job once the main process
 //!   ended, waits for both drains, marks the job `Finished`, then removes its cgroup.
 //!
-//! Locks: `JobManager::table` guards the set of records; each `Job::data` guards that job's
-//! buffers and state. Order: table, then job data; never the other way round. `Job::changed`
-//! is bumped after every change of `data` and wakes long-polling output readers.
+//! Idempotent starts: an `ExecStart` with a `request_key` is looked up in the table's
+//! [`RequestKeys`] and recorded there in the same critical section that takes the running slot
+//! and the record, so a retried or duplicated request returns the first job's id (or a
+//! `Conflict` when the request differs) instead of starting a second process. A start that
+//! fails after that step forgets its key again.
+//!
+//! Locks: `JobManager::table` guards the set of records and the remembered request keys; each
+//! `Job::data` guards that job's buffers and state. Order: table, then job data; never the
+//! other way round. `Job::changed` is bumped after every change of `data` and wakes
+//! long-polling output readers.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -33,8 +40,8 @@ use tokio::net::unix::pipe;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use warren_protocol::limits::{
-    MAX_ARGV, MAX_ENV, MAX_JOB_RECORDS, MAX_OUTPUT_WAIT_MS, MAX_READ_PER_STREAM,
-    MAX_RETAINED_OUTPUT, MAX_RUNNING_JOBS, MAX_STDIN_BYTES,
+    MAX_ARGV, MAX_ENV, MAX_JOB_RECORDS, MAX_OUTPUT_WAIT_MS, MAX_READ_PER_STREAM, MAX_REQUEST_KEYS,
+    MAX_REQUEST_KEY_BYTES, MAX_RETAINED_OUTPUT, MAX_RUNNING_JOBS, MAX_STDIN_BYTES,
 };
 use warren_protocol::{
     BenchReply, ErrorCode, ExecStart, GuestError, JobExit, JobId, JobOutput, JobOutputRequest,
@@ -43,6 +50,7 @@ use warren_protocol::{
 
 use crate::files::{self, FilesConfig};
 use crate::reaper::{ExitStatus, Reaper};
+use crate::request_keys::{Lookup, RequestKeys};
 use crate::sys::spawn::SpawnRequest;
 use crate::sys::ChildSetup;
 
@@ -89,6 +97,8 @@ pub struct JobsConfig {
     pub max_running: usize,
     pub max_records: usize,
     pub max_retained: u64,
+    /// Exec request keys remembered (the most recent ones).
+    pub max_request_keys: usize,
 }
 
 impl JobsConfig {
@@ -100,6 +110,7 @@ impl JobsConfig {
             max_running: MAX_RUNNING_JOBS,
             max_records: MAX_JOB_RECORDS,
             max_retained: MAX_RETAINED_OUTPUT,
+            max_request_keys: MAX_REQUEST_KEYS,
         }
     }
 }
@@ -232,6 +243,16 @@ impl Job {
 struct Table {
     next_id: u64,
     jobs: BTreeMap<JobId, Arc<Job>>,
+    /// Request keys of the jobs started this boot; outlive the records in `jobs`.
+    keys: RequestKeys,
+}
+
+/// What [`JobManager::reserve`] decided.
+enum Reservation {
+    /// A new record holding a running slot; the caller launches it or removes it again.
+    New(Arc<Job>),
+    /// The same request, with the same key, already started this job.
+    Existing(JobId),
 }
 
 /// Owns every job of the agent.
@@ -283,6 +304,15 @@ pub fn validate_exec(req: &ExecStart) -> Result<(), GuestError> {
     }
     if let Some(cwd) = &req.cwd {
         files::split_rel_path(cwd)?;
+    }
+    match req.request_key.as_deref() {
+        Some("") => return Err(invalid("request_key is empty")),
+        Some(k) if k.len() > MAX_REQUEST_KEY_BYTES => {
+            return Err(invalid(format!(
+                "request_key exceeds {MAX_REQUEST_KEY_BYTES} bytes"
+            )))
+        }
+        _ => {}
     }
     Ok(())
 }
@@ -344,12 +374,13 @@ fn internal(what: &str, err: impl std::fmt::Display) -> GuestError {
 impl JobManager {
     pub fn new(cfg: JobsConfig, reaper: Arc<Reaper>) -> Arc<Self> {
         Arc::new(Self {
-            cfg,
             reaper,
             table: Mutex::new(Table {
                 next_id: 1,
                 jobs: BTreeMap::new(),
+                keys: RequestKeys::new(cfg.max_request_keys),
             }),
+            cfg,
         })
     }
 
@@ -365,9 +396,24 @@ impl JobManager {
             .ok_or_else(|| GuestError::new(ErrorCode::NotFound, format!("no job {id}")))
     }
 
-    /// Takes a running slot and a record, evicting the oldest finished record if needed.
-    fn reserve(&self) -> Result<Arc<Job>, GuestError> {
+    /// Takes a running slot and a record, evicting the oldest finished record if needed, and
+    /// remembers the request's key for the new job. A key already remembered short-circuits
+    /// everything: its job's id for the same request, `Conflict` for a different one. Refusals
+    /// remember nothing. The key is looked up and recorded under one table guard.
+    fn reserve(&self, key: Option<(String, [u8; 32])>) -> Result<Reservation, GuestError> {
         let mut t = self.table();
+        if let Some((k, digest)) = &key {
+            match t.keys.lookup(k, digest) {
+                Lookup::New => {}
+                Lookup::Started(id) => return Ok(Reservation::Existing(id)),
+                Lookup::Conflict(id) => {
+                    return Err(GuestError::new(
+                        ErrorCode::Conflict,
+                        format!("request key already started job {id} with a different request"),
+                    ))
+                }
+            }
+        }
         let running = t.jobs.values().filter(|j| j.is_running()).count();
         if running >= self.cfg.max_running {
             return Err(GuestError::new(
@@ -413,20 +459,45 @@ impl JobManager {
             changed: watch::Sender::new(0),
         });
         t.jobs.insert(id, job.clone());
-        Ok(job)
+        if let Some((k, digest)) = key {
+            t.keys.insert(k, id, digest);
+        }
+        Ok(Reservation::New(job))
     }
 
-    /// Starts a job and returns its id once the process runs.
+    /// Starts a job and returns its id once the process runs; with a remembered request key,
+    /// returns the job that key started instead (see [`JobManager::reserve`]).
     pub async fn start(self: &Arc<Self>, req: ExecStart) -> Result<JobId, GuestError> {
         validate_exec(&req)?;
-        // A single openat2 with the guest user's fs identity (restored before returning):
-        // cheap enough to run inline, and a blocking-pool hop costs milliseconds under TCG.
-        let cwd_fd = files::open_dir(&self.cfg.files, req.cwd.as_deref())?;
-        let job = self.reserve()?;
-        match self.launch(&job, req, cwd_fd) {
+        let key = match &req.request_key {
+            Some(k) => {
+                let digest = req
+                    .digest()
+                    .map_err(|e| internal("exec request digest", e))?;
+                Some((k.clone(), digest))
+            }
+            None => None,
+        };
+        // Nothing below awaits: on the agent's single-threaded runtime a start runs to its end
+        // before another request is polled, so a duplicate never sees a reserved job whose
+        // launch then fails.
+        let job = match self.reserve(key)? {
+            Reservation::New(job) => job,
+            Reservation::Existing(id) => return Ok(id),
+        };
+        // The working directory is opened after the key lookup: a retry must find its job even
+        // when the job has since removed its own working directory. A single openat2 with the
+        // guest user's fs identity (restored before returning): cheap enough to run inline,
+        // and a blocking-pool hop costs milliseconds under TCG.
+        let launched = files::open_dir(&self.cfg.files, req.cwd.as_deref())
+            .and_then(|cwd_fd| self.launch(&job, req, cwd_fd));
+        match launched {
             Ok(()) => Ok(job.id),
             Err(e) => {
-                self.table().jobs.remove(&job.id);
+                let mut t = self.table();
+                t.jobs.remove(&job.id);
+                t.keys.forget(job.id);
+                drop(t);
                 if let Some(dir) = &job.cgroup {
                     let _ = fs::remove_dir(dir);
                 }
@@ -539,6 +610,17 @@ impl JobManager {
         let wait = Duration::from_millis(u64::from(req.wait_ms.min(MAX_OUTPUT_WAIT_MS)));
         let _ = tokio::time::timeout(wait, changes.changed()).await;
         Ok(job.read(req)?.0)
+    }
+
+    /// Every retained job and its state, oldest first.
+    pub fn list(&self) -> Vec<warren_protocol::JobSummary> {
+        let jobs: Vec<Arc<Job>> = self.table().jobs.values().cloned().collect();
+        jobs.iter()
+            .map(|j| warren_protocol::JobSummary {
+                id: j.id,
+                state: j.data().state,
+            })
+            .collect()
     }
 
     /// Kills a running job's processes; a finished job is left as it is.

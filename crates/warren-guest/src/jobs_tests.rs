@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use tempfile::TempDir;
-use warren_protocol::limits::{MAX_READ_PER_STREAM, MAX_RETAINED_OUTPUT};
+use warren_protocol::limits::{MAX_READ_PER_STREAM, MAX_REQUEST_KEY_BYTES, MAX_RETAINED_OUTPUT};
 
 use super::*;
 use crate::reaper::ReapMode;
@@ -57,21 +57,31 @@ struct Fixture {
 }
 
 fn fixture_with(cgroup: Option<TestCgroup>, max_running: usize, max_records: usize) -> Fixture {
+    fixture_cfg(cgroup, |cfg| {
+        cfg.max_running = max_running;
+        cfg.max_records = max_records;
+    })
+}
+
+/// A fixture with the protocol's limits, then `edit` applied to its configuration.
+fn fixture_cfg(cgroup: Option<TestCgroup>, edit: impl FnOnce(&mut JobsConfig)) -> Fixture {
     let ws = tempfile::tempdir().expect("tempdir");
     let containment = match &cgroup {
         Some(cg) => Containment::Cgroup(cg.0.clone()),
         None => Containment::ProcessGroupForTestsOnly,
     };
-    let cfg = JobsConfig {
+    let mut cfg = JobsConfig {
         files: FilesConfig {
             workspace: ws.path().to_path_buf(),
             user: None,
         },
         containment,
-        max_running,
-        max_records,
+        max_running: MAX_RUNNING_JOBS,
+        max_records: MAX_JOB_RECORDS,
         max_retained: MAX_RETAINED_OUTPUT,
+        max_request_keys: MAX_REQUEST_KEYS,
     };
+    edit(&mut cfg);
     let reaper = Reaper::start(ReapMode::RegisteredOnly).expect("reaper");
     Fixture {
         jobs: JobManager::new(cfg, reaper),
@@ -91,7 +101,31 @@ fn exec(argv: &[&str]) -> ExecStart {
         cwd: None,
         stdin: None,
         timeout_ms: None,
+        request_key: None,
     }
+}
+
+fn keyed(key: &str, req: ExecStart) -> ExecStart {
+    ExecStart {
+        request_key: Some(key.into()),
+        ..req
+    }
+}
+
+/// A job appending one line to `runs` in the workspace: the file counts how often it ran.
+fn count_run() -> ExecStart {
+    sh("echo ran >> runs")
+}
+
+fn runs(f: &Fixture) -> usize {
+    fs::read_to_string(f.ws.path().join("runs"))
+        .unwrap_or_default()
+        .lines()
+        .count()
+}
+
+fn remembered_keys(f: &Fixture) -> usize {
+    f.jobs.table().keys.len()
 }
 
 fn sh(script: &str) -> ExecStart {
@@ -435,4 +469,217 @@ async fn test_bench_fork_exec_wait_returns_samples() {
     let reply = f.jobs.bench_fork_exec_wait(5).await.expect("bench");
     assert_eq!(reply.samples_ns.len(), 5);
     assert!(reply.samples_ns.iter().all(|&s| s > 0));
+}
+
+#[tokio::test]
+async fn test_exec_request_key_same_request_same_job_runs_once() {
+    let f = fixture();
+    let first = f.jobs.start(keyed("k1", count_run())).await.expect("start");
+    let retry = f.jobs.start(keyed("k1", count_run())).await.expect("retry");
+    assert_eq!(retry, first);
+    run_to_end(&f.jobs, first).await;
+    let after_end = f
+        .jobs
+        .start(keyed("k1", count_run()))
+        .await
+        .expect("retry after end");
+    assert_eq!(after_end, first);
+    assert_eq!(runs(&f), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn test_exec_request_key_concurrent_duplicates_one_job() {
+    let f = fixture();
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let jobs = f.jobs.clone();
+            tokio::spawn(async move { jobs.start(keyed("k1", count_run())).await })
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for t in tasks {
+        ids.push(t.await.expect("join").expect("start"));
+    }
+    assert!(ids.iter().all(|&id| id == ids[0]), "{ids:?}");
+    run_to_end(&f.jobs, ids[0]).await;
+    assert_eq!(runs(&f), 1);
+    assert_eq!(f.jobs.table().jobs.len(), 1);
+}
+
+#[tokio::test]
+async fn test_exec_request_key_retry_after_cwd_removed_same_job() {
+    let f = fixture();
+    fs::create_dir(f.ws.path().join("sub")).expect("mkdir");
+    let mut e = keyed("k1", sh("echo ran >> ../runs; rmdir ../sub"));
+    e.cwd = Some("sub".into());
+    let first = f.jobs.start(e.clone()).await.expect("start");
+    assert_eq!(run_to_end(&f.jobs, first).await.exit.code, Some(0));
+    assert!(!f.ws.path().join("sub").exists());
+    let retry = f.jobs.start(e).await.expect("retry without its cwd");
+    assert_eq!(retry, first);
+    assert_eq!(runs(&f), 1);
+}
+
+#[tokio::test]
+async fn test_exec_request_key_different_request_conflict() {
+    let f = fixture();
+    let first = f.jobs.start(keyed("k1", count_run())).await.expect("start");
+    let err = f
+        .jobs
+        .start(keyed("k1", sh("echo other >> runs")))
+        .await
+        .expect_err("different argv, same key");
+    assert_eq!(err.code, ErrorCode::Conflict);
+    assert_eq!(err.code.as_str(), "conflict");
+    let mut longer = keyed("k1", count_run());
+    longer.timeout_ms = Some(60_000);
+    let err = f
+        .jobs
+        .start(longer)
+        .await
+        .expect_err("different timeout, same key");
+    assert_eq!(err.code, ErrorCode::Conflict);
+    run_to_end(&f.jobs, first).await;
+    assert_eq!(runs(&f), 1);
+}
+
+#[tokio::test]
+async fn test_exec_no_request_key_two_jobs() {
+    let f = fixture();
+    let a = f.jobs.start(count_run()).await.expect("start");
+    run_to_end(&f.jobs, a).await;
+    let b = f.jobs.start(count_run()).await.expect("start again");
+    run_to_end(&f.jobs, b).await;
+    assert_ne!(a, b);
+    assert_eq!(runs(&f), 2);
+    assert_eq!(remembered_keys(&f), 0);
+}
+
+#[tokio::test]
+async fn test_exec_request_key_over_limit_invalid_argument() {
+    let f = fixture();
+    let long = "k".repeat(MAX_REQUEST_KEY_BYTES + 1);
+    let err = f
+        .jobs
+        .start(keyed(&long, count_run()))
+        .await
+        .expect_err("key too long");
+    assert_eq!(err.code, ErrorCode::InvalidArgument);
+    // The limit counts bytes, not characters.
+    let wide = "é".repeat(MAX_REQUEST_KEY_BYTES / 2 + 1);
+    let err = f
+        .jobs
+        .start(keyed(&wide, count_run()))
+        .await
+        .expect_err("key too long in bytes");
+    assert_eq!(err.code, ErrorCode::InvalidArgument);
+    let err = f
+        .jobs
+        .start(keyed("", count_run()))
+        .await
+        .expect_err("empty key");
+    assert_eq!(err.code, ErrorCode::InvalidArgument);
+    assert!(f.jobs.table().jobs.is_empty());
+    assert_eq!(remembered_keys(&f), 0);
+    let at_limit = "k".repeat(MAX_REQUEST_KEY_BYTES);
+    let id = f
+        .jobs
+        .start(keyed(&at_limit, count_run()))
+        .await
+        .expect("key at the limit");
+    run_to_end(&f.jobs, id).await;
+}
+
+#[tokio::test]
+async fn test_exec_request_key_refused_by_running_limit_not_recorded() {
+    let f = fixture_with(test_cgroup(), 1, MAX_JOB_RECORDS);
+    let sleeper = f.jobs.start(exec(&["sleep", "30"])).await.expect("start");
+    let err = f
+        .jobs
+        .start(keyed("k1", count_run()))
+        .await
+        .expect_err("no running slot");
+    assert_eq!(err.code, ErrorCode::QuotaExceeded);
+    assert_eq!(remembered_keys(&f), 0);
+    f.jobs.cancel(sleeper).expect("cancel");
+    run_to_end(&f.jobs, sleeper).await;
+    let id = f
+        .jobs
+        .start(keyed("k1", count_run()))
+        .await
+        .expect("retry once a slot is free");
+    assert_ne!(id, sleeper);
+    assert_eq!(run_to_end(&f.jobs, id).await.exit.code, Some(0));
+    assert_eq!(runs(&f), 1);
+}
+
+#[tokio::test]
+async fn test_exec_request_key_failed_start_not_recorded() {
+    let f = fixture();
+    let err = f
+        .jobs
+        .start(keyed("k1", exec(&["no-such-command-warren"])))
+        .await
+        .expect_err("not found");
+    assert_eq!(err.code, ErrorCode::NotFound);
+    let mut missing_cwd = keyed("k2", count_run());
+    missing_cwd.cwd = Some("missing".into());
+    let err = f.jobs.start(missing_cwd).await.expect_err("missing cwd");
+    assert_eq!(err.code, ErrorCode::NotFound);
+    assert_eq!(remembered_keys(&f), 0);
+    assert!(f.jobs.table().jobs.is_empty());
+    // A different request may now use the key: nothing holds it.
+    let id = f
+        .jobs
+        .start(keyed("k1", count_run()))
+        .await
+        .expect("key free");
+    run_to_end(&f.jobs, id).await;
+    assert_eq!(runs(&f), 1);
+}
+
+#[tokio::test]
+async fn test_exec_request_key_outlives_evicted_record() {
+    let f = fixture_with(test_cgroup(), 4, 1);
+    let first = f.jobs.start(keyed("k1", count_run())).await.expect("start");
+    run_to_end(&f.jobs, first).await;
+    let other = f.jobs.start(exec(&["true"])).await.expect("evicts first");
+    run_to_end(&f.jobs, other).await;
+    assert_eq!(
+        f.jobs
+            .output(&req(first, 0, 0, 0))
+            .await
+            .expect_err("evicted")
+            .code,
+        ErrorCode::NotFound
+    );
+    let retry = f.jobs.start(keyed("k1", count_run())).await.expect("retry");
+    assert_eq!(retry, first);
+    assert_eq!(runs(&f), 1);
+}
+
+#[tokio::test]
+async fn test_exec_request_keys_over_capacity_oldest_forgotten() {
+    let f = fixture_cfg(test_cgroup(), |cfg| cfg.max_request_keys = 2);
+    let mut ids = Vec::new();
+    for key in ["k1", "k2", "k3"] {
+        let id = f.jobs.start(keyed(key, count_run())).await.expect("start");
+        run_to_end(&f.jobs, id).await;
+        ids.push(id);
+    }
+    assert_eq!(remembered_keys(&f), 2);
+    let k3 = f
+        .jobs
+        .start(keyed("k3", count_run()))
+        .await
+        .expect("k3 remembered");
+    assert_eq!(k3, ids[2]);
+    let k1 = f
+        .jobs
+        .start(keyed("k1", count_run()))
+        .await
+        .expect("k1 forgotten");
+    assert!(!ids.contains(&k1));
+    run_to_end(&f.jobs, k1).await;
+    assert_eq!(runs(&f), 4);
 }

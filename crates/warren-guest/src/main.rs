@@ -2,7 +2,8 @@
 //!
 //! [`boot`] brings the guest up in named phases (and powers off on failure), then the agent
 //! serves the host over the virtio-serial port ([`channel`], [`session`]) with jobs
-//! ([`jobs`]) and file operations ([`files`]). All `unsafe` code is in [`sys`].
+//! ([`jobs`], exec retries deduplicated by [`request_keys`]) and file operations
+//! ([`files`]). All `unsafe` code is in [`sys`].
 
 mod boot;
 mod channel;
@@ -10,6 +11,7 @@ mod console;
 mod files;
 mod jobs;
 mod reaper;
+mod request_keys;
 mod session;
 mod sys;
 

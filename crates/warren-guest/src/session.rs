@@ -374,6 +374,7 @@ async fn serve_request(agent: &Arc<Agent>, req: HostRequest) -> Response {
             "session already authenticated",
         )),
         HostRequest::Ping => Ok(GuestResponse::Pong),
+        HostRequest::JobList => Ok(GuestResponse::Jobs(agent.jobs.list())),
         HostRequest::ExecStart(exec) => {
             agent.jobs.start(exec).await.map(GuestResponse::ExecStarted)
         }

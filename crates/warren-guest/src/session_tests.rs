@@ -303,6 +303,7 @@ async fn start_job(client: &mut Client, argv: &[&str]) -> warren_protocol::JobId
             cwd: None,
             stdin: None,
             timeout_ms: None,
+            request_key: None,
         }))
         .await
     {
@@ -476,6 +477,7 @@ async fn test_smoke_real_guest_exec_as_user_in_cgroup() {
             cwd: None,
             stdin: None,
             timeout_ms: Some(10_000),
+            request_key: None,
         }))
         .await
     {

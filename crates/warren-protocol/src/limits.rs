@@ -21,5 +21,10 @@ pub const MAX_PATH_BYTES: usize = 4096;
 pub const MAX_ARGV: usize = 4096;
 pub const MAX_ENV: usize = 1024;
 pub const MAX_STDIN_BYTES: usize = 128 * 1024;
+/// Longest `ExecStart::request_key` accepted, in bytes.
+pub const MAX_REQUEST_KEY_BYTES: usize = 128;
+/// Exec request keys the guest remembers per boot (the most recent ones; older keys are
+/// forgotten first). A host retry is deduplicated only while its key is still remembered.
+pub const MAX_REQUEST_KEYS: usize = 4096;
 /// uid/gid commands and file operations run as in the guest.
 pub const GUEST_USER_ID: u32 = 1000;

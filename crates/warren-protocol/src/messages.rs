@@ -43,6 +43,8 @@ pub enum HostRequest {
     Source(u32),
     /// Syncs the filesystem and powers the guest off.
     PowerOff,
+    /// Every retained job with its state, oldest first.
+    JobList,
 }
 
 /// Guest -> host: the success half of every response.
@@ -60,6 +62,14 @@ pub enum GuestResponse {
     Discarded,
     Source(#[serde(with = "serde_bytes")] Vec<u8>),
     PoweringOff,
+    Jobs(Vec<JobSummary>),
+}
+
+/// One retained job, as `JobList` reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobSummary {
+    pub id: JobId,
+    pub state: JobState,
 }
 
 /// Every response body is this, postcard-encoded.
@@ -114,6 +124,24 @@ pub struct ExecStart {
     pub stdin: Option<serde_bytes::ByteBuf>,
     /// Kills the job's cgroup after this long.
     pub timeout_ms: Option<u64>,
+    /// Idempotency key chosen by the host, at most `MAX_REQUEST_KEY_BYTES` bytes (and not
+    /// empty), so that retrying a start whose answer was lost cannot run the command twice.
+    /// While the guest remembers the key (this boot, the most recent `MAX_REQUEST_KEYS` keys,
+    /// even after the job's record is evicted), an identical request with it answers the
+    /// first job's id without starting anything, and a different request with it is a
+    /// `Conflict` error. A refused start does not keep its key. `None`: every request
+    /// starts a new job.
+    pub request_key: Option<String>,
+}
+
+impl ExecStart {
+    /// SHA-256 of the request's postcard encoding (key included). "The same request" for a
+    /// reused `request_key` means the same digest, that is the same bytes on the wire.
+    pub fn digest(&self) -> Result<[u8; 32], CodecError> {
+        use sha2::{Digest, Sha256};
+        let bytes = postcard::to_stdvec(self)?;
+        Ok(Sha256::digest(&bytes).into())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -232,6 +260,9 @@ pub enum ErrorCode {
     WrongType,
     Io,
     Internal,
+    /// The request contradicts an earlier one (an exec request key reused for a different
+    /// request).
+    Conflict,
 }
 
 impl ErrorCode {
@@ -247,6 +278,7 @@ impl ErrorCode {
             ErrorCode::WrongType => "invalid_argument",
             ErrorCode::Io => "io_error",
             ErrorCode::Internal => "internal",
+            ErrorCode::Conflict => "conflict",
         }
     }
 }
@@ -329,6 +361,7 @@ mod tests {
                     cwd: Some("d".into()),
                     stdin: Some(serde_bytes::ByteBuf::from(vec![0xff])),
                     timeout_ms: Some(7),
+                    request_key: Some("k".into()),
                 })),
             ),
             (
@@ -368,6 +401,7 @@ mod tests {
             ("req.discard", req(HostRequest::Discard(vec![1, 2]))),
             ("req.source", req(HostRequest::Source(3))),
             ("req.poweroff", req(HostRequest::PowerOff)),
+            ("req.joblist", req(HostRequest::JobList)),
             (
                 "rsp.hello",
                 rsp(Ok(GuestResponse::Hello(HelloReply {
@@ -426,8 +460,19 @@ mod tests {
             ("rsp.source", rsp(Ok(GuestResponse::Source(vec![0, 0])))),
             ("rsp.poweroff", rsp(Ok(GuestResponse::PoweringOff))),
             (
+                "rsp.jobs",
+                rsp(Ok(GuestResponse::Jobs(vec![JobSummary {
+                    id: JobId(3),
+                    state: JobState::Running,
+                }]))),
+            ),
+            (
                 "rsp.error",
                 rsp(Err(GuestError::new(ErrorCode::Internal, "x"))),
+            ),
+            (
+                "rsp.error.conflict",
+                rsp(Err(GuestError::new(ErrorCode::Conflict, "x"))),
             ),
         ]
     }
@@ -460,6 +505,32 @@ mod tests {
         });
         let back: HostRequest = decode(&encode(&r).expect("encode")).expect("decode");
         assert_eq!(back, r);
+    }
+
+    #[test]
+    fn test_exec_digest_differs_when_any_field_differs() {
+        let a = ExecStart {
+            argv: vec!["true".into()],
+            env: Vec::new(),
+            cwd: None,
+            stdin: None,
+            timeout_ms: None,
+            request_key: Some("k".into()),
+        };
+        let b = ExecStart {
+            timeout_ms: Some(1),
+            ..a.clone()
+        };
+        assert_eq!(
+            a.digest().expect("digest"),
+            a.clone().digest().expect("digest")
+        );
+        assert_ne!(a.digest().expect("digest"), b.digest().expect("digest"));
+    }
+
+    #[test]
+    fn test_error_code_conflict_as_str_stable() {
+        assert_eq!(ErrorCode::Conflict.as_str(), "conflict");
     }
 
     #[test]

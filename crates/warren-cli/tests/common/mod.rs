@@ -7,6 +7,8 @@
 //! left behind, and fails the test if the VM ended abnormally while the test did not expect it.
 #![allow(dead_code)]
 
+pub mod daemon;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;

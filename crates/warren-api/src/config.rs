@@ -1,0 +1,322 @@
+//! `warren serve --config FILE`: the service's TOML configuration, strictly parsed and checked
+//! before anything listens.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+/// The whole file. Unknown keys anywhere fail parsing.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    /// Durable state: the database and VM directories.
+    pub state_dir: PathBuf,
+    /// Image store (default: `<state_dir>/images`).
+    pub image_dir: Option<PathBuf>,
+    /// `kvm`, `hvf`, `tcg` or `auto`.
+    #[serde(default = "default_accel")]
+    pub accel: String,
+    /// Local control socket (default: `<state_dir>/warrend.sock`).
+    pub socket: Option<PathBuf>,
+    /// Its permission bits; callers are still identified by SO_PEERCRED (default 0o600).
+    #[serde(default = "default_socket_mode")]
+    pub socket_mode: u32,
+    /// Seconds a VM may take to boot before creation fails.
+    #[serde(default = "default_boot_timeout")]
+    pub boot_timeout_secs: u64,
+    #[serde(default)]
+    pub http: HttpConfig,
+    #[serde(default)]
+    pub limits: LimitsConfig,
+    /// Bootable images by name.
+    pub images: BTreeMap<String, ImageConfig>,
+    /// Host directories HTTP callers may name, each acting as one host uid.
+    #[serde(default)]
+    pub host_roots: Vec<HostRoot>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Where the HTTP API listens (loopback by default).
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// Accepted `Host` header values (default: the loopback names with the listen port).
+    #[serde(default)]
+    pub allowed_hosts: Vec<String>,
+    /// Largest request body.
+    #[serde(default = "default_max_body")]
+    pub max_body_bytes: usize,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: default_listen(),
+            allowed_hosts: vec![],
+            max_body_bytes: default_max_body(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsConfig {
+    pub max_vms: Option<u64>,
+    pub max_memory_mib: Option<u64>,
+    pub max_storage_gib: Option<u64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageConfig {
+    /// The image id: SHA-256 of its manifest, 64 lowercase hex digits.
+    pub id: String,
+    #[serde(default)]
+    pub default: bool,
+    /// Smaller VMs are refused; also the default memory when `memory_mib` is unset.
+    pub min_memory_mib: Option<u32>,
+    /// Memory when `vm_create` names none.
+    pub memory_mib: Option<u32>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostRoot {
+    pub path: PathBuf,
+    pub uid: u32,
+}
+
+fn default_accel() -> String {
+    "auto".into()
+}
+fn default_socket_mode() -> u32 {
+    0o600
+}
+fn default_boot_timeout() -> u64 {
+    120
+}
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 8090))
+}
+fn default_max_body() -> usize {
+    1 << 20
+}
+
+/// Image names: what `vm_create.image` accepts.
+pub fn valid_image_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 64
+        && n.bytes().enumerate().all(|(i, b)| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || (i > 0 && b"._-".contains(&b))
+        })
+}
+
+impl ServiceConfig {
+    pub fn load(path: &Path) -> Result<ServiceConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+        Self::parse(path, &text)
+    }
+
+    pub fn parse(path: &Path, text: &str) -> Result<ServiceConfig, ConfigError> {
+        let cfg: ServiceConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.into(),
+            message: e.to_string(),
+        })?;
+        cfg.validate().map_err(|message| ConfigError::Invalid {
+            path: path.into(),
+            message,
+        })?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.images.is_empty() {
+            return Err("no [images.<name>] table: configure at least one image".into());
+        }
+        for (name, img) in &self.images {
+            if !valid_image_name(name) {
+                return Err(format!(
+                    "image name {name:?}: use 1-64 of a-z, 0-9, '.', '_', '-', starting with a letter or digit"
+                ));
+            }
+            if img.id.len() != 64
+                || !img
+                    .id
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+            {
+                return Err(format!(
+                    "images.{name}.id {:?} is not an image id (64 lowercase hex digits; see `warren image list`)",
+                    img.id
+                ));
+            }
+            let range = warren_core::vm::MEMORY_MIB_RANGE;
+            for m in [img.min_memory_mib, img.memory_mib].into_iter().flatten() {
+                if !range.contains(&m) {
+                    return Err(format!("images.{name}: memory {m} MiB outside {range:?}"));
+                }
+            }
+            if let (Some(min), Some(m)) = (img.min_memory_mib, img.memory_mib) {
+                if m < min {
+                    return Err(format!(
+                        "images.{name}: memory_mib {m} is below min_memory_mib {min}"
+                    ));
+                }
+            }
+        }
+        let defaults = self.images.values().filter(|i| i.default).count();
+        if defaults > 1 {
+            return Err("more than one image has default = true".into());
+        }
+        if defaults == 0 && self.images.len() > 1 {
+            return Err("mark one image with default = true".into());
+        }
+        if !(0..=0o777).contains(&self.socket_mode) {
+            return Err(format!(
+                "socket_mode {:o} is not a permission mode",
+                self.socket_mode
+            ));
+        }
+        if self.http.max_body_bytes < 1024 {
+            return Err("http.max_body_bytes must be at least 1024".into());
+        }
+        for r in &self.host_roots {
+            if !r.path.is_absolute() {
+                return Err(format!(
+                    "host_roots path {} is not absolute",
+                    r.path.display()
+                ));
+            }
+        }
+        if self.limits.max_vms == Some(0) {
+            return Err("limits.max_vms = 0 would refuse every VM".into());
+        }
+        Ok(())
+    }
+
+    /// The default image's name.
+    pub fn default_image(&self) -> &str {
+        self.images
+            .iter()
+            .find(|(_, i)| i.default)
+            .or_else(|| self.images.iter().next())
+            .map(|(n, _)| n.as_str())
+            .unwrap_or_default()
+    }
+
+    pub fn image_dir(&self) -> PathBuf {
+        self.image_dir
+            .clone()
+            .unwrap_or_else(|| self.state_dir.join("images"))
+    }
+
+    pub fn socket_path(&self) -> PathBuf {
+        self.socket
+            .clone()
+            .unwrap_or_else(|| self.state_dir.join("warrend.sock"))
+    }
+
+    /// `Host` header values accepted over HTTP.
+    pub fn allowed_hosts(&self) -> Vec<String> {
+        if !self.http.allowed_hosts.is_empty() {
+            return self
+                .http
+                .allowed_hosts
+                .iter()
+                .map(|h| h.to_ascii_lowercase())
+                .collect();
+        }
+        let port = self.http.listen.port();
+        let mut v = vec![
+            format!("127.0.0.1:{port}"),
+            format!("localhost:{port}"),
+            format!("[::1]:{port}"),
+        ];
+        let ip = self.http.listen.ip();
+        if !ip.is_loopback() && !ip.is_unspecified() {
+            v.push(self.http.listen.to_string());
+        }
+        v
+    }
+
+    pub fn host_limits(&self) -> warren_core::Limits {
+        warren_core::Limits {
+            max_vms: self.limits.max_vms,
+            max_memory_mib: self.limits.max_memory_mib,
+            max_storage_mib: self.limits.max_storage_gib.map(|g| g * 1024),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+    fn parse(t: &str) -> Result<ServiceConfig, ConfigError> {
+        ServiceConfig::parse(Path::new("t.toml"), t)
+    }
+
+    #[test]
+    fn test_minimal_config_defaults() {
+        let c = parse(&format!(
+            "state_dir = \"/s\"\n[images.dev]\nid = \"{ID}\"\n"
+        ))
+        .expect("parse");
+        assert_eq!(c.default_image(), "dev");
+        assert_eq!(c.http.listen.to_string(), "127.0.0.1:8090");
+        assert!(c.allowed_hosts().contains(&"localhost:8090".to_string()));
+        assert_eq!(c.socket_path(), Path::new("/s/warrend.sock"));
+    }
+
+    #[test]
+    fn test_unknown_keys_fail() {
+        let e = parse(&format!(
+            "state_dir = \"/s\"\nbogus = 1\n[images.dev]\nid = \"{ID}\"\n"
+        ))
+        .expect_err("unknown key");
+        assert!(e.to_string().contains("bogus"), "{e}");
+        let e = parse(&format!(
+            "state_dir = \"/s\"\n[images.dev]\nid = \"{ID}\"\nsize = 3\n"
+        ))
+        .expect_err("unknown image key");
+        assert!(e.to_string().contains("size"), "{e}");
+    }
+
+    #[test]
+    fn test_malformed_ids_and_defaults_fail() {
+        assert!(parse("state_dir = \"/s\"\n[images.dev]\nid = \"abc\"\n").is_err());
+        assert!(parse(&format!(
+            "state_dir = \"/s\"\n[images.a]\nid = \"{ID}\"\n[images.b]\nid = \"{ID}\"\n"
+        ))
+        .is_err());
+        assert!(parse(&format!(
+            "state_dir = \"/s\"\n[images.Bad]\nid = \"{ID}\"\n"
+        ))
+        .is_err());
+        assert!(parse(&format!(
+            "state_dir = \"/s\"\n[images.a]\nid = \"{ID}\"\nmin_memory_mib = 1024\nmemory_mib = 512\n"
+        ))
+        .is_err());
+    }
+}

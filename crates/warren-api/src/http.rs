@@ -1,0 +1,251 @@
+//! The HTTP side: `POST /v1/tools/{tool}`, the OpenAPI document, and MCP at `/mcp`, behind the
+//! same guards (no browser origins, a `Host` allowlist, a body limit) and authentication
+//! (bearer tokens over TCP, SO_PEERCRED on the local socket).
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::connect_info::{ConnectInfo, Connected};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use tokio::net::UnixListener;
+
+use crate::auth::{Principal, Via, LOCAL_PREFIX};
+use crate::error::ApiError;
+use crate::service::Service;
+
+/// Header with which root on the local socket acts as another workspace.
+pub const WORKSPACE_HEADER: &str = "x-warren-workspace";
+
+/// Which listener a request came through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Door {
+    Tcp,
+    Unix,
+}
+
+#[derive(Clone)]
+struct AppState {
+    service: Arc<Service>,
+    door: Door,
+    allowed_hosts: Arc<Vec<String>>,
+    max_body: usize,
+}
+
+/// The caller's uid on the local socket.
+#[derive(Clone, Copy, Debug)]
+pub struct PeerUid(pub Option<u32>);
+
+impl Connected<axum::serve::IncomingStream<'_, UnixListener>> for PeerUid {
+    fn connect_info(stream: axum::serve::IncomingStream<'_, UnixListener>) -> Self {
+        PeerUid(stream.io().peer_cred().ok().map(|c| c.uid()))
+    }
+}
+
+fn error_response(e: &ApiError) -> Response {
+    let mut r = (e.status(), Json(e.body())).into_response();
+    if e.code == "unauthenticated" {
+        r.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Bearer"),
+        );
+    }
+    r
+}
+
+/// The router for the TCP listener, accepting `allowed_hosts` as `Host` values.
+pub fn tcp_router(service: Arc<Service>, allowed_hosts: Vec<String>) -> Router {
+    let st = AppState {
+        allowed_hosts: Arc::new(allowed_hosts),
+        max_body: service.config().http.max_body_bytes,
+        service,
+        door: Door::Tcp,
+    };
+    routes(st)
+}
+
+/// The router for the local UNIX socket (serve it with `ConnectInfo<PeerUid>`).
+pub fn unix_router(service: Arc<Service>) -> Router {
+    let st = AppState {
+        allowed_hosts: Arc::new(vec![]),
+        max_body: service.config().http.max_body_bytes,
+        service,
+        door: Door::Unix,
+    };
+    routes(st)
+}
+
+fn routes(st: AppState) -> Router {
+    let max = st.max_body;
+    Router::new()
+        .route("/v1/tools/{tool}", post(call_tool))
+        .route("/v1/openapi.json", get(openapi))
+        .merge(crate::mcp::router(st.service.clone()))
+        .fallback(|| async {
+            error_response(&ApiError::new(
+                "not_found",
+                "no such endpoint; tools are at POST /v1/tools/{tool} and MCP at /mcp",
+            ))
+        })
+        // Outermost last: guard (origin, host, declared size), then the streaming body
+        // limit, then authentication.
+        .layer(middleware::from_fn_with_state(st.clone(), authenticate))
+        .layer(tower_http::limit::RequestBodyLimitLayer::new(max))
+        .layer(middleware::from_fn_with_state(st.clone(), guard))
+        .with_state(st)
+}
+
+/// Refuses browser requests and unexpected `Host`s before anything else looks at them.
+async fn guard(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    if req.headers().contains_key(header::ORIGIN) {
+        return error_response(&ApiError::forbidden(
+            "requests carrying an Origin header (browsers) are refused",
+        ));
+    }
+    if st.door == Door::Tcp {
+        let host = req
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .map(str::to_ascii_lowercase);
+        let ok = host
+            .as_ref()
+            .is_some_and(|h| st.allowed_hosts.iter().any(|a| a == h));
+        if !ok {
+            return error_response(&ApiError::forbidden(format!(
+                "Host {:?} is not served here",
+                host.unwrap_or_default()
+            )));
+        }
+    }
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > st.max_body) {
+        return error_response(&too_large(st.max_body));
+    }
+    next.run(req).await
+}
+
+fn too_large(max: usize) -> ApiError {
+    ApiError::new(
+        "payload_too_large",
+        format!("request bodies are limited to {max} bytes"),
+    )
+}
+
+/// Resolves the caller to a principal and attaches it to the request.
+async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
+    let principal = match st.door {
+        Door::Tcp => bearer(&st, req.headers()),
+        Door::Unix => {
+            let uid = req
+                .extensions()
+                .get::<ConnectInfo<PeerUid>>()
+                .and_then(|c| c.0 .0);
+            local(&st, uid, req.headers())
+        }
+    };
+    match principal {
+        Ok(p) => {
+            req.extensions_mut().insert(p);
+            next.run(req).await
+        }
+        Err(e) => error_response(&e),
+    }
+}
+
+fn bearer(st: &AppState, h: &HeaderMap) -> Result<Principal, ApiError> {
+    let unauth = |m: &str| ApiError::new("unauthenticated", m);
+    let v = h
+        .get(header::AUTHORIZATION)
+        .ok_or_else(|| unauth("missing Authorization: Bearer header"))?
+        .to_str()
+        .map_err(|_| unauth("malformed Authorization header"))?;
+    let token = v
+        .strip_prefix("Bearer ")
+        .or_else(|| v.strip_prefix("bearer "))
+        .ok_or_else(|| unauth("Authorization must use the Bearer scheme"))?;
+    st.service.credentials().authenticate(token.trim())
+}
+
+fn local(st: &AppState, uid: Option<u32>, h: &HeaderMap) -> Result<Principal, ApiError> {
+    let uid = uid.ok_or_else(|| ApiError::new("unauthenticated", "no peer credentials"))?;
+    let Some(name) = h.get(WORKSPACE_HEADER) else {
+        return Ok(Principal::local(uid));
+    };
+    if uid != 0 {
+        return Err(ApiError::forbidden(
+            "only root may act as another workspace",
+        ));
+    }
+    let name = name
+        .to_str()
+        .map_err(|_| ApiError::invalid("malformed workspace header"))?;
+    if let Some(n) = name.strip_prefix(LOCAL_PREFIX) {
+        let u = n
+            .parse::<u32>()
+            .map_err(|_| ApiError::invalid(format!("{name:?} is not a local workspace")))?;
+        return Ok(Principal::local(u));
+    }
+    crate::auth::validate_workspace(name)?;
+    let policy = st
+        .service
+        .credentials()
+        .policy(name)?
+        .ok_or_else(|| ApiError::new("not_found", format!("no workspace {name}")))?;
+    Ok(Principal {
+        workspace: name.to_string(),
+        policy,
+        via: Via::Local { uid },
+    })
+}
+
+async fn call_tool(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path(tool): Path<String>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if !json {
+        return error_response(&ApiError::new(
+            "unsupported_media_type",
+            "send the arguments as Content-Type: application/json",
+        ));
+    }
+    let body = match body {
+        Ok(b) => b,
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            return error_response(&too_large(st.max_body))
+        }
+        Err(e) => return error_response(&ApiError::invalid(e.body_text())),
+    };
+    let args: serde_json::Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return error_response(&ApiError::invalid(format!("malformed JSON: {e}"))),
+    };
+    if !args.is_object() {
+        return error_response(&ApiError::invalid("the body must be a JSON object"));
+    }
+    match st.service.call(&p, &tool, args).await {
+        Ok(v) => (StatusCode::OK, Json(v)).into_response(),
+        Err(e) => error_response(&e),
+    }
+}
+
+async fn openapi(State(st): State<AppState>) -> Response {
+    Json(crate::openapi::document(st.service.tools())).into_response()
+}

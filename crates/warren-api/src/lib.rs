@@ -1,0 +1,22 @@
+//! warrend: Warren's authenticated multi-workspace service.
+//!
+//! One implementation ([`service::Service::call`]) behind two transports: JSON over
+//! `POST /v1/tools/{tool}` and MCP over Streamable HTTP at `/mcp` ([`http`], [`mcp`]). Callers
+//! are workspaces holding bearer tokens ([`auth`]) or local users on the UNIX socket
+//! (SO_PEERCRED). Every VM, job and file operation checks that the caller's workspace owns the
+//! VM; creation and execution are idempotent through durable receipts ([`receipts`]).
+#![forbid(unsafe_code)]
+
+pub mod auth;
+pub mod config;
+pub mod error;
+pub mod http;
+pub mod mcp;
+pub mod openapi;
+pub mod receipts;
+pub mod serve;
+pub mod service;
+pub mod tools;
+
+pub use error::ApiError;
+pub use service::Service;

@@ -1,0 +1,157 @@
+//! Running the service: one instance per state directory, preflight before listening, then
+//! the TCP and UNIX-socket listeners until SIGINT or SIGTERM.
+
+use std::future::IntoFuture;
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use nix::fcntl::{Flock, FlockArg};
+use tokio::net::{TcpListener, UnixListener};
+
+use crate::config::ServiceConfig;
+use crate::http::{self, PeerUid};
+use crate::service::Service;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("another warrend serves {0}")]
+    AlreadyRunning(PathBuf),
+    #[error("preflight failed: {0}")]
+    Preflight(String),
+    #[error("{0}")]
+    Service(#[from] crate::ApiError),
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+fn io(op: &'static str, path: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> ServeError {
+    let path = path.to_string();
+    move |source| ServeError::Io { op, path, source }
+}
+
+/// Where the service listens, once it does.
+#[derive(Debug, Clone)]
+pub struct Bound {
+    pub http: SocketAddr,
+    pub socket: PathBuf,
+}
+
+/// Holds the state directory's service lock for the life of the process.
+fn lock_state_dir(dir: &Path) -> Result<Flock<std::fs::File>, ServeError> {
+    std::fs::create_dir_all(dir).map_err(io("create", dir.display()))?;
+    let path = dir.join("warrend.lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io("open", path.display()))?;
+    Flock::lock(f, FlockArg::LockExclusiveNonblock)
+        .map_err(|_| ServeError::AlreadyRunning(dir.to_path_buf()))
+}
+
+fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, ServeError> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(io("create", parent.display()))?;
+    }
+    // We hold the state lock, so a socket left at the path is a dead instance's.
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io("remove", path.display())(e)),
+    }
+    let l = UnixListener::bind(path).map_err(io("bind", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(io("chmod", path.display()))?;
+    Ok(l)
+}
+
+/// Runs the service until a termination signal. `on_ready` runs once both listeners are up.
+pub async fn serve(
+    cfg: ServiceConfig,
+    supervisor_exe: PathBuf,
+    on_ready: impl FnOnce(&Bound),
+) -> Result<(), ServeError> {
+    let _lock = lock_state_dir(&cfg.state_dir)?;
+    let service = Arc::new(Service::open(cfg.clone(), supervisor_exe)?);
+    for w in service.preflight().await.map_err(ServeError::Preflight)? {
+        tracing::warn!("{w}");
+    }
+    let tcp = TcpListener::bind(cfg.http.listen)
+        .await
+        .map_err(io("listen on", cfg.http.listen))?;
+    let addr = tcp
+        .local_addr()
+        .map_err(io("address of", cfg.http.listen))?;
+    let mut hosts = cfg.allowed_hosts();
+    if cfg.http.allowed_hosts.is_empty() && cfg.http.listen.port() == 0 {
+        // An ephemeral port: allow the loopback names with the port actually bound.
+        let port = addr.port();
+        hosts = vec![
+            format!("127.0.0.1:{port}"),
+            format!("localhost:{port}"),
+            format!("[::1]:{port}"),
+        ];
+    }
+    let socket_path = cfg.socket_path();
+    let unix = bind_socket(&socket_path, cfg.socket_mode)?;
+    let bound = Bound {
+        http: addr,
+        socket: socket_path.clone(),
+    };
+    tracing::info!(http = %addr, socket = %socket_path.display(), "serving");
+    on_ready(&bound);
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let tcp_app = http::tcp_router(service.clone(), hosts);
+    let unix_app = http::unix_router(service.clone());
+    let t = tokio::spawn(
+        axum::serve(tcp, tcp_app)
+            .with_graceful_shutdown(stopped(stop_rx.clone()))
+            .into_future(),
+    );
+    let u = tokio::spawn(
+        axum::serve(
+            unix,
+            unix_app.into_make_service_with_connect_info::<PeerUid>(),
+        )
+        .with_graceful_shutdown(stopped(stop_rx))
+        .into_future(),
+    );
+    wait_for_signal().await;
+    tracing::info!("stopping; VMs keep running under their supervisors");
+    let _ = stop_tx.send(true);
+    // Open MCP streams would hold a graceful shutdown forever: give them a moment only.
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        let _ = t.await;
+        let _ = u.await;
+    })
+    .await;
+    let _ = std::fs::remove_file(&socket_path);
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot watch SIGTERM");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}

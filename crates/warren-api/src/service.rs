@@ -1,0 +1,872 @@
+//! The one implementation behind both transports: argument validation, authorization,
+//! idempotency and the engine calls. HTTP and MCP only move JSON in and out of [`Service::call`].
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use schemars::JsonSchema;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+use warren_core::output::{self, Cursor, Encoding, OutputPage};
+use warren_core::store::{VmRecord, VmState};
+use warren_core::{CoreError, CreateVm, Limits, Warren, WarrenConfig};
+use warren_image::ImageId;
+use warren_protocol::limits::{
+    MAX_FILE_CHUNK, MAX_OUTPUT_WAIT_MS, MAX_READ_PER_STREAM, MAX_STDIN_BYTES,
+};
+use warren_protocol::{ExecStart, JobId, JobOutput, JobOutputRequest, JobState, WriteMode};
+use warren_vmm::accel::AccelChoice;
+
+use crate::auth::{Credentials, Principal};
+use crate::config::ServiceConfig;
+use crate::error::ApiError;
+use crate::receipts::{args_hash, validate_request_id, Claim, Receipts};
+use crate::tools::*;
+
+/// One tool as both transports advertise it.
+#[derive(Debug, Clone)]
+pub struct ToolDef {
+    pub name: &'static str,
+    pub description: &'static str,
+    pub input_schema: Map<String, Value>,
+    pub output_schema: Map<String, Value>,
+}
+
+pub struct Service {
+    warren: Warren,
+    creds: Credentials,
+    receipts: Receipts,
+    cfg: ServiceConfig,
+    tools: Vec<ToolDef>,
+    /// Idempotency keys being acted on by this process right now.
+    in_flight: Mutex<HashSet<String>>,
+}
+
+/// Removes an in-flight key when the request ends, however it ends.
+struct InFlight<'a> {
+    set: &'a Mutex<HashSet<String>>,
+    key: String,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.key);
+    }
+}
+
+fn schema_of<T: JsonSchema>() -> Map<String, Value> {
+    match serde_json::to_value(schemars::schema_for!(T)) {
+        Ok(Value::Object(m)) => m,
+        _ => Map::new(),
+    }
+}
+
+fn tool<A: JsonSchema, R: JsonSchema>(name: &'static str, description: &'static str) -> ToolDef {
+    ToolDef {
+        name,
+        description,
+        input_schema: schema_of::<A>(),
+        output_schema: schema_of::<R>(),
+    }
+}
+
+/// Every tool with its schemas; `vm_create.image` becomes an enum of `images`.
+pub fn tool_defs(images: &[String]) -> Vec<ToolDef> {
+    let mut tools = vec![
+        tool::<VmCreateArgs, VmInfo>(
+            "vm_create",
+            "Create and boot a private Linux VM (Debian) for this workspace. Returns once the guest answers.",
+        ),
+        tool::<NoArgs, VmList>("vm_list", "List this workspace's VMs."),
+        tool::<VmRef, VmStatus>(
+            "vm_status",
+            "A VM's state, image, accelerator, memory, vCPUs, generation, job counts and failure reason.",
+        ),
+        tool::<VmExecArgs, ExecResult>(
+            "vm_exec",
+            "Start a command in a VM as an unprivileged user, in /workspace. With wait_ms, returns its output and exit code if it ends in time; otherwise read more with vm_job_output.",
+        ),
+        tool::<JobRef, JobStatus>("vm_job_status", "A job's state and exit status."),
+        tool::<JobOutputArgs, OutputPage>(
+            "vm_job_output",
+            "Read a job's stdout and stderr from byte cursors (pass the previous next_cursor). Non-destructive; at most 16 KiB per stream per call.",
+        ),
+        tool::<JobRef, JobCancelled>(
+            "vm_job_cancel",
+            "Kill a running job and every process it started.",
+        ),
+        tool::<ReadFileArgs, FileContent>(
+            "vm_read_file",
+            "Read up to 128 KiB of a file below /workspace, base64-encoded.",
+        ),
+        tool::<WriteFileArgs, FileWritten>(
+            "vm_write_file",
+            "Write (or append) up to 128 KiB, base64-encoded, to a file below /workspace.",
+        ),
+        tool::<VmRef, VmDestroyed>(
+            "vm_destroy",
+            "Stop a VM and delete it with its disk.",
+        ),
+    ];
+    let names: Vec<Value> = images.iter().map(|n| Value::String(n.clone())).collect();
+    if let Some(img) = tools[0]
+        .input_schema
+        .get_mut("properties")
+        .and_then(|p| p.get_mut("image"))
+    {
+        *img = serde_json::json!({
+            "description": "A configured image name; the default image when omitted.",
+            "type": "string",
+            "enum": names,
+        });
+    }
+    tools
+}
+
+fn parse<T: DeserializeOwned>(args: Value) -> Result<T, ApiError> {
+    let args = match args {
+        Value::Null => Value::Object(Map::new()),
+        Value::Object(m) => Value::Object(m),
+        other => {
+            return Err(ApiError::invalid(format!(
+                "arguments must be a JSON object, not {}",
+                kind(&other)
+            )))
+        }
+    };
+    serde_json::from_value(args).map_err(|e| ApiError::invalid(e.to_string()))
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn to_value<T: Serialize>(v: T) -> Result<Value, ApiError> {
+    serde_json::to_value(v).map_err(|e| ApiError::internal(format!("encoding a result: {e}")))
+}
+
+fn parse_job(id: &str) -> Result<JobId, ApiError> {
+    id.parse::<u64>()
+        .map(JobId)
+        .map_err(|_| ApiError::invalid(format!("job_id {id:?} is not a job id")))
+}
+
+/// A receipt's stored outcome: `{"ok": value}` or `{"error": {"code", "message"}}`.
+fn replay(stored: Value) -> Result<Value, ApiError> {
+    if let Some(v) = stored.get("ok") {
+        return Ok(v.clone());
+    }
+    let code = stored
+        .pointer("/error/code")
+        .and_then(Value::as_str)
+        .and_then(|c| crate::error::CODES.iter().copied().find(|x| *x == c))
+        .unwrap_or("internal");
+    let message = stored
+        .pointer("/error/message")
+        .and_then(Value::as_str)
+        .unwrap_or("the original request failed");
+    Err(ApiError::new(code, message))
+}
+
+impl Service {
+    /// Opens the engine and the credential and receipt tables of `cfg.state_dir`.
+    pub fn open(cfg: ServiceConfig, supervisor_exe: PathBuf) -> Result<Service, ApiError> {
+        let mut wc = WarrenConfig::new(cfg.state_dir.clone(), supervisor_exe);
+        wc.image_dir = cfg.image_dir();
+        wc.accel = cfg
+            .accel
+            .parse::<AccelChoice>()
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        wc.boot_timeout = Duration::from_secs(cfg.boot_timeout_secs);
+        let warren = Warren::open(wc)?;
+        let db = cfg.state_dir.join("warren.db");
+        let creds = Credentials::open(&db)?;
+        let receipts = Receipts::open(&db)?;
+        let names: Vec<String> = cfg.images.keys().cloned().collect();
+        Ok(Service {
+            warren,
+            creds,
+            receipts,
+            tools: tool_defs(&names),
+            cfg,
+            in_flight: Mutex::new(HashSet::new()),
+        })
+    }
+
+    pub fn tools(&self) -> &[ToolDef] {
+        &self.tools
+    }
+
+    pub fn credentials(&self) -> &Credentials {
+        &self.creds
+    }
+
+    pub fn config(&self) -> &ServiceConfig {
+        &self.cfg
+    }
+
+    pub fn engine(&self) -> &Warren {
+        &self.warren
+    }
+
+    /// Checks the host before serving: every image verified, the accelerator usable, and
+    /// free disk for the storage reservation. Returns warnings; an error says what to fix.
+    pub async fn preflight(&self) -> Result<Vec<String>, String> {
+        let mut warnings = Vec::new();
+        let mut default = None;
+        for (name, img) in &self.cfg.images {
+            let id = ImageId::parse(&img.id).map_err(|e| format!("images.{name}: {e}"))?;
+            let v = self
+                .warren
+                .images()
+                .verify(&id)
+                .map_err(|e| format!("images.{name} ({}): {e}", id.short()))?;
+            if name == self.cfg.default_image() {
+                default = Some(v);
+            }
+        }
+        let image = default.ok_or("no default image")?;
+        let (accel, warning) = self
+            .warren
+            .resolve_accel(&image)
+            .await
+            .map_err(|e| format!("accelerator: {}", crate::error::format_chain(&e)))?;
+        warnings.extend(warning);
+        tracing::info!(%accel, "accelerator usable");
+        if let Some(gib) = self.cfg.limits.max_storage_gib {
+            let st = nix::sys::statvfs::statvfs(&self.cfg.state_dir)
+                .map_err(|e| format!("statvfs {}: {e}", self.cfg.state_dir.display()))?;
+            let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+            let reserved: u64 = self
+                .warren
+                .list_vms()
+                .map_err(|e| e.to_string())?
+                .iter()
+                .map(|v| v.disk_mib << 20)
+                .sum();
+            let want = (gib << 30).saturating_sub(reserved);
+            if free < want {
+                return Err(format!(
+                    "{} has {} MiB free, but limits.max_storage_gib = {gib} needs {} MiB more for VM disks; free space or lower the limit",
+                    self.cfg.state_dir.display(),
+                    free >> 20,
+                    want >> 20
+                ));
+            }
+        }
+        Ok(warnings)
+    }
+
+    /// Runs one tool for `p`. Both transports call this and nothing else.
+    pub async fn call(&self, p: &Principal, tool: &str, args: Value) -> Result<Value, ApiError> {
+        let t = Instant::now();
+        let r = self.dispatch(p, tool, args).await;
+        let ms = t.elapsed().as_millis() as u64;
+        match &r {
+            Ok(_) => tracing::info!(workspace = %p.workspace, tool, ms, "ok"),
+            Err(e) => tracing::info!(workspace = %p.workspace, tool, ms, code = e.code, "refused"),
+        }
+        r
+    }
+
+    async fn dispatch(&self, p: &Principal, tool: &str, args: Value) -> Result<Value, ApiError> {
+        match tool {
+            "vm_create" => self.vm_create(p, parse(args)?).await,
+            "vm_list" => {
+                let _: NoArgs = parse(args)?;
+                self.vm_list(p)
+            }
+            "vm_status" => self.vm_status(p, parse(args)?).await,
+            "vm_exec" => self.vm_exec(p, parse(args)?).await,
+            "vm_job_status" => self.vm_job_status(p, parse(args)?).await,
+            "vm_job_output" => self.vm_job_output(p, parse(args)?).await,
+            "vm_job_cancel" => self.vm_job_cancel(p, parse(args)?).await,
+            "vm_read_file" => self.vm_read_file(p, parse(args)?).await,
+            "vm_write_file" => self.vm_write_file(p, parse(args)?).await,
+            "vm_destroy" => self.vm_destroy(p, parse(args)?).await,
+            _ => Err(ApiError::new(
+                "unknown_tool",
+                format!(
+                    "no tool {:?}; tools: {}",
+                    tool.chars().take(64).collect::<String>(),
+                    self.tools
+                        .iter()
+                        .map(|t| t.name)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )),
+        }
+    }
+
+    fn image_name(&self, image_id: &str) -> Option<String> {
+        self.cfg
+            .images
+            .iter()
+            .find(|(_, i)| i.id == image_id)
+            .map(|(n, _)| n.clone())
+    }
+
+    fn info(&self, r: VmRecord) -> VmInfo {
+        VmInfo {
+            image: self.image_name(&r.image_id),
+            vm_id: r.id,
+            state: r.state.as_str().to_string(),
+            image_id: r.image_id,
+            accel: r.accel,
+            memory_mib: r.memory_mib,
+            vcpus: r.vcpus,
+            generation: r.generation,
+            created_unix: r.created_unix,
+            boot_ms: r.boot_ms,
+            reason: r.reason,
+        }
+    }
+
+    /// The caller's VM: another workspace's VM is indistinguishable from a missing one.
+    fn owned(&self, p: &Principal, vm_id: &str) -> Result<VmRecord, ApiError> {
+        let shape_ok = !vm_id.is_empty()
+            && vm_id.len() <= 64
+            && vm_id
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        if !shape_ok {
+            return Err(ApiError::invalid(format!(
+                "vm_id {:?} is not a VM id",
+                vm_id.chars().take(64).collect::<String>()
+            )));
+        }
+        match self.warren.get_vm(vm_id) {
+            Ok(r) if r.workspace == p.workspace => Ok(r),
+            Ok(_) | Err(CoreError::VmNotFound(_)) => Err(ApiError::no_vm(vm_id)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Marks an idempotency key as being acted on; a concurrent duplicate gets `busy`.
+    fn enter(&self, p: &Principal, tool: &str, request_id: &str) -> Result<InFlight<'_>, ApiError> {
+        let key = format!("{}\0{tool}\0{request_id}", p.workspace);
+        let mut set = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        if !set.insert(key.clone()) {
+            return Err(ApiError::new(
+                "busy",
+                format!("request {request_id} is still being processed; retry later"),
+            ));
+        }
+        Ok(InFlight {
+            set: &self.in_flight,
+            key,
+        })
+    }
+
+    async fn vm_create(&self, p: &Principal, a: VmCreateArgs) -> Result<Value, ApiError> {
+        validate_request_id(&a.request_id)?;
+        let name = a
+            .image
+            .clone()
+            .unwrap_or_else(|| self.cfg.default_image().to_string());
+        let Some(img) = self.cfg.images.get(&name) else {
+            return Err(ApiError::invalid(format!(
+                "image {name:?} is not configured; configured: {}",
+                self.cfg
+                    .images
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        };
+        if let Some(allowed) = &p.policy.images {
+            if !allowed.contains(&name) {
+                return Err(ApiError::forbidden(format!(
+                    "workspace {} may not use image {name}",
+                    p.workspace
+                )));
+            }
+        }
+        if a.network == Some(Network::On) {
+            if !p.policy.allow_network {
+                return Err(ApiError::forbidden(format!(
+                    "workspace {} has no network grant",
+                    p.workspace
+                )));
+            }
+            return Err(ApiError::new(
+                "unavailable",
+                "guest networking is not available in this version of Warren",
+            ));
+        }
+        let memory = a
+            .memory_mib
+            .or(img.memory_mib)
+            .or(img.min_memory_mib)
+            .unwrap_or(warren_core::vm::DEFAULT_MEMORY_MIB);
+        if !warren_core::vm::MEMORY_MIB_RANGE.contains(&memory) {
+            return Err(ApiError::invalid(format!(
+                "memory_mib must be within {:?}",
+                warren_core::vm::MEMORY_MIB_RANGE
+            )));
+        }
+        if let Some(min) = img.min_memory_mib {
+            if memory < min {
+                return Err(ApiError::invalid(format!(
+                    "image {name} needs at least {min} MiB of memory"
+                )));
+            }
+        }
+        if let Some(v) = a.vcpus {
+            if !warren_core::vm::VCPUS_RANGE.contains(&v) {
+                return Err(ApiError::invalid(format!(
+                    "vcpus must be within {:?}",
+                    warren_core::vm::VCPUS_RANGE
+                )));
+            }
+        }
+        let hash = args_hash(&a);
+        let rid = a.request_id.as_str();
+        let _guard = self.enter(p, "vm_create", rid)?;
+        match self.receipts.claim(&p.workspace, "vm_create", rid, &hash)? {
+            Claim::Done(v) => return replay(v),
+            Claim::Pending => {
+                // An earlier attempt was cut off; its VM row says how far it got.
+                if let Some(rec) = self.warren.vm_by_request(&p.workspace, rid)? {
+                    return self.settle_create(p, rid, rec);
+                }
+            }
+            Claim::New => {}
+        }
+        let req = CreateVm {
+            image: Some(img.id.clone()),
+            memory_mib: Some(memory),
+            vcpus: a.vcpus,
+            workspace: p.workspace.clone(),
+            request_id: Some(rid.to_string()),
+            host_limits: self.cfg.host_limits(),
+            workspace_limits: Limits {
+                max_vms: p.policy.max_vms,
+                max_memory_mib: p.policy.max_memory_mib,
+                max_storage_mib: None,
+            },
+        };
+        let r = self
+            .warren
+            .create_vm(&req, &mut |w| tracing::warn!("{w}"))
+            .await;
+        match r {
+            Ok(rec) => self.settle_create(p, rid, rec),
+            Err(e) => {
+                let e = ApiError::from(e);
+                if self.warren.vm_by_request(&p.workspace, rid)?.is_some() {
+                    // A VM was admitted and failed: that is this request's outcome.
+                    self.receipts.complete(
+                        &p.workspace,
+                        "vm_create",
+                        rid,
+                        &serde_json::json!({ "error": { "code": e.code, "message": e.message } }),
+                    )?;
+                } else {
+                    self.receipts.release(&p.workspace, "vm_create", rid)?;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn settle_create(&self, p: &Principal, rid: &str, rec: VmRecord) -> Result<Value, ApiError> {
+        let stored = match rec.state {
+            VmState::Running => serde_json::json!({ "ok": to_value(self.info(rec))? }),
+            VmState::Failed => serde_json::json!({ "error": {
+                "code": "unavailable",
+                "message": format!("the VM failed to boot: {}", rec.reason.unwrap_or_default()),
+            }}),
+            VmState::Creating => {
+                return Err(ApiError::new(
+                    "outcome_unknown",
+                    format!(
+                        "VM {} of request {rid} was left half-created; destroy it and use a new request_id",
+                        rec.id
+                    ),
+                ))
+            }
+        };
+        self.receipts
+            .complete(&p.workspace, "vm_create", rid, &stored)?;
+        replay(stored)
+    }
+
+    fn vm_list(&self, p: &Principal) -> Result<Value, ApiError> {
+        let vms = self
+            .warren
+            .list_vms()?
+            .into_iter()
+            .filter(|r| r.workspace == p.workspace)
+            .map(|r| self.info(r))
+            .collect();
+        to_value(VmList { vms })
+    }
+
+    async fn vm_status(&self, p: &Principal, a: VmRef) -> Result<Value, ApiError> {
+        let rec = self.owned(p, &a.vm_id)?;
+        let running = rec.state == VmState::Running;
+        let (jobs, job_ids) = if running {
+            let list = self.warren.job_list(&rec.id).await?;
+            let finished = list
+                .iter()
+                .filter(|j| matches!(j.state, JobState::Finished(_)))
+                .count() as u64;
+            (
+                Some(JobCounts {
+                    running: list.len() as u64 - finished,
+                    finished,
+                }),
+                list.iter().map(|j| j.id.to_string()).collect(),
+            )
+        } else {
+            (None, vec![])
+        };
+        to_value(VmStatus {
+            vm: self.info(rec),
+            jobs,
+            job_ids,
+        })
+    }
+
+    async fn vm_exec(&self, p: &Principal, a: VmExecArgs) -> Result<Value, ApiError> {
+        validate_request_id(&a.request_id)?;
+        let rec = self.owned(p, &a.vm_id)?;
+        let argv = match (&a.command, &a.argv) {
+            (Some(c), None) => vec!["bash".to_string(), "-c".to_string(), c.clone()],
+            (None, Some(v)) if !v.is_empty() => v.clone(),
+            (None, Some(_)) => return Err(ApiError::invalid("argv must not be empty")),
+            _ => return Err(ApiError::invalid("give exactly one of command and argv")),
+        };
+        let wait_ms = a.wait_ms.unwrap_or(0);
+        if wait_ms > MAX_OUTPUT_WAIT_MS {
+            return Err(ApiError::invalid(format!(
+                "wait_ms must be at most {MAX_OUTPUT_WAIT_MS}"
+            )));
+        }
+        if a.stdin.as_ref().is_some_and(|s| s.len() > MAX_STDIN_BYTES) {
+            return Err(ApiError::invalid(format!(
+                "stdin must be at most {MAX_STDIN_BYTES} bytes"
+            )));
+        }
+        if a.timeout_ms == Some(0) {
+            return Err(ApiError::invalid("timeout_ms must be at least 1"));
+        }
+        // The retry of a request with the same id and arguments must not depend on wait_ms.
+        let hash = args_hash(&VmExecArgs {
+            wait_ms: None,
+            ..a.clone()
+        });
+        let rid = a.request_id.as_str();
+        let _guard = self.enter(p, "vm_exec", rid)?;
+        let claim = self.receipts.claim(&p.workspace, "vm_exec", rid, &hash)?;
+        if let Claim::Done(v) = &claim {
+            let v = replay(v.clone())?;
+            let job = v
+                .get("job_id")
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::internal("receipt without a job"))?;
+            return to_value(self.exec_page(&rec.id, parse_job(job)?, wait_ms).await?);
+        }
+        if rec.state != VmState::Running && claim == Claim::Pending {
+            return Err(ApiError::new(
+                "outcome_unknown",
+                format!(
+                    "VM {} is {}; whether request {rid} ran cannot be determined, so it is not run again",
+                    rec.id,
+                    rec.state.as_str()
+                ),
+            ));
+        }
+        // The guest deduplicates on this key within its boot, so re-sending a pending request
+        // returns the job it already started instead of running the command twice.
+        let key = hex::encode(Sha256::digest(format!("{}\0{rid}", p.workspace).as_bytes()));
+        let start = ExecStart {
+            argv,
+            env: a.env.clone().unwrap_or_default().into_iter().collect(),
+            cwd: a.cwd.clone(),
+            stdin: a.stdin.clone().map(|s| s.into_bytes().into()),
+            timeout_ms: a.timeout_ms,
+            request_key: Some(key),
+        };
+        match self.warren.exec_start(&rec.id, start).await {
+            Ok(job) => {
+                let stored =
+                    serde_json::json!({ "ok": { "vm_id": rec.id, "job_id": job.to_string() } });
+                self.receipts
+                    .complete(&p.workspace, "vm_exec", rid, &stored)?;
+                to_value(self.exec_page(&rec.id, job, wait_ms).await?)
+            }
+            Err(e) => {
+                if e.guest().is_some() || matches!(e, CoreError::VmNotRunning { .. }) {
+                    // The guest refused it (or it never left the host): nothing ran.
+                    self.receipts.release(&p.workspace, "vm_exec", rid)?;
+                }
+                // Otherwise the request may or may not have reached the guest: the receipt
+                // stays pending and a retry asks the guest by key.
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Waits up to `wait_ms` for the job to end, then reads its first page.
+    async fn exec_page(&self, vm: &str, job: JobId, wait_ms: u32) -> Result<OutputPage, ApiError> {
+        let deadline = Instant::now() + Duration::from_millis(u64::from(wait_ms));
+        let (mut so, mut se) = (0, 0);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            // Cursors at the retained ends: the guest answers on new output or the job's end.
+            let o = self
+                .read(
+                    vm,
+                    job,
+                    Cursor {
+                        stdout: so,
+                        stderr: se,
+                    },
+                    0,
+                    left,
+                )
+                .await?;
+            if matches!(o.state, JobState::Finished(_)) {
+                break;
+            }
+            (so, se) = (o.stdout_retained, o.stderr_retained);
+        }
+        let o = self
+            .read(
+                vm,
+                job,
+                Cursor::default(),
+                MAX_READ_PER_STREAM,
+                Duration::ZERO,
+            )
+            .await?;
+        Ok(output::page(
+            &job.to_string(),
+            Cursor::default(),
+            &o,
+            Encoding::Utf8,
+        ))
+    }
+
+    async fn read(
+        &self,
+        vm: &str,
+        job: JobId,
+        at: Cursor,
+        max_bytes: u32,
+        wait: Duration,
+    ) -> Result<JobOutput, ApiError> {
+        let req = JobOutputRequest {
+            job,
+            stdout_cursor: at.stdout,
+            stderr_cursor: at.stderr,
+            max_bytes,
+            wait_ms: wait.as_millis().min(u128::from(MAX_OUTPUT_WAIT_MS)) as u32,
+        };
+        Ok(self.warren.job_output(vm, req).await?)
+    }
+
+    async fn vm_job_status(&self, p: &Principal, a: JobRef) -> Result<Value, ApiError> {
+        let rec = self.owned(p, &a.vm_id)?;
+        let job = parse_job(&a.job_id)?;
+        let o = self
+            .read(&rec.id, job, Cursor::default(), 0, Duration::ZERO)
+            .await?;
+        let exit = match o.state {
+            JobState::Running => None,
+            JobState::Finished(x) => Some(x),
+        };
+        to_value(JobStatus {
+            job_id: job.to_string(),
+            state: if exit.is_some() {
+                "completed"
+            } else {
+                "running"
+            }
+            .into(),
+            exit_code: exit.and_then(|x| x.code),
+            signal: exit.and_then(|x| x.signal),
+            timed_out: exit.is_some_and(|x| x.timed_out),
+            cancelled: exit.is_some_and(|x| x.cancelled),
+            truncated: o.truncated,
+            stdout_bytes: o.stdout_retained,
+            stderr_bytes: o.stderr_retained,
+        })
+    }
+
+    async fn vm_job_output(&self, p: &Principal, a: JobOutputArgs) -> Result<Value, ApiError> {
+        let rec = self.owned(p, &a.vm_id)?;
+        let job = parse_job(&a.job_id)?;
+        let wait = a.wait_ms.unwrap_or(0);
+        if wait > MAX_OUTPUT_WAIT_MS {
+            return Err(ApiError::invalid(format!(
+                "wait_ms must be at most {MAX_OUTPUT_WAIT_MS}"
+            )));
+        }
+        let max = a.max_bytes.unwrap_or(MAX_READ_PER_STREAM);
+        if max == 0 || max > MAX_READ_PER_STREAM {
+            return Err(ApiError::invalid(format!(
+                "max_bytes must be within 1..={MAX_READ_PER_STREAM}"
+            )));
+        }
+        let c = a.cursor.unwrap_or_default();
+        let cursor = Cursor {
+            stdout: c.stdout,
+            stderr: c.stderr,
+        };
+        let o = self
+            .read(
+                &rec.id,
+                job,
+                cursor,
+                max,
+                Duration::from_millis(u64::from(wait)),
+            )
+            .await?;
+        to_value(output::page(
+            &job.to_string(),
+            cursor,
+            &o,
+            a.encoding.unwrap_or(Encoding::Utf8),
+        ))
+    }
+
+    async fn vm_job_cancel(&self, p: &Principal, a: JobRef) -> Result<Value, ApiError> {
+        let rec = self.owned(p, &a.vm_id)?;
+        let job = parse_job(&a.job_id)?;
+        self.warren.job_cancel(&rec.id, job).await?;
+        to_value(JobCancelled {
+            job_id: job.to_string(),
+            cancelled: true,
+        })
+    }
+
+    async fn vm_read_file(&self, p: &Principal, a: ReadFileArgs) -> Result<Value, ApiError> {
+        let rec = self.owned(p, &a.vm_id)?;
+        let len = a.max_bytes.unwrap_or(MAX_FILE_CHUNK);
+        if len == 0 || len > MAX_FILE_CHUNK {
+            return Err(ApiError::invalid(format!(
+                "max_bytes must be within 1..={MAX_FILE_CHUNK}"
+            )));
+        }
+        let offset = a.offset.unwrap_or(0);
+        let d = self
+            .warren
+            .read_file_chunk(&rec.id, &a.path, offset, len)
+            .await?;
+        to_value(FileContent {
+            path: a.path,
+            offset,
+            content_base64: base64::engine::general_purpose::STANDARD.encode(&d.data),
+            size: d.size,
+            eof: d.eof,
+        })
+    }
+
+    async fn vm_write_file(&self, p: &Principal, a: WriteFileArgs) -> Result<Value, ApiError> {
+        let rec = self.owned(p, &a.vm_id)?;
+        let data = base64::engine::general_purpose::STANDARD
+            .decode(a.content_base64.as_bytes())
+            .map_err(|e| ApiError::invalid(format!("content_base64 is not base64: {e}")))?;
+        if data.len() > MAX_FILE_CHUNK as usize {
+            return Err(ApiError::invalid(format!(
+                "content is {} bytes; at most {MAX_FILE_CHUNK} per call (use append for more)",
+                data.len()
+            )));
+        }
+        let mode = if a.append {
+            WriteMode::Append
+        } else {
+            WriteMode::Truncate
+        };
+        let n = self
+            .warren
+            .write_file_chunk(&rec.id, &a.path, mode, data)
+            .await?;
+        to_value(FileWritten {
+            path: a.path,
+            bytes_written: n,
+        })
+    }
+
+    async fn vm_destroy(&self, p: &Principal, a: VmRef) -> Result<Value, ApiError> {
+        let rec = self.owned(p, &a.vm_id)?;
+        self.warren.destroy_vm(&rec.id).await?;
+        to_value(VmDestroyed {
+            vm_id: rec.id,
+            destroyed: true,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_tool_defs_complete_schemas_and_image_enum() {
+        let defs = tool_defs(&["dev".into(), "minimal".into()]);
+        assert_eq!(defs.len(), 10);
+        for d in &defs {
+            assert_eq!(
+                d.input_schema.get("type"),
+                Some(&Value::from("object")),
+                "{}",
+                d.name
+            );
+            assert_eq!(
+                d.output_schema.get("type"),
+                Some(&Value::from("object")),
+                "{}",
+                d.name
+            );
+        }
+        let img = &defs[0].input_schema["properties"]["image"];
+        assert_eq!(img["enum"], serde_json::json!(["dev", "minimal"]));
+        let exec = &defs[3].input_schema;
+        assert_eq!(exec["additionalProperties"], Value::Bool(false));
+        assert!(exec["required"]
+            .as_array()
+            .is_some_and(|r| r.contains(&Value::from("request_id"))));
+    }
+
+    #[test]
+    fn test_parse_refuses_unknown_fields_and_wrong_types() {
+        let e = parse::<VmRef>(serde_json::json!({"vm_id": "a", "x": 1})).expect_err("unknown");
+        assert!(e.message.contains("unknown field"), "{e}");
+        let e = parse::<VmRef>(serde_json::json!({"vm_id": 5})).expect_err("type");
+        assert_eq!(e.code, "invalid_argument");
+        let e = parse::<VmRef>(serde_json::json!([1])).expect_err("array");
+        assert!(e.message.contains("JSON object"), "{e}");
+        assert!(parse::<NoArgs>(Value::Null).is_ok());
+    }
+
+    #[test]
+    fn test_replay_error_keeps_code() {
+        let e = replay(serde_json::json!({"error": {"code": "unavailable", "message": "m"}}))
+            .expect_err("error");
+        assert_eq!((e.code, e.message.as_str()), ("unavailable", "m"));
+    }
+}

@@ -1,0 +1,243 @@
+//! The tools' arguments and results. These types are the API: their JSON Schemas (derived
+//! with schemars, doc comments included) are what MCP discovery and the OpenAPI document
+//! publish, and unknown fields are refused everywhere.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use warren_core::output::{Cursor, Encoding, OutputPage};
+
+/// Arguments of a tool that takes none.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NoArgs {}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Network {
+    Off,
+    On,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VmCreateArgs {
+    /// Idempotency key: a retry with the same id and arguments returns the original VM.
+    /// 1-128 characters of A-Z a-z 0-9 . _ : -
+    pub request_id: String,
+    /// A configured image name; the default image when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Guest memory in MiB (default: the image's default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 128, max = 65536))]
+    pub memory_mib: Option<u32>,
+    /// Virtual CPUs (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub vcpus: Option<u32>,
+    /// Guest networking; "on" needs the workspace's network grant. Default "off".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<Network>,
+}
+
+/// Names one VM.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VmRef {
+    pub vm_id: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VmExecArgs {
+    pub vm_id: String,
+    /// Idempotency key: a retry with the same id and arguments returns the same job and never
+    /// runs the command twice. 1-128 characters of A-Z a-z 0-9 . _ : -
+    pub request_id: String,
+    /// A shell command line, run with `bash -c`. Give exactly one of `command` and `argv`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    /// Program and arguments, run without a shell; the program is looked up in PATH.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub argv: Option<Vec<String>>,
+    /// Working directory relative to /workspace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// Extra environment variables.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<BTreeMap<String, String>>,
+    /// Text fed to the command's stdin (at most 128 KiB); /dev/null when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin: Option<String>,
+    /// Kill the command and all its descendants after this many milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 604800000))]
+    pub timeout_ms: Option<u64>,
+    /// Wait up to this long for the job to finish, and return its first output page and final
+    /// state when it does (default 0: return at once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 30000))]
+    pub wait_ms: Option<u32>,
+}
+
+/// Names one job of one VM.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct JobRef {
+    pub vm_id: String,
+    pub job_id: String,
+}
+
+/// Byte offsets to read from; omitted streams start at 0.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CursorArg {
+    #[serde(default)]
+    pub stdout: u64,
+    #[serde(default)]
+    pub stderr: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct JobOutputArgs {
+    pub vm_id: String,
+    pub job_id: String,
+    /// The `next_cursor` of the previous response; omit on the first call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cursor: Option<CursorArg>,
+    /// "utf-8" (default): readable text; "base64": exact bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encoding: Option<Encoding>,
+    /// While the job runs and nothing new is available, wait up to this long for news.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 30000))]
+    pub wait_ms: Option<u32>,
+    /// Bytes per stream (default and maximum 16384).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 16384))]
+    pub max_bytes: Option<u32>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReadFileArgs {
+    pub vm_id: String,
+    /// Path relative to /workspace; escapes and symlinks out of it are refused.
+    pub path: String,
+    /// Byte offset to start at (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offset: Option<u64>,
+    /// Bytes to read (default and maximum 131072).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 131072))]
+    pub max_bytes: Option<u32>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WriteFileArgs {
+    pub vm_id: String,
+    /// Path relative to /workspace; missing parent directories are created.
+    pub path: String,
+    /// The bytes to write, base64 (at most 131072 bytes decoded).
+    pub content_base64: String,
+    /// Append instead of replacing the file.
+    #[serde(default)]
+    pub append: bool,
+}
+
+/// A VM as listed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct VmInfo {
+    pub vm_id: String,
+    /// creating, running or failed.
+    pub state: String,
+    /// The configured image name, or null if the image is no longer configured.
+    pub image: Option<String>,
+    pub image_id: String,
+    /// The accelerator the VM runs under (kvm or tcg).
+    pub accel: String,
+    pub memory_mib: u32,
+    pub vcpus: u32,
+    /// The VM's memory lineage; it changes only if the VM's memory is lost and rebuilt.
+    pub generation: u64,
+    pub created_unix: u64,
+    pub boot_ms: Option<u64>,
+    /// Why the VM failed, when it did.
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct VmList {
+    pub vms: Vec<VmInfo>,
+}
+
+/// Job counts from the guest.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, JsonSchema)]
+pub struct JobCounts {
+    pub running: u64,
+    pub finished: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct VmStatus {
+    #[serde(flatten)]
+    pub vm: VmInfo,
+    /// Null unless the VM is running.
+    pub jobs: Option<JobCounts>,
+    /// Ids of the jobs the guest still retains.
+    pub job_ids: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct JobStatus {
+    pub job_id: String,
+    /// running or completed.
+    pub state: String,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    pub cancelled: bool,
+    pub truncated: bool,
+    /// Bytes retained so far per stream.
+    pub stdout_bytes: u64,
+    pub stderr_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct JobCancelled {
+    pub job_id: String,
+    pub cancelled: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct FileContent {
+    pub path: String,
+    pub offset: u64,
+    pub content_base64: String,
+    /// The file's size when read.
+    pub size: u64,
+    /// Whether this read reached the end of the file.
+    pub eof: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct FileWritten {
+    pub path: String,
+    pub bytes_written: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct VmDestroyed {
+    pub vm_id: String,
+    pub destroyed: bool,
+}
+
+/// The result of `vm_exec` is an output page of the new job.
+pub type ExecResult = OutputPage;
+
+/// Re-exported so the OpenAPI document names it.
+pub type CursorResult = Cursor;

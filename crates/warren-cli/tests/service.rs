@@ -1,0 +1,661 @@
+//! End-to-end tests of `warren serve` (warrend) over HTTP and the local socket, on real VMs.
+//! Every response checked here is also validated against the service's own OpenAPI document.
+
+mod common;
+
+use common::daemon::{wait_job, Daemon, Resp};
+use serde_json::{json, Value};
+
+/// Validates responses against the OpenAPI document the service publishes.
+struct Conformance {
+    doc: Value,
+}
+
+impl Conformance {
+    fn fetch(d: &Daemon, token: &str) -> Conformance {
+        let r = d.request(
+            "GET",
+            "/v1/openapi.json",
+            &[("Authorization", &format!("Bearer {token}"))],
+            b"",
+        );
+        assert_eq!(r.status, 200, "openapi: {}", r.text);
+        assert_eq!(r.body["openapi"], "3.1.0");
+        Conformance { doc: r.body }
+    }
+
+    fn check(&self, tool: &str, r: &Resp) {
+        let class = match r.status {
+            200 => "200",
+            400..=499 => "4XX",
+            _ => "5XX",
+        };
+        let schema = warren_api::openapi::response_schema(&self.doc, tool, class)
+            .unwrap_or_else(|| panic!("no schema for {tool} {class}"));
+        let v = jsonschema::validator_for(&schema).expect("compile schema");
+        let errors: Vec<String> = v.iter_errors(&r.body).map(|e| e.to_string()).collect();
+        assert!(
+            errors.is_empty(),
+            "{tool} {} does not match the OpenAPI document: {errors:?}\n{}",
+            r.status,
+            r.text
+        );
+    }
+
+    /// Calls a tool, checks conformance, and returns the response.
+    fn call(&self, d: &Daemon, token: &str, tool: &str, args: Value) -> Resp {
+        let r = d.call(token, tool, args);
+        self.check(tool, &r);
+        r
+    }
+}
+
+#[test]
+fn test_service_tools_end_to_end_match_openapi() {
+    let d = Daemon::start("");
+    let t = d.token("alice", &[]);
+    let c = Conformance::fetch(&d, &t);
+
+    let r = c.call(&d, &t, "vm_create", json!({"request_id": "create-1"}));
+    assert_eq!(r.status, 200, "{}", r.text);
+    let vm = r.body["vm_id"].as_str().expect("vm_id").to_string();
+    assert_eq!(r.body["image"], "minimal");
+    assert_eq!(r.body["state"], "running");
+
+    let r = c.call(&d, &t, "vm_list", json!({}));
+    assert_eq!(r.body["vms"][0]["vm_id"], vm);
+
+    // A short command: first output and final state in one call.
+    let r = c.call(
+        &d,
+        &t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "e1", "command": "echo out; echo err >&2; exit 3", "wait_ms": 20000}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["state"], "completed");
+    assert_eq!(r.body["exit_code"], 3);
+    assert_eq!(r.body["stdout"], "out\n");
+    assert_eq!(r.body["stderr"], "err\n");
+    let job = r.body["job_id"].as_str().expect("job").to_string();
+
+    let r = c.call(&d, &t, "vm_job_status", json!({"vm_id": vm, "job_id": job}));
+    assert_eq!(
+        (
+            r.body["state"].clone(),
+            r.body["exit_code"].clone(),
+            r.body["stdout_bytes"].clone()
+        ),
+        (json!("completed"), json!(3), json!(4))
+    );
+
+    // Cursors: read from the middle, base64 mode.
+    let r = c.call(
+        &d,
+        &t,
+        "vm_job_output",
+        json!({"vm_id": vm, "job_id": job, "cursor": {"stdout": 1}, "encoding": "base64"}),
+    );
+    assert_eq!(r.body["stdout_base64"], "dXQK"); // "ut\n"
+    assert_eq!(r.body["next_cursor"], json!({"stdout": 4, "stderr": 4}));
+
+    // A long job: returns running, is cancelled, and reports it.
+    let r = c.call(
+        &d,
+        &t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "e2", "argv": ["sleep", "600"], "wait_ms": 200}),
+    );
+    assert_eq!(r.body["state"], "running", "{}", r.text);
+    let sleeper = r.body["job_id"].as_str().expect("job").to_string();
+    let r = c.call(&d, &t, "vm_status", json!({"vm_id": vm}));
+    assert_eq!(r.body["jobs"]["running"], 1, "{}", r.text);
+    assert_eq!(r.body["generation"], 1);
+    assert_eq!(
+        r.body["accel"].as_str().map(|a| a == "tcg" || a == "kvm"),
+        Some(true)
+    );
+    let r = c.call(
+        &d,
+        &t,
+        "vm_job_cancel",
+        json!({"vm_id": vm, "job_id": sleeper}),
+    );
+    assert_eq!(r.body["cancelled"], true);
+    let (_, last) = wait_job(&d, &t, &vm, &sleeper);
+    assert_eq!(last["cancelled"], true);
+
+    // Files.
+    let r = c.call(
+        &d,
+        &t,
+        "vm_write_file",
+        json!({"vm_id": vm, "path": "dir/a.txt", "content_base64": "aGVsbG8K"}),
+    );
+    assert_eq!(r.body["bytes_written"], 6, "{}", r.text);
+    let r = c.call(
+        &d,
+        &t,
+        "vm_write_file",
+        json!({"vm_id": vm, "path": "dir/a.txt", "content_base64": "Ynll", "append": true}),
+    );
+    assert_eq!(r.status, 200);
+    let r = c.call(
+        &d,
+        &t,
+        "vm_read_file",
+        json!({"vm_id": vm, "path": "dir/a.txt"}),
+    );
+    assert_eq!(r.body["content_base64"], "aGVsbG8KYnll");
+    assert_eq!(r.body["eof"], true);
+    let r = c.call(
+        &d,
+        &t,
+        "vm_read_file",
+        json!({"vm_id": vm, "path": "../etc/passwd"}),
+    );
+    assert!(r.status >= 400 && r.status < 500, "{}", r.text);
+    // The command sees what the file tools wrote.
+    let r = c.call(
+        &d,
+        &t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "e3", "command": "cat dir/a.txt", "wait_ms": 20000}),
+    );
+    assert_eq!(r.body["stdout"], "hello\nbye");
+
+    let r = c.call(&d, &t, "vm_destroy", json!({"vm_id": vm}));
+    assert_eq!(r.body["destroyed"], true);
+    let r = c.call(&d, &t, "vm_status", json!({"vm_id": vm}));
+    assert_eq!((r.status, r.code()), (404, "not_found"));
+    assert!(d.all_vms().is_empty());
+}
+
+#[test]
+fn test_service_workspace_isolation_tokens_and_local_socket() {
+    let d = Daemon::start("");
+    let alice = d.token("alice", &[]);
+    let bob = d.token("bob", &["--image", "dev"]);
+    let c = Conformance::fetch(&d, &alice);
+    let vm = c.ok_create(&d, &alice, "a-1");
+
+    // Another workspace's VM does not exist for bob, whatever the tool.
+    let foreign = [
+        ("vm_status", json!({"vm_id": vm})),
+        (
+            "vm_exec",
+            json!({"vm_id": vm, "request_id": "b", "command": "true"}),
+        ),
+        ("vm_job_status", json!({"vm_id": vm, "job_id": "1"})),
+        ("vm_job_output", json!({"vm_id": vm, "job_id": "1"})),
+        ("vm_job_cancel", json!({"vm_id": vm, "job_id": "1"})),
+        ("vm_read_file", json!({"vm_id": vm, "path": "x"})),
+        (
+            "vm_write_file",
+            json!({"vm_id": vm, "path": "x", "content_base64": ""}),
+        ),
+        ("vm_destroy", json!({"vm_id": vm})),
+    ];
+    for (tool, args) in &foreign {
+        let r = c.call(&d, &bob, tool, args.clone());
+        assert_eq!(
+            (r.status, r.code()),
+            (404, "not_found"),
+            "{tool}: {}",
+            r.text
+        );
+    }
+    assert_eq!(
+        c.call(&d, &bob, "vm_list", json!({})).body["vms"],
+        json!([])
+    );
+    // A forbidden image and an ungranted network are 403, and create nothing.
+    let r = c.call(
+        &d,
+        &bob,
+        "vm_create",
+        json!({"request_id": "b1", "image": "minimal"}),
+    );
+    assert_eq!((r.status, r.code()), (403, "forbidden"), "{}", r.text);
+    let r = c.call(
+        &d,
+        &bob,
+        "vm_create",
+        json!({"request_id": "b2", "image": "dev", "network": "on"}),
+    );
+    assert_eq!((r.status, r.code()), (403, "forbidden"), "{}", r.text);
+    assert_eq!(d.all_vms().len(), 1);
+
+    // Local socket: root is local-0 and sees none of alice's VMs; another uid neither.
+    let r = d.local_call("vm_status", json!({"vm_id": vm}), &[]);
+    assert_eq!((r.status, r.code()), (404, "not_found"), "{}", r.text);
+    let r = d.local_call_as(4242, "vm_status", json!({"vm_id": vm}));
+    assert_eq!((r.status, r.code()), (404, "not_found"), "{}", r.text);
+    let r = d.local_call_as(4242, "vm_list", json!({}));
+    assert_eq!(r.body["vms"], json!([]), "{}", r.text);
+    // Only root may name a workspace, and then acts as it.
+    let r = d.local_call_as(4242, "vm_list", json!({}));
+    assert_eq!(r.status, 200);
+    let out = std::process::Command::new("setpriv")
+        .args([
+            "--reuid=4242",
+            "--regid=4242",
+            "--clear-groups",
+            "curl",
+            "-sS",
+            "-i",
+        ])
+        .args([
+            "-H",
+            "X-Warren-Workspace: alice",
+            "-H",
+            "Content-Type: application/json",
+        ])
+        .args(["-d", "{}", "--unix-socket"])
+        .arg(&d.socket)
+        .arg("http://warrend/v1/tools/vm_list")
+        .output()
+        .expect("curl");
+    let r = common::daemon::parse_response(&out.stdout);
+    assert_eq!((r.status, r.code()), (403, "forbidden"), "{}", r.text);
+    let r = d.local_call("vm_list", json!({}), &[("X-Warren-Workspace", "alice")]);
+    assert_eq!(r.body["vms"][0]["vm_id"], vm, "{}", r.text);
+
+    // Revocation and expiry take effect on the next request.
+    let short = d.token("alice", &["--ttl", "1"]);
+    assert_eq!(c.call(&d, &short, "vm_list", json!({})).status, 200);
+    std::thread::sleep(std::time::Duration::from_millis(2100));
+    let r = c.call(&d, &short, "vm_list", json!({}));
+    assert_eq!((r.status, r.code()), (401, "unauthenticated"));
+    assert!(r.body["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("expired"));
+    assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+    let out = d.env.run(&["token", "revoke-workspace", "bob"]);
+    assert!(out.status.success());
+    let r = c.call(&d, &bob, "vm_list", json!({}));
+    assert_eq!((r.status, r.code()), (401, "unauthenticated"));
+    let r = c.call(&d, "wrn_forged", "vm_list", json!({}));
+    assert_eq!(r.status, 401);
+    // Token listing shows ids and workspaces, never secrets.
+    let out = d.env.run(&["token", "list", "--json"]);
+    let listing = String::from_utf8_lossy(&out.stdout);
+    assert!(listing.contains("\"alice\"") && !listing.contains(&alice[4..]));
+    // A reissue asking for another policy is refused.
+    let out = d.env.run(&[
+        "token",
+        "issue",
+        "--workspace",
+        "bob",
+        "--output",
+        "/dev/null",
+        "--max-vms",
+        "9",
+    ]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("error[conflict]"));
+
+    // Alice's VM was untouched by all of this.
+    let r = c.call(
+        &d,
+        &alice,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "a-e", "command": "echo still", "wait_ms": 20000}),
+    );
+    assert_eq!(r.body["stdout"], "still\n", "{}", r.text);
+}
+
+impl Conformance {
+    fn ok_create(&self, d: &Daemon, token: &str, rid: &str) -> String {
+        let r = self.call(d, token, "vm_create", json!({"request_id": rid}));
+        assert_eq!(r.status, 200, "{}", r.text);
+        r.body["vm_id"].as_str().expect("vm_id").to_string()
+    }
+}
+
+#[test]
+fn test_service_idempotent_create_and_exec_survive_crash() {
+    let mut d = Daemon::start("");
+    let t = d.token("alice", &[]);
+    let c = Conformance::fetch(&d, &t);
+    let vm = c.ok_create(&d, &t, "c-1");
+    // Same id and arguments: the same VM, not a second one.
+    assert_eq!(c.ok_create(&d, &t, "c-1"), vm);
+    assert_eq!(d.all_vms().len(), 1);
+    let r = c.call(
+        &d,
+        &t,
+        "vm_create",
+        json!({"request_id": "c-1", "vcpus": 2}),
+    );
+    assert_eq!((r.status, r.code()), (409, "conflict"), "{}", r.text);
+
+    let exec = json!({"vm_id": vm, "request_id": "x-1", "command": "echo ran >> log; wc -l < log", "wait_ms": 20000});
+    let first = c.call(&d, &t, "vm_exec", exec.clone());
+    assert_eq!(first.body["stdout"], "1\n", "{}", first.text);
+    let again = c.call(&d, &t, "vm_exec", exec.clone());
+    assert_eq!(again.body["job_id"], first.body["job_id"]);
+    assert_eq!(again.body["stdout"], "1\n", "ran twice: {}", again.text);
+    let mut changed = exec.clone();
+    changed["command"] = json!("echo other");
+    let r = c.call(&d, &t, "vm_exec", changed);
+    assert_eq!((r.status, r.code()), (409, "conflict"));
+
+    // A crash after the guest started the job but before the receipt was completed: the
+    // retry asks the guest by key and gets the job that already ran.
+    d.crash();
+    let db = rusqlite::Connection::open(d.env.state.path().join("warren.db")).expect("db");
+    let n = db
+        .execute(
+            "UPDATE receipts SET state = 'pending', result = NULL WHERE request_id = 'x-1'",
+            [],
+        )
+        .expect("update");
+    assert_eq!(n, 1);
+    drop(db);
+    d.spawn();
+    let retry = c.call(&d, &t, "vm_exec", exec.clone());
+    assert_eq!(retry.body["job_id"], first.body["job_id"], "{}", retry.text);
+    let count = c.call(
+        &d,
+        &t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "x-2", "command": "wc -l < log", "wait_ms": 20000}),
+    );
+    assert_eq!(count.body["stdout"], "1\n", "the command ran again");
+    // The VM kept running across the service crash.
+    assert_eq!(
+        c.call(&d, &t, "vm_status", json!({"vm_id": vm})).body["state"],
+        "running"
+    );
+
+    // When the VM that would know is gone, the outcome cannot be determined: refused.
+    let db = rusqlite::Connection::open(d.env.state.path().join("warren.db")).expect("db");
+    db.execute(
+        "UPDATE receipts SET state = 'pending', result = NULL WHERE request_id = 'x-2'",
+        [],
+    )
+    .expect("update");
+    drop(db);
+    let pid: i32 = std::fs::read_to_string(d.env.vm_dir(&vm).join("supervisor.lock"))
+        .expect("lock")
+        .trim()
+        .parse()
+        .expect("pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill supervisor");
+    common::wait_until("VM failed", 30, || {
+        d.ok(&t, "vm_status", json!({"vm_id": vm}))["state"] == "failed"
+    });
+    let r = c.call(
+        &d,
+        &t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "x-2", "command": "wc -l < log", "wait_ms": 20000}),
+    );
+    assert_eq!((r.status, r.code()), (409, "outcome_unknown"), "{}", r.text);
+}
+
+#[test]
+fn test_service_bad_requests_and_quotas_change_nothing() {
+    let d = Daemon::start("[limits]\nmax_storage_gib = 1\n");
+    let t = d.token("alice", &[]);
+    let small = d.token("small", &["--max-memory-mib", "256"]);
+    let c = Conformance::fetch(&d, &t);
+    let auth = format!("Bearer {t}");
+    let bad: Vec<(&str, Vec<(&str, &str)>, Vec<u8>, u16, &str)> = vec![
+        ("vm_list", vec![], b"{".to_vec(), 400, "invalid_argument"),
+        ("vm_list", vec![], b"[]".to_vec(), 400, "invalid_argument"),
+        (
+            "vm_list",
+            vec![],
+            br#"{"extra": 1}"#.to_vec(),
+            400,
+            "invalid_argument",
+        ),
+        (
+            "vm_create",
+            vec![],
+            br#"{"request_id": 5}"#.to_vec(),
+            400,
+            "invalid_argument",
+        ),
+        (
+            "vm_create",
+            vec![],
+            br#"{"memory_mib": 512}"#.to_vec(),
+            400,
+            "invalid_argument",
+        ),
+        (
+            "vm_create",
+            vec![],
+            br#"{"request_id": "a b"}"#.to_vec(),
+            400,
+            "invalid_argument",
+        ),
+        (
+            "vm_create",
+            vec![],
+            br#"{"request_id": "r", "image": "nope"}"#.to_vec(),
+            400,
+            "invalid_argument",
+        ),
+        (
+            "vm_exec",
+            vec![],
+            br#"{"vm_id": "vm-000000000000", "request_id": "r", "command": "x"}"#.to_vec(),
+            404,
+            "not_found",
+        ),
+        (
+            "vm_exec",
+            vec![],
+            br#"{"vm_id": "../x", "request_id": "r", "command": "x"}"#.to_vec(),
+            400,
+            "invalid_argument",
+        ),
+        ("nope", vec![], b"{}".to_vec(), 404, "unknown_tool"),
+        (
+            "vm_list",
+            vec![("Content-Type", "text/plain")],
+            b"{}".to_vec(),
+            415,
+            "unsupported_media_type",
+        ),
+        (
+            "vm_list",
+            vec![],
+            vec![b' '; 300_000],
+            413,
+            "payload_too_large",
+        ),
+        (
+            "vm_list",
+            vec![("Origin", "http://evil.example")],
+            b"{}".to_vec(),
+            403,
+            "forbidden",
+        ),
+        (
+            "vm_list",
+            vec![("Host", "evil.example")],
+            b"{}".to_vec(),
+            403,
+            "forbidden",
+        ),
+    ];
+    for (tool, extra, body, status, code) in bad {
+        let mut h = vec![("Authorization", auth.as_str())];
+        let ct = extra
+            .iter()
+            .find(|(k, _)| *k == "Content-Type")
+            .map(|(_, v)| *v);
+        h.extend(extra.iter().filter(|(k, _)| *k != "Content-Type").cloned());
+        let r = d.request(
+            "POST",
+            &format!("/v1/tools/{tool}"),
+            &[h, vec![("Content-Type", ct.unwrap_or("application/json"))]].concat(),
+            &body,
+        );
+        assert_eq!(
+            (r.status, r.code()),
+            (status, code),
+            "{tool} {}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(80)]),
+            r.text
+        );
+        if tool != "nope" && !r.text.is_empty() {
+            c.check(if tool == "nope" { "vm_list" } else { tool }, &r);
+        }
+    }
+    // Over the workspace's memory quota, then over the host's storage: refused, nothing made.
+    let r = c.call(
+        &d,
+        &small,
+        "vm_create",
+        json!({"request_id": "q1", "memory_mib": 512}),
+    );
+    assert_eq!((r.status, r.code()), (429, "quota_exceeded"), "{}", r.text);
+    assert!(r.body["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("workspace small"));
+    let r = c.call(&d, &t, "vm_create", json!({"request_id": "q2"}));
+    assert_eq!((r.status, r.code()), (429, "quota_exceeded"), "{}", r.text);
+    assert!(r.body["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("host"));
+    assert!(d.all_vms().is_empty(), "a refused request created a VM");
+    // A refused create leaves its request_id free for a corrected retry.
+    let r = c.call(
+        &d,
+        &small,
+        "vm_create",
+        json!({"request_id": "q1", "memory_mib": 256}),
+    );
+    assert_eq!(
+        r.code(),
+        "quota_exceeded",
+        "host storage still refuses: {}",
+        r.text
+    );
+    // The service refuses a second instance on the same state directory.
+    let out = std::process::Command::new(common::WARREN)
+        .args(["serve", "--config"])
+        .arg(&d.config)
+        .output()
+        .expect("second serve");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("another warrend"));
+}
+
+#[test]
+fn test_service_config_refused_before_serving() {
+    let env = common::TestEnv::new();
+    let cfg = env.state.path().join("bad.toml");
+    let try_serve = |text: &str| {
+        std::fs::write(&cfg, text).expect("write");
+        let out = std::process::Command::new(common::WARREN)
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .output()
+            .expect("serve");
+        assert!(!out.status.success(), "served with {text:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let state = env.state.path().display().to_string();
+    let id = "0".repeat(64);
+    let e = try_serve(&format!(
+        "state_dir = {state:?}\nlistne = 1\n[images.a]\nid = \"{id}\"\n"
+    ));
+    assert!(e.contains("listne"), "{e}");
+    let e = try_serve(&format!(
+        "state_dir = {state:?}\n[images.a]\nid = \"xyz\"\n"
+    ));
+    assert!(e.contains("not an image id"), "{e}");
+    // A well-formed id that is not in the store fails preflight with the image named.
+    let e = try_serve(&format!(
+        "state_dir = {state:?}\nimage_dir = {:?}\n[http]\nlisten = \"127.0.0.1:0\"\n[images.a]\nid = \"{id}\"\n",
+        env.image_dir
+    ));
+    assert!(
+        e.contains("preflight failed") && e.contains("images.a"),
+        "{e}"
+    );
+}
+
+#[test]
+fn test_service_concurrent_clients_and_cli_share_state() {
+    let d = Daemon::start("");
+    let t = d.token("alice", &[]);
+    let c = Conformance::fetch(&d, &t);
+    let vms = [c.ok_create(&d, &t, "v1"), c.ok_create(&d, &t, "v2")];
+    let d = &d;
+    let t = t.as_str();
+    std::thread::scope(|s| {
+        // The CLI works on the same state directory meanwhile, through the supervisors.
+        let cli = s.spawn(|| {
+            let id = d.env.create_vm("minimal");
+            let out = d.env.run(&["vm", "exec", &id, "--", "echo", "cli"]);
+            assert_eq!(String::from_utf8_lossy(&out.stdout), "cli\n");
+            for _ in 0..5 {
+                assert!(d.env.run(&["vm", "list", "--json"]).status.success());
+            }
+            id
+        });
+        let clients: Vec<_> = (0..8)
+            .map(|k| {
+                let vm = vms[k % 2].clone();
+                s.spawn(move || {
+                    for i in 0..50 {
+                        let tag = format!("c{k}-{i}");
+                        let r = d.call(
+                            t,
+                            "vm_exec",
+                            json!({"vm_id": vm, "request_id": tag, "argv": ["echo", tag], "wait_ms": 20000}),
+                        );
+                        assert_eq!(r.status, 200, "{tag}: {}", r.text);
+                        let mut page = r.body;
+                        if page["state"] != "completed" {
+                            let job = page["job_id"].as_str().expect("job").to_string();
+                            let (out, last) = wait_job(d, t, &vm, &job);
+                            page = last;
+                            page["stdout"] = json!(out);
+                        }
+                        assert_eq!(page["stdout"], format!("{tag}\n"), "crossed output");
+                        assert_eq!(page["exit_code"], 0);
+                    }
+                })
+            })
+            .collect();
+        for h in clients {
+            h.join().expect("client");
+        }
+        let cli_vm = cli.join().expect("cli");
+        // The CLI's VM belongs to local-0, not to alice.
+        let listed = d.ok(t, "vm_list", json!({}));
+        let ids: Vec<&str> = listed["vms"]
+            .as_array()
+            .expect("vms")
+            .iter()
+            .filter_map(|v| v["vm_id"].as_str())
+            .collect();
+        assert_eq!(ids.len(), 2, "{listed}");
+        assert!(!ids.contains(&cli_vm.as_str()));
+        let r = d.local_call("vm_list", json!({}), &[]);
+        assert_eq!(r.body["vms"][0]["vm_id"], cli_vm.as_str(), "{}", r.text);
+    });
+    // Distinct uids, all running.
+    let all = d.all_vms();
+    assert_eq!(all.len(), 3);
+    let mut uids: Vec<u64> = all.iter().filter_map(|v| v["uid"].as_u64()).collect();
+    uids.sort();
+    uids.dedup();
+    assert_eq!(uids.len(), 3);
+    assert!(all.iter().all(|v| v["state"] == "running"), "{all:?}");
+}
