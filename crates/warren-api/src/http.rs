@@ -86,6 +86,12 @@ fn routes(st: AppState) -> Router {
         .route("/v1/tools/{tool}", post(call_tool))
         .route("/v1/openapi.json", get(openapi))
         .merge(crate::mcp::router(st.service.clone()))
+        .method_not_allowed_fallback(|| async {
+            error_response(&ApiError::new(
+                "method_not_allowed",
+                "tools take POST with a JSON body; the OpenAPI document takes GET",
+            ))
+        })
         .fallback(|| async {
             error_response(&ApiError::new(
                 "not_found",

@@ -10,6 +10,7 @@
 pub mod auth;
 pub mod config;
 pub mod error;
+pub mod hostpath;
 pub mod http;
 pub mod mcp;
 pub mod openapi;

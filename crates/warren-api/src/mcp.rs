@@ -10,15 +10,15 @@
 //!    extensions, which become [`RequestContext::extensions`]. This holds for every POST,
 //!    stateful or stateless, so the principal is always the one of the request that carried
 //!    this particular call, never one cached from the session's `initialize`.
-//! 3. [`WarrenMcp::call_tool`] takes the principal from there and calls [`Service::call`]; the
+//! 3. `WarrenMcp::call_tool` takes the principal from there and calls [`Service::call`]; the
 //!    result, or the [`ApiError`] body, goes back as structured content and as compact JSON text.
 //!
 //! Sessions (the pre-2026-07-28 protocol; newer clients are served statelessly) live in rmcp's
-//! in-memory [`LocalSessionManager`], one [`WarrenMcp`] per session. Invariants:
+//! in-memory [`LocalSessionManager`], one `WarrenMcp` per session. Invariants:
 //! - a session ends after [`SESSION_IDLE_TIMEOUT`] without traffic, on `DELETE`, or at shutdown;
 //! - a session belongs to the workspace that initialized it: calls from another are refused;
 //! - a workspace holds at most [`MAX_SESSIONS_PER_WORKSPACE`] sessions at once, counted by
-//!   [`SessionSlot`]s that live exactly as long as their session's handler.
+//!   `SessionSlot`s that live exactly as long as their session's handler.
 //!
 //! rmcp's own DNS-rebinding checks (`Host`/`Origin` allow-lists) are turned off: the guard in
 //! [`crate::http`] is the single place that decides, for MCP and JSON alike.
@@ -56,7 +56,7 @@ pub const SESSION_IDLE_TIMEOUT: Duration = Duration::from_secs(15 * 60);
 pub const MAX_SESSIONS_PER_WORKSPACE: usize = 64;
 
 /// Sent to clients at `initialize`; models read it as the server's usage notes.
-const INSTRUCTIONS: &str = "Warren runs commands in disposable microVMs. \
+const INSTRUCTIONS: &str = "Warren runs commands in private Linux microVMs. \
 Create one with vm_create, run commands with vm_exec (give wait_ms to wait for short commands), \
 and read a job's output with vm_job_output: pass the next_cursor of the previous page and keep \
 reading until state is \"completed\". Files move with vm_read_file and vm_write_file; \
@@ -449,7 +449,7 @@ mod tests {
             .map(str::trim)
             .filter(|d| !d.is_empty())
             .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-            .last();
+            .next_back();
         (sid, reply)
     }
 

@@ -626,48 +626,31 @@ impl Service {
         }
     }
 
-    /// Waits up to `wait_ms` for the job to end, then reads its first page.
+    /// Waits up to `wait_ms` for the job to end, then returns its first page. A job that ends
+    /// quietly costs one long-poll; each burst of output costs one more.
     async fn exec_page(&self, vm: &str, job: JobId, wait_ms: u32) -> Result<OutputPage, ApiError> {
         let deadline = Instant::now() + Duration::from_millis(u64::from(wait_ms));
-        let (mut so, mut se) = (0, 0);
+        let left = || deadline.saturating_duration_since(Instant::now());
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            // Cursors at the retained ends: the guest answers on new output or the job's end.
+            // From the start: answers at once when there is output, else waits for news.
             let o = self
-                .read(
-                    vm,
-                    job,
-                    Cursor {
-                        stdout: so,
-                        stderr: se,
-                    },
-                    0,
-                    left,
-                )
+                .read(vm, job, Cursor::default(), MAX_READ_PER_STREAM, left())
                 .await?;
-            if matches!(o.state, JobState::Finished(_)) {
-                break;
+            if matches!(o.state, JobState::Finished(_)) || left().is_zero() {
+                return Ok(output::page(
+                    &job.to_string(),
+                    Cursor::default(),
+                    &o,
+                    Encoding::Utf8,
+                ));
             }
-            (so, se) = (o.stdout_retained, o.stderr_retained);
+            // Wait past what was seen for more output or the job's end, then reread.
+            let at = Cursor {
+                stdout: o.stdout_retained,
+                stderr: o.stderr_retained,
+            };
+            self.read(vm, job, at, 0, left()).await?;
         }
-        let o = self
-            .read(
-                vm,
-                job,
-                Cursor::default(),
-                MAX_READ_PER_STREAM,
-                Duration::ZERO,
-            )
-            .await?;
-        Ok(output::page(
-            &job.to_string(),
-            Cursor::default(),
-            &o,
-            Encoding::Utf8,
-        ))
     }
 
     async fn read(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any
 
@@ -46,6 +47,27 @@ OUTPUT_WAIT_MS = 10000
 
 class ClientError(Exception):
     """An expected-shape failure worth one line on stderr."""
+
+
+class HttpErrors:
+    """Remembers the HTTP errors the server answered with: the SDK reports them only as a
+    generic "Server returned an error response", while warrend's body names the cause."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def hook(self, response: Any) -> None:
+        if response.status_code >= 400:
+            body = (await response.aread()).decode("utf-8", "replace").strip()
+            self.seen.append(f"HTTP {response.status_code} {response.request.method}: {body[:500]}")
+
+
+class QuietSessionClose(logging.Filter):
+    """rmcp answers the session DELETE with 202 Accepted, which this SDK version logs as a
+    failed termination although the session is closed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Session termination failed: 202")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -181,7 +203,7 @@ async def script_call(session: ClientSession, a: argparse.Namespace) -> dict[str
 SCRIPTS = {"list": script_list, "python": script_python, "call": script_call}
 
 
-async def run(a: argparse.Namespace) -> dict[str, Any]:
+async def run(a: argparse.Namespace, errors: HttpErrors) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {read_token(a.token_file)}"}
     if create_mcp_http_client is not None:
         http = create_mcp_http_client(headers=headers)
@@ -189,6 +211,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         import httpx2
 
         http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=300.0))
+    http.event_hooks = {"request": [], "response": [errors.hook]}
     with anyio.fail_after(a.timeout):
         async with http:
             async with streamable_http_client(a.url, http_client=http) as (read, write):
@@ -208,19 +231,27 @@ def leaf_errors(e: BaseException) -> list[BaseException]:
     return [e]
 
 
+def describe(e: BaseException, timeout: float) -> str:
+    if isinstance(e, ClientError):
+        return str(e)
+    if isinstance(e, TimeoutError):
+        return f"timed out after {timeout:g}s"
+    error = getattr(e, "error", None)  # MCPError: the JSON-RPC error, with its data
+    if error is not None and getattr(error, "data", None) is not None:
+        return f"{type(e).__name__}: {e} (code {error.code}, data {json.dumps(error.data)})"
+    return f"{type(e).__name__}: {e}"
+
+
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
+    logging.getLogger("mcp.client.streamable_http").addFilter(QuietSessionClose())
+    errors = HttpErrors()
     try:
-        out = anyio.run(run, a)
+        out = anyio.run(run, a, errors)
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - report every failure as one line, exit 1
-        msgs = []
-        for leaf in leaf_errors(e):
-            if isinstance(leaf, TimeoutError):
-                msgs.append(f"timed out after {a.timeout:g}s")
-            else:
-                msgs.append(f"{type(leaf).__name__}: {leaf}" if not isinstance(leaf, ClientError) else str(leaf))
+        msgs = [describe(leaf, a.timeout) for leaf in leaf_errors(e)] + errors.seen
         print(f"mcp_client: {a.script}: {'; '.join(msgs)}", file=sys.stderr)
         return 1
     print(json.dumps(out))

@@ -24,7 +24,7 @@ use warren_vmm::{AccelChoice, LaunchSpec};
 
 use crate::cli::{BenchArgs, Cli};
 
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     if v.is_empty() {
         return f64::NAN;
@@ -32,7 +32,7 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-fn pct(v: &mut [f64], p: f64) -> f64 {
+pub(crate) fn pct(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     if v.is_empty() {
         return f64::NAN;
@@ -66,7 +66,7 @@ pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
     Ok(0)
 }
 
-fn tempfile_dir() -> Result<std::path::PathBuf> {
+pub(crate) fn tempfile_dir() -> Result<std::path::PathBuf> {
     let d = std::env::temp_dir().join(format!("warren-bench-{}", std::process::id()));
     std::fs::create_dir_all(&d)?;
     Ok(d)
@@ -244,7 +244,7 @@ async fn bench(w: &Warren, args: &BenchArgs) -> Result<Report> {
     })
 }
 
-fn exec_true() -> ExecStart {
+pub(crate) fn exec_true() -> ExecStart {
     ExecStart {
         argv: vec!["true".into()],
         env: vec![],
@@ -255,7 +255,7 @@ fn exec_true() -> ExecStart {
     }
 }
 
-async fn wait_job(w: &Warren, vm: &str, job: warren_protocol::JobId) -> Result<()> {
+pub(crate) async fn wait_job(w: &Warren, vm: &str, job: warren_protocol::JobId) -> Result<()> {
     loop {
         let out = w
             .job_output(

@@ -188,6 +188,10 @@ pub enum VmCmd {
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
+    /// `core`: boot, exec and file costs against raw QEMU and channel baselines; `service`:
+    /// the HTTP service against the CLI path.
+    #[arg(long, default_value = "core", value_parser = ["core", "service"])]
+    pub suite: String,
     /// Image to boot.
     #[arg(long, default_value = "minimal")]
     pub image: String,

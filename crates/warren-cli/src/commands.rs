@@ -61,6 +61,9 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::Image(cmd) => image(&cli, cmd).await,
         Command::Vm(cmd) => vm(&cli, cmd).await,
         Command::Preflight => preflight(&cli),
+        Command::Bench(args) if args.suite == "service" => {
+            crate::bench_service::run(&cli, args).await
+        }
         Command::Bench(args) => crate::bench::run(&cli, args).await,
         Command::Serve { config } => serve(config).await,
         Command::Token(cmd) => token(&cli, cmd),
@@ -174,9 +177,11 @@ fn find_agent() -> Result<PathBuf> {
             .join(&profile)
             .join("warren-guest"),
     ];
+    // Only a static binary can be PID 1 of the initramfs: `cargo build` also leaves a
+    // dynamically linked `warren-guest` next to this binary, which must not be picked.
     candidates
         .into_iter()
-        .find(|p| p.is_file())
+        .find(|p| p.is_file() && warren_image::store::is_static_elf(p).unwrap_or(false))
         .map(|p| p.canonicalize().unwrap_or(p))
         .context(
             "no static warren-guest binary found; build it with scripts/build-guest.sh \

@@ -13,6 +13,10 @@ pub enum ImageError {
         #[source]
         source: std::io::Error,
     },
+    /// The agent is not a static x86-64 ELF executable: as PID 1 of the initramfs it has no
+    /// dynamic loader or libraries to use.
+    #[error("{0} is not a static x86-64 executable; build it with scripts/build-guest.sh")]
+    AgentNotStatic(PathBuf),
     /// A helper program could not be started.
     #[error("cannot run {program}")]
     Spawn {

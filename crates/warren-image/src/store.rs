@@ -142,6 +142,9 @@ impl ImageStore {
         agent: &Path,
         progress: &mut dyn FnMut(BuildProgress),
     ) -> Result<ImageId, ImageError> {
+        if !is_static_elf(agent)? {
+            return Err(ImageError::AgentNotStatic(agent.to_path_buf()));
+        }
         let agent_sha256 = digest::sha256_file(agent)?;
         let recipe_digest = recipe.recipe_digest(&agent_sha256);
 
@@ -542,5 +545,54 @@ mod tests {
         s.remove(&id).expect("remove");
         assert!(s.list().expect("list").is_empty());
         assert!(matches!(s.remove(&id), Err(ImageError::NotFound(_))));
+    }
+}
+
+/// Whether `path` is a 64-bit little-endian x86-64 ELF without a program interpreter
+/// (`PT_INTERP`), i.e. one that runs with no dynamic loader.
+pub fn is_static_elf(path: &Path) -> Result<bool, ImageError> {
+    let data = std::fs::read(path).map_err(ImageError::io("read", path))?;
+    Ok(static_elf(&data))
+}
+
+fn static_elf(d: &[u8]) -> bool {
+    const PT_INTERP: u32 = 3;
+    const EM_X86_64: u16 = 62;
+    let u16_at = |o: usize| d.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let u32_at = |o: usize| {
+        d.get(o..o + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let u64_at = |o: usize| {
+        d.get(o..o + 8).map(|b| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(b);
+            u64::from_le_bytes(a)
+        })
+    };
+    if d.get(0..6) != Some(&[0x7f, b'E', b'L', b'F', 2, 1][..]) || u16_at(0x12) != Some(EM_X86_64) {
+        return false;
+    }
+    let (Some(phoff), Some(phentsize), Some(phnum)) = (u64_at(0x20), u16_at(0x36), u16_at(0x38))
+    else {
+        return false;
+    };
+    (0..usize::from(phnum)).all(|i| {
+        let o = phoff as usize + i * usize::from(phentsize);
+        matches!(u32_at(o), Some(t) if t != PT_INTERP)
+    })
+}
+
+#[cfg(test)]
+mod static_elf_tests {
+    use super::*;
+
+    #[test]
+    fn test_dynamic_executable_is_not_static() {
+        // Any dynamically linked system binary has PT_INTERP.
+        let ls = std::fs::read("/bin/ls").expect("read /bin/ls");
+        assert!(!static_elf(&ls));
+        assert!(!static_elf(b"#!/bin/sh\n"));
+        assert!(!static_elf(&[]));
     }
 }

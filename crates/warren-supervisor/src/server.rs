@@ -239,6 +239,11 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                     }
                     Err(e) => {
                         let mut reason = format!("the guest agent did not come up: {e}");
+                        let mut src = std::error::Error::source(&e);
+                        while let Some(s) = src {
+                            reason.push_str(&format!(": {s}"));
+                            src = s.source();
+                        }
                         let lines = tail.last_lines(20);
                         if !lines.is_empty() {
                             reason.push_str(&format!("\nconsole:\n{lines}"));

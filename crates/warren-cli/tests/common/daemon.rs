@@ -9,20 +9,22 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::{ensure_image, TestEnv, WARREN};
+use super::{TestEnv, WARREN};
 
-/// The newest image id built from `recipe` in the shared store.
+/// The id of the image of `recipe` for the current agent (what `image build` returns: a
+/// cache hit once `.ci/run` built it), not merely the newest image of that recipe.
 pub fn image_id(env: &TestEnv, recipe: &str) -> String {
-    ensure_image(recipe);
-    let out = env.run(&["image", "list", "--json"]);
-    assert!(out.status.success(), "image list");
-    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
-    v.as_array()
-        .expect("array")
-        .iter()
-        .find(|i| i["recipe"] == recipe)
-        .and_then(|i| i["image_id"].as_str())
-        .expect("image of recipe")
+    let out = env.run(&["image", "build", "--recipe", recipe]);
+    assert!(
+        out.status.success(),
+        "image build: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .expect("image id on stdout")
+        .trim()
         .to_string()
 }
 
@@ -250,6 +252,18 @@ impl Drop for Daemon {
         }
         for vm in self.all_vms() {
             if let Some(id) = vm["id"].as_str() {
+                if std::thread::panicking() {
+                    // What the failing test's VMs said, before their directories go.
+                    for f in ["supervisor.log", "console.log", "qemu.stderr"] {
+                        let text = std::fs::read_to_string(self.env.vm_dir(id).join(f))
+                            .unwrap_or_default();
+                        let tail: Vec<&str> = text.lines().rev().take(30).collect();
+                        eprintln!("--- {id} {f} (last lines)");
+                        for l in tail.iter().rev() {
+                            eprintln!("{l}");
+                        }
+                    }
+                }
                 let _ = self.env.run(&["vm", "destroy", id]);
             }
         }
