@@ -5,6 +5,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 if ! command -v cargo-nextest >/dev/null; then cargo install --locked cargo-nextest; fi
+# Test-only tools: curl and setpriv drive the local socket as other uids; python3-venv holds
+# the official MCP Python SDK the MCP end-to-end test speaks through.
+test_pkgs=()
+for p in curl util-linux python3-venv; do
+  dpkg -s "$p" >/dev/null 2>&1 || test_pkgs+=("$p")
+done
+if [ ${#test_pkgs[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${test_pkgs[@]}"
+fi
+echo "==> MCP client venv (PyPI mcp)"
+scripts/mcp-venv.sh
 
 export WARREN_GUEST_AGENT="$(pwd)/target/x86_64-unknown-linux-gnu/release/warren-guest"
 # Images outlive the checkout, keyed by recipe digest: a rerun on the same machine reuses them.

@@ -35,6 +35,18 @@ fn io(op: &'static str, path: impl std::fmt::Display) -> impl FnOnce(std::io::Er
     move |source| ServeError::Io { op, path, source }
 }
 
+impl ServeError {
+    /// The stable code the CLI prints.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ServeError::AlreadyRunning(_) => "conflict",
+            ServeError::Preflight(_) => "unavailable",
+            ServeError::Service(e) => e.code,
+            ServeError::Io { .. } => "internal",
+        }
+    }
+}
+
 /// Where the service listens, once it does.
 #[derive(Debug, Clone)]
 pub struct Bound {

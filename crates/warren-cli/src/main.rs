@@ -33,6 +33,14 @@ fn main() {
                 .downcast_ref::<warren_core::CoreError>()
                 .map(|c| c.code())
                 .or_else(|| e.downcast_ref::<warren_api::ApiError>().map(|a| a.code))
+                .or_else(|| {
+                    e.downcast_ref::<warren_api::serve::ServeError>()
+                        .map(|s| s.code())
+                })
+                .or_else(|| {
+                    e.downcast_ref::<warren_api::config::ConfigError>()
+                        .map(|_| "invalid_argument")
+                })
                 .unwrap_or("error");
             eprintln!("error[{code}]: {e:#}");
             commands::EXIT_WARREN_ERROR

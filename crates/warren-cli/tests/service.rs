@@ -419,7 +419,9 @@ fn test_service_bad_requests_and_quotas_change_nothing() {
     let small = d.token("small", &["--max-memory-mib", "256"]);
     let c = Conformance::fetch(&d, &t);
     let auth = format!("Bearer {t}");
-    let bad: Vec<(&str, Vec<(&str, &str)>, Vec<u8>, u16, &str)> = vec![
+    // (tool, extra headers, body, expected status, expected code)
+    type Case<'a> = (&'a str, Vec<(&'a str, &'a str)>, Vec<u8>, u16, &'a str);
+    let bad: Vec<Case> = vec![
         ("vm_list", vec![], b"{".to_vec(), 400, "invalid_argument"),
         ("vm_list", vec![], b"[]".to_vec(), 400, "invalid_argument"),
         (
@@ -662,6 +664,13 @@ fn test_service_concurrent_clients_and_cli_share_state() {
         assert!(!ids.contains(&cli_vm.as_str()));
         let r = d.local_call("vm_list", json!({}), &[]);
         assert_eq!(r.body["vms"][0]["vm_id"], cli_vm.as_str(), "{}", r.text);
+        // Another local uid cannot reach root's (local-0's) VM either.
+        let r = d.local_call_as(
+            4242,
+            "vm_exec",
+            json!({"vm_id": cli_vm, "request_id": "x", "argv": ["true"]}),
+        );
+        assert_eq!((r.status, r.code()), (404, "not_found"), "{}", r.text);
     });
     // Distinct uids, all running.
     let all = d.all_vms();

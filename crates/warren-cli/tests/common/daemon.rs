@@ -181,11 +181,11 @@ impl Daemon {
     pub fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Resp {
         let mut s = std::net::TcpStream::connect(&self.addr).expect("connect");
         s.set_read_timeout(Some(Duration::from_secs(120))).ok();
-        let host = headers
-            .iter()
-            .any(|(k, _)| k.eq_ignore_ascii_case("host"))
-            .then_some(None)
-            .unwrap_or(Some(self.addr.clone()));
+        let host = if headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+            None
+        } else {
+            Some(self.addr.clone())
+        };
         exchange(&mut s, method, path, host.as_deref(), headers, body)
     }
 
