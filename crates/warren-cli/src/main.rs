@@ -13,7 +13,8 @@ use clap::Parser;
 fn main() {
     let args = cli::Cli::parse();
     let filter = match args.verbose {
-        0 if matches!(args.command, cli::Command::Serve { .. }) => "info",
+        // rmcp logs every MCP session (and the client's details) at info.
+        0 if matches!(args.command, cli::Command::Serve { .. }) => "info,rmcp=warn",
         0 => "warn",
         1 => "info",
         _ => "debug",
