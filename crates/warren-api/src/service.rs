@@ -115,6 +115,14 @@ pub fn tool_defs(images: &[String]) -> Vec<ToolDef> {
             "vm_destroy",
             "Stop a VM and delete it with its disk.",
         ),
+        tool::<VmSuspendArgs, VmInfo>(
+            "vm_suspend",
+            "Suspend a VM: pause (vCPUs stopped, memory kept) or hibernate (memory written to disk, no host memory held). Running processes continue on resume; any later exec or file operation resumes it.",
+        ),
+        tool::<VmRef, VmInfo>(
+            "vm_resume",
+            "Resume a paused or hibernated VM where it was.",
+        ),
     ];
     let names: Vec<Value> = images.iter().map(|n| Value::String(n.clone())).collect();
     if let Some(img) = tools[0]
@@ -299,6 +307,13 @@ impl Service {
             "vm_read_file" => self.vm_read_file(p, parse(args)?).await,
             "vm_write_file" => self.vm_write_file(p, parse(args)?).await,
             "vm_destroy" => self.vm_destroy(p, parse(args)?).await,
+            "vm_suspend" => self.vm_suspend(p, parse(args)?).await,
+            "vm_resume" => {
+                let a: VmRef = parse(args)?;
+                let rec = self.owned(p, &a.vm_id)?;
+                let rec = self.warren.resume_vm(&rec.id).await?;
+                to_value(self.info(rec))
+            }
             _ => Err(ApiError::new(
                 "unknown_tool",
                 format!(
@@ -489,7 +504,11 @@ impl Service {
 
     fn settle_create(&self, p: &Principal, rid: &str, rec: VmRecord) -> Result<Value, ApiError> {
         let stored = match rec.state {
-            VmState::Running => serde_json::json!({ "ok": to_value(self.info(rec))? }),
+            VmState::Running
+            | VmState::Paused
+            | VmState::Hibernating
+            | VmState::Hibernated
+            | VmState::Resuming => serde_json::json!({ "ok": to_value(self.info(rec))? }),
             VmState::Failed => serde_json::json!({ "error": {
                 "code": "unavailable",
                 "message": format!("the VM failed to boot: {}", rec.reason.unwrap_or_default()),
@@ -794,6 +813,16 @@ impl Service {
         })
     }
 
+    async fn vm_suspend(&self, p: &Principal, a: VmSuspendArgs) -> Result<Value, ApiError> {
+        let rec = self.owned(p, &a.vm_id)?;
+        let mode = match a.mode.unwrap_or(SuspendModeArg::Hibernate) {
+            SuspendModeArg::Pause => warren_core::SuspendMode::Pause,
+            SuspendModeArg::Hibernate => warren_core::SuspendMode::Hibernate,
+        };
+        let rec = self.warren.suspend_vm(&rec.id, mode, a.force).await?;
+        to_value(self.info(rec))
+    }
+
     async fn vm_destroy(&self, p: &Principal, a: VmRef) -> Result<Value, ApiError> {
         let rec = self.owned(p, &a.vm_id)?;
         self.warren.destroy_vm(&rec.id).await?;
@@ -811,7 +840,7 @@ mod tests {
     #[test]
     fn test_tool_defs_complete_schemas_and_image_enum() {
         let defs = tool_defs(&["dev".into(), "minimal".into()]);
-        assert_eq!(defs.len(), 10);
+        assert_eq!(defs.len(), 12);
         for d in &defs {
             assert_eq!(
                 d.input_schema.get("type"),

@@ -149,11 +149,31 @@ pub struct WriteFileArgs {
     pub append: bool,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum SuspendModeArg {
+    Pause,
+    Hibernate,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VmSuspendArgs {
+    pub vm_id: String,
+    /// "hibernate" (default) or "pause".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<SuspendModeArg>,
+    /// Suspend even while jobs run (they are frozen and keep their timeout budgets);
+    /// otherwise active jobs refuse it with `busy`.
+    #[serde(default)]
+    pub force: bool,
+}
+
 /// A VM as listed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct VmInfo {
     pub vm_id: String,
-    /// creating, running or failed.
+    /// creating, running, paused, hibernating, hibernated, resuming or failed.
     pub state: String,
     /// The configured image name, or null if the image is no longer configured.
     pub image: Option<String>,

@@ -298,6 +298,7 @@ async fn raw_boot(vm_dir: &std::path::Path, accel: warren_vmm::Accel) -> Result<
         memory: MemMib(cfg.launch.memory.0),
         run_as: None,
         cgroup: None,
+        incoming: false,
         accel,
         ..cfg.launch.clone()
     };

@@ -182,6 +182,17 @@ pub enum VmCmd {
     Read { vm: String, path: String },
     /// Prints the VM's serial console log.
     Logs { vm: String },
+    /// Suspends the VM: `pause` keeps its RAM in the VMM, `hibernate` writes it to disk and
+    /// ends the VMM. Refused while jobs run unless --force (they are frozen).
+    Suspend {
+        vm: String,
+        #[arg(long, default_value = "hibernate", value_parser = ["pause", "hibernate"])]
+        mode: String,
+        #[arg(long)]
+        force: bool,
+    },
+    /// Resumes a paused or hibernated VM; its processes continue where they were.
+    Resume { vm: String },
     /// Stops the VM and removes its disk, sockets, cgroup and directory.
     Destroy { vm: String },
 }

@@ -451,6 +451,23 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             print!("{}", w.logs(vm)?);
             Ok(0)
         }
+        VmCmd::Suspend { vm, mode, force } => {
+            let w = open(cli, None)?;
+            let mode = if mode == "pause" {
+                warren_core::SuspendMode::Pause
+            } else {
+                warren_core::SuspendMode::Hibernate
+            };
+            let rec = w.suspend_vm(vm, mode, *force).await?;
+            eprintln!("{} is {}", rec.id, rec.state.as_str());
+            Ok(0)
+        }
+        VmCmd::Resume { vm } => {
+            let w = open(cli, None)?;
+            let rec = w.resume_vm(vm).await?;
+            eprintln!("{} is {}", rec.id, rec.state.as_str());
+            Ok(0)
+        }
         VmCmd::Destroy { vm } => {
             let w = open(cli, None)?;
             w.destroy_vm(vm).await?;

@@ -164,6 +164,29 @@ fn test_service_tools_end_to_end_match_openapi() {
     );
     assert_eq!(r.body["stdout"], "hello\nbye");
 
+    // Suspend and resume: status does not wake a paused VM, work does.
+    let r = c.call(&d, &t, "vm_suspend", json!({"vm_id": vm, "mode": "pause"}));
+    assert_eq!(r.body["state"], "paused", "{}", r.text);
+    let r = c.call(&d, &t, "vm_status", json!({"vm_id": vm}));
+    assert_eq!(r.body["state"], "paused", "{}", r.text);
+    let r = c.call(
+        &d,
+        &t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "e4", "argv": ["cat", "dir/a.txt"], "wait_ms": 20000}),
+    );
+    assert_eq!(r.body["stdout"], "hello\nbye", "{}", r.text);
+    let r = c.call(&d, &t, "vm_suspend", json!({"vm_id": vm}));
+    assert_eq!(r.body["state"], "hibernated", "{}", r.text);
+    assert_eq!(r.body["generation"], 1);
+    let r = c.call(&d, &t, "vm_resume", json!({"vm_id": vm}));
+    assert_eq!(
+        (r.body["state"].clone(), r.body["generation"].clone()),
+        (json!("running"), json!(1)),
+        "{}",
+        r.text
+    );
+
     let r = c.call(&d, &t, "vm_destroy", json!({"vm_id": vm}));
     assert_eq!(r.body["destroyed"], true);
     let r = c.call(&d, &t, "vm_status", json!({"vm_id": vm}));
@@ -194,6 +217,8 @@ fn test_service_workspace_isolation_tokens_and_local_socket() {
             "vm_write_file",
             json!({"vm_id": vm, "path": "x", "content_base64": ""}),
         ),
+        ("vm_suspend", json!({"vm_id": vm})),
+        ("vm_resume", json!({"vm_id": vm})),
         ("vm_destroy", json!({"vm_id": vm})),
     ];
     for (tool, args) in &foreign {

@@ -22,6 +22,10 @@ pub enum CoreError {
     ImageInUse(String, String),
     #[error("quota exceeded: {0}")]
     QuotaExceeded(String),
+    #[error("busy: {0}")]
+    Busy(String),
+    #[error("cannot resume: {0}")]
+    CheckpointIncompatible(String),
     #[error("the VM failed to boot: {0}")]
     BootFailed(String),
     #[error(transparent)]
@@ -63,6 +67,8 @@ impl CoreError {
             CoreError::ImageInUse(..) => "conflict",
             CoreError::BootFailed(_) => "unavailable",
             CoreError::QuotaExceeded(_) => "quota_exceeded",
+            CoreError::Busy(_) => "busy",
+            CoreError::CheckpointIncompatible(_) => "conflict",
             CoreError::Image(ImageError::NotFound(_)) => "not_found",
             CoreError::Image(ImageError::Ambiguous(_)) => "invalid_argument",
             CoreError::Image(ImageError::DigestMismatch { .. }) => "integrity",

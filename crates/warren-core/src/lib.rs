@@ -13,4 +13,4 @@ pub mod store;
 pub mod vm;
 
 pub use error::CoreError;
-pub use vm::{local_workspace, CreateVm, Limits, Warren, WarrenConfig};
+pub use vm::{local_workspace, CreateVm, Limits, SuspendMode, Warren, WarrenConfig};

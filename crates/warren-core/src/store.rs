@@ -15,6 +15,14 @@ pub enum VmState {
     Creating,
     Running,
     Failed,
+    /// vCPUs stopped, RAM held by the VMM.
+    Paused,
+    /// A checkpoint is being written (the VMM still runs).
+    Hibernating,
+    /// Memory and device state on disk; no VMM, no host RAM.
+    Hibernated,
+    /// A hibernated VM being restored.
+    Resuming,
 }
 
 impl VmState {
@@ -23,12 +31,20 @@ impl VmState {
             VmState::Creating => "creating",
             VmState::Running => "running",
             VmState::Failed => "failed",
+            VmState::Paused => "paused",
+            VmState::Hibernating => "hibernating",
+            VmState::Hibernated => "hibernated",
+            VmState::Resuming => "resuming",
         }
     }
     fn parse(s: &str) -> VmState {
         match s {
             "creating" => VmState::Creating,
             "running" => VmState::Running,
+            "paused" => VmState::Paused,
+            "hibernating" => VmState::Hibernating,
+            "hibernated" => VmState::Hibernated,
+            "resuming" => VmState::Resuming,
             _ => VmState::Failed,
         }
     }
@@ -223,7 +239,7 @@ impl Store {
 pub fn usage(tx: &Transaction<'_>, workspace: Option<&str>) -> Result<Usage, rusqlite::Error> {
     tx.query_row(
         "SELECT COUNT(*),
-                COALESCE(SUM(CASE WHEN state IN ('creating', 'running') THEN memory_mib ELSE 0 END), 0),
+                COALESCE(SUM(CASE WHEN state IN ('creating', 'running', 'paused', 'hibernating', 'resuming') THEN memory_mib ELSE 0 END), 0),
                 COALESCE(SUM(disk_mib), 0)
          FROM vms WHERE ?1 IS NULL OR workspace = ?1",
         [workspace],

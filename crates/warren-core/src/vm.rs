@@ -73,6 +73,15 @@ pub struct CreateVm {
     pub workspace_limits: Limits,
 }
 
+/// How a VM is suspended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SuspendMode {
+    /// vCPUs stopped, RAM kept in the VMM (fast, holds host memory).
+    Pause,
+    /// Memory and device state written to disk, VMM ended (holds no host memory).
+    Hibernate,
+}
+
 /// Admission limits; `None` is unlimited.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Limits {
@@ -329,11 +338,19 @@ impl Warren {
                 extra_cmdline: vec![],
                 run_as,
                 cgroup,
+                incoming: false,
             },
             boot_timeout_ms: self.cfg.boot_timeout.as_millis() as u64,
+            restore: false,
         };
         let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
         write_private(&dir.config(), &body)?;
+        self.launch_and_wait(&dir).await
+    }
+
+    /// Starts the VM's supervisor and waits until its guest answers (or fails to).
+    async fn launch_and_wait(&self, dir: &VmDir) -> Result<u64, CoreError> {
+        let dir = dir.clone();
         let t = std::time::Instant::now();
         self.spawn_supervisor(&dir)?;
         tracing::debug!(ms = t.elapsed().as_millis() as u64, "supervisor spawned");
@@ -434,11 +451,22 @@ impl Warren {
     /// A running VM whose supervisor is gone becomes failed with the recorded reason, and
     /// anything left in its cgroup is killed.
     fn reconcile(&self, mut rec: VmRecord) -> Result<VmRecord, CoreError> {
-        if rec.state != VmState::Running {
+        let held = matches!(
+            rec.state,
+            VmState::Running | VmState::Paused | VmState::Hibernating | VmState::Resuming
+        );
+        if !held {
             return Ok(rec);
         }
         let dir = self.vm_dir(&rec.id);
         if dir.supervisor_alive() {
+            return Ok(rec);
+        }
+        if rec.state == VmState::Hibernating && dir.read_checkpoint().is_some() {
+            // The checkpoint was completed (and fsynced) before the supervisor went away.
+            self.store
+                .set_state(&rec.id, VmState::Hibernated, None, None)?;
+            rec.state = VmState::Hibernated;
             return Ok(rec);
         }
         let reason = match dir.read_exit() {
@@ -453,6 +481,146 @@ impl Warren {
         rec.state = VmState::Failed;
         rec.reason = Some(reason);
         Ok(rec)
+    }
+
+    /// Suspends a running VM: `Pause` keeps its RAM in the VMM; `Hibernate` writes memory and
+    /// device state to its directory and ends the VMM. Active jobs refuse it with `busy`
+    /// unless `force` (they are frozen either way and keep their timeout budgets).
+    pub async fn suspend_vm(
+        &self,
+        id: &str,
+        mode: SuspendMode,
+        force: bool,
+    ) -> Result<VmRecord, CoreError> {
+        let mut rec = self.get_vm(id)?;
+        match (rec.state, mode) {
+            (VmState::Running, _) | (VmState::Paused, SuspendMode::Hibernate) => {}
+            (VmState::Paused, SuspendMode::Pause) | (VmState::Hibernated, _) => return Ok(rec),
+            (s, _) => {
+                return Err(CoreError::VmNotRunning {
+                    id: rec.id,
+                    state: s.as_str().to_string(),
+                    reason: rec.reason,
+                })
+            }
+        }
+        let client = SupervisorClient::new(&self.vm_dir(id).socket());
+        if rec.state == VmState::Running && !force {
+            let running = self
+                .job_list(id)
+                .await?
+                .iter()
+                .filter(|j| j.state == warren_protocol::JobState::Running)
+                .count();
+            if running > 0 {
+                return Err(CoreError::Busy(format!(
+                    "{running} job(s) running in {id}; pass force to freeze them"
+                )));
+            }
+        }
+        match mode {
+            SuspendMode::Pause => {
+                client.pause().await?;
+                self.store.set_state(id, VmState::Paused, None, None)?;
+                rec.state = VmState::Paused;
+            }
+            SuspendMode::Hibernate => {
+                let dir = self.vm_dir(id);
+                let need = u64::from(rec.memory_mib) << 20;
+                let st = nix::sys::statvfs::statvfs(dir.path())
+                    .map_err(|e| CoreError::io("statvfs", dir.path(), e.into()))?;
+                let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+                if free < need + (need / 10) {
+                    return Err(CoreError::QuotaExceeded(format!(
+                        "hibernating {id} needs up to {} MiB of disk; {} MiB free",
+                        need >> 20,
+                        free >> 20
+                    )));
+                }
+                let _ = std::fs::remove_file(dir.checkpoint_record());
+                let before = rec.state;
+                // Written before the action; reconciliation settles it after a crash.
+                self.store.set_state(id, VmState::Hibernating, None, None)?;
+                if let Err(e) = client.hibernate().await {
+                    // The supervisor continued the VM (or it is gone: reconcile says so).
+                    self.store.set_state(id, before, None, None)?;
+                    return Err(e.into());
+                }
+                if !wait_supervisor_exit(&dir, Duration::from_secs(30)).await {
+                    kill_supervisor(&dir);
+                    wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+                }
+                self.store.set_state(id, VmState::Hibernated, None, None)?;
+                rec.state = VmState::Hibernated;
+            }
+        }
+        Ok(rec)
+    }
+
+    /// Resumes a paused or hibernated VM (the same VM: its processes and jobs continue).
+    pub async fn resume_vm(&self, id: &str) -> Result<VmRecord, CoreError> {
+        let mut rec = self.get_vm(id)?;
+        let dir = self.vm_dir(id);
+        match rec.state {
+            VmState::Running => return Ok(rec),
+            VmState::Paused => {
+                SupervisorClient::new(&dir.socket()).resume().await?;
+            }
+            VmState::Hibernated => {
+                let ck = dir.read_checkpoint().ok_or_else(|| {
+                    CoreError::CheckpointIncompatible(format!("{id} has no completed checkpoint"))
+                })?;
+                let (qemu, firmware) = warren_supervisor::vmm_digests();
+                if ck.qemu_sha256 != qemu || ck.firmware_sha256 != firmware {
+                    return Err(CoreError::CheckpointIncompatible(format!(
+                        "{id} was hibernated under another QEMU binary or firmware \
+                         (microvm has no versioned machine types); reinstall that QEMU to resume it"
+                    )));
+                }
+                let mut cfg: SupervisorConfig = serde_json::from_slice(
+                    &std::fs::read(dir.config())
+                        .map_err(|e| CoreError::io("read", dir.config(), e))?,
+                )
+                .map_err(|e| CoreError::InvalidArgument(format!("supervisor config: {e}")))?;
+                cfg.restore = true;
+                cfg.launch.incoming = true;
+                let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
+                for p in [dir.config(), dir.exit_record(), dir.socket()] {
+                    let _ = std::fs::remove_file(p);
+                }
+                write_private(&dir.config(), &body)?;
+                self.store.set_state(id, VmState::Resuming, None, None)?;
+                if let Err(e) = self.launch_and_wait(&dir).await {
+                    // Never retried onto another memory image: the VM is failed.
+                    let reason = e.to_string();
+                    self.store
+                        .set_state(id, VmState::Failed, Some(&reason), None)?;
+                    return Err(e);
+                }
+                // The checkpoint is consumed: the VM runs on from it now.
+                let _ = std::fs::remove_file(dir.checkpoint_record());
+                let _ = std::fs::remove_file(dir.checkpoint_state());
+            }
+            s => {
+                return Err(CoreError::VmNotRunning {
+                    id: rec.id,
+                    state: s.as_str().to_string(),
+                    reason: rec.reason,
+                })
+            }
+        }
+        self.store.set_state(id, VmState::Running, None, None)?;
+        rec.state = VmState::Running;
+        Ok(rec)
+    }
+
+    /// A client for the VM, resuming it first if it is suspended (work wakes a VM).
+    pub async fn awake_client(&self, id: &str) -> Result<SupervisorClient, CoreError> {
+        let rec = self.get_vm(id)?;
+        if matches!(rec.state, VmState::Paused | VmState::Hibernated) {
+            self.resume_vm(id).await?;
+        }
+        self.client(id)
     }
 
     /// A client for a running VM.
@@ -511,7 +679,12 @@ impl Warren {
     }
 
     pub async fn exec_start(&self, id: &str, req: ExecStart) -> Result<JobId, CoreError> {
-        match self.client(id)?.guest(HostRequest::ExecStart(req)).await? {
+        match self
+            .awake_client(id)
+            .await?
+            .guest(HostRequest::ExecStart(req))
+            .await?
+        {
             GuestResponse::ExecStarted(j) => Ok(j),
             _ => Err(unexpected()),
         }
@@ -522,7 +695,12 @@ impl Warren {
         id: &str,
         req: JobOutputRequest,
     ) -> Result<JobOutput, CoreError> {
-        match self.client(id)?.guest(HostRequest::JobOutput(req)).await? {
+        match self
+            .awake_client(id)
+            .await?
+            .guest(HostRequest::JobOutput(req))
+            .await?
+        {
             GuestResponse::JobOutput(o) => Ok(o),
             _ => Err(unexpected()),
         }
@@ -537,7 +715,12 @@ impl Warren {
     }
 
     pub async fn job_cancel(&self, id: &str, job: JobId) -> Result<(), CoreError> {
-        match self.client(id)?.guest(HostRequest::JobCancel(job)).await? {
+        match self
+            .awake_client(id)
+            .await?
+            .guest(HostRequest::JobCancel(job))
+            .await?
+        {
             GuestResponse::JobCancelled => Ok(()),
             _ => Err(unexpected()),
         }
@@ -556,7 +739,7 @@ impl Warren {
             offset,
             len,
         });
-        match self.client(id)?.guest(req).await? {
+        match self.awake_client(id).await?.guest(req).await? {
             GuestResponse::FileData(d) => Ok(d),
             _ => Err(unexpected()),
         }
@@ -577,7 +760,7 @@ impl Warren {
             data,
             create_parents: true,
         });
-        match self.client(id)?.guest(req).await? {
+        match self.awake_client(id).await?.guest(req).await? {
             GuestResponse::FileWritten(_) => Ok(n),
             _ => Err(unexpected()),
         }
@@ -590,7 +773,7 @@ impl Warren {
         path: &str,
         sink: &mut dyn FnMut(&[u8]),
     ) -> Result<u64, CoreError> {
-        let client = self.client(id)?;
+        let client = self.awake_client(id).await?;
         let mut offset = 0u64;
         loop {
             let req = HostRequest::FileRead(FileRead {
@@ -616,7 +799,7 @@ impl Warren {
         path: &str,
         source: &mut dyn std::io::Read,
     ) -> Result<u64, CoreError> {
-        let client = self.client(id)?;
+        let client = self.awake_client(id).await?;
         let chunk = warren_protocol::limits::MAX_FILE_CHUNK as usize;
         let mut first = true;
         let mut total = 0u64;

@@ -259,6 +259,8 @@ enum Reservation {
 pub struct JobManager {
     cfg: JobsConfig,
     reaper: Arc<Reaper>,
+    /// Time the jobs spent frozen (suspension), which never counts against their timeouts.
+    suspension: watch::Sender<Suspension>,
     /// All job records, by id (ids grow, so iteration order is age order).
     table: Mutex<Table>,
 }
@@ -371,10 +373,18 @@ fn internal(what: &str, err: impl std::fmt::Display) -> GuestError {
     GuestError::new(ErrorCode::Internal, format!("{what}: {err}"))
 }
 
+/// Frozen time so far, and since when the jobs are frozen right now.
+#[derive(Debug, Clone, Copy, Default)]
+struct Suspension {
+    frozen_since: Option<tokio::time::Instant>,
+    total: Duration,
+}
+
 impl JobManager {
     pub fn new(cfg: JobsConfig, reaper: Arc<Reaper>) -> Arc<Self> {
         Arc::new(Self {
             reaper,
+            suspension: watch::Sender::new(Suspension::default()),
             table: Mutex::new(Table {
                 next_id: 1,
                 jobs: BTreeMap::new(),
@@ -593,7 +603,12 @@ impl JobManager {
                 self.cfg.max_retained,
             )));
         }
-        let timeout = req.timeout_ms.map(Duration::from_millis);
+        let timeout = req.timeout_ms.map(|t| Budget {
+            start: tokio::time::Instant::now(),
+            budget: Duration::from_millis(t),
+            frozen_before: self.suspension.borrow().total,
+            clock: self.suspension.subscribe(),
+        });
         tokio::spawn(supervise(job.clone(), exit, drains, timeout));
         Ok(())
     }
@@ -621,6 +636,38 @@ impl JobManager {
                 state: j.data().state,
             })
             .collect()
+    }
+
+    /// Freezes every job (the whole `jobs` cgroup subtree) and stops their timeout clocks.
+    /// Returns how many jobs are running. Freezing twice is harmless.
+    pub fn freeze(&self) -> Result<u32, GuestError> {
+        if let Containment::Cgroup(dir) = &self.cfg.containment {
+            fs::write(dir.join("cgroup.freeze"), "1").map_err(|e| internal("freeze jobs", e))?;
+        }
+        self.suspension.send_modify(|s| {
+            s.frozen_since.get_or_insert_with(tokio::time::Instant::now);
+        });
+        let running = self
+            .table()
+            .jobs
+            .values()
+            .filter(|j| j.is_running())
+            .count();
+        Ok(u32::try_from(running).unwrap_or(u32::MAX))
+    }
+
+    /// Restarts the timeout clocks (the frozen time is added to every budget) and thaws the
+    /// jobs. Thawing jobs that are not frozen is harmless.
+    pub fn thaw(&self) -> Result<(), GuestError> {
+        self.suspension.send_modify(|s| {
+            if let Some(since) = s.frozen_since.take() {
+                s.total += since.elapsed();
+            }
+        });
+        if let Containment::Cgroup(dir) = &self.cfg.containment {
+            fs::write(dir.join("cgroup.freeze"), "0").map_err(|e| internal("thaw jobs", e))?;
+        }
+        Ok(())
     }
 
     /// Kills a running job's processes; a finished job is left as it is.
@@ -675,15 +722,42 @@ async fn drain(job: Arc<Job>, mut rx: pipe::Receiver, stream: Stream, max_retain
     }
 }
 
+/// A job's timeout: `budget` of unfrozen time from `start`.
+struct Budget {
+    start: tokio::time::Instant,
+    budget: Duration,
+    /// Frozen time before the job started (not the job's).
+    frozen_before: Duration,
+    clock: watch::Receiver<Suspension>,
+}
+
+impl Budget {
+    /// Resolves once the job has run for its budget, not counting frozen time.
+    async fn spent(mut self) {
+        loop {
+            let s = *self.clock.borrow_and_update();
+            if s.frozen_since.is_none() {
+                let deadline = self.start + self.budget + (s.total - self.frozen_before);
+                tokio::select! {
+                    () = tokio::time::sleep_until(deadline) => return,
+                    r = self.clock.changed() => if r.is_err() { return },
+                }
+            } else if self.clock.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
 async fn supervise(
     job: Arc<Job>,
     mut exit: oneshot::Receiver<ExitStatus>,
     drains: Vec<JoinHandle<()>>,
-    timeout: Option<Duration>,
+    timeout: Option<Budget>,
 ) {
     let deadline = async {
         match timeout {
-            Some(t) => tokio::time::sleep(t).await,
+            Some(b) => b.spent().await,
             None => std::future::pending().await,
         }
     };

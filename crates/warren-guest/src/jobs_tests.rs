@@ -683,3 +683,42 @@ async fn test_exec_request_keys_over_capacity_oldest_forgotten() {
     run_to_end(&f.jobs, k1).await;
     assert_eq!(runs(&f), 4);
 }
+
+#[tokio::test]
+async fn test_frozen_time_does_not_count_against_timeout() {
+    // Process-group containment: the process keeps running while "frozen", so only the
+    // timeout clock is under test. Without the freeze the 300 ms budget would kill it.
+    let f = fixture_with(None, 4, 16);
+    let mut e = sh("sleep 0.8; echo done");
+    e.timeout_ms = Some(300);
+    let id = f.jobs.start(e).await.expect("start");
+    assert_eq!(f.jobs.freeze().expect("freeze"), 1);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    f.jobs.thaw().expect("thaw");
+    let end = run_to_end(&f.jobs, id).await;
+    assert!(
+        !end.exit.timed_out,
+        "frozen time counted against the budget"
+    );
+    assert_eq!(end.stdout, b"done\n");
+}
+
+#[tokio::test]
+async fn test_budget_left_after_thaw_still_enforced() {
+    let f = fixture_with(None, 4, 16);
+    let mut e = sh("sleep 60");
+    e.timeout_ms = Some(400);
+    let id = f.jobs.start(e).await.expect("start");
+    f.jobs.freeze().expect("freeze");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    f.jobs.thaw().expect("thaw");
+    let started = Instant::now();
+    let end = run_to_end(&f.jobs, id).await;
+    assert!(end.exit.timed_out);
+    // Roughly the whole budget remained after the thaw (less what ran before the freeze).
+    assert!(
+        started.elapsed() >= Duration::from_millis(250),
+        "{:?}",
+        started.elapsed()
+    );
+}

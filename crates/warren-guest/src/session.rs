@@ -341,6 +341,9 @@ fn add_entropy(entropy: &[u8; 32]) {
         let mut f: &File = &urandom;
         let _ = f.write_all(entropy);
     }
+    if let Err(e) = crate::sys::reseed_crng(&urandom) {
+        crate::console::log(format_args!("RNDRESEEDCRNG: {e}"));
+    }
 }
 
 fn agent_info() -> AgentInfo {
@@ -375,6 +378,14 @@ async fn serve_request(agent: &Arc<Agent>, req: HostRequest) -> Response {
         )),
         HostRequest::Ping => Ok(GuestResponse::Pong),
         HostRequest::JobList => Ok(GuestResponse::Jobs(agent.jobs.list())),
+        HostRequest::Freeze => agent.jobs.freeze().map(GuestResponse::Frozen),
+        HostRequest::Thaw(t) => {
+            if agent.system.pid1 {
+                set_clock(t.unix_time_ns);
+                add_entropy(&t.entropy);
+            }
+            agent.jobs.thaw().map(|()| GuestResponse::Thawed)
+        }
         HostRequest::ExecStart(exec) => {
             agent.jobs.start(exec).await.map(GuestResponse::ExecStarted)
         }

@@ -45,6 +45,11 @@ pub enum HostRequest {
     PowerOff,
     /// Every retained job with its state, oldest first.
     JobList,
+    /// Before the VM's vCPUs stop: freezes every job's cgroup and stops timeout clocks.
+    Freeze,
+    /// After they run again: sets the wall clock, reseeds the RNG, restores the remaining
+    /// timeout budgets and thaws the jobs.
+    Thaw(Thaw),
 }
 
 /// Guest -> host: the success half of every response.
@@ -63,6 +68,19 @@ pub enum GuestResponse {
     Source(#[serde(with = "serde_bytes")] Vec<u8>),
     PoweringOff,
     Jobs(Vec<JobSummary>),
+    /// How many jobs were running when frozen.
+    Frozen(u32),
+    Thawed,
+}
+
+/// Host facts for a resumed guest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Thaw {
+    /// Host wall clock, nanoseconds since the Unix epoch.
+    pub unix_time_ns: u64,
+    /// Fresh host randomness; the guest mixes it in and reseeds its CRNG, so two resumes of
+    /// one checkpoint never share random streams.
+    pub entropy: [u8; 32],
 }
 
 /// One retained job, as `JobList` reports it.
@@ -402,6 +420,14 @@ mod tests {
             ("req.source", req(HostRequest::Source(3))),
             ("req.poweroff", req(HostRequest::PowerOff)),
             ("req.joblist", req(HostRequest::JobList)),
+            ("req.freeze", req(HostRequest::Freeze)),
+            (
+                "req.thaw",
+                req(HostRequest::Thaw(Thaw {
+                    unix_time_ns: 7,
+                    entropy: [6; 32],
+                })),
+            ),
             (
                 "rsp.hello",
                 rsp(Ok(GuestResponse::Hello(HelloReply {
@@ -459,6 +485,8 @@ mod tests {
             ("rsp.discarded", rsp(Ok(GuestResponse::Discarded))),
             ("rsp.source", rsp(Ok(GuestResponse::Source(vec![0, 0])))),
             ("rsp.poweroff", rsp(Ok(GuestResponse::PoweringOff))),
+            ("rsp.frozen", rsp(Ok(GuestResponse::Frozen(2)))),
+            ("rsp.thawed", rsp(Ok(GuestResponse::Thawed))),
             (
                 "rsp.jobs",
                 rsp(Ok(GuestResponse::Jobs(vec![JobSummary {

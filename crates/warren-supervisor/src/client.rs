@@ -98,4 +98,19 @@ impl SupervisorClient {
     pub async fn stop(&self) -> Result<(), ClientError> {
         self.request(&SupervisorRequest::Stop).await.map(|_| ())
     }
+
+    pub async fn pause(&self) -> Result<(), ClientError> {
+        self.request(&SupervisorRequest::Pause).await.map(|_| ())
+    }
+
+    pub async fn resume(&self) -> Result<(), ClientError> {
+        self.request(&SupervisorRequest::Resume).await.map(|_| ())
+    }
+
+    pub async fn hibernate(&self) -> Result<crate::proto::CheckpointInfo, ClientError> {
+        match self.request(&SupervisorRequest::Hibernate).await? {
+            SupervisorResponse::Hibernated(i) => Ok(i),
+            _ => Err(ClientError::Unexpected),
+        }
+    }
 }

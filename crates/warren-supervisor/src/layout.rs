@@ -39,6 +39,19 @@ impl VmDir {
         self.0.join("supervisor.log")
     }
     /// Why the VM ended, written once by the supervisor.
+    /// The VM's memory and device state while hibernated (written by the VMM, in `run/`).
+    pub fn checkpoint_state(&self) -> PathBuf {
+        self.run_dir().join("checkpoint.ram")
+    }
+    /// The record of a completed checkpoint, written (root's) only after the state was
+    /// fsynced: without it a state file is never restored.
+    pub fn checkpoint_record(&self) -> PathBuf {
+        self.0.join("checkpoint.json")
+    }
+    pub fn read_checkpoint(&self) -> Option<crate::proto::CheckpointInfo> {
+        let b = std::fs::read(self.checkpoint_record()).ok()?;
+        serde_json::from_slice(&b).ok()
+    }
     pub fn exit_record(&self) -> PathBuf {
         self.0.join("exit.json")
     }
@@ -87,6 +100,9 @@ pub struct SupervisorConfig {
     pub launch: LaunchSpec,
     /// How long the guest may take to answer on the channel after launch.
     pub boot_timeout_ms: u64,
+    /// Restore from the checkpoint in `run/checkpoint.ram` instead of booting.
+    #[serde(default)]
+    pub restore: bool,
 }
 
 /// Why a VM ended.

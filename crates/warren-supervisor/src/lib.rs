@@ -25,4 +25,4 @@ mod server;
 pub use client::SupervisorClient;
 pub use layout::{ExitRecord, SupervisorConfig, VmDir};
 pub use proto::{SupervisorError, SupervisorRequest, SupervisorResponse, VmPhase};
-pub use server::run;
+pub use server::{run, vmm_digests};

@@ -18,6 +18,13 @@ pub enum SupervisorRequest {
     WaitReady { timeout_ms: u64 },
     /// Stops the VM: the VMM is killed and the supervisor exits.
     Stop,
+    /// Freezes the guest's jobs, then stops the vCPUs (RAM stays in the VMM).
+    Pause,
+    /// Runs the vCPUs again, then syncs the guest's clock and entropy and thaws its jobs.
+    Resume,
+    /// Writes the VM's memory and device state to `run/checkpoint.ram`, fsyncs it, records
+    /// the checkpoint, and ends the VMM and the supervisor.
+    Hibernate,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -25,6 +32,22 @@ pub enum SupervisorResponse {
     Guest(GuestResponse),
     Status(StatusInfo),
     Stopping,
+    Paused,
+    Resumed,
+    Hibernated(CheckpointInfo),
+}
+
+/// A completed checkpoint, as recorded in `checkpoint.json` (after the state was fsynced).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CheckpointInfo {
+    /// Bytes of the state file.
+    pub size: u64,
+    /// Milliseconds from the request to the fsynced record.
+    pub save_ms: u64,
+    /// SHA-256 of the QEMU binary and firmware that wrote it: a restore needs the same.
+    pub qemu_sha256: String,
+    pub firmware_sha256: String,
+    pub unix_time: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -35,6 +58,8 @@ pub enum VmPhase {
     Reconnecting,
     Failed(String),
     Stopping,
+    /// vCPUs stopped, jobs frozen.
+    Paused(AgentInfo),
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

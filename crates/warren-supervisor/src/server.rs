@@ -18,9 +18,11 @@ use crate::channel::GuestChannel;
 use crate::console::{self, ConsoleTail};
 use crate::layout::{ExitRecord, SupervisorConfig, VmDir};
 use crate::proto::{
-    read_frame, write_frame, Reply, StatusInfo, SupervisorError, SupervisorRequest,
+    read_frame, write_frame, CheckpointInfo, Reply, StatusInfo, SupervisorError, SupervisorRequest,
     SupervisorResponse, VmPhase,
 };
+use warren_vmm::qemu::qmp::Qmp;
+use warren_vmm::VmControl;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SuperviseError {
@@ -53,8 +55,15 @@ struct Shared {
     phase: watch::Sender<VmPhase>,
     channel: Mutex<Option<GuestChannel>>,
     stop: Notify,
+    /// Why a requested stop happens, when it is not a destroy (hibernation).
+    stop_reason: Mutex<Option<String>>,
     vmm_pid: Option<u32>,
     boot_ms: Mutex<Option<u64>>,
+    /// The VMM's QMP socket.
+    control: PathBuf,
+    dir: VmDir,
+    /// Suspend and resume run one at a time.
+    lifecycle: tokio::sync::Mutex<()>,
 }
 
 impl Shared {
@@ -76,6 +85,9 @@ impl Shared {
                         }
                     }
                     VmPhase::Failed(r) => return Err(SupervisorError::Failed(r.clone())),
+                    VmPhase::Paused(_) => {
+                        return Err(SupervisorError::NotReady("the VM is paused".into()))
+                    }
                     VmPhase::Stopping => {
                         return Err(SupervisorError::NotReady("the VM is stopping".into()))
                     }
@@ -177,8 +189,12 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         phase,
         channel: Mutex::new(None),
         stop: Notify::new(),
+        stop_reason: Mutex::new(None),
         vmm_pid: child.id(),
         boot_ms: Mutex::new(None),
+        control: endpoints.control.clone(),
+        dir: dir.clone(),
+        lifecycle: tokio::sync::Mutex::new(()),
     });
 
     // 3. Console.
@@ -195,16 +211,30 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         })
     };
 
-    // 4. Channel, re-established whenever it drops.
+    // 4. Channel, re-established whenever it drops. A restored VM first takes in its
+    //    checkpoint, and its guest is told the time and thawed once the channel is up.
     let failure = Arc::new(Mutex::new(None::<String>));
+    let restore = cfg.restore;
     {
         let shared = shared.clone();
         let path = endpoints.channel.clone();
         let tail = tail.clone();
         let failure = failure.clone();
         let boot_deadline = launched_at + Duration::from_millis(cfg.boot_timeout_ms);
+        let restore_state = dir.checkpoint_state();
+        let control = endpoints.control.clone();
         tokio::spawn(async move {
             let mut first = true;
+            if restore {
+                if let Err(e) = restore_checkpoint(&control, &restore_state, boot_deadline).await {
+                    let reason = format!("restoring the checkpoint failed: {e}");
+                    tracing::error!(%reason);
+                    *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
+                    shared.phase.send_replace(VmPhase::Failed(reason));
+                    shared.stop.notify_one();
+                    return;
+                }
+            }
             loop {
                 let deadline = if first {
                     boot_deadline
@@ -217,6 +247,17 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                             let ms = launched_at.elapsed().as_millis() as u64;
                             *shared.boot_ms.lock().unwrap_or_else(|p| p.into_inner()) = Some(ms);
                             tracing::info!(boot_ms = ms, "guest ready");
+                        }
+                        if first && restore {
+                            if let Err(e) = thaw(&ch).await {
+                                let reason = format!("syncing the restored guest failed: {e}");
+                                tracing::error!(%reason);
+                                *failure.lock().unwrap_or_else(|p| p.into_inner()) =
+                                    Some(reason.clone());
+                                shared.phase.send_replace(VmPhase::Failed(reason));
+                                shared.stop.notify_one();
+                                return;
+                            }
                         }
                         first = false;
                         let info = ch.info.clone();
@@ -295,7 +336,10 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
             match (died, fail) {
                 (Some(status), Some(_)) => (false, vmm_exit_reason(&dir, status, &tail)),
                 (_, Some(r)) => (false, r),
-                (_, None) => (true, "destroyed".to_string()),
+                (_, None) => {
+                    let why = shared.stop_reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                    (true, why.unwrap_or_else(|| "destroyed".to_string()))
+                }
             }
         }
         _ = sigterm.recv() => {
@@ -425,6 +469,18 @@ async fn process(req: SupervisorRequest, shared: &Shared) -> Reply {
             shared.stop.notify_one();
             Ok(SupervisorResponse::Stopping)
         }
+        SupervisorRequest::Pause => {
+            let _l = shared.lifecycle.lock().await;
+            pause(shared).await
+        }
+        SupervisorRequest::Resume => {
+            let _l = shared.lifecycle.lock().await;
+            resume(shared).await
+        }
+        SupervisorRequest::Hibernate => {
+            let _l = shared.lifecycle.lock().await;
+            hibernate(shared).await
+        }
         SupervisorRequest::Guest(HostRequest::Hello(_) | HostRequest::Auth(_)) => Err(
             SupervisorError::Refused("session requests belong to the supervisor".into()),
         ),
@@ -437,6 +493,271 @@ async fn process(req: SupervisorRequest, shared: &Shared) -> Reply {
             }
         }
     }
+}
+
+/// Longest a checkpoint save or restore may take.
+const MIGRATION_LIMIT: Duration = Duration::from_secs(600);
+
+fn refused(what: &str, e: impl std::fmt::Display) -> SupervisorError {
+    SupervisorError::Refused(format!("{what}: {e}"))
+}
+
+async fn qmp(path: &std::path::Path) -> Result<Qmp, SupervisorError> {
+    Qmp::connect(path)
+        .await
+        .map_err(|e| SupervisorError::Channel(format!("VMM control: {}", error_chain(&e))))
+}
+
+async fn guest_call(
+    ch: &GuestChannel,
+    req: HostRequest,
+) -> Result<warren_protocol::GuestResponse, SupervisorError> {
+    match ch.call(&req).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => Err(SupervisorError::Guest(e)),
+        Err(e) => Err(SupervisorError::Channel(error_chain(&e))),
+    }
+}
+
+/// The host's clock and fresh entropy for a guest that runs again.
+async fn thaw(ch: &GuestChannel) -> Result<(), SupervisorError> {
+    use rand::RngCore;
+    let mut entropy = [0u8; 32];
+    rand::rng().fill_bytes(&mut entropy);
+    let unix_time_ns = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64;
+    guest_call(
+        ch,
+        HostRequest::Thaw(warren_protocol::Thaw {
+            unix_time_ns,
+            entropy,
+        }),
+    )
+    .await
+    .map(|_| ())
+}
+
+fn ready_info(shared: &Shared) -> Option<warren_protocol::AgentInfo> {
+    match &*shared.phase.borrow() {
+        VmPhase::Ready(i) | VmPhase::Paused(i) => Some(i.clone()),
+        _ => None,
+    }
+}
+
+async fn pause(shared: &Shared) -> Reply {
+    if matches!(*shared.phase.borrow(), VmPhase::Paused(_)) {
+        return Ok(SupervisorResponse::Paused);
+    }
+    let ch = shared.channel(RECONNECT_WAIT).await?;
+    let info = ready_info(shared).ok_or_else(|| SupervisorError::NotReady("not running".into()))?;
+    guest_call(&ch, HostRequest::Freeze).await?;
+    if let Err(e) = qmp(&shared.control).await?.pause().await {
+        let _ = thaw(&ch).await;
+        return Err(refused("stopping the vCPUs", e));
+    }
+    shared.phase.send_replace(VmPhase::Paused(info));
+    Ok(SupervisorResponse::Paused)
+}
+
+async fn resume(shared: &Shared) -> Reply {
+    let Some(info) = (match &*shared.phase.borrow() {
+        VmPhase::Paused(i) => Some(i.clone()),
+        _ => None,
+    }) else {
+        return match &*shared.phase.borrow() {
+            VmPhase::Ready(_) => Ok(SupervisorResponse::Resumed),
+            other => Err(SupervisorError::NotReady(format!(
+                "cannot resume: {other:?}"
+            ))),
+        };
+    };
+    qmp(&shared.control)
+        .await?
+        .resume()
+        .await
+        .map_err(|e| refused("running the vCPUs", e))?;
+    shared.phase.send_replace(VmPhase::Ready(info));
+    let ch = shared.channel(RECONNECT_WAIT).await?;
+    if let Err(e) = thaw(&ch).await {
+        // A guest whose clock and jobs cannot be brought back is not trusted to go on.
+        let reason = format!("syncing the resumed guest failed: {e}");
+        shared.phase.send_replace(VmPhase::Failed(reason.clone()));
+        *shared.stop_reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
+        shared.stop.notify_one();
+        return Err(SupervisorError::Failed(reason));
+    }
+    Ok(SupervisorResponse::Resumed)
+}
+
+/// Polls a migration until it completes.
+async fn migration_done(q: &mut Qmp) -> Result<(), String> {
+    let deadline = Instant::now() + MIGRATION_LIMIT;
+    loop {
+        let v = q
+            .execute("query-migrate", None)
+            .await
+            .map_err(|e| error_chain(&e))?;
+        match v.get("status").and_then(|s| s.as_str()) {
+            Some("completed") => return Ok(()),
+            Some("failed") | Some("cancelled") => {
+                let why = v
+                    .get("error-desc")
+                    .and_then(|d| d.as_str())
+                    .unwrap_or("no reason given");
+                return Err(format!("migration failed: {why}"));
+            }
+            _ => {}
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "migration did not finish within {MIGRATION_LIMIT:?}"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn mapped_ram() -> serde_json::Value {
+    serde_json::json!({"capabilities": [{"capability": "mapped-ram", "state": true}]})
+}
+
+fn sha256_file(path: &std::path::Path) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    match std::fs::File::open(path) {
+        Ok(mut f) => {
+            if std::io::copy(&mut f, &mut h).is_err() {
+                return String::new();
+            }
+        }
+        Err(_) => return String::new(),
+    }
+    hex::encode(h.finalize())
+}
+
+/// The QEMU binary and firmware digests a checkpoint is bound to.
+pub fn vmm_digests() -> (String, String) {
+    let qemu = warren_vmm::accel::find_qemu()
+        .map(|q| sha256_file(&q))
+        .unwrap_or_default();
+    (
+        qemu,
+        sha256_file(std::path::Path::new(warren_vmm::qemu::QBOOT)),
+    )
+}
+
+async fn hibernate(shared: &Shared) -> Reply {
+    let t = Instant::now();
+    let was_paused = matches!(*shared.phase.borrow(), VmPhase::Paused(_));
+    if ready_info(shared).is_none() {
+        return Err(SupervisorError::NotReady("the VM is not running".into()));
+    }
+    let ch = if was_paused {
+        None
+    } else {
+        let ch = shared.channel(RECONNECT_WAIT).await?;
+        guest_call(&ch, HostRequest::Freeze).await?;
+        Some(ch)
+    };
+    let mut q = qmp(&shared.control).await?;
+    let state = shared.dir.checkpoint_state();
+    let saved: Result<(), String> = async {
+        if !was_paused {
+            q.pause().await.map_err(|e| error_chain(&e))?;
+        }
+        let _ = std::fs::remove_file(&state);
+        q.execute("migrate-set-capabilities", Some(mapped_ram()))
+            .await
+            .map_err(|e| error_chain(&e))?;
+        q.execute(
+            "migrate",
+            Some(serde_json::json!({"uri": format!("file:{}", state.display())})),
+        )
+        .await
+        .map_err(|e| error_chain(&e))?;
+        migration_done(&mut q).await?;
+        std::fs::File::open(&state)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| format!("fsync {}: {e}", state.display()))
+    }
+    .await;
+    if let Err(e) = saved {
+        // Nothing is lost: the VM continues where it was.
+        let _ = q.execute("migrate_cancel", None).await;
+        let _ = std::fs::remove_file(&state);
+        if let Some(ch) = &ch {
+            let _ = q.resume().await;
+            let _ = thaw(ch).await;
+        }
+        return Err(refused("hibernate failed; the VM continues", e));
+    }
+    let size = std::fs::metadata(&state).map(|m| m.len()).unwrap_or(0);
+    let (qemu_sha256, firmware_sha256) = vmm_digests();
+    let info = CheckpointInfo {
+        size,
+        save_ms: t.elapsed().as_millis() as u64,
+        qemu_sha256,
+        firmware_sha256,
+        unix_time: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs(),
+    };
+    // The record is the completion marker: written, fsynced and renamed into place only now.
+    let rec = shared.dir.checkpoint_record();
+    let tmp = rec.with_extension("json.tmp");
+    let body = serde_json::to_vec_pretty(&info).expect("invariant: record serialises");
+    let written = std::fs::File::create(&tmp)
+        .and_then(|mut f| {
+            use std::io::Write;
+            f.write_all(&body)?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, &rec))
+        .and_then(|()| std::fs::File::open(shared.dir.path())?.sync_all());
+    if let Err(e) = written {
+        if let Some(ch) = &ch {
+            let _ = q.resume().await;
+            let _ = thaw(ch).await;
+        }
+        return Err(refused(
+            "recording the checkpoint failed; the VM continues",
+            e,
+        ));
+    }
+    *shared.stop_reason.lock().unwrap_or_else(|p| p.into_inner()) = Some("hibernated".into());
+    shared.phase.send_replace(VmPhase::Stopping);
+    shared.stop.notify_one();
+    Ok(SupervisorResponse::Hibernated(info))
+}
+
+/// Loads the checkpoint into a VMM started with `-incoming defer`, then runs it.
+async fn restore_checkpoint(
+    control: &std::path::Path,
+    state: &std::path::Path,
+    deadline: Instant,
+) -> Result<(), String> {
+    // QMP appears once QEMU is past its console (which waits for our client).
+    let mut q = loop {
+        match Qmp::connect(control).await {
+            Ok(q) => break q,
+            Err(e) if Instant::now() > deadline => return Err(error_chain(&e)),
+            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    };
+    q.execute("migrate-set-capabilities", Some(mapped_ram()))
+        .await
+        .map_err(|e| error_chain(&e))?;
+    q.execute(
+        "migrate-incoming",
+        Some(serde_json::json!({"uri": format!("file:{}", state.display())})),
+    )
+    .await
+    .map_err(|e| error_chain(&e))?;
+    migration_done(&mut q).await?;
+    q.resume().await.map_err(|e| error_chain(&e))
 }
 
 fn status(shared: &Shared) -> StatusInfo {

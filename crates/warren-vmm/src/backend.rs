@@ -34,6 +34,10 @@ pub struct LaunchSpec {
     pub run_as: Option<(u32, u32)>,
     /// Host cgroup (v2) directory the VMM process is placed in, if any.
     pub cgroup: Option<PathBuf>,
+    /// Start paused, waiting for an incoming migration (a restore from a checkpoint) instead
+    /// of booting.
+    #[serde(default)]
+    pub incoming: bool,
 }
 
 /// Where a launched VM's endpoints are.

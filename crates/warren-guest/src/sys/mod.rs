@@ -1,5 +1,5 @@
 //! Every `unsafe` operation of the agent lives here, each with its safety argument:
-//! the vfork-style job spawn ([`spawn`]) and the `RNDADDENTROPY` ioctl. Everything else uses the safe `nix`/`rustix` APIs.
+//! the vfork-style job spawn ([`spawn`]) and the `RNDADDENTROPY` and `RNDRESEEDCRNG` ioctls. Everything else uses the safe `nix`/`rustix` APIs.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::fs::File;
@@ -20,6 +20,20 @@ pub struct ChildSetup {
     /// `fchdir` here (an `O_PATH` directory resolved beneath the workspace) after dropping
     /// privileges, so that the cwd check and the chdir see the same directory.
     pub cwd: Option<OwnedFd>,
+}
+
+/// `RNDRESEEDCRNG` from `<linux/random.h>`: `_IO('R', 0x07)`.
+const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+
+/// Reseeds the kernel's CRNG from its input pool now, so fresh entropy takes effect at once
+/// (a resumed checkpoint must not replay the random stream of its previous resume).
+pub fn reseed_crng(urandom: &File) -> io::Result<()> {
+    // SAFETY: RNDRESEEDCRNG takes no argument; the fd is a valid open file.
+    let rc = unsafe { libc::ioctl(urandom.as_raw_fd(), RNDRESEEDCRNG) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// `RNDADDENTROPY` from `<linux/random.h>`: `_IOW('R', 0x03, int[2])`.

@@ -89,6 +89,9 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
         "-qmp",
         &format!("unix:{},server=on,wait=off", ep.control.display()),
     ]);
+    if spec.incoming {
+        push(&["-incoming", "defer"]);
+    }
     // QEMU's seccomp filter: no obsolete syscalls, no privilege changes, no fork/exec,
     // no scheduler/resource tweaks.
     push(&[
@@ -119,6 +122,7 @@ mod tests {
             extra_cmdline: vec![],
             run_as: None,
             cgroup: None,
+            incoming: false,
         }
     }
 

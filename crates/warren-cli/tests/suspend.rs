@@ -1,0 +1,151 @@
+//! Pause, hibernate and resume on a real VM: processes, files, job timeouts and the guest
+//! clock all survive, and work wakes a suspended VM.
+
+mod common;
+
+use common::TestVm;
+
+fn suspend(vm: &TestVm, args: &[&str]) -> std::process::Output {
+    let mut a = vec!["vm", "suspend", vm.id.as_str()];
+    a.extend_from_slice(args);
+    vm.warren(&a)
+}
+
+fn ok(out: std::process::Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Bytes of stdout the job has produced so far (reading wakes the VM).
+fn produced(vm: &TestVm, job: u64) -> usize {
+    vm.output(job, &[])["stdout"]
+        .as_str()
+        .map(str::len)
+        .unwrap_or(0)
+}
+
+#[test]
+fn test_suspend_pause_and_hibernate_keep_processes_files_timeouts_and_clock() {
+    let vm = TestVm::boot();
+    let counter =
+        vm.detach("echo pid $$; i=0; while true; do echo $i; i=$((i+1)); sleep 0.2; done");
+    let pid = {
+        common::wait_until("counter started", 30, || {
+            vm.output(counter, &[])["stdout"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with("pid ")
+        });
+        let out = vm.output(counter, &[]);
+        out["stdout"]
+            .as_str()
+            .expect("stdout")
+            .lines()
+            .next()
+            .expect("line")[4..]
+            .to_string()
+    };
+    ok(
+        {
+            let mut c = vm.env.cmd();
+            c.args(["vm", "write", &vm.id, "notes/before.txt"]);
+            c.stdin(std::process::Stdio::piped());
+            let mut child = c
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("write");
+            use std::io::Write;
+            child
+                .stdin
+                .take()
+                .expect("stdin")
+                .write_all(b"kept across hibernation\n")
+                .expect("stdin write");
+            child.wait_with_output().expect("wait")
+        },
+        "vm write",
+    );
+
+    // Active jobs refuse a suspend unless forced.
+    let out = suspend(&vm, &["--mode", "pause"]);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("error[busy]"));
+    assert_eq!(vm.state(), "running");
+
+    // Pause: the guest stands still, then continues.
+    ok(suspend(&vm, &["--mode", "pause", "--force"]), "pause");
+    assert_eq!(vm.state(), "paused");
+    assert!(!vm.qemu_pids().is_empty(), "a paused VM keeps its VMM");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(vm.state(), "paused", "status polling woke the VM");
+    ok(vm.warren(&["vm", "resume", &vm.id]), "resume");
+    let before = produced(&vm, counter);
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(
+        produced(&vm, counter) > before,
+        "the counter stopped after resume"
+    );
+
+    // A job with a 3 s budget, suspended longer than that, still has its budget.
+    let timed = {
+        let out = vm.warren(&[
+            "vm",
+            "exec",
+            &vm.id,
+            "--detach",
+            "--timeout",
+            "3",
+            "--",
+            "sh",
+            "-c",
+            "sleep 2; echo finished",
+        ]);
+        assert!(out.status.success());
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        v["job_id"].as_u64().expect("job")
+    };
+
+    // Hibernate: no VMM remains; work wakes it; everything is where it was.
+    ok(suspend(&vm, &["--force"]), "hibernate");
+    assert_eq!(vm.state(), "hibernated");
+    assert!(vm.qemu_pids().is_empty(), "a hibernated VM holds no VMM");
+    std::thread::sleep(std::time::Duration::from_secs(4));
+    let r = vm.sh(&format!(
+        "kill -0 {pid} && echo alive; cat notes/before.txt; date +%s"
+    ));
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let mut lines = r.stdout.lines();
+    assert_eq!(lines.next(), Some("alive"), "{}", r.stdout);
+    assert_eq!(lines.next(), Some("kept across hibernation"));
+    let guest: i64 = lines.next().and_then(|l| l.parse().ok()).expect("date");
+    let host = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs() as i64;
+    assert!(
+        (host - guest).abs() <= 2,
+        "guest clock {guest}, host {host}"
+    );
+    assert_eq!(vm.state(), "running");
+    let page = vm.wait_job(timed);
+    assert_eq!(page["timed_out"], false, "suspended time counted: {page}");
+    assert_eq!(page["exit_code"], 0);
+
+    // Repeated cycles stay clean.
+    for i in 0..5 {
+        ok(suspend(&vm, &["--force"]), "hibernate cycle");
+        ok(vm.warren(&["vm", "resume", &vm.id]), "resume cycle");
+        let r = vm.sh(&format!("kill -0 {pid} && echo {i}"));
+        assert_eq!(r.stdout.trim(), i.to_string(), "cycle {i}: {}", r.stderr);
+    }
+    let before = produced(&vm, counter);
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    assert!(
+        produced(&vm, counter) > before,
+        "the counter stopped after cycles"
+    );
+}
