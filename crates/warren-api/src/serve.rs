@@ -47,6 +47,9 @@ impl ServeError {
     }
 }
 
+/// How often idle VMs are looked for.
+const IDLE_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Where the service listens, once it does.
 #[derive(Debug, Clone)]
 pub struct Bound {
@@ -124,6 +127,10 @@ pub async fn serve(
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
+    let idle = {
+        let service = service.clone();
+        tokio::spawn(async move { service.idle_loop(IDLE_CHECK).await })
+    };
     let tcp_app = http::tcp_router(service.clone(), hosts);
     let unix_app = http::unix_router(service.clone());
     let t = tokio::spawn(
@@ -148,6 +155,7 @@ pub async fn serve(
         let _ = u.await;
     })
     .await;
+    idle.abort();
     let _ = std::fs::remove_file(&socket_path);
     Ok(())
 }

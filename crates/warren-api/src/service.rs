@@ -232,6 +232,21 @@ impl Service {
         &self.warren
     }
 
+    /// Suspends idle VMs forever, checking every `every`.
+    pub async fn idle_loop(&self, every: Duration) {
+        loop {
+            tokio::time::sleep(every).await;
+            for (vm, r) in self.warren.suspend_idle().await {
+                match r {
+                    Ok(state) => tracing::info!(%vm, state = state.as_str(), "idle VM suspended"),
+                    Err(e) => {
+                        tracing::warn!(%vm, error = %crate::error::format_chain(&e), "idle suspend failed")
+                    }
+                }
+            }
+        }
+    }
+
     /// Checks the host before serving: every image verified, the accelerator usable, and
     /// free disk for the storage reservation. Returns warnings; an error says what to fix.
     pub async fn preflight(&self) -> Result<Vec<String>, String> {
@@ -310,7 +325,7 @@ impl Service {
             "vm_suspend" => self.vm_suspend(p, parse(args)?).await,
             "vm_resume" => {
                 let a: VmRef = parse(args)?;
-                let rec = self.owned(p, &a.vm_id)?;
+                let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
                 let rec = self.warren.resume_vm(&rec.id).await?;
                 to_value(self.info(rec))
             }
@@ -350,11 +365,18 @@ impl Service {
             created_unix: r.created_unix,
             boot_ms: r.boot_ms,
             reason: r.reason,
+            idle_seconds: r.idle_seconds,
+            idle_mode: r.idle_mode,
         }
     }
 
     /// The caller's VM: another workspace's VM is indistinguishable from a missing one.
-    fn owned(&self, p: &Principal, vm_id: &str) -> Result<VmRecord, ApiError> {
+    fn owned(
+        &self,
+        p: &Principal,
+        vm_id: &str,
+        expected_generation: Option<u64>,
+    ) -> Result<VmRecord, ApiError> {
         let shape_ok = !vm_id.is_empty()
             && vm_id.len() <= 64
             && vm_id
@@ -367,7 +389,13 @@ impl Service {
             )));
         }
         match self.warren.get_vm(vm_id) {
-            Ok(r) if r.workspace == p.workspace => Ok(r),
+            Ok(r) if r.workspace == p.workspace => match expected_generation {
+                Some(g) if g != r.generation => Err(ApiError::conflict(format!(
+                    "VM {vm_id} is at generation {}, not {g}: its memory was lost and rebuilt",
+                    r.generation
+                ))),
+                _ => Ok(r),
+            },
             Ok(_) | Err(CoreError::VmNotFound(_)) => Err(ApiError::no_vm(vm_id)),
             Err(e) => Err(e.into()),
         }
@@ -444,6 +472,11 @@ impl Service {
                 )));
             }
         }
+        if a.idle_seconds.is_some_and(|s| s > 604_800) {
+            return Err(ApiError::invalid(
+                "idle_seconds must be at most 604800 (a week)",
+            ));
+        }
         if let Some(v) = a.vcpus {
             if !warren_core::vm::VCPUS_RANGE.contains(&v) {
                 return Err(ApiError::invalid(format!(
@@ -477,6 +510,11 @@ impl Service {
                 max_memory_mib: p.policy.max_memory_mib,
                 max_storage_mib: None,
             },
+            idle_seconds: a.idle_seconds,
+            idle_mode: a.idle_mode.map(|m| match m {
+                SuspendModeArg::Pause => warren_core::SuspendMode::Pause,
+                SuspendModeArg::Hibernate => warren_core::SuspendMode::Hibernate,
+            }),
         };
         let r = self
             .warren
@@ -540,7 +578,7 @@ impl Service {
     }
 
     async fn vm_status(&self, p: &Principal, a: VmRef) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id)?;
+        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         let running = rec.state == VmState::Running;
         let (jobs, job_ids) = if running {
             let list = self.warren.job_list(&rec.id).await?;
@@ -567,7 +605,7 @@ impl Service {
 
     async fn vm_exec(&self, p: &Principal, a: VmExecArgs) -> Result<Value, ApiError> {
         validate_request_id(&a.request_id)?;
-        let rec = self.owned(p, &a.vm_id)?;
+        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         let argv = match (&a.command, &a.argv) {
             (Some(c), None) => vec!["bash".to_string(), "-c".to_string(), c.clone()],
             (None, Some(v)) if !v.is_empty() => v.clone(),
@@ -691,7 +729,7 @@ impl Service {
     }
 
     async fn vm_job_status(&self, p: &Principal, a: JobRef) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id)?;
+        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         let job = parse_job(&a.job_id)?;
         let o = self
             .read(&rec.id, job, Cursor::default(), 0, Duration::ZERO)
@@ -719,7 +757,7 @@ impl Service {
     }
 
     async fn vm_job_output(&self, p: &Principal, a: JobOutputArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id)?;
+        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         let job = parse_job(&a.job_id)?;
         let wait = a.wait_ms.unwrap_or(0);
         if wait > MAX_OUTPUT_WAIT_MS {
@@ -756,7 +794,7 @@ impl Service {
     }
 
     async fn vm_job_cancel(&self, p: &Principal, a: JobRef) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id)?;
+        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         let job = parse_job(&a.job_id)?;
         self.warren.job_cancel(&rec.id, job).await?;
         to_value(JobCancelled {
@@ -766,7 +804,7 @@ impl Service {
     }
 
     async fn vm_read_file(&self, p: &Principal, a: ReadFileArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id)?;
+        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         let len = a.max_bytes.unwrap_or(MAX_FILE_CHUNK);
         if len == 0 || len > MAX_FILE_CHUNK {
             return Err(ApiError::invalid(format!(
@@ -788,7 +826,7 @@ impl Service {
     }
 
     async fn vm_write_file(&self, p: &Principal, a: WriteFileArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id)?;
+        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         let data = base64::engine::general_purpose::STANDARD
             .decode(a.content_base64.as_bytes())
             .map_err(|e| ApiError::invalid(format!("content_base64 is not base64: {e}")))?;
@@ -814,7 +852,7 @@ impl Service {
     }
 
     async fn vm_suspend(&self, p: &Principal, a: VmSuspendArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id)?;
+        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         let mode = match a.mode.unwrap_or(SuspendModeArg::Hibernate) {
             SuspendModeArg::Pause => warren_core::SuspendMode::Pause,
             SuspendModeArg::Hibernate => warren_core::SuspendMode::Hibernate,
@@ -824,7 +862,7 @@ impl Service {
     }
 
     async fn vm_destroy(&self, p: &Principal, a: VmRef) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id)?;
+        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         self.warren.destroy_vm(&rec.id).await?;
         to_value(VmDestroyed {
             vm_id: rec.id,

@@ -40,6 +40,14 @@ pub struct VmCreateArgs {
     /// Guest networking; "on" needs the workspace's network grant. Default "off".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<Network>,
+    /// Suspend the VM after this many seconds without exec, output or file work while no job
+    /// runs (default 300; 0 never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 604800))]
+    pub idle_seconds: Option<u32>,
+    /// How an idle VM is suspended: "hibernate" (default) or "pause".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_mode: Option<SuspendModeArg>,
 }
 
 /// Names one VM.
@@ -47,12 +55,18 @@ pub struct VmCreateArgs {
 #[serde(deny_unknown_fields)]
 pub struct VmRef {
     pub vm_id: String,
+    /// Refuse with `conflict` unless the VM's generation (its memory lineage) is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct VmExecArgs {
     pub vm_id: String,
+    /// Refuse with `conflict` unless the VM's generation (its memory lineage) is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
     /// Idempotency key: a retry with the same id and arguments returns the same job and never
     /// runs the command twice. 1-128 characters of A-Z a-z 0-9 . _ : -
     pub request_id: String,
@@ -87,6 +101,9 @@ pub struct VmExecArgs {
 #[serde(deny_unknown_fields)]
 pub struct JobRef {
     pub vm_id: String,
+    /// Refuse with `conflict` unless the VM's generation (its memory lineage) is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
     pub job_id: String,
 }
 
@@ -104,6 +121,9 @@ pub struct CursorArg {
 #[serde(deny_unknown_fields)]
 pub struct JobOutputArgs {
     pub vm_id: String,
+    /// Refuse with `conflict` unless the VM's generation (its memory lineage) is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
     pub job_id: String,
     /// The `next_cursor` of the previous response; omit on the first call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -125,6 +145,9 @@ pub struct JobOutputArgs {
 #[serde(deny_unknown_fields)]
 pub struct ReadFileArgs {
     pub vm_id: String,
+    /// Refuse with `conflict` unless the VM's generation (its memory lineage) is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
     /// Path relative to /workspace; escapes and symlinks out of it are refused.
     pub path: String,
     /// Byte offset to start at (default 0).
@@ -140,6 +163,9 @@ pub struct ReadFileArgs {
 #[serde(deny_unknown_fields)]
 pub struct WriteFileArgs {
     pub vm_id: String,
+    /// Refuse with `conflict` unless the VM's generation (its memory lineage) is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
     /// Path relative to /workspace; missing parent directories are created.
     pub path: String,
     /// The bytes to write, base64 (at most 131072 bytes decoded).
@@ -160,6 +186,9 @@ pub enum SuspendModeArg {
 #[serde(deny_unknown_fields)]
 pub struct VmSuspendArgs {
     pub vm_id: String,
+    /// Refuse with `conflict` unless the VM's generation (its memory lineage) is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
     /// "hibernate" (default) or "pause".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<SuspendModeArg>,
@@ -188,6 +217,10 @@ pub struct VmInfo {
     pub boot_ms: Option<u64>,
     /// Why the VM failed, when it did.
     pub reason: Option<String>,
+    /// Seconds without work before the VM is suspended (0: never).
+    pub idle_seconds: u32,
+    /// pause or hibernate.
+    pub idle_mode: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]

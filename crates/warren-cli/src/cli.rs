@@ -42,6 +42,12 @@ pub enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Before a host shutdown: hibernates every running or paused VM (jobs are frozen and
+    /// continue after resume). Used by the service unit on stop.
+    Shutdown {
+        #[arg(long, required = true)]
+        hibernate_all: bool,
+    },
     /// Workspace credentials for the service (an operator action).
     #[command(subcommand)]
     Token(TokenCmd),
@@ -125,6 +131,13 @@ pub enum VmCmd {
         memory_mib: Option<u32>,
         #[arg(long)]
         vcpus: Option<u32>,
+        /// Suspend after this many seconds without work (applied while `warren serve` runs;
+        /// default 300, 0 never).
+        #[arg(long)]
+        idle_seconds: Option<u32>,
+        /// How an idle VM is suspended.
+        #[arg(long, value_parser = ["pause", "hibernate"])]
+        idle_mode: Option<String>,
         #[command(flatten)]
         accel: AccelArg,
         #[arg(long)]

@@ -67,6 +67,7 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::Bench(args) => crate::bench::run(&cli, args).await,
         Command::Serve { config } => serve(config).await,
         Command::Token(cmd) => token(&cli, cmd),
+        Command::Shutdown { .. } => shutdown(&cli).await,
         Command::Supervise { .. } => unreachable!("handled before the runtime starts"),
     }
 }
@@ -84,6 +85,30 @@ async fn serve(config: &std::path::Path) -> Result<i32> {
     })
     .await?;
     Ok(0)
+}
+
+async fn shutdown(cli: &Cli) -> Result<i32> {
+    let w = open(cli, None)?;
+    let mut failed = 0;
+    for vm in w.list_vms()? {
+        if !matches!(
+            vm.state,
+            warren_core::store::VmState::Running | warren_core::store::VmState::Paused
+        ) {
+            continue;
+        }
+        match w
+            .suspend_vm(&vm.id, warren_core::SuspendMode::Hibernate, true)
+            .await
+        {
+            Ok(r) => eprintln!("{} {}", r.id, r.state.as_str()),
+            Err(e) => {
+                failed += 1;
+                eprintln!("{}: error[{}]: {e:#}", vm.id, e.code());
+            }
+        }
+    }
+    Ok(if failed == 0 { 0 } else { EXIT_WARREN_ERROR })
 }
 
 fn token(cli: &Cli, cmd: &TokenCmd) -> Result<i32> {
@@ -291,6 +316,8 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             image,
             memory_mib,
             vcpus,
+            idle_seconds,
+            idle_mode,
             accel,
             json,
         } => {
@@ -299,6 +326,10 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                 image: image.clone(),
                 memory_mib: *memory_mib,
                 vcpus: *vcpus,
+                idle_seconds: *idle_seconds,
+                idle_mode: idle_mode
+                    .as_deref()
+                    .and_then(warren_core::SuspendMode::parse),
                 ..Default::default()
             };
             let rec = w

@@ -706,3 +706,85 @@ fn test_service_concurrent_clients_and_cli_share_state() {
     assert_eq!(uids.len(), 3);
     assert!(all.iter().all(|v| v["state"] == "running"), "{all:?}");
 }
+
+#[test]
+fn test_service_idle_suspend_restart_keeps_suspended_vms_and_shutdown() {
+    let mut d = Daemon::start("");
+    let t = d.token("alice", &[]);
+    let c = Conformance::fetch(&d, &t);
+    let r = c.call(
+        &d,
+        &t,
+        "vm_create",
+        json!({"request_id": "idle", "idle_seconds": 3}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["idle_seconds"], 3);
+    let idle = r.body["vm_id"].as_str().expect("vm").to_string();
+    let r = c.call(
+        &d,
+        &t,
+        "vm_create",
+        json!({"request_id": "busy", "idle_seconds": 0}),
+    );
+    let awake = r.body["vm_id"].as_str().expect("vm").to_string();
+    let state =
+        |d: &Daemon, vm: &str| d.call(&t, "vm_status", json!({"vm_id": vm})).body["state"].clone();
+
+    // Idle: hibernated by the service; polling its status neither wakes it nor keeps it up.
+    common::wait_until("idle VM hibernated", 60, || {
+        state(&d, &idle) == "hibernated"
+    });
+    for _ in 0..3 {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        assert_eq!(state(&d, &idle), "hibernated");
+    }
+    assert_eq!(
+        state(&d, &awake),
+        "running",
+        "idle_seconds = 0 must never suspend"
+    );
+    // A stale generation is refused, never silently served.
+    let r = c.call(
+        &d,
+        &t,
+        "vm_status",
+        json!({"vm_id": idle, "expected_generation": 7}),
+    );
+    assert_eq!((r.status, r.code()), (409, "conflict"), "{}", r.text);
+
+    // A service crash leaves each VM as it was: hibernated, paused, running.
+    let r = c.call(
+        &d,
+        &t,
+        "vm_suspend",
+        json!({"vm_id": awake, "mode": "pause"}),
+    );
+    assert_eq!(r.body["state"], "paused", "{}", r.text);
+    d.crash();
+    d.spawn();
+    assert_eq!(state(&d, &idle), "hibernated");
+    assert_eq!(state(&d, &awake), "paused");
+    for (vm, rid) in [(&idle, "w1"), (&awake, "w2")] {
+        let r = c.call(
+            &d,
+            &t,
+            "vm_exec",
+            json!({"vm_id": vm, "request_id": rid, "command": "echo woke", "wait_ms": 20000, "expected_generation": 1}),
+        );
+        assert_eq!(r.body["stdout"], "woke\n", "{}", r.text);
+        assert_eq!(state(&d, vm), "running");
+    }
+
+    // Host shutdown: every VM hibernated, nothing lost.
+    let out = d.env.run(&["shutdown", "--hibernate-all"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(state(&d, &idle), "hibernated");
+    assert_eq!(state(&d, &awake), "hibernated");
+    let r = c.call(&d, &t, "vm_resume", json!({"vm_id": awake}));
+    assert_eq!(r.body["state"], "running", "{}", r.text);
+}

@@ -70,6 +70,12 @@ pub struct VmRecord {
     pub generation: u64,
     /// The idempotency key of the request that created it, if any.
     pub request_id: Option<String>,
+    /// Suspend after this long without work (0: never).
+    pub idle_seconds: u32,
+    /// `hibernate` or `pause`.
+    pub idle_mode: String,
+    /// Last exec, output read, cancel or file operation (status and list do not count).
+    pub last_active_unix: u64,
 }
 
 /// What the VMs already admitted hold, summed over a set of them.
@@ -106,6 +112,9 @@ const ADDED_COLUMNS: &[(&str, &str)] = &[
     ("disk_mib", "INTEGER NOT NULL DEFAULT 0"),
     ("generation", "INTEGER NOT NULL DEFAULT 1"),
     ("request_id", "TEXT"),
+    ("idle_seconds", "INTEGER NOT NULL DEFAULT 300"),
+    ("idle_mode", "TEXT NOT NULL DEFAULT 'hibernate'"),
+    ("last_active_unix", "INTEGER NOT NULL DEFAULT 0"),
 ];
 
 impl Store {
@@ -153,8 +162,9 @@ impl Store {
         rec.uid = uid;
         tx.execute(
             "INSERT INTO vms (id, image_id, state, reason, memory_mib, vcpus, accel, uid, created_unix, boot_ms,
-                              workspace, disk_mib, generation, request_id)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+                              workspace, disk_mib, generation, request_id, idle_seconds, idle_mode,
+                              last_active_unix)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
             params![
                 rec.id,
                 rec.image_id,
@@ -170,6 +180,9 @@ impl Store {
                 rec.disk_mib as i64,
                 rec.generation as i64,
                 rec.request_id,
+                rec.idle_seconds,
+                rec.idle_mode,
+                rec.last_active_unix as i64,
             ],
         )?;
         tx.commit()?;
@@ -218,6 +231,15 @@ impl Store {
             .optional()
     }
 
+    /// Records work on a VM now (keeps it from idling out).
+    pub fn touch(&self, id: &str, now_unix: u64) -> Result<(), rusqlite::Error> {
+        self.conn().execute(
+            "UPDATE vms SET last_active_unix = ?2 WHERE id = ?1",
+            params![id, now_unix as i64],
+        )?;
+        Ok(())
+    }
+
     pub fn delete(&self, id: &str) -> Result<(), rusqlite::Error> {
         self.conn().execute("DELETE FROM vms WHERE id = ?1", [id])?;
         Ok(())
@@ -240,7 +262,7 @@ pub fn usage(tx: &Transaction<'_>, workspace: Option<&str>) -> Result<Usage, rus
     tx.query_row(
         "SELECT COUNT(*),
                 COALESCE(SUM(CASE WHEN state IN ('creating', 'running', 'paused', 'hibernating', 'resuming') THEN memory_mib ELSE 0 END), 0),
-                COALESCE(SUM(disk_mib), 0)
+                COALESCE(SUM(disk_mib + CASE WHEN state IN ('hibernating', 'hibernated') THEN memory_mib ELSE 0 END), 0)
          FROM vms WHERE ?1 IS NULL OR workspace = ?1",
         [workspace],
         |r| {
@@ -285,6 +307,9 @@ fn row(r: &rusqlite::Row<'_>) -> Result<VmRecord, rusqlite::Error> {
         disk_mib: r.get::<_, i64>("disk_mib")? as u64,
         generation: r.get::<_, i64>("generation")? as u64,
         request_id: r.get("request_id")?,
+        idle_seconds: r.get("idle_seconds")?,
+        idle_mode: r.get("idle_mode")?,
+        last_active_unix: r.get::<_, i64>("last_active_unix")? as u64,
     })
 }
 
@@ -308,6 +333,9 @@ mod tests {
             disk_mib: 100,
             generation: 1,
             request_id: None,
+            idle_seconds: 0,
+            idle_mode: "hibernate".into(),
+            last_active_unix: 0,
         }
     }
 

@@ -71,6 +71,10 @@ pub struct CreateVm {
     pub host_limits: Limits,
     /// The owning workspace's limits.
     pub workspace_limits: Limits,
+    /// Suspend after this many seconds without work (default 300; 0 disables).
+    pub idle_seconds: Option<u32>,
+    /// How an idle VM is suspended (default hibernate).
+    pub idle_mode: Option<SuspendMode>,
 }
 
 /// How a VM is suspended.
@@ -81,6 +85,26 @@ pub enum SuspendMode {
     /// Memory and device state written to disk, VMM ended (holds no host memory).
     Hibernate,
 }
+
+impl SuspendMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SuspendMode::Pause => "pause",
+            SuspendMode::Hibernate => "hibernate",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<SuspendMode> {
+        match s {
+            "pause" => Some(SuspendMode::Pause),
+            "hibernate" => Some(SuspendMode::Hibernate),
+            _ => None,
+        }
+    }
+}
+
+/// Seconds without work after which a VM is suspended, unless configured otherwise.
+pub const DEFAULT_IDLE_SECONDS: u32 = 300;
 
 /// Admission limits; `None` is unlimited.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -234,6 +258,13 @@ impl Warren {
             disk_mib: image.rootfs_virtual_size.div_ceil(1 << 20),
             generation: 1,
             request_id: req.request_id.clone(),
+            idle_seconds: req.idle_seconds.unwrap_or(DEFAULT_IDLE_SECONDS),
+            idle_mode: req
+                .idle_mode
+                .unwrap_or(SuspendMode::Hibernate)
+                .as_str()
+                .to_string(),
+            last_active_unix: now_unix(),
             id: id.clone(),
             image_id: image_id.to_string(),
             state: VmState::Creating,
@@ -614,8 +645,36 @@ impl Warren {
         Ok(rec)
     }
 
+    /// Suspends every running VM that has been idle for its `idle_seconds` and has no
+    /// running job (status and list calls never count as work). Returns what it did.
+    pub async fn suspend_idle(&self) -> Vec<(String, Result<VmState, CoreError>)> {
+        let now = now_unix();
+        let mut done = Vec::new();
+        let Ok(list) = self.list_vms() else {
+            return done;
+        };
+        for rec in list {
+            let idle = rec.idle_seconds > 0
+                && rec.state == VmState::Running
+                && now.saturating_sub(rec.last_active_unix) >= u64::from(rec.idle_seconds);
+            if !idle {
+                continue;
+            }
+            let mode = SuspendMode::parse(&rec.idle_mode).unwrap_or(SuspendMode::Hibernate);
+            match self.suspend_vm(&rec.id, mode, false).await {
+                // Running jobs keep a VM awake: look again after another idle period.
+                Err(CoreError::Busy(_)) => {
+                    let _ = self.store.touch(&rec.id, now);
+                }
+                r => done.push((rec.id, r.map(|r| r.state))),
+            }
+        }
+        done
+    }
+
     /// A client for the VM, resuming it first if it is suspended (work wakes a VM).
     pub async fn awake_client(&self, id: &str) -> Result<SupervisorClient, CoreError> {
+        self.store.touch(id, now_unix())?;
         let rec = self.get_vm(id)?;
         if matches!(rec.state, VmState::Paused | VmState::Hibernated) {
             self.resume_vm(id).await?;
