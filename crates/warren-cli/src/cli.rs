@@ -213,8 +213,9 @@ pub enum VmCmd {
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// `core`: boot, exec and file costs against raw QEMU and channel baselines; `service`:
-    /// the HTTP service against the CLI path.
-    #[arg(long, default_value = "core", value_parser = ["core", "service"])]
+    /// the HTTP service against the CLI path; `suspend`: pause, hibernate and resume against
+    /// a cold boot.
+    #[arg(long, default_value = "core", value_parser = ["core", "service", "suspend"])]
     pub suite: String,
     /// Image to boot.
     #[arg(long, default_value = "minimal")]

@@ -61,6 +61,9 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::Image(cmd) => image(&cli, cmd).await,
         Command::Vm(cmd) => vm(&cli, cmd).await,
         Command::Preflight => preflight(&cli),
+        Command::Bench(args) if args.suite == "suspend" => {
+            crate::bench_suspend::run(&cli, args).await
+        }
         Command::Bench(args) if args.suite == "service" => {
             crate::bench_service::run(&cli, args).await
         }

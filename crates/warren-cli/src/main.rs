@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_service;
+mod bench_suspend;
 mod cli;
 mod commands;
 

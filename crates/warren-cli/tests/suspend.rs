@@ -148,4 +148,29 @@ fn test_suspend_pause_and_hibernate_keep_processes_files_timeouts_and_clock() {
         produced(&vm, counter) > before,
         "the counter stopped after cycles"
     );
+
+    // A checkpoint written by another QEMU is refused, loudly, and stays resumable.
+    ok(suspend(&vm, &["--force"]), "hibernate");
+    let rec = vm.env.vm_dir(&vm.id).join("checkpoint.json");
+    let original = std::fs::read_to_string(&rec).expect("checkpoint record");
+    let v: serde_json::Value = serde_json::from_str(&original).expect("json");
+    let digest = v["qemu_sha256"].as_str().expect("digest").to_string();
+    std::fs::write(&rec, original.replace(&digest, &"0".repeat(64))).expect("edit");
+    let out = vm.warren(&["vm", "resume", &vm.id]);
+    assert_eq!(out.status.code(), Some(125));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("error[conflict]") && err.contains("QEMU"),
+        "{err}"
+    );
+    assert_eq!(vm.state(), "hibernated");
+    std::fs::write(&rec, original).expect("restore record");
+    ok(
+        vm.warren(&["vm", "resume", &vm.id]),
+        "resume after the refusal",
+    );
+    assert_eq!(
+        vm.sh(&format!("kill -0 {pid} && echo ok")).stdout.trim(),
+        "ok"
+    );
 }

@@ -637,15 +637,21 @@ fn sha256_file(path: &std::path::Path) -> String {
     hex::encode(h.finalize())
 }
 
-/// The QEMU binary and firmware digests a checkpoint is bound to.
+/// The QEMU binary and firmware digests a checkpoint is bound to (cached by file identity in
+/// the host's runtime directory).
 pub fn vmm_digests() -> (String, String) {
+    let cache = if nix::unistd::geteuid().is_root() {
+        PathBuf::from("/run/warren")
+    } else {
+        std::env::temp_dir().join(format!("warren-{}", nix::unistd::geteuid()))
+    };
+    let digest = |p: &std::path::Path| {
+        warren_vmm::accel::file_digest(p, &cache).unwrap_or_else(|_| sha256_file(p))
+    };
     let qemu = warren_vmm::accel::find_qemu()
-        .map(|q| sha256_file(&q))
+        .map(|q| digest(&q))
         .unwrap_or_default();
-    (
-        qemu,
-        sha256_file(std::path::Path::new(warren_vmm::qemu::QBOOT)),
-    )
+    (qemu, digest(std::path::Path::new(warren_vmm::qemu::QBOOT)))
 }
 
 async fn hibernate(shared: &Shared) -> Reply {

@@ -166,9 +166,14 @@ struct BinaryIdentity {
     sha256: String,
 }
 
-/// SHA-256 of the QEMU binary, recomputed only when its identity (device, inode, size,
-/// mtime) changes: hashing it costs ~100 ms, too much for every `vm create`.
 fn qemu_digest(qemu: &Path, cache_dir: &Path) -> Result<String, VmmError> {
+    file_digest(qemu, cache_dir)
+}
+
+/// SHA-256 of a host binary (QEMU, firmware), recomputed only when its identity (device,
+/// inode, size, mtime) changes: hashing QEMU costs ~200 ms, too much for every create or
+/// resume. The record lives in `cache_dir`, named after the file.
+pub fn file_digest(qemu: &Path, cache_dir: &Path) -> Result<String, VmmError> {
     use sha2::{Digest, Sha256};
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::metadata(qemu).map_err(|e| VmmError::io("stat", qemu, e))?;
@@ -180,7 +185,11 @@ fn qemu_digest(qemu: &Path, cache_dir: &Path) -> Result<String, VmmError> {
         mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
         sha256: String::new(),
     };
-    let record = cache_dir.join("qemu-digest.json");
+    let name = qemu
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "binary".into());
+    let record = cache_dir.join(format!("{name}.digest.json"));
     if let Some(cached) = std::fs::read(&record)
         .ok()
         .and_then(|b| serde_json::from_slice::<BinaryIdentity>(&b).ok())

@@ -1,0 +1,197 @@
+//! `warren bench --suite suspend`: suspension costs, against a cold boot measured in the
+//! same run.
+//!
+//! (g) pause and resume latency (`vm suspend --mode pause` / `vm resume`, jobs frozen and
+//!     thawed, clock synced);
+//! (h) hibernate: save time and checkpoint size with the guest idle and with 128 MiB more
+//!     guest RAM touched (random bytes in the guest's tmpfs), giving the cost per GiB touched;
+//! (i) resume from hibernation to the first exec result vs a cold `vm create` to the first
+//!     exec result (target ratio <= 0.1);
+//! (j) host RSS of the VM's QEMU while paused; a hibernated VM has no process at all.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use warren_core::{CreateVm, SuspendMode, Warren, WarrenConfig};
+use warren_vmm::AccelChoice;
+
+use crate::bench::{exec_true, median, tempfile_dir, wait_job};
+use crate::cli::{BenchArgs, Cli};
+
+/// MiB of guest memory touched for the per-GiB figures.
+const TOUCH_MIB: u64 = 128;
+
+#[derive(serde::Serialize)]
+struct Report {
+    accel: String,
+    cycles: usize,
+    pause_ms_median: f64,
+    resume_from_pause_ms_median: f64,
+    hibernate_idle_ms_median: f64,
+    checkpoint_idle_mib: f64,
+    hibernate_touched_ms_median: f64,
+    checkpoint_touched_mib: f64,
+    hibernate_ms_per_gib_touched: f64,
+    checkpoint_mib_per_gib_touched: f64,
+    resume_to_first_exec_ms_median: f64,
+    cold_create_to_first_exec_ms_median: f64,
+    resume_vs_cold: f64,
+    paused_qemu_rss_mib: f64,
+    hibernated_host_rss_mib: f64,
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1000.0
+}
+
+fn rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(f64::NAN)
+}
+
+pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
+    let main = crate::commands::open(cli, None)?;
+    let state = tempfile_dir()?.join("suspend");
+    let _ = std::fs::remove_dir_all(&state);
+    let mut cfg = WarrenConfig::new(state.clone(), std::env::current_exe()?);
+    cfg.image_dir = main.config().image_dir.clone();
+    cfg.accel = args.accel.accel.parse::<AccelChoice>()?;
+    let w = Warren::open(cfg)?;
+    let r = measure(&w, args).await;
+    for vm in w.list_vms().unwrap_or_default() {
+        let _ = w.destroy_vm(&vm.id).await;
+    }
+    let _ = std::fs::remove_dir_all(&state);
+    let r = r?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        println!(
+            "accelerator: {}  (medians over {} cycles)",
+            r.accel, r.cycles
+        );
+        println!(
+            "(g) pause {:.1} ms   resume from pause {:.1} ms",
+            r.pause_ms_median, r.resume_from_pause_ms_median
+        );
+        println!(
+            "(h) hibernate idle guest {:.0} ms, checkpoint {:.0} MiB; with {TOUCH_MIB} MiB more touched {:.0} ms, {:.0} MiB  => {:.0} ms and {:.0} MiB per GiB touched",
+            r.hibernate_idle_ms_median,
+            r.checkpoint_idle_mib,
+            r.hibernate_touched_ms_median,
+            r.checkpoint_touched_mib,
+            r.hibernate_ms_per_gib_touched,
+            r.checkpoint_mib_per_gib_touched
+        );
+        println!(
+            "(i) resume from hibernation to first exec {:.0} ms   cold create to first exec {:.0} ms   ratio {:.3} (target <= 0.1)",
+            r.resume_to_first_exec_ms_median, r.cold_create_to_first_exec_ms_median, r.resume_vs_cold
+        );
+        println!(
+            "(j) host RSS: paused QEMU {:.0} MiB   hibernated {:.0} MiB (no process)",
+            r.paused_qemu_rss_mib, r.hibernated_host_rss_mib
+        );
+    }
+    Ok(0)
+}
+
+async fn first_exec(w: &Warren, vm: &str) -> Result<()> {
+    let job = w.exec_start(vm, exec_true()).await?;
+    wait_job(w, vm, job).await
+}
+
+async fn hibernate(w: &Warren, vm: &str) -> Result<(f64, f64)> {
+    let t = Instant::now();
+    w.suspend_vm(vm, SuspendMode::Hibernate, true).await?;
+    let took = ms(t);
+    let size = std::fs::metadata(w.vm_dir_path(vm).join("run/checkpoint.ram"))
+        .map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            m.blocks() as f64 * 512.0 / (1024.0 * 1024.0)
+        })
+        .context("checkpoint file")?;
+    Ok((took, size))
+}
+
+async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
+    let cycles = args.boots;
+    if cycles == 0 {
+        bail!("--boots must be positive");
+    }
+    let create = CreateVm {
+        image: Some(args.image.clone()),
+        idle_seconds: Some(0),
+        ..Default::default()
+    };
+    let (mut cold, mut pause, mut unpause, mut hib_idle, mut hib_touched, mut resume) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let (mut size_idle, mut size_touched, mut rss) = (vec![], vec![], vec![]);
+    let mut accel = String::new();
+    for i in 0..cycles {
+        eprintln!("cycle {}/{cycles}", i + 1);
+        let t = Instant::now();
+        let rec = w.create_vm(&create, &mut |_| {}).await?;
+        first_exec(w, &rec.id).await?;
+        cold.push(ms(t));
+        accel = rec.accel.clone();
+
+        let t = Instant::now();
+        w.suspend_vm(&rec.id, SuspendMode::Pause, true).await?;
+        pause.push(ms(t));
+        let sup = warren_supervisor::SupervisorClient::new(
+            &w.vm_dir_path(&rec.id).join("supervisor.sock"),
+        );
+        if let Some(p) = sup.status().await.ok().and_then(|s| s.vmm_pid) {
+            rss.push(rss_mib(p));
+        }
+        let t = Instant::now();
+        w.resume_vm(&rec.id).await?;
+        unpause.push(ms(t));
+
+        let (took, size) = hibernate(w, &rec.id).await?;
+        hib_idle.push(took);
+        size_idle.push(size);
+        let t = Instant::now();
+        first_exec(w, &rec.id).await?;
+        resume.push(ms(t));
+
+        let fill = format!("head -c {TOUCH_MIB}M /dev/urandom > /tmp/bench-fill");
+        let mut job = exec_true();
+        job.argv = vec!["sh".into(), "-c".into(), fill];
+        let id = w.exec_start(&rec.id, job).await?;
+        wait_job(w, &rec.id, id).await?;
+        let (took, size) = hibernate(w, &rec.id).await?;
+        hib_touched.push(took);
+        size_touched.push(size);
+        w.destroy_vm(&rec.id).await?;
+    }
+    let (hi, ht) = (median(&mut hib_idle), median(&mut hib_touched));
+    let (si, st) = (median(&mut size_idle), median(&mut size_touched));
+    let gib = TOUCH_MIB as f64 / 1024.0;
+    let (r, c) = (median(&mut resume), median(&mut cold));
+    Ok(Report {
+        accel,
+        cycles,
+        pause_ms_median: median(&mut pause),
+        resume_from_pause_ms_median: median(&mut unpause),
+        hibernate_idle_ms_median: hi,
+        checkpoint_idle_mib: si,
+        hibernate_touched_ms_median: ht,
+        checkpoint_touched_mib: st,
+        hibernate_ms_per_gib_touched: (ht - hi) / gib,
+        checkpoint_mib_per_gib_touched: (st - si) / gib,
+        resume_to_first_exec_ms_median: r,
+        cold_create_to_first_exec_ms_median: c,
+        resume_vs_cold: r / c,
+        paused_qemu_rss_mib: median(&mut rss),
+        hibernated_host_rss_mib: 0.0,
+    })
+}
