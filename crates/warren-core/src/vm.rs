@@ -410,7 +410,14 @@ impl Warren {
                 if !wait_supervisor_exit(&dir, Duration::from_secs(10)).await {
                     // Never leave a VM running behind a failed create.
                     kill_supervisor(&dir);
-                    wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+                    let ending = !matches!(
+                        client.status().await.map(|st| st.phase),
+                        Ok(warren_supervisor::VmPhase::Ready(_)
+                            | warren_supervisor::VmPhase::Paused(_))
+                    );
+                    if ending {
+                        wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+                    }
                 }
                 let reason = dir.read_exit().map(|r| r.reason).unwrap_or_else(|| {
                     format!("{e}; supervisor log:\n{}", tail(&dir.supervisor_log(), 10))
@@ -573,13 +580,38 @@ impl Warren {
                 // Written before the action; reconciliation settles it after a crash.
                 self.store.set_state(id, VmState::Hibernating, None, None)?;
                 if let Err(e) = client.hibernate().await {
-                    // The supervisor continued the VM (or it is gone: reconcile says so).
-                    self.store.set_state(id, before, None, None)?;
+                    // Another process (the idle policy, a shutdown) may have hibernated it
+                    // at the same time: then its supervisor is on its way out.
+                    let ending = !matches!(
+                        client.status().await.map(|st| st.phase),
+                        Ok(warren_supervisor::VmPhase::Ready(_)
+                            | warren_supervisor::VmPhase::Paused(_))
+                    );
+                    if ending {
+                        wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+                    }
+                    if !dir.supervisor_alive() && dir.read_checkpoint().is_some() {
+                        self.store.set_state(id, VmState::Hibernated, None, None)?;
+                        rec.state = VmState::Hibernated;
+                        return Ok(rec);
+                    }
+                    if dir.supervisor_alive() {
+                        // The supervisor continued the VM where it was.
+                        self.store.set_state(id, before, None, None)?;
+                    }
+                    // Otherwise the VM died: reconciliation records why.
                     return Err(e.into());
                 }
                 if !wait_supervisor_exit(&dir, Duration::from_secs(30)).await {
                     kill_supervisor(&dir);
-                    wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+                    let ending = !matches!(
+                        client.status().await.map(|st| st.phase),
+                        Ok(warren_supervisor::VmPhase::Ready(_)
+                            | warren_supervisor::VmPhase::Paused(_))
+                    );
+                    if ending {
+                        wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+                    }
                 }
                 self.store.set_state(id, VmState::Hibernated, None, None)?;
                 rec.state = VmState::Hibernated;
