@@ -633,6 +633,10 @@ impl Warren {
                 let ck = dir.read_checkpoint().ok_or_else(|| {
                     CoreError::CheckpointIncompatible(format!("{id} has no completed checkpoint"))
                 })?;
+                // The disk overlay's backing file is the image's root filesystem: it must
+                // still be the image the VM was created from.
+                let image_id = warren_image::ImageId::parse(&rec.image_id)?;
+                self.images.verify(&image_id)?;
                 let (qemu, firmware) = warren_supervisor::vmm_digests();
                 if ck.qemu_sha256 != qemu || ck.firmware_sha256 != firmware {
                     return Err(CoreError::CheckpointIncompatible(format!(
