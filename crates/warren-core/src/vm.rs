@@ -868,17 +868,11 @@ impl Warren {
         path: &str,
         sink: &mut dyn FnMut(&[u8]),
     ) -> Result<u64, CoreError> {
-        let client = self.awake_client(id).await?;
         let mut offset = 0u64;
         loop {
-            let req = HostRequest::FileRead(FileRead {
-                path: path.to_string(),
-                offset,
-                len: warren_protocol::limits::MAX_FILE_CHUNK,
-            });
-            let GuestResponse::FileData(d) = client.guest(req).await? else {
-                return Err(unexpected());
-            };
+            let d = self
+                .read_file_chunk(id, path, offset, warren_protocol::limits::MAX_FILE_CHUNK)
+                .await?;
             offset += d.data.len() as u64;
             sink(&d.data);
             if d.eof || d.data.is_empty() {
@@ -894,9 +888,7 @@ impl Warren {
         path: &str,
         source: &mut dyn std::io::Read,
     ) -> Result<u64, CoreError> {
-        let client = self.awake_client(id).await?;
         let chunk = warren_protocol::limits::MAX_FILE_CHUNK as usize;
-        let mut first = true;
         let mut total = 0u64;
         loop {
             let mut buf = vec![0u8; chunk];
@@ -911,24 +903,15 @@ impl Warren {
                 n += r;
             }
             buf.truncate(n);
-            if n == 0 && !first {
+            if n == 0 && total > 0 {
                 return Ok(total);
             }
-            let req = HostRequest::FileWrite(FileWrite {
-                path: path.to_string(),
-                mode: if first {
-                    WriteMode::Truncate
-                } else {
-                    WriteMode::At(total)
-                },
-                data: buf,
-                create_parents: true,
-            });
-            let GuestResponse::FileWritten(_) = client.guest(req).await? else {
-                return Err(unexpected());
+            let mode = if total == 0 {
+                WriteMode::Truncate
+            } else {
+                WriteMode::At(total)
             };
-            total += n as u64;
-            first = false;
+            total += self.write_file_chunk(id, path, mode, buf).await?;
             if n < chunk {
                 return Ok(total);
             }
