@@ -201,3 +201,59 @@ fn test_suspend_pause_and_hibernate_keep_processes_files_timeouts_and_clock() {
         "two resumes of one checkpoint replayed the same randomness"
     );
 }
+
+/// Faults mid-hibernate: a failed save with QEMU still running continues the VM; a supervisor
+/// that dies before the checkpoint record leaves the VM failed (never restored onto a state
+/// that may be incomplete); one that dies after it leaves the VM hibernated, and it resumes.
+#[test]
+fn test_suspend_crash_mid_hibernate_failed_or_hibernated_never_reset() {
+    common::ensure_image("minimal");
+    for (point, survives) in [
+        ("hibernate:fail-save", true),
+        ("hibernate:after-save", false),
+        ("hibernate:after-record", true),
+    ] {
+        let env = common::TestEnv::new();
+        let out = env
+            .cmd()
+            .env("WARREN_TEST_CRASH", point)
+            .args(["vm", "create", "--image", "minimal", "--json"])
+            .output()
+            .expect("create");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        let mut vm = TestVm::adopt(env, v["vm_id"].as_str().expect("id").to_string());
+        let r = vm.sh("echo marker > /tmp/m; echo $$");
+        assert_eq!(r.code, 0);
+        let out = suspend(&vm, &["--force"]);
+        if point == "hibernate:fail-save" {
+            // The save failed while QEMU ran: the migration is dropped and the VM continues.
+            assert!(!out.status.success());
+            assert_eq!(vm.state(), "running");
+            assert_eq!(vm.sh("cat /tmp/m").stdout, "marker\n");
+        } else if survives {
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert_eq!(vm.state(), "hibernated");
+            ok(vm.warren(&["vm", "resume", &vm.id]), "resume");
+            assert_eq!(vm.sh("cat /tmp/m").stdout, "marker\n");
+        } else {
+            assert!(
+                !out.status.success(),
+                "a crashed hibernation reported success"
+            );
+            assert_eq!(vm.state(), "failed", "{point}");
+            assert!(vm.qemu_pids().is_empty(), "QEMU left running after {point}");
+            let out = vm.warren(&["vm", "resume", &vm.id]);
+            assert!(!out.status.success(), "a failed VM was resumed");
+            vm.expect_failure = true;
+        }
+    }
+}

@@ -692,6 +692,9 @@ async fn hibernate(shared: &Shared) -> Reply {
         .await
         .map_err(|e| error_chain(&e))?;
         migration_done(&mut q).await?;
+        if injected("hibernate:fail-save") {
+            return Err("injected save failure".to_string());
+        }
         std::fs::File::open(&state)
             .and_then(|f| f.sync_all())
             .map_err(|e| format!("fsync {}: {e}", state.display()))
@@ -707,6 +710,7 @@ async fn hibernate(shared: &Shared) -> Reply {
         }
         return Err(refused("hibernate failed; the VM continues", e));
     }
+    crash_point("hibernate:after-save");
     let size = std::fs::metadata(&state).map(|m| m.len()).unwrap_or(0);
     let (qemu_sha256, firmware_sha256) = vmm_digests();
     let info = CheckpointInfo {
@@ -741,10 +745,25 @@ async fn hibernate(shared: &Shared) -> Reply {
             e,
         ));
     }
+    crash_point("hibernate:after-record");
     *shared.stop_reason.lock().unwrap_or_else(|p| p.into_inner()) = Some("hibernated".into());
     shared.phase.send_replace(VmPhase::Stopping);
     shared.stop.notify_one();
     Ok(SupervisorResponse::Hibernated(info))
+}
+
+fn injected(name: &str) -> bool {
+    std::env::var("WARREN_TEST_CRASH").is_ok_and(|v| v == name)
+}
+
+/// Crash-injection points for the end-to-end tests: when `WARREN_TEST_CRASH` names this
+/// point, the supervisor dies on the spot (SIGABRT, no cleanup), as a host crash would leave
+/// it; its VMM follows through the parent-death signal.
+fn crash_point(name: &str) {
+    if injected(name) {
+        tracing::error!(point = name, "injected crash");
+        std::process::abort();
+    }
 }
 
 /// Loads the checkpoint into a VMM started with `-incoming defer`, then runs it.

@@ -157,6 +157,16 @@ impl TestVm {
         }
     }
 
+    /// Takes charge of a VM created some other way in `env` (destroyed on drop).
+    pub fn adopt(env: TestEnv, id: String) -> TestVm {
+        TestVm {
+            env,
+            id,
+            expect_failure: false,
+            destroyed: false,
+        }
+    }
+
     pub fn warren(&self, args: &[&str]) -> Output {
         self.env.run(args)
     }
