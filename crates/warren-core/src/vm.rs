@@ -410,14 +410,7 @@ impl Warren {
                 if !wait_supervisor_exit(&dir, Duration::from_secs(10)).await {
                     // Never leave a VM running behind a failed create.
                     kill_supervisor(&dir);
-                    let ending = !matches!(
-                        client.status().await.map(|st| st.phase),
-                        Ok(warren_supervisor::VmPhase::Ready(_)
-                            | warren_supervisor::VmPhase::Paused(_))
-                    );
-                    if ending {
-                        wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
-                    }
+                    wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
                 }
                 let reason = dir.read_exit().map(|r| r.reason).unwrap_or_else(|| {
                     format!("{e}; supervisor log:\n{}", tail(&dir.supervisor_log(), 10))
@@ -604,14 +597,7 @@ impl Warren {
                 }
                 if !wait_supervisor_exit(&dir, Duration::from_secs(30)).await {
                     kill_supervisor(&dir);
-                    let ending = !matches!(
-                        client.status().await.map(|st| st.phase),
-                        Ok(warren_supervisor::VmPhase::Ready(_)
-                            | warren_supervisor::VmPhase::Paused(_))
-                    );
-                    if ending {
-                        wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
-                    }
+                    wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
                 }
                 self.store.set_state(id, VmState::Hibernated, None, None)?;
                 rec.state = VmState::Hibernated;

@@ -279,12 +279,8 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                     Err(e) => {
-                        let mut reason = format!("the guest agent did not come up: {e}");
-                        let mut src = std::error::Error::source(&e);
-                        while let Some(s) = src {
-                            reason.push_str(&format!(": {s}"));
-                            src = s.source();
-                        }
+                        let mut reason =
+                            format!("the guest agent did not come up: {}", error_chain(&e));
                         let lines = tail.last_lines(20);
                         if !lines.is_empty() {
                             reason.push_str(&format!("\nconsole:\n{lines}"));
@@ -486,11 +482,7 @@ async fn process(req: SupervisorRequest, shared: &Shared) -> Reply {
         ),
         SupervisorRequest::Guest(r) => {
             let ch = shared.channel(RECONNECT_WAIT).await?;
-            match ch.call(&r).await {
-                Ok(Ok(resp)) => Ok(SupervisorResponse::Guest(resp)),
-                Ok(Err(e)) => Err(SupervisorError::Guest(e)),
-                Err(e) => Err(SupervisorError::Channel(error_chain(&e))),
-            }
+            guest_call(&ch, r).await.map(SupervisorResponse::Guest)
         }
     }
 }
