@@ -515,6 +515,7 @@ impl Service {
                 SuspendModeArg::Pause => warren_core::SuspendMode::Pause,
                 SuspendModeArg::Hibernate => warren_core::SuspendMode::Hibernate,
             }),
+            mounts: vec![],
         };
         let r = self
             .warren

@@ -138,6 +138,10 @@ pub enum VmCmd {
         /// How an idle VM is suspended.
         #[arg(long, value_parser = ["pause", "hibernate"])]
         idle_mode: Option<String>,
+        /// Shares a host directory over virtio-fs: HOST:GUEST[:ro] (repeatable). Read-only is
+        /// enforced on the host; files the guest user creates belong to you.
+        #[arg(long = "mount", value_name = "HOST:GUEST[:ro]")]
+        mounts: Vec<String>,
         #[command(flatten)]
         accel: AccelArg,
         #[arg(long)]

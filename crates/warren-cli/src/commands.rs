@@ -321,11 +321,21 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             vcpus,
             idle_seconds,
             idle_mode,
+            mounts,
             accel,
             json,
         } => {
+            let owner = (
+                nix::unistd::getuid().as_raw(),
+                nix::unistd::getgid().as_raw(),
+            );
+            let mounts = mounts
+                .iter()
+                .map(|m| warren_core::vm::parse_mount(m, owner))
+                .collect::<Result<Vec<_>, _>>()?;
             let w = open(cli, Some(&accel.accel))?;
             let req = CreateVm {
+                mounts,
                 image: image.clone(),
                 memory_mib: *memory_mib,
                 vcpus: *vcpus,

@@ -76,6 +76,8 @@ impl CoreError {
             CoreError::Vmm(VmmError::AccelUnsupported(_) | VmmError::AccelParse(_)) => {
                 "invalid_argument"
             }
+            CoreError::Vmm(VmmError::VirtiofsdMissing) => "unavailable",
+            CoreError::Vmm(VmmError::BadShare(_)) => "invalid_argument",
             CoreError::Vmm(_) => "internal",
             CoreError::Supervisor(ClientError::Supervisor(SupervisorError::Guest(g))) => {
                 g.code.as_str()

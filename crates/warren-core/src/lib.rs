@@ -13,4 +13,7 @@ pub mod store;
 pub mod vm;
 
 pub use error::CoreError;
-pub use vm::{local_workspace, CreateVm, Limits, SuspendMode, Warren, WarrenConfig};
+pub use store::MountSpec;
+pub use vm::{
+    local_workspace, validate_mounts, CreateVm, Limits, SuspendMode, Warren, WarrenConfig,
+};

@@ -2,7 +2,7 @@
 //! mode and a busy timeout serialise writers, and admission runs in an immediate transaction so
 //! two creators never both pass a limit.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
 use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
@@ -76,6 +76,21 @@ pub struct VmRecord {
     pub idle_mode: String,
     /// Last exec, output read, cancel or file operation (status and list do not count).
     pub last_active_unix: u64,
+    /// Host directories shared into the guest.
+    pub mounts: Vec<MountSpec>,
+}
+
+/// One host directory shared into a VM over virtio-fs.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MountSpec {
+    /// Canonical host directory.
+    pub host: PathBuf,
+    /// Absolute guest path it is mounted at.
+    pub guest: String,
+    /// Enforced on the host side (virtiofsd `--readonly`).
+    pub read_only: bool,
+    /// The host uid/gid the guest user maps to (files the guest creates belong to it).
+    pub owner: Option<(u32, u32)>,
 }
 
 /// What the VMs already admitted hold, summed over a set of them.
@@ -115,6 +130,7 @@ const ADDED_COLUMNS: &[(&str, &str)] = &[
     ("idle_seconds", "INTEGER NOT NULL DEFAULT 300"),
     ("idle_mode", "TEXT NOT NULL DEFAULT 'hibernate'"),
     ("last_active_unix", "INTEGER NOT NULL DEFAULT 0"),
+    ("mounts", "TEXT NOT NULL DEFAULT '[]'"),
 ];
 
 impl Store {
@@ -163,8 +179,8 @@ impl Store {
         tx.execute(
             "INSERT INTO vms (id, image_id, state, reason, memory_mib, vcpus, accel, uid, created_unix, boot_ms,
                               workspace, disk_mib, generation, request_id, idle_seconds, idle_mode,
-                              last_active_unix)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
+                              last_active_unix, mounts)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)",
             params![
                 rec.id,
                 rec.image_id,
@@ -183,6 +199,7 @@ impl Store {
                 rec.idle_seconds,
                 rec.idle_mode,
                 rec.last_active_unix as i64,
+                serde_json::to_string(&rec.mounts).expect("invariant: mounts serialise"),
             ],
         )?;
         tx.commit()?;
@@ -310,6 +327,12 @@ fn row(r: &rusqlite::Row<'_>) -> Result<VmRecord, rusqlite::Error> {
         idle_seconds: r.get("idle_seconds")?,
         idle_mode: r.get("idle_mode")?,
         last_active_unix: r.get::<_, i64>("last_active_unix")? as u64,
+        mounts: {
+            let text: String = r.get("mounts")?;
+            serde_json::from_str(&text).map_err(|e| {
+                rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, e.into())
+            })?
+        },
     })
 }
 
@@ -336,6 +359,7 @@ mod tests {
             idle_seconds: 0,
             idle_mode: "hibernate".into(),
             last_active_unix: 0,
+            mounts: vec![],
         }
     }
 

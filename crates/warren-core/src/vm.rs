@@ -18,7 +18,7 @@ use warren_vmm::sys::cgroup;
 use warren_vmm::{Accel, LaunchSpec};
 
 use crate::error::CoreError;
-use crate::store::{self as vmstore, Store, Usage, VmRecord, VmState};
+use crate::store::{self as vmstore, MountSpec, Store, Usage, VmRecord, VmState};
 
 /// Default guest memory: enough for compilers in the `dev` image, cheap under TCG (only
 /// touched pages cost host memory).
@@ -75,6 +75,118 @@ pub struct CreateVm {
     pub idle_seconds: Option<u32>,
     /// How an idle VM is suspended (default hibernate).
     pub idle_mode: Option<SuspendMode>,
+    /// Host directories shared into the guest (checked by [`validate_mounts`]).
+    pub mounts: Vec<MountSpec>,
+}
+
+/// At most this many shared directories per VM.
+pub const MAX_MOUNTS: usize = 8;
+
+/// Guest paths a share may not cover: the system's own mounts.
+const RESERVED_GUEST_PATHS: &[&str] = &["/proc", "/sys", "/dev", "/run", "/tmp", "/etc", "/usr"];
+
+/// Checks shares before anything is created: absolute canonical host directories, plain
+/// absolute guest paths (`[A-Za-z0-9._/-]`, no `..`), none reserved, none twice.
+pub fn validate_mounts(mounts: &[MountSpec]) -> Result<(), CoreError> {
+    if mounts.len() > MAX_MOUNTS {
+        return Err(CoreError::InvalidArgument(format!(
+            "at most {MAX_MOUNTS} mounts per VM, got {}",
+            mounts.len()
+        )));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for m in mounts {
+        let g = &m.guest;
+        let plain = g.starts_with('/')
+            && g.len() > 1
+            && g.len() <= 256
+            && !g.ends_with('/')
+            && g.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._/-".contains(&b))
+            && g.split('/')
+                .skip(1)
+                .all(|c| !c.is_empty() && c != "." && c != "..");
+        if !plain {
+            return Err(CoreError::InvalidArgument(format!(
+                "guest mount path {g:?} must be absolute, normalised and use only [A-Za-z0-9._/-]"
+            )));
+        }
+        if let Some(r) = RESERVED_GUEST_PATHS
+            .iter()
+            .find(|r| g == *r || g.starts_with(&format!("{r}/")))
+        {
+            return Err(CoreError::InvalidArgument(format!(
+                "guest mount path {g:?} is inside the reserved {r}"
+            )));
+        }
+        if !seen.insert(g.clone()) {
+            return Err(CoreError::InvalidArgument(format!(
+                "guest mount path {g:?} given twice"
+            )));
+        }
+        let canonical =
+            std::fs::canonicalize(&m.host).map_err(|e| CoreError::io("resolve", &m.host, e))?;
+        if canonical != m.host || !canonical.is_dir() {
+            return Err(CoreError::InvalidArgument(format!(
+                "host mount path {} must be a canonical directory",
+                m.host.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Parses `HOST:GUEST[:ro]` (the CLI's `--mount`); the host path is canonicalised and the
+/// guest user maps to `owner`.
+pub fn parse_mount(arg: &str, owner: (u32, u32)) -> Result<MountSpec, CoreError> {
+    let bad = || CoreError::InvalidArgument(format!("--mount {arg:?}: expected HOST:GUEST[:ro]"));
+    let mut parts: Vec<&str> = arg.split(':').collect();
+    let read_only = match parts.last() {
+        Some(&"ro") if parts.len() == 3 => {
+            parts.pop();
+            true
+        }
+        Some(&"rw") if parts.len() == 3 => {
+            parts.pop();
+            false
+        }
+        _ => false,
+    };
+    let [host, guest] = parts[..] else {
+        return Err(bad());
+    };
+    if host.is_empty() || guest.is_empty() {
+        return Err(bad());
+    }
+    let host = std::fs::canonicalize(host).map_err(|e| CoreError::io("resolve", host, e))?;
+    Ok(MountSpec {
+        host,
+        guest: guest.to_owned(),
+        read_only,
+        owner: Some(owner),
+    })
+}
+
+/// The shares and kernel arguments for `mounts`: share `fsN` is mounted at its guest path
+/// (`warren.mount=TAG:PATH:rw|ro`, read by the guest agent at boot).
+fn shares_of(mounts: &[MountSpec]) -> (Vec<warren_vmm::backend::Share>, Vec<String>) {
+    let mut shares = Vec::new();
+    let mut args = Vec::new();
+    for (i, m) in mounts.iter().enumerate() {
+        let tag = format!("fs{i}");
+        args.push(format!(
+            "warren.mount={tag}:{}:{}",
+            m.guest,
+            if m.read_only { "ro" } else { "rw" }
+        ));
+        shares.push(warren_vmm::backend::Share {
+            tag,
+            host_dir: m.host.clone(),
+            read_only: m.read_only,
+            owner: m.owner,
+        });
+    }
+    (shares, args)
 }
 
 /// How a VM is suspended.
@@ -234,6 +346,15 @@ impl Warren {
                 "vcpus must be within {VCPUS_RANGE:?}, got {vcpus}"
             )));
         }
+        validate_mounts(&req.mounts)?;
+        let virtiofsd = if req.mounts.is_empty() {
+            None
+        } else {
+            Some(
+                warren_vmm::qemu::virtiofs::find_virtiofsd()
+                    .ok_or(warren_vmm::VmmError::VirtiofsdMissing)?,
+            )
+        };
         let t = std::time::Instant::now();
         let spec = req.image.as_deref().unwrap_or(DEFAULT_IMAGE);
         let image_id = self.images.resolve(spec)?;
@@ -275,6 +396,7 @@ impl Warren {
             uid: 0,
             created_unix: now_unix(),
             boot_ms: None,
+            mounts: req.mounts.clone(),
         };
         let add = Usage {
             vms: 1,
@@ -292,7 +414,7 @@ impl Warren {
                 req.host_limits
                     .check("host", vmstore::usage(tx, None)?, add)
             })?;
-        match self.start(&rec, &image, accel).await {
+        match self.start(&rec, &image, accel, virtiofsd).await {
             Ok(boot_ms) => {
                 self.store
                     .set_state(&id, VmState::Running, None, Some(boot_ms))?;
@@ -314,6 +436,7 @@ impl Warren {
         rec: &VmRecord,
         image: &VerifiedImage,
         accel: Accel,
+        virtiofsd: Option<PathBuf>,
     ) -> Result<u64, CoreError> {
         let dir = self.vm_dir(&rec.id);
         // The VM directory is root's (0711: the VMM may only traverse it); the VMM's own
@@ -354,6 +477,7 @@ impl Warren {
         } else {
             None
         };
+        let (shares, extra_cmdline) = shares_of(&rec.mounts);
         let cfg = SupervisorConfig {
             vm_id: rec.id.clone(),
             launch: LaunchSpec {
@@ -366,10 +490,12 @@ impl Warren {
                 memory: MemMib(rec.memory_mib),
                 vcpus: rec.vcpus,
                 accel,
-                extra_cmdline: vec![],
+                extra_cmdline,
                 run_as,
                 cgroup,
                 incoming: false,
+                shares,
+                virtiofsd,
             },
             boot_timeout_ms: self.cfg.boot_timeout.as_millis() as u64,
             restore: false,

@@ -7,7 +7,9 @@
 //!    way busybox `switch_root` does (the agent stays PID 1 and keeps running);
 //! 5. `system`: tmpfs, devpts, hostname;
 //! 6. `cgroup`: cgroup2 (`favordynmods`) with `jobs/` holding one cgroup per job;
-//! 7. `port`: find and open the virtio-serial port, once, never to be closed;
+//! 7. `shares`: mount the host directories named by `warren.mount=TAG:PATH:rw|ro` kernel
+//!    arguments (virtio-fs; read-only is also enforced by the host's virtiofsd);
+//! 8. `port`: find and open the virtio-serial port, once, never to be closed;
 //!
 //! then [`serve`] starts the agent and prints `READY_LINE`. A failing phase prints
 //! `guest: <phase> failed: <error chain>` on the console and powers the VM off.
@@ -113,11 +115,13 @@ fn do_mount(
 /// Runs the boot phases; on failure returns the phase name and the error.
 pub fn boot() -> Result<Booted, (&'static str, BootError)> {
     early_mounts().map_err(|e| ("early-mounts", e))?;
-    let deferred = load_modules().map_err(|e| ("modules", e))?;
+    let shares = shares_from_cmdline().map_err(|e| ("shares", e))?;
+    let deferred = load_modules(!shares.is_empty()).map_err(|e| ("modules", e))?;
     let secret = read_secret().map_err(|e| ("secret", e))?;
     switch_root().map_err(|e| ("root", e))?;
     system_setup().map_err(|e| ("system", e))?;
     cgroup_setup().map_err(|e| ("cgroup", e))?;
+    mount_shares(&shares).map_err(|e| ("shares", e))?;
     let port = open_port().map_err(|e| ("port", e))?;
     Ok(Booted {
         port,
@@ -155,10 +159,76 @@ fn early_mounts() -> Phase<()> {
 /// Everything else in the list (network, vsock, overlay) is loaded after the agent is ready,
 /// which takes ~0.3 s off every boot under TCG.
 const BOOT_CRITICAL_MODULES: &[&str] = &["virtio", "virtio_ring", "virtio_mmio", "virtio_blk"];
+/// Also boot-critical when the VM has shares.
+const SHARE_MODULES: &[&str] = &["fuse", "virtiofs"];
 
-/// Loads the boot-critical modules; opens the others (their files vanish at switch-root) and
-/// returns them for [`load_deferred_modules`].
-fn load_modules() -> Phase<Vec<(String, File)>> {
+/// A host directory to mount, from `warren.mount=TAG:PATH:rw|ro` on the kernel command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ShareMount {
+    tag: String,
+    path: String,
+    read_only: bool,
+}
+
+/// Parses the `warren.mount=` arguments of `cmdline`.
+fn parse_shares(cmdline: &str) -> Phase<Vec<ShareMount>> {
+    let mut out = Vec::new();
+    for arg in cmdline.split_whitespace() {
+        let Some(v) = arg.strip_prefix("warren.mount=") else {
+            continue;
+        };
+        let parts: Vec<&str> = v.split(':').collect();
+        let [tag, path, mode] = parts[..] else {
+            return Err(BootError::Other(format!("malformed {arg}")));
+        };
+        let read_only = match mode {
+            "ro" => true,
+            "rw" => false,
+            _ => return Err(BootError::Other(format!("malformed {arg}"))),
+        };
+        if tag.is_empty() || !path.starts_with('/') || path.split('/').any(|c| c == "..") {
+            return Err(BootError::Other(format!("malformed {arg}")));
+        }
+        out.push(ShareMount {
+            tag: tag.to_owned(),
+            path: path.to_owned(),
+            read_only,
+        });
+    }
+    Ok(out)
+}
+
+fn shares_from_cmdline() -> Phase<Vec<ShareMount>> {
+    let cmdline = fs::read_to_string("/proc/cmdline").map_err(io_err("read", "/proc/cmdline"))?;
+    parse_shares(&cmdline)
+}
+
+/// Mounts each share (after switch-root, so on the real root), creating mount points.
+fn mount_shares(shares: &[ShareMount]) -> Phase<()> {
+    for s in shares {
+        fs::create_dir_all(&s.path).map_err(io_err("mkdir", &s.path))?;
+        let mut flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+        if s.read_only {
+            flags |= MsFlags::MS_RDONLY;
+        }
+        mount(
+            Some(s.tag.as_str()),
+            s.path.as_str(),
+            Some("virtiofs"),
+            flags,
+            None::<&str>,
+        )
+        .map_err(|source| BootError::Mount {
+            target: s.path.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+/// Loads the boot-critical modules (plus fuse and virtiofs when `shares`); opens the others
+/// (their files vanish at switch-root) and returns them for [`load_deferred_modules`].
+fn load_modules(shares: bool) -> Phase<Vec<(String, File)>> {
     let list = match fs::read_to_string(MODULE_LIST) {
         Ok(list) => list,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -175,7 +245,7 @@ fn load_modules() -> Phase<Vec<(String, File)>> {
             .and_then(|n| n.to_str())
             .and_then(|n| n.split('.').next())
             .unwrap_or("");
-        if BOOT_CRITICAL_MODULES.contains(&stem) {
+        if BOOT_CRITICAL_MODULES.contains(&stem) || (shares && SHARE_MODULES.contains(&stem)) {
             load_module(path, &file)?;
         } else {
             deferred.push((path.to_owned(), file));
@@ -451,5 +521,47 @@ pub fn power_off() -> ! {
     println!("guest: poweroff failed: {e}");
     loop {
         std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_parse_shares_reads_mount_args_only() {
+        let got = parse_shares(
+            "console=ttyS0 quiet warren.mount=fs0:/workspace:rw warren.mount=fs1:/.src:ro x=1",
+        )
+        .unwrap();
+        assert_eq!(
+            got,
+            vec![
+                ShareMount {
+                    tag: "fs0".into(),
+                    path: "/workspace".into(),
+                    read_only: false
+                },
+                ShareMount {
+                    tag: "fs1".into(),
+                    path: "/.src".into(),
+                    read_only: true
+                },
+            ]
+        );
+        assert!(parse_shares("quiet").unwrap().is_empty());
+    }
+
+    #[test]
+    fn test_parse_shares_rejects_malformed() {
+        for bad in [
+            "warren.mount=fs0:/w",
+            "warren.mount=fs0:/w:rx",
+            "warren.mount=:/w:rw",
+            "warren.mount=fs0:w:rw",
+            "warren.mount=fs0:/a/../b:rw",
+        ] {
+            assert!(parse_shares(bad).is_err(), "{bad}");
+        }
     }
 }

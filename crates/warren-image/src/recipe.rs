@@ -37,6 +37,8 @@ pub const AGENT_MODULES: &[&str] = &[
     "vmw_vsock_virtio_transport_common",
     "vmw_vsock_virtio_transport",
     "overlay",
+    "fuse",
+    "virtiofs",
 ];
 
 /// UID and GID of the unprivileged guest user `user`.

@@ -182,6 +182,8 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
     };
     let mut child = launched.child;
     let endpoints = launched.endpoints;
+    // virtiofsd processes: they exit when QEMU disconnects; held here so they are reaped.
+    let _device_helpers = launched.helpers;
     tracing::info!(vm = %cfg.vm_id, pid = ?child.id(), "VMM launched");
 
     let (phase, _) = watch::channel(VmPhase::Booting);

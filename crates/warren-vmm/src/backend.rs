@@ -38,6 +38,26 @@ pub struct LaunchSpec {
     /// of booting.
     #[serde(default)]
     pub incoming: bool,
+    /// Host directories shared into the guest over virtio-fs, one virtiofsd each.
+    #[serde(default)]
+    pub shares: Vec<Share>,
+    /// The virtiofsd binary; required when `shares` is not empty.
+    #[serde(default)]
+    pub virtiofsd: Option<PathBuf>,
+}
+
+/// One host directory shared into the guest (virtio-fs). The guest mounts it by `tag`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Share {
+    /// virtio-fs tag: `[a-z0-9]{1,16}`, unique per VM.
+    pub tag: String,
+    /// Canonical host directory.
+    pub host_dir: PathBuf,
+    /// Enforced by virtiofsd on the host (`--readonly`), whatever the guest mounts.
+    pub read_only: bool,
+    /// Host uid/gid that the guest user (uid/gid 1000) maps to, both ways: files the guest
+    /// creates belong to it, and its files appear as the guest user's.
+    pub owner: Option<(u32, u32)>,
 }
 
 /// Where a launched VM's endpoints are.
@@ -55,6 +75,9 @@ pub struct VmEndpoints {
 pub struct LaunchedVm {
     pub child: tokio::process::Child,
     pub endpoints: VmEndpoints,
+    /// Device backends started for this VM (virtiofsd, one per share). They exit when the
+    /// VMM disconnects; the VM's cgroup reaps any leftover.
+    pub helpers: Vec<tokio::process::Child>,
 }
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -14,6 +14,10 @@ pub enum VmmError {
         #[source]
         source: std::io::Error,
     },
+    #[error("this VM shares host directories but virtiofsd was not found (scripts/setup.sh installs it with `cargo install virtiofsd`; or set WARREN_VIRTIOFSD)")]
+    VirtiofsdMissing,
+    #[error("invalid share: {0}")]
+    BadShare(String),
     #[error("accelerator {0} is not supported on this host")]
     AccelUnsupported(String),
     #[error("unknown accelerator {0:?} (expected kvm, hvf, tcg or auto)")]

@@ -28,7 +28,21 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
         "-name",
         &format!("warren-{},process=warren-{}", spec.name, spec.name),
     ]);
-    push(&["-M", "microvm,acpi=on"]);
+    if spec.shares.is_empty() {
+        push(&["-M", "microvm,acpi=on"]);
+    } else {
+        // vhost-user devices need guest RAM the device backend can map: a shared memfd
+        // (released with the process; hibernate still writes it into the checkpoint).
+        push(&[
+            "-object",
+            &format!(
+                "memory-backend-memfd,id=mem,size={}M,share=on",
+                spec.memory.0
+            ),
+            "-M",
+            "microvm,acpi=on,memory-backend=mem",
+        ]);
+    }
     push(&spec.accel.qemu_args());
     if spec.accel == crate::Accel::Kvm {
         push(&["-cpu", "host"]);
@@ -85,6 +99,18 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
         "-device",
         "virtio-blk-device,drive=root",
     ]);
+    for share in &spec.shares {
+        let id = format!("fs-{}", share.tag);
+        push(&[
+            "-chardev",
+            &format!(
+                "socket,id={id},path={}",
+                super::virtiofs::socket_path(&spec.run_dir, &share.tag).display()
+            ),
+            "-device",
+            &format!("vhost-user-fs-device,chardev={id},tag={}", share.tag),
+        ]);
+    }
     push(&[
         "-qmp",
         &format!("unix:{},server=on,wait=off", ep.control.display()),
@@ -123,6 +149,8 @@ mod tests {
             run_as: None,
             cgroup: None,
             incoming: false,
+            shares: vec![],
+            virtiofsd: None,
         }
     }
 

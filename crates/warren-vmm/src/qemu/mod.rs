@@ -7,6 +7,7 @@
 
 mod cmdline;
 pub mod qmp;
+pub mod virtiofs;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -65,6 +66,7 @@ impl VmBackend for QemuBackend {
                 Err(e) => return Err(VmmError::io("remove", p, e)),
             }
         }
+        let helpers = virtiofs::spawn_all(spec)?;
         let args = qemu_args(spec, &endpoints, self.tsc_khz);
         let mut cmd = tokio::process::Command::new(&self.qemu);
         cmd.args(&args)
@@ -83,7 +85,11 @@ impl VmBackend for QemuBackend {
         if let (Some(cg), Some(pid)) = (&spec.cgroup, child.id()) {
             crate::sys::cgroup::add_pid(cg, pid)?;
         }
-        Ok(LaunchedVm { child, endpoints })
+        Ok(LaunchedVm {
+            child,
+            endpoints,
+            helpers,
+        })
     }
 
     fn control<'a>(

@@ -27,3 +27,26 @@ pub fn confine(cmd: &mut std::process::Command, run_as: Option<(u32, u32)>) {
         });
     }
 }
+
+/// The fd number a passed listening socket gets in the child.
+pub const PASSED_FD: i32 = 3;
+
+/// Makes `fd` (a listening socket the caller keeps open until spawn returns) the child's fd
+/// [`PASSED_FD`], without close-on-exec.
+pub fn pass_fd(cmd: &mut std::process::Command, fd: std::os::fd::RawFd) {
+    // SAFETY: runs in the forked child before exec; dup2 and fcntl are async-signal-safe and
+    // only touch the child's descriptor table.
+    unsafe {
+        cmd.pre_exec(move || {
+            let rc = if fd == PASSED_FD {
+                nix::libc::fcntl(fd, nix::libc::F_SETFD, 0)
+            } else {
+                nix::libc::dup2(fd, PASSED_FD)
+            };
+            if rc < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}

@@ -1,0 +1,194 @@
+//! virtio-fs shares: one sandboxed virtiofsd per shared directory, started before QEMU on a
+//! listening socket Warren creates (so QEMU, running as the VM's uid, can connect without a
+//! wait for the daemon to create its own socket).
+
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use crate::backend::{LaunchSpec, Share};
+use crate::error::VmmError;
+
+/// The guest user's uid and gid (the image recipe's `user`).
+const GUEST_USER: u32 = 1000;
+
+/// The vhost-user socket of share `tag` in the VM's run directory.
+pub fn socket_path(run_dir: &Path, tag: &str) -> PathBuf {
+    run_dir.join(format!("fs-{tag}.sock"))
+}
+
+/// Checks what the guest and virtiofsd rely on: short alphanumeric tags, unique, absolute
+/// existing directories.
+pub fn validate(shares: &[Share]) -> Result<(), VmmError> {
+    let mut seen = std::collections::HashSet::new();
+    for s in shares {
+        let ok = !s.tag.is_empty()
+            && s.tag.len() <= 16
+            && s.tag
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+        if !ok {
+            return Err(VmmError::BadShare(format!(
+                "tag {:?} must be 1-16 characters [a-z0-9]",
+                s.tag
+            )));
+        }
+        if !seen.insert(&s.tag) {
+            return Err(VmmError::BadShare(format!("tag {:?} used twice", s.tag)));
+        }
+        if !s.host_dir.is_absolute() || !s.host_dir.is_dir() {
+            return Err(VmmError::BadShare(format!(
+                "{} is not an existing absolute directory",
+                s.host_dir.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// virtiofsd's arguments for `share`, listening on fd [`crate::sys::process::PASSED_FD`].
+pub fn virtiofsd_args(share: &Share) -> Vec<String> {
+    let mut a: Vec<String> = vec![
+        format!("--fd={}", crate::sys::process::PASSED_FD),
+        format!("--shared-dir={}", share.host_dir.display()),
+        // Its own mount namespace with the shared directory as root, plus seccomp.
+        "--sandbox=namespace".into(),
+        // Coherent with host-side edits: attributes and pages are revalidated.
+        "--cache=auto".into(),
+        // Restoring a hibernated VM after host-side deletions must not fail: the affected
+        // files return errors in the guest instead (PLATFORM.md, QEMU 10).
+        "--migration-on-error=guest-error".into(),
+        "--log-level=error".into(),
+    ];
+    if share.read_only {
+        a.push("--readonly".into());
+    }
+    if let Some((uid, gid)) = share.owner {
+        for (flag, host) in [("--translate-uid", uid), ("--translate-gid", gid)] {
+            // The guest user and the owner are the same person both ways; guest root acts as
+            // the owner on the host; every other guest id is refused, so no file ever lands on
+            // the host under some unrelated account.
+            a.push(format!("{flag}=map:{GUEST_USER}:{host}:1"));
+            a.push(format!("{flag}=squash-guest:0:{host}:1"));
+            a.push(format!("{flag}=forbid-guest:1:{}", GUEST_USER - 1));
+            a.push(format!(
+                "{flag}=forbid-guest:{}:{}",
+                GUEST_USER + 1,
+                u32::MAX - GUEST_USER - 1
+            ));
+        }
+    }
+    a
+}
+
+/// Starts one virtiofsd per share. Each gets a listening socket created here (owned by the
+/// VMM's uid) as fd 3, joins the VM's cgroup, and dies with the supervisor.
+pub fn spawn_all(spec: &LaunchSpec) -> Result<Vec<tokio::process::Child>, VmmError> {
+    if spec.shares.is_empty() {
+        return Ok(Vec::new());
+    }
+    validate(&spec.shares)?;
+    let bin = spec.virtiofsd.as_ref().ok_or(VmmError::VirtiofsdMissing)?;
+    let mut children = Vec::new();
+    for share in &spec.shares {
+        let sock = socket_path(&spec.run_dir, &share.tag);
+        match std::fs::remove_file(&sock) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(VmmError::io("remove", &sock, e)),
+        }
+        let listener = UnixListener::bind(&sock).map_err(|e| VmmError::io("bind", &sock, e))?;
+        if let Some((uid, gid)) = spec.run_as {
+            std::os::unix::fs::chown(&sock, Some(uid), Some(gid))
+                .map_err(|e| VmmError::io("chown", &sock, e))?;
+        }
+        let log = spec
+            .stderr_log
+            .with_file_name(format!("virtiofsd-{}.log", share.tag));
+        let mut cmd = std::process::Command::new(bin);
+        cmd.args(virtiofsd_args(share))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(
+                std::fs::File::create(&log).map_err(|e| VmmError::io("create", &log, e))?,
+            ));
+        // virtiofsd needs root for its namespace sandbox and to act as the owner; it is not
+        // run as the VMM's uid.
+        crate::sys::process::confine(&mut cmd, None);
+        crate::sys::process::pass_fd(&mut cmd, listener.as_raw_fd());
+        let child = tokio::process::Command::from(cmd)
+            .kill_on_drop(false)
+            .spawn()
+            .map_err(|source| VmmError::Spawn {
+                program: bin.display().to_string(),
+                source,
+            })?;
+        drop(listener);
+        if let (Some(cg), Some(pid)) = (&spec.cgroup, child.id()) {
+            crate::sys::cgroup::add_pid(cg, pid)?;
+        }
+        children.push(child);
+    }
+    Ok(children)
+}
+
+/// Finds virtiofsd: `$WARREN_VIRTIOFSD`, then `PATH`, then where `cargo install` and Debian's
+/// package put it.
+pub fn find_virtiofsd() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("WARREN_VIRTIOFSD") {
+        return Some(PathBuf::from(p));
+    }
+    let mut candidates: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join("virtiofsd"))
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Some(home) = std::env::var_os("HOME") {
+        candidates.push(PathBuf::from(home).join(".cargo/bin/virtiofsd"));
+    }
+    candidates.push(PathBuf::from("/root/.cargo/bin/virtiofsd"));
+    candidates.push(PathBuf::from("/usr/local/bin/virtiofsd"));
+    candidates.push(PathBuf::from("/usr/libexec/virtiofsd"));
+    candidates.into_iter().find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn share(tag: &str) -> Share {
+        Share {
+            tag: tag.into(),
+            host_dir: PathBuf::from("/tmp"),
+            read_only: true,
+            owner: Some((1234, 1235)),
+        }
+    }
+
+    #[test]
+    fn test_virtiofsd_args_readonly_and_owner_mapping() {
+        let a = virtiofsd_args(&share("ws0")).join(" ");
+        assert!(a.contains("--readonly"));
+        assert!(a.contains("--translate-uid=map:1000:1234:1"));
+        assert!(a.contains("--translate-gid=map:1000:1235:1"));
+        assert!(a.contains("--translate-uid=squash-guest:0:1234:1"));
+        assert!(a.contains("--translate-uid=forbid-guest:1:999"));
+        assert!(a.contains("--migration-on-error=guest-error"));
+        assert!(a.contains("--sandbox=namespace"));
+    }
+
+    #[test]
+    fn test_validate_rejects_bad_tags_and_duplicates() {
+        assert!(validate(&[share("ws0"), share("src")]).is_ok());
+        assert!(validate(&[share("WS")]).is_err());
+        assert!(validate(&[share("")]).is_err());
+        assert!(validate(&[share("a b")]).is_err());
+        assert!(validate(&[share("ws0"), share("ws0")]).is_err());
+        let mut rel = share("x");
+        rel.host_dir = PathBuf::from("relative");
+        assert!(validate(&[rel]).is_err());
+    }
+}
