@@ -98,7 +98,14 @@ impl TestEnv {
 
     /// `vm create --image <image>`; panics with the CLI's message on failure. Returns the id.
     pub fn create_vm(&self, image: &str) -> String {
-        let out = self.run(&["vm", "create", "--image", image, "--json"]);
+        self.create_vm_with(image, &[])
+    }
+
+    /// `vm create --image <image> <extra...>`.
+    pub fn create_vm_with(&self, image: &str, extra: &[&str]) -> String {
+        let mut args = vec!["vm", "create", "--image", image, "--json"];
+        args.extend_from_slice(extra);
+        let out = self.run(&args);
         assert!(
             out.status.success(),
             "vm create failed: {}",
