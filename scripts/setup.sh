@@ -21,7 +21,8 @@ qemu_ok() {
     qemu-system-x86_64 --version | grep -Eq 'version (1[0-9]|9)\.' &&
     [ -f /usr/share/qemu/qboot.rom ]
 }
-for p in debootstrap e2fsprogs kmod qemu-utils ca-certificates; do
+# libcap-ng-dev and libseccomp-dev: to build virtiofsd (not packaged in bookworm); git: sessions.
+for p in debootstrap e2fsprogs kmod qemu-utils ca-certificates git pkg-config libcap-ng-dev libseccomp-dev; do
   dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p")
 done
 if ! qemu_ok || [ ${#need_pkgs[@]} -gt 0 ]; then
@@ -41,6 +42,15 @@ qemu_ok || { echo "QEMU >= 9 with qboot is required" >&2; exit 1; }
 if ! command -v cargo >/dev/null; then
   echo "cargo is required (rustup toolchain from rust-toolchain.toml)" >&2
   exit 1
+fi
+
+# virtiofsd shares host directories (session workspaces, --mount) into guests. The daemon
+# finds it on PATH or in ~/.cargo/bin (or WARREN_VIRTIOFSD).
+VIRTIOFSD_VERSION=1.14.0
+if ! { command -v virtiofsd || ls ~/.cargo/bin/virtiofsd; } >/dev/null 2>&1 ||
+  ! { virtiofsd --version 2>/dev/null || ~/.cargo/bin/virtiofsd --version; } | grep -q "$VIRTIOFSD_VERSION"; then
+  echo "==> installing virtiofsd $VIRTIOFSD_VERSION (crates.io)"
+  cargo install --locked virtiofsd --version "$VIRTIOFSD_VERSION"
 fi
 
 echo "==> building warren and the static guest agent"
