@@ -51,12 +51,98 @@ pub enum Command {
     /// Workspace credentials for the service (an operator action).
     #[command(subcommand)]
     Token(TokenCmd),
+    /// Sessions: a private copy of a git project mounted at /workspace of a VM of its own.
+    #[command(subcommand)]
+    Session(SessionCmd),
+    /// Runs a coding agent (or a shell, or CMD) in the current project's session VM,
+    /// creating the session on first use. Interactive with a terminal, streamed otherwise.
+    Run(RunArgs),
     /// Runs the per-VM supervisor (started by `vm create`, not by hand).
     #[command(hide = true)]
     Supervise {
         #[arg(long)]
         vm_dir: PathBuf,
     },
+}
+
+/// VM devices, with the same names as `vm create`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct DeviceArgs {
+    /// Image id, unique id prefix, or recipe name. Default: dev.
+    #[arg(long)]
+    pub image: Option<String>,
+    #[arg(long)]
+    pub memory_mib: Option<u32>,
+    #[arg(long)]
+    pub vcpus: Option<u32>,
+    /// Also share a host directory: HOST:GUEST[:ro] (repeatable; read-only enforced on the
+    /// host).
+    #[arg(long = "mount", value_name = "HOST:GUEST[:ro]")]
+    pub mounts: Vec<String>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum SessionCmd {
+    /// Copies the project (HEAD, index, unstaged and untracked non-ignored files, with its own
+    /// git directory) and boots a VM with the copy at /workspace.
+    Create {
+        /// A directory inside a git checkout (its toplevel is used).
+        #[arg(long)]
+        repo: PathBuf,
+        /// Default: the project's directory name (made unique).
+        #[arg(long)]
+        name: Option<String>,
+        /// Mount REPO itself read-write instead of a copy (no git needed).
+        #[arg(long)]
+        direct: bool,
+        #[command(flatten)]
+        devices: DeviceArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Lists your sessions.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// What deleting the session would lose: uncommitted paths and unexported commits.
+    Status {
+        session: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Brings the session's commits into the source repository as a branch.
+    Export {
+        session: String,
+        /// Default: warren/<session name>.
+        #[arg(long)]
+        branch: Option<String>,
+    },
+    /// Destroys the session's VM and its copy; refuses while work would be lost.
+    Delete {
+        session: String,
+        /// Delete even with uncommitted changes or unexported commits.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// claude, codex, opencode or shell (default: shell).
+    #[arg(value_parser = ["claude", "codex", "opencode", "shell"])]
+    pub agent: Option<String>,
+    /// Run this instead of the agent's own command.
+    #[arg(last = true)]
+    pub command: Vec<String>,
+    #[command(flatten)]
+    pub devices: DeviceArgs,
+    /// Replace the session's VM (needed to change its devices).
+    #[arg(long)]
+    pub recreate: bool,
+    /// Mount the project directory itself instead of a copy (first run only).
+    #[arg(long)]
+    pub direct: bool,
 }
 
 #[derive(Subcommand, Debug)]

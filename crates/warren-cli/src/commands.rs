@@ -70,6 +70,8 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::Bench(args) => crate::bench::run(&cli, args).await,
         Command::Serve { config } => serve(config).await,
         Command::Token(cmd) => token(&cli, cmd),
+        Command::Session(cmd) => crate::session_cmd::session(&cli, cmd).await,
+        Command::Run(args) => crate::session_cmd::run(&cli, args).await,
         Command::Shutdown { .. } => shutdown(&cli).await,
         Command::Supervise { .. } => unreachable!("handled before the runtime starts"),
     }
@@ -522,7 +524,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
 
 /// Streams a job's output to our stdout/stderr as it arrives; returns its exit code.
 /// Ctrl-C cancels the job (its whole process tree) and still drains what it printed.
-async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> {
+pub(crate) async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> {
     let mut cursor = Cursor::default();
     let mut interrupted = false;
     let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());

@@ -8,6 +8,7 @@ mod bench_service;
 mod bench_suspend;
 mod cli;
 mod commands;
+mod session_cmd;
 
 use clap::Parser;
 

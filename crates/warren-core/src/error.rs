@@ -26,6 +26,12 @@ pub enum CoreError {
     Busy(String),
     #[error("cannot resume: {0}")]
     CheckpointIncompatible(String),
+    #[error("no session {0}")]
+    SessionNotFound(String),
+    #[error("conflict: {0}")]
+    Conflict(String),
+    #[error("session: {0}")]
+    Session(String),
     #[error("the VM failed to boot: {0}")]
     BootFailed(String),
     #[error(transparent)]
@@ -69,6 +75,9 @@ impl CoreError {
             CoreError::QuotaExceeded(_) => "quota_exceeded",
             CoreError::Busy(_) => "busy",
             CoreError::CheckpointIncompatible(_) => "conflict",
+            CoreError::SessionNotFound(_) => "not_found",
+            CoreError::Conflict(_) => "conflict",
+            CoreError::Session(_) => "internal",
             CoreError::Image(ImageError::NotFound(_)) => "not_found",
             CoreError::Image(ImageError::Ambiguous(_)) => "invalid_argument",
             CoreError::Image(ImageError::DigestMismatch { .. }) => "integrity",

@@ -9,11 +9,13 @@
 
 pub mod error;
 pub mod output;
+pub mod session;
 pub mod store;
 pub mod vm;
 
 pub use error::CoreError;
-pub use store::MountSpec;
+pub use session::{CreateSession, SessionDevices};
+pub use store::{MountSpec, SessionRecord};
 pub use vm::{
     local_workspace, validate_mounts, CreateVm, Limits, SuspendMode, Warren, WarrenConfig,
 };

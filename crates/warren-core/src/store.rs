@@ -121,6 +121,48 @@ CREATE TABLE IF NOT EXISTS vms (
     boot_ms INTEGER
 );";
 
+/// Sessions: a workspace copy of a project (or a project directory itself, `direct`) and
+/// the VM it is mounted in.
+const SESSION_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    workspace TEXT NOT NULL,
+    owner_uid INTEGER NOT NULL,
+    owner_gid INTEGER NOT NULL,
+    source TEXT NOT NULL,
+    source_git TEXT,
+    dir TEXT NOT NULL,
+    direct INTEGER NOT NULL,
+    vm_id TEXT,
+    created_unix INTEGER NOT NULL,
+    devices TEXT NOT NULL,
+    UNIQUE (workspace, name)
+);";
+
+/// One session's record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SessionRecord {
+    pub id: String,
+    pub name: String,
+    pub workspace: String,
+    pub owner_uid: u32,
+    pub owner_gid: u32,
+    /// The project: the canonical git toplevel (or the directory itself when `direct`).
+    pub source: PathBuf,
+    /// The source repository's common git directory (none when `direct`).
+    pub source_git: Option<PathBuf>,
+    /// The session directory (the copy lives in `dir/workspace`); unused when `direct`.
+    pub dir: PathBuf,
+    pub direct: bool,
+    /// The session's VM, while it has one.
+    pub vm_id: Option<String>,
+    pub created_unix: u64,
+    /// What the VM was created with (image, memory, vcpus, extra mounts), compared by
+    /// `warren run` to refuse silently different devices.
+    pub devices: serde_json::Value,
+}
+
 /// Columns added after the first release, with their defaults for existing rows.
 const ADDED_COLUMNS: &[(&str, &str)] = &[
     ("workspace", "TEXT NOT NULL DEFAULT 'local-0'"),
@@ -139,6 +181,7 @@ impl Store {
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.execute_batch(SCHEMA)?;
+        conn.execute_batch(SESSION_SCHEMA)?;
         migrate(&conn)?;
         Ok(Store {
             conn: Mutex::new(conn),
@@ -263,6 +306,58 @@ impl Store {
     }
 
     /// A VM using `image_id`, if any.
+    pub fn insert_session(&self, s: &SessionRecord) -> Result<(), rusqlite::Error> {
+        self.conn().execute(
+            "INSERT INTO sessions (id, name, workspace, owner_uid, owner_gid, source, source_git,
+                                   dir, direct, vm_id, created_unix, devices)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+            params![
+                s.id,
+                s.name,
+                s.workspace,
+                s.owner_uid,
+                s.owner_gid,
+                s.source.to_string_lossy(),
+                s.source_git.as_ref().map(|p| p.to_string_lossy().into_owned()),
+                s.dir.to_string_lossy(),
+                s.direct,
+                s.vm_id,
+                s.created_unix as i64,
+                s.devices.to_string(),
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Sessions, oldest first; only `workspace`'s when given.
+    pub fn sessions(&self, workspace: Option<&str>) -> Result<Vec<SessionRecord>, rusqlite::Error> {
+        let conn = self.conn();
+        let mut st = conn.prepare(
+            "SELECT * FROM sessions WHERE ?1 IS NULL OR workspace = ?1 ORDER BY created_unix, id",
+        )?;
+        let rows = st.query_map(params![workspace], session_row)?;
+        rows.collect()
+    }
+
+    pub fn set_session_vm(
+        &self,
+        id: &str,
+        vm_id: Option<&str>,
+        devices: &serde_json::Value,
+    ) -> Result<(), rusqlite::Error> {
+        self.conn().execute(
+            "UPDATE sessions SET vm_id = ?2, devices = ?3 WHERE id = ?1",
+            params![id, vm_id, devices.to_string()],
+        )?;
+        Ok(())
+    }
+
+    pub fn delete_session(&self, id: &str) -> Result<(), rusqlite::Error> {
+        self.conn()
+            .execute("DELETE FROM sessions WHERE id = ?1", params![id])?;
+        Ok(())
+    }
+
     pub fn vm_using_image(&self, image_id: &str) -> Result<Option<String>, rusqlite::Error> {
         self.conn()
             .query_row(
@@ -306,6 +401,26 @@ fn migrate(conn: &Connection) -> Result<(), rusqlite::Error> {
     conn.execute_batch(
         "CREATE UNIQUE INDEX IF NOT EXISTS vms_request ON vms (workspace, request_id)",
     )
+}
+
+fn session_row(r: &rusqlite::Row<'_>) -> Result<SessionRecord, rusqlite::Error> {
+    let devices: String = r.get("devices")?;
+    Ok(SessionRecord {
+        id: r.get("id")?,
+        name: r.get("name")?,
+        workspace: r.get("workspace")?,
+        owner_uid: r.get("owner_uid")?,
+        owner_gid: r.get("owner_gid")?,
+        source: PathBuf::from(r.get::<_, String>("source")?),
+        source_git: r.get::<_, Option<String>>("source_git")?.map(PathBuf::from),
+        dir: PathBuf::from(r.get::<_, String>("dir")?),
+        direct: r.get("direct")?,
+        vm_id: r.get("vm_id")?,
+        created_unix: r.get::<_, i64>("created_unix")? as u64,
+        devices: serde_json::from_str(&devices).map_err(|e| {
+            rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, e.into())
+        })?,
+    })
 }
 
 fn row(r: &rusqlite::Row<'_>) -> Result<VmRecord, rusqlite::Error> {

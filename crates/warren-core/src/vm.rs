@@ -293,6 +293,10 @@ impl Warren {
         &self.cfg
     }
 
+    pub(crate) fn store(&self) -> &Store {
+        &self.store
+    }
+
     fn vm_dir(&self, id: &str) -> VmDir {
         VmDir(self.cfg.state_dir.join("vms").join(id))
     }
@@ -1090,7 +1094,7 @@ fn kill_supervisor(dir: &VmDir) {
     }
 }
 
-fn now_unix() -> u64 {
+pub(crate) fn now_unix() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()

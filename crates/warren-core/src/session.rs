@@ -1,0 +1,493 @@
+//! Sessions: a project's workspace copy (see `warren-session`) mounted at `/workspace` of a
+//! VM of its own, or with `direct`, the project directory itself.
+//!
+//! Mounts of a session VM, in order: the workspace (read-write, the guest user acting as the
+//! session's owner), the source repository's objects read-only at
+//! [`warren_session::GUEST_SOURCE_OBJECTS`] (so the copy's relative `alternates` resolve),
+//! the project's agent state directory at [`GUEST_AGENT_STATE`], then the caller's extra
+//! `--mount`s.
+
+use std::path::{Path, PathBuf};
+
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+use warren_session::Owner;
+
+use crate::error::CoreError;
+use crate::store::{MountSpec, SessionRecord, VmRecord, VmState};
+use crate::vm::{now_unix, CreateVm, Warren};
+
+/// Where a session VM sees its project's agent state directory (Claude Code's, Codex's and
+/// opencode's configuration and history), kept on the host per project, outside the copy.
+pub const GUEST_AGENT_STATE: &str = "/agent-state";
+
+/// What a session asks of its VM; `warren run` refuses different values for a running
+/// session unless told to recreate.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionDevices {
+    pub image: Option<String>,
+    pub memory_mib: Option<u32>,
+    pub vcpus: Option<u32>,
+    /// Extra mounts (`HOST:GUEST[:ro]`, canonical host paths).
+    pub mounts: Vec<MountSpec>,
+}
+
+impl SessionDevices {
+    /// The requested values that differ from `self` (the session's), described.
+    pub fn differences(&self, want: &SessionDevices) -> Vec<String> {
+        let mut d = Vec::new();
+        if want.image.is_some() && want.image != self.image {
+            d.push(format!("image {:?} (session: {:?})", want.image, self.image));
+        }
+        if want.memory_mib.is_some() && want.memory_mib != self.memory_mib {
+            d.push(format!(
+                "memory_mib {:?} (session: {:?})",
+                want.memory_mib, self.memory_mib
+            ));
+        }
+        if want.vcpus.is_some() && want.vcpus != self.vcpus {
+            d.push(format!("vcpus {:?} (session: {:?})", want.vcpus, self.vcpus));
+        }
+        if !want.mounts.is_empty() && want.mounts != self.mounts {
+            d.push("mounts differ".to_string());
+        }
+        d
+    }
+}
+
+/// A request for a new session.
+#[derive(Debug, Clone)]
+pub struct CreateSession {
+    /// The project: a directory inside a git checkout (its toplevel is used), or any
+    /// directory with `direct`.
+    pub repo: PathBuf,
+    pub name: Option<String>,
+    /// Mount `repo` itself instead of a copy (no git needed; edits go straight to it).
+    pub direct: bool,
+    pub devices: SessionDevices,
+    /// The host user the session belongs to (files in the workspace are theirs).
+    pub owner: (u32, u32),
+    /// The owning workspace (`local-<uid>` for local callers).
+    pub workspace: String,
+}
+
+fn owner_of(uid: u32, gid: u32) -> Option<Owner> {
+    // Acting as another uid needs root; a process acting for itself needs nothing.
+    (uid != nix::unistd::geteuid().as_raw()).then_some(Owner { uid, gid })
+}
+
+fn session_error(e: warren_session::SessionError) -> CoreError {
+    use warren_session::SessionError as S;
+    match e {
+        S::NotARepository(p) => CoreError::InvalidArgument(format!(
+            "{} is not in a git repository (use --direct to mount the directory itself)",
+            p.display()
+        )),
+        S::Unsaved { .. } | S::NonFastForward { .. } | S::BranchCheckedOut { .. } => {
+            CoreError::Conflict(e.to_string())
+        }
+        S::UnsafeConfig { .. } | S::UnsafeGitDir { .. } => CoreError::Conflict(e.to_string()),
+        S::Io { .. } | S::GitSpawn(_) | S::Git { .. } => CoreError::Session(e.to_string()),
+        other => CoreError::InvalidArgument(other.to_string()),
+    }
+}
+
+/// Session names: what a user types; `[A-Za-z0-9._-]{1,64}`, not starting with `-` or `.`.
+fn valid_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 64
+        && !n.starts_with(['-', '.'])
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+impl Warren {
+    fn sessions_dir(&self) -> PathBuf {
+        self.config().state_dir.join("sessions")
+    }
+
+    /// The per-project agent state directory on the host (outside any session copy).
+    fn agent_state_dir(&self, workspace: &str, project: &Path) -> PathBuf {
+        use sha2::Digest;
+        let h = sha2::Sha256::digest(format!("{workspace}\0{}", project.display()).as_bytes());
+        self.config()
+            .state_dir
+            .join("agent-state")
+            .join(hex::encode(&h[..8]))
+    }
+
+    /// Every session of `workspace` (all with `None`).
+    pub fn list_sessions(&self, workspace: Option<&str>) -> Result<Vec<SessionRecord>, CoreError> {
+        Ok(self.store().sessions(workspace)?)
+    }
+
+    /// A session of `workspace` by id or name; another workspace's is not found.
+    pub fn session(&self, workspace: &str, id_or_name: &str) -> Result<SessionRecord, CoreError> {
+        self.store()
+            .sessions(Some(workspace))?
+            .into_iter()
+            .find(|s| s.id == id_or_name || s.name == id_or_name)
+            .ok_or_else(|| CoreError::SessionNotFound(id_or_name.to_string()))
+    }
+
+    /// The newest session of `workspace` whose project is `project`.
+    pub fn project_session(
+        &self,
+        workspace: &str,
+        project: &Path,
+    ) -> Result<Option<SessionRecord>, CoreError> {
+        Ok(self
+            .store()
+            .sessions(Some(workspace))?
+            .into_iter()
+            .rev()
+            .find(|s| s.source == project))
+    }
+
+    /// Prepares the workspace copy and boots the session's VM. Nothing is left behind on
+    /// failure.
+    pub async fn create_session(
+        &self,
+        req: &CreateSession,
+        warn: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(SessionRecord, VmRecord), CoreError> {
+        let mut idb = [0u8; 6];
+        rand::rng().fill_bytes(&mut idb);
+        let id = format!("ses-{}", hex::encode(idb));
+        let (uid, gid) = req.owner;
+        let owner = owner_of(uid, gid);
+        let (source, source_git, dir) = if req.direct {
+            let d = warren_session::direct(&req.repo).map_err(session_error)?;
+            (d, None, PathBuf::new())
+        } else {
+            let parent = self.sessions_dir();
+            std::fs::create_dir_all(&parent).map_err(|e| CoreError::io("create", &parent, e))?;
+            // Owners reach their own copies; nobody lists the others'.
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o711));
+            let dir = parent.join(&id);
+            let p = warren_session::prepare(&req.repo, &dir, owner).map_err(session_error)?;
+            for s in &p.skipped {
+                warn(&format!("not copied: {} ({:?})", s.path.display(), s.reason));
+            }
+            (p.source_toplevel, Some(p.source_git_dir), dir)
+        };
+        let name = match &req.name {
+            Some(n) if !valid_name(n) => {
+                self.discard_copy(&dir, req.direct);
+                return Err(CoreError::InvalidArgument(format!(
+                    "session name {n:?} must be 1-64 characters [A-Za-z0-9._-]"
+                )));
+            }
+            Some(n) => n.clone(),
+            None => self.free_name(&req.workspace, &source)?,
+        };
+        let rec = SessionRecord {
+            id: id.clone(),
+            name,
+            workspace: req.workspace.clone(),
+            owner_uid: uid,
+            owner_gid: gid,
+            source,
+            source_git,
+            dir,
+            direct: req.direct,
+            vm_id: None,
+            created_unix: now_unix(),
+            devices: serde_json::to_value(&req.devices).expect("invariant: devices serialise"),
+        };
+        if let Err(e) = self.store().insert_session(&rec) {
+            self.discard_copy(&rec.dir, rec.direct);
+            if let rusqlite::Error::SqliteFailure(f, _) = &e {
+                if f.code == rusqlite::ErrorCode::ConstraintViolation {
+                    return Err(CoreError::Conflict(format!(
+                        "a session named {:?} already exists",
+                        rec.name
+                    )));
+                }
+            }
+            return Err(e.into());
+        }
+        match self.start_session_vm(&rec, &req.devices, warn).await {
+            Ok((rec, vm)) => Ok((rec, vm)),
+            Err(e) => {
+                let _ = self.store().delete_session(&rec.id);
+                self.discard_copy(&rec.dir, rec.direct);
+                Err(e)
+            }
+        }
+    }
+
+    fn discard_copy(&self, dir: &Path, direct: bool) {
+        if !direct && !dir.as_os_str().is_empty() {
+            if let Err(e) = warren_session::remove(dir, true, None) {
+                tracing::warn!(error = %e, dir = %dir.display(), "removing a session copy failed");
+            }
+        }
+    }
+
+    /// `<project basename>`, or with `-2`, `-3`... when taken.
+    fn free_name(&self, workspace: &str, source: &Path) -> Result<String, CoreError> {
+        let base: String = source
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || "._-".contains(c) {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .collect();
+        let base = base.trim_start_matches(['-', '.']);
+        let base = if base.is_empty() { "session" } else { base };
+        let base: String = base.chars().take(56).collect();
+        let taken: Vec<String> = self
+            .store()
+            .sessions(Some(workspace))?
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        let mut name = base.clone();
+        let mut n = 2;
+        while taken.contains(&name) {
+            name = format!("{base}-{n}");
+            n += 1;
+        }
+        Ok(name)
+    }
+
+    /// The mounts of `s`'s VM (see the module docs).
+    fn session_mounts(
+        &self,
+        s: &SessionRecord,
+        devices: &SessionDevices,
+    ) -> Result<Vec<MountSpec>, CoreError> {
+        let owner = Some((s.owner_uid, s.owner_gid));
+        let mut mounts = Vec::new();
+        if s.direct {
+            mounts.push(MountSpec {
+                host: s.source.clone(),
+                guest: warren_session::GUEST_WORKSPACE.to_string(),
+                read_only: false,
+                owner,
+            });
+        } else {
+            mounts.push(MountSpec {
+                host: warren_session::workspace_dir(&s.dir),
+                guest: warren_session::GUEST_WORKSPACE.to_string(),
+                read_only: false,
+                owner,
+            });
+            let objects = warren_session::source_objects_dir(&s.dir).map_err(session_error)?;
+            mounts.push(MountSpec {
+                host: objects,
+                guest: warren_session::GUEST_SOURCE_OBJECTS.to_string(),
+                read_only: true,
+                owner,
+            });
+        }
+        let state = self.agent_state_dir(&s.workspace, &s.source);
+        if !state.exists() {
+            std::fs::create_dir_all(&state).map_err(|e| CoreError::io("create", &state, e))?;
+            std::os::unix::fs::chown(&state, Some(s.owner_uid), Some(s.owner_gid))
+                .map_err(|e| CoreError::io("chown", &state, e))?;
+        }
+        mounts.push(MountSpec {
+            host: state.canonicalize().map_err(|e| CoreError::io("resolve", &state, e))?,
+            guest: GUEST_AGENT_STATE.to_string(),
+            read_only: false,
+            owner,
+        });
+        mounts.extend(devices.mounts.iter().cloned());
+        Ok(mounts)
+    }
+
+    /// Boots a VM for `s` with `devices` and records it as the session's VM.
+    async fn start_session_vm(
+        &self,
+        s: &SessionRecord,
+        devices: &SessionDevices,
+        warn: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(SessionRecord, VmRecord), CoreError> {
+        let req = CreateVm {
+            image: devices.image.clone(),
+            memory_mib: devices.memory_mib,
+            vcpus: devices.vcpus,
+            workspace: s.workspace.clone(),
+            mounts: self.session_mounts(s, devices)?,
+            ..Default::default()
+        };
+        let vm = self.create_vm(&req, warn).await?;
+        let dev = serde_json::to_value(devices).expect("invariant: devices serialise");
+        self.store().set_session_vm(&s.id, Some(&vm.id), &dev)?;
+        let mut s = s.clone();
+        s.vm_id = Some(vm.id.clone());
+        s.devices = dev;
+        Ok((s, vm))
+    }
+
+    /// The session's VM, ready for work: reattached when it exists (a suspended VM wakes on
+    /// the first operation); with `recreate` (or when it is gone or failed and `recreate`),
+    /// a new VM is booted with `devices`. A running VM with different devices is a conflict.
+    pub async fn session_vm(
+        &self,
+        s: &SessionRecord,
+        want: &SessionDevices,
+        recreate: bool,
+        warn: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(SessionRecord, VmRecord), CoreError> {
+        let have: SessionDevices = serde_json::from_value(s.devices.clone()).unwrap_or_default();
+        let vm = match &s.vm_id {
+            Some(id) => match self.get_vm(id) {
+                Ok(vm) => Some(vm),
+                Err(CoreError::VmNotFound(_)) => None,
+                Err(e) => return Err(e),
+            },
+            None => None,
+        };
+        let diff = have.differences(want);
+        match vm {
+            Some(vm) if !recreate => {
+                if vm.state == VmState::Failed {
+                    return Err(CoreError::Conflict(format!(
+                        "the session's VM {} failed ({}); pass --recreate to boot a new one",
+                        vm.id,
+                        vm.reason.as_deref().unwrap_or("no reason recorded")
+                    )));
+                }
+                if !diff.is_empty() {
+                    return Err(CoreError::Conflict(format!(
+                        "session {} runs with different devices: {}; pass --recreate to replace its VM",
+                        s.name,
+                        diff.join(", ")
+                    )));
+                }
+                Ok((s.clone(), vm))
+            }
+            Some(vm) => {
+                self.destroy_vm(&vm.id).await?;
+                let merged = merge_devices(&have, want);
+                self.start_session_vm(s, &merged, warn).await
+            }
+            None => {
+                if s.vm_id.is_some() && !recreate {
+                    return Err(CoreError::Conflict(format!(
+                        "the session's VM {} no longer exists; pass --recreate to boot a new one",
+                        s.vm_id.as_deref().unwrap_or_default()
+                    )));
+                }
+                let merged = merge_devices(&have, want);
+                self.start_session_vm(s, &merged, warn).await
+            }
+        }
+    }
+
+    /// What deleting `s` would lose (nothing for a direct session).
+    pub fn session_retention(
+        &self,
+        s: &SessionRecord,
+    ) -> Result<warren_session::Retention, CoreError> {
+        if s.direct {
+            return Ok(warren_session::Retention::default());
+        }
+        warren_session::status(&s.dir, owner_of(s.owner_uid, s.owner_gid)).map_err(session_error)
+    }
+
+    /// Destroys the session's VM and its copy. Without `force`, refuses while the copy has
+    /// uncommitted changes or unexported commits, saying which.
+    pub async fn delete_session(&self, s: &SessionRecord, force: bool) -> Result<(), CoreError> {
+        if !force {
+            let r = self.session_retention(s)?;
+            if !r.is_clean() {
+                return Err(session_error(warren_session::SessionError::Unsaved {
+                    uncommitted: r.uncommitted,
+                    unexported: r.unexported.len(),
+                }));
+            }
+        }
+        if let Some(vm) = &s.vm_id {
+            match self.destroy_vm(vm).await {
+                Ok(()) | Err(CoreError::VmNotFound(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if !s.direct {
+            warren_session::remove(&s.dir, true, owner_of(s.owner_uid, s.owner_gid))
+                .map_err(session_error)?;
+        }
+        self.store().delete_session(&s.id)?;
+        Ok(())
+    }
+
+    /// Brings the session's HEAD commit into the source repository as `branch`
+    /// (default `warren/<session name>`).
+    pub fn export_session(
+        &self,
+        s: &SessionRecord,
+        branch: Option<&str>,
+    ) -> Result<warren_session::Exported, CoreError> {
+        let Some(git) = &s.source_git else {
+            return Err(CoreError::InvalidArgument(format!(
+                "session {} mounts {} directly: there is nothing to export",
+                s.name,
+                s.source.display()
+            )));
+        };
+        let branch = branch
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("warren/{}", s.name));
+        warren_session::export(&s.dir, git, &branch, owner_of(s.owner_uid, s.owner_gid))
+            .map_err(session_error)
+    }
+}
+
+fn merge_devices(have: &SessionDevices, want: &SessionDevices) -> SessionDevices {
+    SessionDevices {
+        image: want.image.clone().or_else(|| have.image.clone()),
+        memory_mib: want.memory_mib.or(have.memory_mib),
+        vcpus: want.vcpus.or(have.vcpus),
+        mounts: if want.mounts.is_empty() {
+            have.mounts.clone()
+        } else {
+            want.mounts.clone()
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_session_names_validated() {
+        assert!(valid_name("proj-2"));
+        assert!(valid_name("a.b_c"));
+        assert!(!valid_name(""));
+        assert!(!valid_name("-x"));
+        assert!(!valid_name(".x"));
+        assert!(!valid_name("a/b"));
+        assert!(!valid_name(&"x".repeat(65)));
+    }
+
+    #[test]
+    fn test_device_differences_only_for_requested_values() {
+        let have = SessionDevices {
+            image: Some("dev".into()),
+            memory_mib: Some(512),
+            vcpus: None,
+            mounts: vec![],
+        };
+        assert!(have.differences(&SessionDevices::default()).is_empty());
+        let want = SessionDevices {
+            memory_mib: Some(1024),
+            ..Default::default()
+        };
+        assert_eq!(have.differences(&want).len(), 1);
+        let m = merge_devices(&have, &want);
+        assert_eq!(m.memory_mib, Some(1024));
+        assert_eq!(m.image.as_deref(), Some("dev"));
+    }
+}
