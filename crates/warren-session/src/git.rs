@@ -1,0 +1,258 @@
+//! Running `git` on the host without trusting anything but the caller.
+//!
+//! Every invocation gets a scrubbed environment (no system or global config, no user
+//! attributes or excludes, `HOME` pointing nowhere, C locale), command-line overrides that
+//! disable hooks, fsmonitor, pagers and every transport, and runs as the session's [`Owner`]
+//! when one is given and the process is root. Repository-local config is still read by git:
+//! for the session repository, [`crate::guard`] checks it before each use.
+
+use std::ffi::{OsStr, OsString};
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use crate::SessionError;
+
+/// The Unix user and group that own a session's files and run its git commands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// Where a git command runs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Repo<'a> {
+    /// Discover the repository from this directory (`git -C dir`): the user's source.
+    At(&'a Path),
+    /// The session repository: explicit `--git-dir`/`--work-tree`, no discovery.
+    Session { git_dir: &'a Path, work_tree: &'a Path },
+    /// A git directory without a working tree (`--git-dir`).
+    GitDir(&'a Path),
+    /// No repository (e.g. `check-ref-format`); runs in `/`.
+    None,
+}
+
+/// Overrides that win over any config file git reads (command-line config has top priority).
+const OVERRIDES: &[&str] = &[
+    "core.hooksPath=/dev/null",
+    "core.fsmonitor=false",
+    "core.pager=cat",
+    "core.attributesFile=/dev/null",
+    "core.excludesFile=/dev/null",
+    "protocol.allow=never",
+    "gc.auto=0",
+    "maintenance.auto=false",
+];
+
+/// Runs git for one [`Owner`] (or the current user).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Git {
+    run_as: Option<Owner>,
+}
+
+impl Git {
+    /// `owner` applies only when the process is root and the owner is someone else; a
+    /// non-root process can act only as itself.
+    pub(crate) fn new(owner: Option<Owner>) -> Result<Self, SessionError> {
+        Ok(Git {
+            run_as: effective_owner(owner)?,
+        })
+    }
+
+    /// The owner git and file creation switch to, if any (see [`effective_owner`]).
+    pub(crate) fn run_as(&self) -> Option<Owner> {
+        self.run_as
+    }
+
+    fn command<S: AsRef<OsStr>>(&self, repo: Repo<'_>, args: &[S]) -> Command {
+        let mut cmd = Command::new("git");
+        cmd.env_clear();
+        cmd.env(
+            "PATH",
+            std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into()),
+        );
+        for (k, v) in [
+            ("HOME", "/nonexistent"),
+            ("LC_ALL", "C"),
+            ("GIT_CONFIG_NOSYSTEM", "1"),
+            ("GIT_CONFIG_GLOBAL", "/dev/null"),
+            ("GIT_ATTR_NOSYSTEM", "1"),
+            ("GIT_TERMINAL_PROMPT", "0"),
+            ("GIT_NO_REPLACE_OBJECTS", "1"),
+            ("GIT_PROTOCOL_FROM_USER", "0"),
+        ] {
+            cmd.env(k, v);
+        }
+        cmd.current_dir("/");
+        cmd.arg("--no-pager").arg("--no-optional-locks");
+        for o in OVERRIDES {
+            cmd.arg("-c").arg(o);
+        }
+        match repo {
+            Repo::At(dir) => {
+                cmd.arg("-C").arg(dir);
+            }
+            Repo::Session { git_dir, work_tree } => {
+                cmd.arg(dashdash("--git-dir=", git_dir))
+                    .arg(dashdash("--work-tree=", work_tree));
+            }
+            Repo::GitDir(git_dir) => {
+                cmd.arg(dashdash("--git-dir=", git_dir));
+            }
+            Repo::None => {}
+        }
+        cmd.args(args);
+        if let Some(o) = self.run_as {
+            // std drops supplementary groups itself when a root parent sets a uid.
+            cmd.uid(o.uid).gid(o.gid);
+        }
+        cmd
+    }
+
+    /// Runs git and returns its output whatever the exit status.
+    pub(crate) fn output<S: AsRef<OsStr>>(
+        &self,
+        repo: Repo<'_>,
+        args: &[S],
+        stdin: Option<&[u8]>,
+    ) -> Result<Output, SessionError> {
+        let mut cmd = self.command(repo, args);
+        tracing::trace!(?cmd, "git");
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        let Some(input) = stdin else {
+            cmd.stdin(Stdio::null());
+            return cmd.output().map_err(SessionError::GitSpawn);
+        };
+        cmd.stdin(Stdio::piped());
+        let mut child = cmd.spawn().map_err(SessionError::GitSpawn)?;
+        let mut pipe = child.stdin.take().expect("invariant: stdin is piped");
+        // Feed stdin from a thread: git may fill its stdout pipe before reading all input.
+        let input = input.to_vec();
+        let writer = std::thread::spawn(move || pipe.write_all(&input));
+        let out = child.wait_with_output().map_err(SessionError::GitSpawn)?;
+        // A git that exits early closes the pipe; its exit status reports why.
+        let _ = writer.join();
+        Ok(out)
+    }
+
+    /// Runs git, requires success, returns stdout.
+    pub(crate) fn run<S: AsRef<OsStr>>(
+        &self,
+        repo: Repo<'_>,
+        args: &[S],
+    ) -> Result<Vec<u8>, SessionError> {
+        self.run_with(repo, args, None)
+    }
+
+    /// Runs git with `stdin`, requires success, returns stdout.
+    pub(crate) fn run_with<S: AsRef<OsStr>>(
+        &self,
+        repo: Repo<'_>,
+        args: &[S],
+        stdin: Option<&[u8]>,
+    ) -> Result<Vec<u8>, SessionError> {
+        let out = self.output(repo, args, stdin)?;
+        if out.status.success() {
+            Ok(out.stdout)
+        } else {
+            Err(failed(args, &out))
+        }
+    }
+
+    /// Runs git and returns its trimmed stdout as text.
+    pub(crate) fn line<S: AsRef<OsStr>>(
+        &self,
+        repo: Repo<'_>,
+        args: &[S],
+    ) -> Result<String, SessionError> {
+        Ok(text(&self.run(repo, args)?))
+    }
+
+    /// Pipes `producer`'s stdout into `consumer`'s stdin (e.g. pack-objects into index-pack)
+    /// without buffering the stream; `input` goes to the producer's stdin.
+    pub(crate) fn pipe(
+        &self,
+        producer: (Repo<'_>, &[&str]),
+        input: &[u8],
+        consumer: (Repo<'_>, &[&str]),
+    ) -> Result<Vec<u8>, SessionError> {
+        let mut first = self.command(producer.0, producer.1);
+        first
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut first = first.spawn().map_err(SessionError::GitSpawn)?;
+        let stream = first.stdout.take().expect("invariant: stdout is piped");
+        let mut second = self.command(consumer.0, consumer.1);
+        second
+            .stdin(Stdio::from(stream))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let second = second.spawn();
+        let mut pipe = first.stdin.take().expect("invariant: stdin is piped");
+        let input = input.to_vec();
+        let writer = std::thread::spawn(move || pipe.write_all(&input));
+        let second_out = second.and_then(|c| c.wait_with_output());
+        let first_out = first.wait_with_output().map_err(SessionError::GitSpawn)?;
+        let _ = writer.join();
+        let second_out = second_out.map_err(SessionError::GitSpawn)?;
+        if !first_out.status.success() {
+            return Err(failed(producer.1, &first_out));
+        }
+        if !second_out.status.success() {
+            return Err(failed(consumer.1, &second_out));
+        }
+        Ok(second_out.stdout)
+    }
+}
+
+/// `owner` as it will be applied: `None` when no switch is needed (no owner, or the owner is
+/// the current effective user). A non-root process cannot become someone else.
+pub(crate) fn effective_owner(owner: Option<Owner>) -> Result<Option<Owner>, SessionError> {
+    let Some(o) = owner else { return Ok(None) };
+    let euid = nix::unistd::geteuid().as_raw();
+    if euid == 0 {
+        // Root acting as root needs no switch; anyone else gets the switch.
+        Ok((o.uid != 0 || o.gid != 0).then_some(o))
+    } else if o.uid == euid && o.gid == nix::unistd::getegid().as_raw() {
+        Ok(None)
+    } else {
+        Err(SessionError::OwnerNotPermitted { uid: o.uid })
+    }
+}
+
+fn dashdash(opt: &str, path: &Path) -> OsString {
+    let mut s = OsString::from(opt);
+    s.push(path.as_os_str());
+    s
+}
+
+fn failed<S: AsRef<OsStr>>(args: &[S], out: &Output) -> SessionError {
+    SessionError::Git {
+        args: args
+            .iter()
+            .map(|a| a.as_ref().to_string_lossy())
+            .collect::<Vec<_>>()
+            .join(" "),
+        status: out.status.to_string(),
+        stderr: text(&out.stderr),
+    }
+}
+
+/// Lossy, trimmed text of git output.
+pub(crate) fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).trim().to_string()
+}
+
+/// Splits NUL-terminated git output (`-z`) into paths.
+pub(crate) fn nul_fields(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
+    bytes.split(|b| *b == 0).filter(|f| !f.is_empty())
+}
+
+/// A path from git output, relative to the working tree.
+pub(crate) fn os_path(bytes: &[u8]) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    PathBuf::from(OsStr::from_bytes(bytes))
+}

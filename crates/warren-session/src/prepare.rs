@@ -1,0 +1,428 @@
+//! Preparing a session: the session-owned copy of a source checkout.
+//!
+//! Steps, in order:
+//! 1. Resolve the source: its canonical toplevel, common git directory, object directory,
+//!    index, object format, HEAD, branches and tags (all read-only git commands).
+//! 2. Create `S` (0711) and `S/workspace` (the owner's), and link
+//!    `S/.warren-source-objects` to the source's object directory.
+//! 3. `git init --template=` the workspace (no hooks, no sample files), point its
+//!    `objects/info/alternates` at the link by a relative path, recreate HEAD, branches and
+//!    tags, and set identity and line-ending config read from the source.
+//! 4. Copy the source index (staged content; the staged blobs are already in the source
+//!    object store) and the working-tree files ([`crate::copy`]), then refresh the index.
+//!
+//! A failure after step 2 removes `S` again.
+
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use crate::copy::{as_owner, copy_entries, Entry, SkipReason, Skipped};
+use crate::git::{nul_fields, os_path, text, Git, Repo};
+use crate::guard::{self, SessionPaths};
+use crate::{Owner, SessionError, ALTERNATES_ENTRY};
+
+/// The source's HEAD, as the session starts with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Head {
+    /// On a branch (`refs/heads/...`); `commit` is `None` while the branch is unborn (a
+    /// repository with no commits).
+    Branch {
+        refname: String,
+        commit: Option<String>,
+    },
+    /// Detached at a commit.
+    Detached { commit: String },
+}
+
+/// What [`prepare`] made.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// The canonical top of the source working tree (a subdirectory given as source resolves
+    /// to it).
+    pub source_toplevel: PathBuf,
+    /// The source's canonical common git directory (what `export` writes to).
+    pub source_git_dir: PathBuf,
+    /// The source's canonical object directory: the host directory to mount read-only at
+    /// [`crate::GUEST_SOURCE_OBJECTS`].
+    pub source_objects: PathBuf,
+    pub head: Head,
+    /// Regular files copied into the workspace.
+    pub files: u64,
+    /// Symlinks recreated in the workspace.
+    pub symlinks: u64,
+    /// Bytes of regular files copied.
+    pub bytes: u64,
+    /// Paths not copied, with the reason.
+    pub skipped: Vec<Skipped>,
+}
+
+/// Config copied from the source (local, then the owner's global config) when set.
+const COPIED_KEYS: &[&str] = &["user.name", "user.email", "core.autocrlf", "core.eol"];
+
+/// Prepares the session directory `session_dir` (which must not exist; its parent must) as a
+/// copy of the git checkout containing `source`. See the crate docs for the layout and
+/// `docs/sessions.md` for the fidelity contract.
+#[tracing::instrument(skip_all, fields(source = %source.display(), session = %session_dir.display()))]
+pub fn prepare(
+    source: &Path,
+    session_dir: &Path,
+    owner: Option<Owner>,
+) -> Result<Prepared, SessionError> {
+    let git = Git::new(owner)?;
+    let src = resolve_source(&git, source)?;
+    match std::fs::symlink_metadata(session_dir) {
+        Ok(_) => return Err(SessionError::SessionExists(session_dir.to_path_buf())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(SessionError::io("stat", session_dir)(e)),
+    }
+    std::fs::create_dir(session_dir).map_err(|e| match e.kind() {
+        std::io::ErrorKind::AlreadyExists => SessionError::SessionExists(session_dir.to_path_buf()),
+        _ => SessionError::io("create directory", session_dir)(e),
+    })?;
+    let paths = SessionPaths::new(session_dir);
+    match build(&git, &src, &paths) {
+        Ok(p) => {
+            tracing::info!(files = p.files, bytes = p.bytes, "session prepared");
+            Ok(p)
+        }
+        Err(e) => {
+            if let Err(cleanup) = std::fs::remove_dir_all(session_dir) {
+                tracing::warn!(error = %cleanup, "removing the half-made session failed");
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Direct mode: validates `dir` and returns its canonical path, which the caller mounts
+/// itself. No copy, no git requirement.
+pub fn direct(dir: &Path) -> Result<PathBuf, SessionError> {
+    let canonical = dir
+        .canonicalize()
+        .map_err(SessionError::io("resolve", dir))?;
+    if !canonical.is_dir() {
+        return Err(SessionError::NotADirectory(dir.to_path_buf()));
+    }
+    Ok(canonical)
+}
+
+/// Everything read from the source before anything is created.
+struct Source {
+    toplevel: PathBuf,
+    common_dir: PathBuf,
+    objects: PathBuf,
+    index: PathBuf,
+    info_exclude: PathBuf,
+    object_format: String,
+    head: Head,
+    /// `(refname, oid)` of branches and tags.
+    refs: Vec<(String, String)>,
+    entries: Vec<Entry>,
+    skipped: Vec<Skipped>,
+    config: Vec<(String, String)>,
+}
+
+fn resolve_source(git: &Git, source: &Path) -> Result<Source, SessionError> {
+    let meta = std::fs::metadata(source).map_err(SessionError::io("stat", source))?;
+    if !meta.is_dir() {
+        return Err(SessionError::NotADirectory(source.to_path_buf()));
+    }
+    let out = git.output(
+        Repo::At(source),
+        &["rev-parse", "--is-bare-repository", "--is-inside-git-dir"],
+        None,
+    )?;
+    if !out.status.success() {
+        let stderr = text(&out.stderr);
+        if stderr.contains("not a git repository") {
+            return Err(SessionError::NotARepository(source.to_path_buf()));
+        }
+        return Err(SessionError::Git {
+            args: "rev-parse".into(),
+            status: out.status.to_string(),
+            stderr,
+        });
+    }
+    if text(&out.stdout).lines().any(|l| l == "true") {
+        return Err(SessionError::BareRepository(source.to_path_buf()));
+    }
+    let top = git.line(Repo::At(source), &["rev-parse", "--show-toplevel"])?;
+    let toplevel = canonical(Path::new(&top))?;
+    let at = Repo::At(&toplevel);
+    let abs = |what: &str| -> Result<PathBuf, SessionError> {
+        let args: &[&str] = if what == "index" || what == "info/exclude" {
+            &["rev-parse", "--path-format=absolute", "--git-path", what]
+        } else {
+            &["rev-parse", "--path-format=absolute", what]
+        };
+        Ok(PathBuf::from(git.line(at, args)?))
+    };
+    let common_dir = canonical(&abs("--git-common-dir")?)?;
+    let objects = canonical(&common_dir.join("objects"))?;
+    let alternates = objects.join("info/alternates");
+    if let Ok(content) = std::fs::read(&alternates) {
+        if content
+            .split(|b| *b == b'\n')
+            .any(|l| !l.is_empty() && !l.starts_with(b"#"))
+        {
+            return Err(SessionError::SourceHasAlternates(objects));
+        }
+    }
+    let index = abs("index")?;
+    let info_exclude = abs("info/exclude")?;
+    let object_format = git.line(at, &["rev-parse", "--show-object-format"])?;
+    let head = read_head(git, at)?;
+    let refs = git
+        .line(
+            at,
+            &[
+                "for-each-ref",
+                "--format=%(refname) %(objectname)",
+                "refs/heads",
+                "refs/tags",
+            ],
+        )?
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(r, o)| (r.to_string(), o.to_string()))
+        .collect();
+    let (entries, skipped) = list_entries(git, at)?;
+    let mut config = Vec::new();
+    for key in COPIED_KEYS {
+        if let Some(v) = source_setting(git, at, key)? {
+            config.push((key.to_string(), v));
+        }
+    }
+    Ok(Source {
+        toplevel,
+        common_dir,
+        objects,
+        index,
+        info_exclude,
+        object_format,
+        head,
+        refs,
+        entries,
+        skipped,
+        config,
+    })
+}
+
+fn canonical(p: &Path) -> Result<PathBuf, SessionError> {
+    p.canonicalize().map_err(SessionError::io("resolve", p))
+}
+
+fn read_head(git: &Git, at: Repo<'_>) -> Result<Head, SessionError> {
+    let commit = {
+        let out = git.output(at, &["rev-parse", "--verify", "-q", "HEAD^{commit}"], None)?;
+        out.status.success().then(|| text(&out.stdout))
+    };
+    let sym = git.output(at, &["symbolic-ref", "-q", "HEAD"], None)?;
+    match (sym.status.code(), commit) {
+        (Some(0), commit) => Ok(Head::Branch {
+            refname: text(&sym.stdout),
+            commit,
+        }),
+        (Some(1), Some(commit)) => Ok(Head::Detached { commit }),
+        _ => Err(SessionError::Git {
+            args: "symbolic-ref -q HEAD".into(),
+            status: sym.status.to_string(),
+            stderr: text(&sym.stderr),
+        }),
+    }
+}
+
+/// Tracked paths (from the index, so staged additions and renames are included) and
+/// untracked, non-ignored paths, in that order.
+fn list_entries(git: &Git, at: Repo<'_>) -> Result<(Vec<Entry>, Vec<Skipped>), SessionError> {
+    let mut entries = Vec::new();
+    let mut skipped = Vec::new();
+    let staged = git.run(at, &["ls-files", "-z", "--stage"])?;
+    let mut last: Option<&[u8]> = None;
+    for rec in nul_fields(&staged) {
+        // "<mode> <oid> <stage>\t<path>"; an unmerged path appears once per stage.
+        let Some(tab) = rec.iter().position(|b| *b == b'\t') else {
+            continue;
+        };
+        let (meta, path) = (&rec[..tab], &rec[tab + 1..]);
+        if last == Some(path) {
+            continue;
+        }
+        last = Some(path);
+        entries.push(Entry {
+            path: os_path(path),
+            gitlink: meta.starts_with(b"160000 "),
+        });
+    }
+    let others = git.run(at, &["ls-files", "-z", "--others", "--exclude-standard"])?;
+    for path in nul_fields(&others) {
+        if let Some(dir) = path.strip_suffix(b"/") {
+            // git lists an untracked nested repository as "dir/" and never looks inside.
+            skipped.push(Skipped {
+                path: os_path(dir),
+                reason: SkipReason::NestedRepository,
+            });
+            continue;
+        }
+        entries.push(Entry {
+            path: os_path(path),
+            gitlink: false,
+        });
+    }
+    Ok((entries, skipped))
+}
+
+/// `key` from the source repository's own config, else from the owner's global config
+/// (`~/.gitconfig`, then `~/.config/git/config`), read as files without includes.
+fn source_setting(git: &Git, at: Repo<'_>, key: &str) -> Result<Option<String>, SessionError> {
+    let out = git.output(at, &["config", "--no-includes", "--get", key], None)?;
+    if out.status.success() {
+        return Ok(Some(text(&out.stdout)));
+    }
+    let home = match git.run_as() {
+        Some(o) => nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(o.uid))
+            .ok()
+            .flatten()
+            .map(|u| u.dir),
+        None => std::env::var_os("HOME").map(PathBuf::from),
+    };
+    let Some(home) = home else { return Ok(None) };
+    for file in [home.join(".gitconfig"), home.join(".config/git/config")] {
+        if !file.is_file() {
+            continue;
+        }
+        let mut arg = std::ffi::OsString::from("--file=");
+        arg.push(file.as_os_str());
+        let out = git.output(
+            Repo::None,
+            &[
+                std::ffi::OsStr::new("config"),
+                std::ffi::OsStr::new("--no-includes"),
+                &arg,
+                std::ffi::OsStr::new("--get"),
+                std::ffi::OsStr::new(key),
+            ],
+            None,
+        )?;
+        if out.status.success() {
+            return Ok(Some(text(&out.stdout)));
+        }
+    }
+    Ok(None)
+}
+
+fn build(git: &Git, src: &Source, paths: &SessionPaths) -> Result<Prepared, SessionError> {
+    use std::os::unix::fs::PermissionsExt;
+    let run_as = git.run_as();
+    std::fs::set_permissions(&paths.root, std::fs::Permissions::from_mode(0o711))
+        .map_err(SessionError::io("chmod", &paths.root))?;
+    std::fs::create_dir(&paths.workspace)
+        .map_err(SessionError::io("create directory", &paths.workspace))?;
+    if let Some(o) = run_as {
+        std::os::unix::fs::chown(&paths.workspace, Some(o.uid), Some(o.gid))
+            .map_err(SessionError::io("chown", &paths.workspace))?;
+    }
+    std::os::unix::fs::symlink(&src.objects, &paths.link)
+        .map_err(SessionError::io("symlink", &paths.link))?;
+
+    let mut init = vec![
+        std::ffi::OsString::from("init"),
+        "-q".into(),
+        "--template=".into(),
+    ];
+    init.push(format!("--object-format={}", src.object_format).into());
+    init.push(paths.workspace.clone().into());
+    git.run(Repo::None, &init)?;
+
+    let repo = paths.repo();
+    let git_dir = paths.git_dir.clone();
+    let info_exclude = src.info_exclude.clone();
+    as_owner(run_as, || {
+        let info = git_dir.join("objects/info");
+        std::fs::create_dir_all(&info).map_err(SessionError::io("create directory", &info))?;
+        let alt = info.join("alternates");
+        std::fs::write(&alt, format!("{ALTERNATES_ENTRY}\n")).map_err(SessionError::io("write", &alt))?;
+        // The source's own exclude rules keep the session's view of ignored files the same.
+        if let Ok(rules) = std::fs::read(&info_exclude) {
+            let dir = git_dir.join("info");
+            std::fs::create_dir_all(&dir).map_err(SessionError::io("create directory", &dir))?;
+            let to = dir.join("exclude");
+            std::fs::write(&to, rules).map_err(SessionError::io("write", &to))?;
+        }
+        Ok(())
+    })?;
+
+    if !src.refs.is_empty() {
+        let mut batch = Vec::new();
+        for (name, oid) in &src.refs {
+            batch.extend_from_slice(format!("create {name} {oid}\n").as_bytes());
+        }
+        git.run_with(repo, &["update-ref", "--stdin"], Some(&batch))?;
+    }
+    match &src.head {
+        Head::Branch { refname, .. } => {
+            git.run(repo, &["symbolic-ref", "HEAD", refname])?;
+        }
+        Head::Detached { commit } => {
+            git.run(repo, &["update-ref", "--no-deref", "HEAD", commit])?;
+        }
+    }
+    for (key, value) in &src.config {
+        git.run(repo, &["config", key, value])?;
+    }
+
+    let (stats, shared) = as_owner(run_as, || {
+        let shared = copy_index(&src.index, &paths.git_dir)?;
+        let stats = copy_entries(&src.toplevel, &paths.workspace, &src.entries)?;
+        Ok((stats, shared))
+    })?;
+    if !shared.is_empty() {
+        // A split index refers to its shared part by name; fold it in and drop the copies.
+        git.run(repo, &["update-index", "--no-split-index"])?;
+        for f in shared {
+            if let Err(e) = std::fs::remove_file(&f) {
+                tracing::debug!(error = %e, file = %f.display(), "removing a shared index copy");
+            }
+        }
+    }
+    git.run(repo, &["update-index", "-q", "--refresh"])?;
+    guard::check(paths, git)?;
+
+    let mut skipped = src.skipped.clone();
+    skipped.extend(stats.skipped);
+    Ok(Prepared {
+        source_toplevel: src.toplevel.clone(),
+        source_git_dir: src.common_dir.clone(),
+        source_objects: src.objects.clone(),
+        head: src.head.clone(),
+        files: stats.files,
+        symlinks: stats.symlinks,
+        bytes: stats.bytes,
+        skipped,
+    })
+}
+
+/// Copies the source index (if any) and the split-index shared files next to it into the
+/// session git directory; returns the shared files copied.
+fn copy_index(index: &Path, git_dir: &Path) -> Result<Vec<PathBuf>, SessionError> {
+    let to = git_dir.join("index");
+    match std::fs::copy(index, &to) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(SessionError::io("copy", index)(e)),
+    }
+    let mut shared = Vec::new();
+    let Some(dir) = index.parent() else {
+        return Ok(shared);
+    };
+    let listing = std::fs::read_dir(dir).map_err(SessionError::io("list", dir))?;
+    for entry in listing {
+        let entry = entry.map_err(SessionError::io("list", dir))?;
+        if entry.file_name().as_bytes().starts_with(b"sharedindex.") {
+            let to = git_dir.join(entry.file_name());
+            std::fs::copy(entry.path(), &to).map_err(SessionError::io("copy", entry.path()))?;
+            shared.push(to);
+        }
+    }
+    Ok(shared)
+}
