@@ -83,7 +83,7 @@ fn session_error(e: warren_session::SessionError) -> CoreError {
             "{} is not in a git repository (use --direct to mount the directory itself)",
             p.display()
         )),
-        S::Unsaved { .. } | S::NonFastForward { .. } | S::BranchCheckedOut { .. } => {
+        S::Unsaved { .. } | S::NotFastForward { .. } | S::BranchCheckedOut { .. } => {
             CoreError::Conflict(e.to_string())
         }
         S::UnsafeConfig { .. } | S::UnsafeGitDir { .. } => CoreError::Conflict(e.to_string()),
