@@ -304,8 +304,9 @@ pub enum VmCmd {
 pub struct BenchArgs {
     /// `core`: boot, exec and file costs against raw QEMU and channel baselines; `service`:
     /// the HTTP service against the CLI path; `suspend`: pause, hibernate and resume against
-    /// a cold boot.
-    #[arg(long, default_value = "core", value_parser = ["core", "service", "suspend"])]
+    /// a cold boot; `workspace`: a session's /workspace (virtio-fs) against the guest's disk
+    /// (use --image dev; --mib sets the repository size, 64 files per unit).
+    #[arg(long, default_value = "core", value_parser = ["core", "service", "suspend", "workspace"])]
     pub suite: String,
     /// Image to boot.
     #[arg(long, default_value = "minimal")]

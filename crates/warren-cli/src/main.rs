@@ -6,6 +6,7 @@
 mod bench;
 mod bench_service;
 mod bench_suspend;
+mod bench_workspace;
 mod cli;
 mod commands;
 mod session_cmd;

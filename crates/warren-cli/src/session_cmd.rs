@@ -206,7 +206,10 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
     let project = project_of(&cwd)?;
     let want = devices(&args.devices)?;
     let (s, vm) = match w.project_session(&ws, &project)? {
-        Some(s) => w.session_vm(&s, &want, args.recreate, &mut |m| warn(m)).await?,
+        Some(s) => {
+            w.session_vm(&s, &want, args.recreate, &mut |m| warn(m))
+                .await?
+        }
         None => {
             let req = CreateSession {
                 repo: project.clone(),

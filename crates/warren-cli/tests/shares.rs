@@ -38,8 +38,17 @@ fn test_shares_edit_both_ways_ownership_readonly_and_hibernate() {
          grep -c virtiofs /proc/mounts",
     );
     assert_eq!(r.code, 0, "{}", r.stderr);
-    assert!(r.stdout.starts_with("1000 /workspace/host.txt\n"), "{}", r.stdout);
-    assert_eq!(r.stdout.lines().last(), Some("2"), "exactly the two shares: {}", r.stdout);
+    assert!(
+        r.stdout.starts_with("1000 /workspace/host.txt\n"),
+        "{}",
+        r.stdout
+    );
+    assert_eq!(
+        r.stdout.lines().last(),
+        Some("2"),
+        "exactly the two shares: {}",
+        r.stdout
+    );
     // ...and the guest's edits are on the host as soon as the exec returned, owned by the owner.
     assert_eq!(
         std::fs::read_to_string(rw.path().join("host.txt")).expect("read"),
@@ -49,7 +58,9 @@ fn test_shares_edit_both_ways_ownership_readonly_and_hibernate() {
     assert_eq!(std::fs::read_to_string(&made).expect("read"), "guest\n");
     assert_eq!(std::fs::metadata(&made).expect("stat").uid(), owner);
     assert_eq!(
-        std::fs::metadata(rw.path().join("d/e")).expect("stat").uid(),
+        std::fs::metadata(rw.path().join("d/e"))
+            .expect("stat")
+            .uid(),
         owner
     );
 
@@ -68,7 +79,11 @@ fn test_shares_edit_both_ways_ownership_readonly_and_hibernate() {
 
     // No host path is visible: the shares' host names appear nowhere in the guest.
     let r = vm.sh("cat /proc/mounts; ls /");
-    assert!(!r.stdout.contains(&rw.path().display().to_string()), "{}", r.stdout);
+    assert!(
+        !r.stdout.contains(&rw.path().display().to_string()),
+        "{}",
+        r.stdout
+    );
     assert!(!r.stdout.contains("/tmp/."), "{}", r.stdout);
 
     // Hibernate with a process holding a file open on the share; change and delete files on

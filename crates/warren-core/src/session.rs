@@ -37,7 +37,10 @@ impl SessionDevices {
     pub fn differences(&self, want: &SessionDevices) -> Vec<String> {
         let mut d = Vec::new();
         if want.image.is_some() && want.image != self.image {
-            d.push(format!("image {:?} (session: {:?})", want.image, self.image));
+            d.push(format!(
+                "image {:?} (session: {:?})",
+                want.image, self.image
+            ));
         }
         if want.memory_mib.is_some() && want.memory_mib != self.memory_mib {
             d.push(format!(
@@ -46,7 +49,10 @@ impl SessionDevices {
             ));
         }
         if want.vcpus.is_some() && want.vcpus != self.vcpus {
-            d.push(format!("vcpus {:?} (session: {:?})", want.vcpus, self.vcpus));
+            d.push(format!(
+                "vcpus {:?} (session: {:?})",
+                want.vcpus, self.vcpus
+            ));
         }
         if !want.mounts.is_empty() && want.mounts != self.mounts {
             d.push("mounts differ".to_string());
@@ -168,7 +174,11 @@ impl Warren {
             let dir = parent.join(&id);
             let p = warren_session::prepare(&req.repo, &dir, owner).map_err(session_error)?;
             for s in &p.skipped {
-                warn(&format!("not copied: {} ({:?})", s.path.display(), s.reason));
+                warn(&format!(
+                    "not copied: {} ({:?})",
+                    s.path.display(),
+                    s.reason
+                ));
             }
             (p.source_toplevel, Some(p.source_git_dir), dir)
         };
@@ -296,7 +306,9 @@ impl Warren {
                 .map_err(|e| CoreError::io("chown", &state, e))?;
         }
         mounts.push(MountSpec {
-            host: state.canonicalize().map_err(|e| CoreError::io("resolve", &state, e))?,
+            host: state
+                .canonicalize()
+                .map_err(|e| CoreError::io("resolve", &state, e))?,
             guest: GUEST_AGENT_STATE.to_string(),
             read_only: false,
             owner,

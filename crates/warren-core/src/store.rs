@@ -318,7 +318,9 @@ impl Store {
                 s.owner_uid,
                 s.owner_gid,
                 s.source.to_string_lossy(),
-                s.source_git.as_ref().map(|p| p.to_string_lossy().into_owned()),
+                s.source_git
+                    .as_ref()
+                    .map(|p| p.to_string_lossy().into_owned()),
                 s.dir.to_string_lossy(),
                 s.direct,
                 s.vm_id,

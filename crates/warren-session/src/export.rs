@@ -47,7 +47,11 @@ pub fn export(
     let refname = branch_ref(&git, branch)?;
     let repo = paths.repo();
 
-    let head = git.output(repo, &["rev-parse", "--verify", "-q", "HEAD^{commit}"], None)?;
+    let head = git.output(
+        repo,
+        &["rev-parse", "--verify", "-q", "HEAD^{commit}"],
+        None,
+    )?;
     if !head.status.success() {
         return Err(SessionError::NothingToExport);
     }
@@ -120,7 +124,11 @@ pub fn export(
         .filter(|l| !l.is_empty())
         .count();
     let new_objects = git
-        .run_with(repo, &["rev-list", "--objects", "--stdin"], Some(revs.as_bytes()))?
+        .run_with(
+            repo,
+            &["rev-list", "--objects", "--stdin"],
+            Some(revs.as_bytes()),
+        )?
         .split(|b| *b == b'\n')
         .filter(|l| !l.is_empty())
         .count();

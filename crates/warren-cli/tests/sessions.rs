@@ -1,0 +1,274 @@
+//! Sessions on real VMs (dev image, which has git): two sessions of one repository are
+//! isolated from each other and from the source, the guest sees the source checkout's state,
+//! edits reach the host within the call, commits are exported as a branch, the guest cannot
+//! touch the source's objects, config or hooks, deletion refuses unsaved work, and
+//! `warren run` works in a fresh project.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use common::TestEnv;
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .args(["-c", "user.name=T", "-c", "user.email=t@example.com"])
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("git");
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A repository with one commit, then every kind of uncommitted state.
+fn source_repo(dir: &Path) {
+    git(dir, &["init", "-q", "-b", "main"]);
+    std::fs::write(dir.join("keep.txt"), "keep\n").unwrap();
+    std::fs::write(dir.join("edit.txt"), "v1\n").unwrap();
+    std::fs::write(dir.join("gone.txt"), "gone\n").unwrap();
+    std::fs::write(dir.join("old-name.txt"), "moved\n").unwrap();
+    std::fs::write(dir.join("blob.bin"), [0u8, 1, 2, 255, 0, 7]).unwrap();
+    std::os::unix::fs::symlink("keep.txt", dir.join("link")).unwrap();
+    std::fs::write(dir.join(".gitignore"), "*.log\n").unwrap();
+    git(dir, &["add", "-A"]);
+    git(dir, &["commit", "-qm", "initial"]);
+    std::fs::write(dir.join("staged.txt"), "staged\n").unwrap();
+    git(dir, &["add", "staged.txt"]);
+    git(dir, &["mv", "old-name.txt", "new-name.txt"]);
+    std::fs::write(dir.join("edit.txt"), "v2 unstaged\n").unwrap();
+    std::fs::remove_file(dir.join("gone.txt")).unwrap();
+    std::fs::write(dir.join("untracked.txt"), "untracked\n").unwrap();
+    std::fs::write(dir.join("debug.log"), "ignored\n").unwrap();
+    // What the guest must never see or trigger.
+    git(dir, &["config", "warren.canary", "SOURCE-CONFIG-CANARY"]);
+    let hook = dir.join(".git/hooks/post-commit");
+    std::fs::write(
+        &hook,
+        format!("#!/bin/sh\ntouch {}/HOOK-RAN\n", dir.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+}
+
+struct Sessions<'a> {
+    env: &'a TestEnv,
+    names: Vec<String>,
+}
+
+impl Sessions<'_> {
+    fn create(&mut self, repo: &Path, name: &str) -> serde_json::Value {
+        let out = self.env.run(&[
+            "session",
+            "create",
+            "--repo",
+            &repo.display().to_string(),
+            "--name",
+            name,
+            "--image",
+            "dev",
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "session create: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.names.push(name.to_string());
+        serde_json::from_slice(&out.stdout).expect("json")
+    }
+}
+
+impl Drop for Sessions<'_> {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = self.env.run(&["session", "delete", n, "--force"]);
+        }
+    }
+}
+
+/// `sh -c script` in the session's VM, as `(code, stdout, stderr)`.
+fn sh(env: &TestEnv, vm: &str, script: &str) -> (i32, String, String) {
+    let out = env.run(&["vm", "exec", vm, "--", "sh", "-c", script]);
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn ok(out: Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn test_sessions_isolated_faithful_exported_and_guarded() {
+    common::ensure_image("dev");
+    let env = TestEnv::new();
+    let src_dir = tempfile::tempdir().expect("tempdir");
+    let src = src_dir.path().canonicalize().unwrap();
+    source_repo(&src);
+    let source_status = git(&src, &["status", "--porcelain"]);
+    let source_log = git(&src, &["log", "--format=%H"]);
+    let mut sessions = Sessions {
+        env: &env,
+        names: vec![],
+    };
+    let a = sessions.create(&src, "a");
+    let b = sessions.create(&src, "b");
+    let (vm_a, vm_b) = (
+        a["vm_id"].as_str().unwrap().to_string(),
+        b["vm_id"].as_str().unwrap().to_string(),
+    );
+    assert_ne!(vm_a, vm_b, "two sessions, two VMs");
+    let ws_a = PathBuf::from(a["workspace_dir"].as_str().unwrap());
+    assert_ne!(ws_a, PathBuf::from(b["workspace_dir"].as_str().unwrap()));
+
+    // The guest sees the source checkout's staged, unstaged, untracked, deleted and renamed
+    // state; ignored files stay behind; binary and symlink come through as they are.
+    let (code, out, err) = sh(
+        &env,
+        &vm_a,
+        "cd /workspace && git status --porcelain && echo --- && od -An -tx1 blob.bin && \
+         readlink link && test ! -e debug.log && echo no-log",
+    );
+    assert_eq!(code, 0, "{err}");
+    let (status, rest) = out.split_once("---\n").expect("marker");
+    assert_eq!(status, source_status);
+    assert!(rest.contains("00 01 02 ff 00 07"), "{rest}");
+    assert!(rest.contains("keep.txt\nno-log"), "{rest}");
+
+    // A guest edit is on the host when the call returns.
+    let (code, _, err) = sh(&env, &vm_a, "echo from-guest > /workspace/guest.txt");
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        std::fs::read_to_string(ws_a.join("guest.txt")).unwrap(),
+        "from-guest\n"
+    );
+
+    // Commit and branch in a; b and the source see none of it, and no source hook runs.
+    let (code, _, err) = sh(
+        &env,
+        &vm_a,
+        "cd /workspace && git -c user.name=G -c user.email=g@example.com add -A && \
+         git -c user.name=G -c user.email=g@example.com commit -qm 'from session a' && \
+         git branch feature-a && git log --oneline | head -1",
+    );
+    assert_eq!(code, 0, "{err}");
+    let (_, out_b, _) = sh(
+        &env,
+        &vm_b,
+        "cd /workspace && git log --oneline && git branch && test ! -e guest.txt && echo clean",
+    );
+    assert!(!out_b.contains("from session a"), "{out_b}");
+    assert!(!out_b.contains("feature-a"), "{out_b}");
+    assert!(out_b.ends_with("clean\n"), "{out_b}");
+    assert_eq!(git(&src, &["status", "--porcelain"]), source_status);
+    assert_eq!(git(&src, &["log", "--format=%H"]), source_log);
+    assert!(!src.join("HOOK-RAN").exists(), "a source hook ran");
+
+    // The source's object store is read-only; its config and hooks are nowhere in the guest.
+    let (code, out, err) = sh(
+        &env,
+        &vm_b,
+        "touch /.warren-source-objects/x 2>&1; echo rc=$?; \
+         grep -rs SOURCE-CONFIG-CANARY /workspace /.warren-source-objects /agent-state; \
+         echo grep=$?; ls /workspace/.git/hooks | grep -c post-commit",
+    );
+    assert!(out.contains("Read-only file system"), "{out}{err}");
+    assert!(out.contains("grep=1"), "canary visible: {out}");
+    assert!(out.trim_end().ends_with('0'), "source hook copied: {out}");
+    let _ = code;
+
+    // Export a's commit to the source as a branch.
+    ok(
+        env.run(&["session", "export", "a", "--branch", "from-a"]),
+        "export",
+    );
+    let log = git(&src, &["log", "--format=%s", "from-a"]);
+    assert!(log.starts_with("from session a\n"), "{log}");
+    assert!(
+        !src.join("HOOK-RAN").exists(),
+        "a source hook ran on export"
+    );
+
+    // Deleting b (which still has the copied uncommitted work) needs --force; a is clean.
+    let out = env.run(&["session", "delete", "b"]);
+    assert!(!out.status.success());
+    let msg = String::from_utf8_lossy(&out.stderr);
+    assert!(msg.contains("uncommitted"), "{msg}");
+    ok(env.run(&["session", "delete", "b", "--force"]), "delete b");
+    ok(env.run(&["session", "delete", "a"]), "delete a (clean)");
+    sessions.names.clear();
+    assert!(env.record(&vm_a).is_none() && env.record(&vm_b).is_none());
+    assert!(!ws_a.exists(), "session copy left behind");
+    assert_eq!(
+        git(&src, &["log", "--format=%s", "-1", "from-a"]),
+        "from session a\n"
+    );
+}
+
+#[test]
+fn test_run_shell_git_status_in_fresh_project_reuses_session() {
+    common::ensure_image("dev");
+    let env = TestEnv::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let proj = dir.path().canonicalize().unwrap();
+    git(&proj, &["init", "-q", "-b", "main"]);
+    std::fs::create_dir(proj.join("sub")).unwrap();
+    std::fs::write(proj.join("sub/new.txt"), "x\n").unwrap();
+    let run = |args: &[&str]| -> Output {
+        Command::new(common::WARREN)
+            .arg("--state-dir")
+            .arg(env.state.path())
+            .arg("--image-dir")
+            .arg(&env.image_dir)
+            .arg("run")
+            .args(args)
+            .current_dir(proj.join("sub"))
+            .stdin(Stdio::null())
+            .output()
+            .expect("warren run")
+    };
+    let out = run(&[
+        "--image",
+        "dev",
+        "shell",
+        "--",
+        "sh",
+        "-c",
+        "pwd; git status --short",
+    ]);
+    let stdout = ok(out, "warren run");
+    assert_eq!(stdout, "/workspace/sub\n?? ./\n", "{stdout}");
+    // A second run in the same project: same session, same VM; exit codes propagate.
+    let out = run(&["shell", "--", "sh", "-c", "echo again; exit 7"]);
+    assert_eq!(out.status.code(), Some(7));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "again\n");
+    let list = ok(env.run(&["session", "list", "--json"]), "list");
+    let v: serde_json::Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 1, "{v}");
+    // Different devices for the running session are refused.
+    let out = run(&["--memory-mib", "1024", "shell", "--", "true"]);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--recreate"));
+    ok(
+        env.run(&[
+            "session",
+            "delete",
+            v[0]["name"].as_str().unwrap(),
+            "--force",
+        ]),
+        "delete",
+    );
+}
