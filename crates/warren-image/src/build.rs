@@ -224,6 +224,26 @@ fn build_stage(
         })?;
     }
 
+    // 2b. Agent CLIs from the npm registry.
+    let npm = recipe.npm_packages();
+    if !npm.is_empty() {
+        progress(BuildProgress::new("npm", npm.join(" ")));
+        let mut cmd = Command::new("chroot");
+        cmd.arg(&root)
+            .args(["npm", "install", "-g", "--no-audit", "--no-fund"])
+            .args(npm)
+            .env("LC_ALL", "C")
+            .env("HOME", "/root");
+        let mut summary = LineSummary::new("npm");
+        run_logged(cmd, &log, &mut |line| summary.line(line, progress))?.map_err(|f| {
+            ImageError::Packages {
+                status: f.status,
+                log: log.clone(),
+                log_tail: f.log_tail,
+            }
+        })?;
+    }
+
     // 3. Kernel and modules.
     let kernel_package = kernel::resolve_kernel_package(&root, recipe::KERNEL_METAPACKAGE)?;
     progress(BuildProgress::new(

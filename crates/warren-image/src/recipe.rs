@@ -53,7 +53,22 @@ pub enum Recipe {
     Minimal,
     /// A development image with compilers, python3, git and nodejs.
     Dev,
+    /// `dev` plus npm and the coding agents' CLIs from the npm registry (Claude Code, Codex,
+    /// opencode) for `warren run claude|codex|opencode`.
+    Agents,
 }
+
+/// DEV's packages (shared with AGENTS).
+const DEV_PACKAGES: &[&str] = &[
+    "bash",
+    "coreutils",
+    "python3",
+    "git",
+    "gcc",
+    "build-essential",
+    "nodejs",
+    "ca-certificates",
+];
 
 /// The canonical, hashed description of a recipe (the agent is hashed separately).
 #[derive(Debug, Clone, Serialize)]
@@ -64,6 +79,9 @@ pub struct RecipeDescription {
     pub mirror: &'static str,
     pub variant: &'static str,
     pub packages: Vec<&'static str>,
+    /// Installed globally with npm after the packages (absent from older recipes' digests).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub npm_packages: Vec<&'static str>,
     pub rootfs_size: u64,
     pub kernel_package: &'static str,
     pub modules: Vec<&'static str>,
@@ -72,13 +90,14 @@ pub struct RecipeDescription {
 
 impl Recipe {
     /// Every recipe, in display order.
-    pub const ALL: [Recipe; 2] = [Recipe::Minimal, Recipe::Dev];
+    pub const ALL: [Recipe; 3] = [Recipe::Minimal, Recipe::Dev, Recipe::Agents];
 
     /// The recipe's name as used on the command line and in manifests.
     pub fn name(self) -> &'static str {
         match self {
             Recipe::Minimal => "minimal",
             Recipe::Dev => "dev",
+            Recipe::Agents => "agents",
         }
     }
 
@@ -86,7 +105,8 @@ impl Recipe {
     pub fn packages(self) -> &'static [&'static str] {
         match self {
             Recipe::Minimal => &[],
-            Recipe::Dev => &[
+            Recipe::Dev => DEV_PACKAGES,
+            Recipe::Agents => &[
                 "bash",
                 "coreutils",
                 "python3",
@@ -95,7 +115,18 @@ impl Recipe {
                 "build-essential",
                 "nodejs",
                 "ca-certificates",
+                "npm",
             ],
+        }
+    }
+
+    /// npm packages installed globally (`npm install -g`) from the npm registry: the agent
+    /// CLIs `warren run` starts. Their versions are whatever the registry serves at build
+    /// time; the image digest pins the result.
+    pub fn npm_packages(self) -> &'static [&'static str] {
+        match self {
+            Recipe::Agents => &["@anthropic-ai/claude-code", "@openai/codex", "opencode-ai"],
+            _ => &[],
         }
     }
 
@@ -103,7 +134,7 @@ impl Recipe {
     pub fn rootfs_size(self) -> u64 {
         match self {
             Recipe::Minimal => 2 * GIB,
-            Recipe::Dev => 4 * GIB,
+            Recipe::Dev | Recipe::Agents => 4 * GIB,
         }
     }
 
@@ -116,6 +147,7 @@ impl Recipe {
             mirror: MIRROR,
             variant: "minbase",
             packages: self.packages().to_vec(),
+            npm_packages: self.npm_packages().to_vec(),
             rootfs_size: self.rootfs_size(),
             kernel_package: KERNEL_METAPACKAGE,
             modules: AGENT_MODULES.to_vec(),
@@ -162,6 +194,16 @@ impl FromStr for Recipe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_npm_packages_only_in_agents_recipe_digest() {
+        let dev = serde_json::to_string(&Recipe::Dev.description()).unwrap();
+        assert!(!dev.contains("npm_packages"), "dev digest must not change: {dev}");
+        let agents = serde_json::to_string(&Recipe::Agents.description()).unwrap();
+        assert!(agents.contains("@anthropic-ai/claude-code"));
+        assert!(Recipe::Agents.packages().contains(&"npm"));
+        assert_ne!(Recipe::Dev.stage_digest(), Recipe::Agents.stage_digest());
+    }
 
     #[test]
     fn test_recipe_parse_display_roundtrip() {
