@@ -264,6 +264,19 @@ impl Service {
             }
         }
         let image = default.ok_or("no default image")?;
+        let (adopted, failed) = self
+            .warren
+            .adopt_supervisors()
+            .await
+            .map_err(|e| format!("re-adopting VMs: {}", crate::error::format_chain(&e)))?;
+        tracing::info!(
+            adopted = adopted.len(),
+            failed = failed.len(),
+            "VMs re-adopted"
+        );
+        for id in failed {
+            warnings.push(format!("VM {id} was not re-adopted and is marked failed"));
+        }
         let (accel, warning) = self
             .warren
             .resolve_accel(&image)

@@ -787,4 +787,29 @@ fn test_service_idle_suspend_restart_keeps_suspended_vms_and_shutdown() {
     assert_eq!(state(&d, &awake), "hibernated");
     let r = c.call(&d, &t, "vm_resume", json!({"vm_id": awake}));
     assert_eq!(r.body["state"], "running", "{}", r.text);
+
+    // Re-adoption checks identity: a record whose socket leads to another VM's supervisor
+    // is marked failed with the reason, and the genuine one is re-adopted.
+    let r = c.call(&d, &t, "vm_resume", json!({"vm_id": idle}));
+    assert_eq!(r.body["state"], "running", "{}", r.text);
+    d.crash();
+    let (idle_sock, awake_sock) = (
+        d.env.vm_dir(&idle).join("supervisor.sock"),
+        d.env.vm_dir(&awake).join("supervisor.sock"),
+    );
+    let saved = idle_sock.with_extension("orig");
+    std::fs::hard_link(&idle_sock, &saved).expect("link");
+    let impostor = idle_sock.with_extension("tmp");
+    std::fs::hard_link(&awake_sock, &impostor).expect("link");
+    std::fs::rename(&impostor, &idle_sock).expect("rename");
+    d.spawn();
+    let r = d.call(&t, "vm_status", json!({"vm_id": idle}));
+    assert_eq!(r.body["state"], "failed", "{}", r.text);
+    assert!(
+        r.text.contains("identity mismatch"),
+        "reason names the mismatch: {}",
+        r.text
+    );
+    assert_eq!(state(&d, &awake), "running");
+    std::fs::rename(&saved, &idle_sock).expect("restore");
 }

@@ -609,6 +609,41 @@ impl Warren {
         self.reconcile(rec)
     }
 
+    /// On service start: asks every live supervisor who it is. One serving the recorded VM
+    /// (and, while the VM runs, with its VMM alive) is re-adopted; any other answer marks
+    /// the VM failed with the reason. Returns (adopted, failed) VM ids.
+    pub async fn adopt_supervisors(&self) -> Result<(Vec<String>, Vec<String>), CoreError> {
+        let (mut adopted, mut failed) = (Vec::new(), Vec::new());
+        for rec in self.list_vms()? {
+            if !matches!(rec.state, VmState::Running | VmState::Paused) {
+                continue;
+            }
+            let dir = self.vm_dir(&rec.id);
+            let client = SupervisorClient::new(&dir.socket());
+            let problem = match client.status().await {
+                Ok(st) if st.vm_id != rec.id => Some(format!(
+                    "supervisor identity mismatch: it serves {:?}, not {}",
+                    st.vm_id, rec.id
+                )),
+                Ok(st) => match st.vmm_pid {
+                    Some(pid) if Path::new(&format!("/proc/{pid}")).exists() => None,
+                    _ => Some("the supervisor has no live VMM".to_string()),
+                },
+                Err(e) => Some(format!("the supervisor does not answer: {e}")),
+            };
+            match problem {
+                None => adopted.push(rec.id),
+                Some(reason) => {
+                    tracing::warn!(vm = %rec.id, %reason, "not re-adopted");
+                    self.store
+                        .set_state(&rec.id, VmState::Failed, Some(&reason), None)?;
+                    failed.push(rec.id);
+                }
+            }
+        }
+        Ok((adopted, failed))
+    }
+
     /// A running VM whose supervisor is gone becomes failed with the recorded reason, and
     /// anything left in its cgroup is killed.
     fn reconcile(&self, mut rec: VmRecord) -> Result<VmRecord, CoreError> {

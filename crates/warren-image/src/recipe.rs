@@ -198,7 +198,10 @@ mod tests {
     #[test]
     fn test_npm_packages_only_in_agents_recipe_digest() {
         let dev = serde_json::to_string(&Recipe::Dev.description()).unwrap();
-        assert!(!dev.contains("npm_packages"), "dev digest must not change: {dev}");
+        assert!(
+            !dev.contains("npm_packages"),
+            "dev digest must not change: {dev}"
+        );
         let agents = serde_json::to_string(&Recipe::Agents.description()).unwrap();
         assert!(agents.contains("@anthropic-ai/claude-code"));
         assert!(Recipe::Agents.packages().contains(&"npm"));

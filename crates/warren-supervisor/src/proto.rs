@@ -67,6 +67,9 @@ pub struct StatusInfo {
     pub phase: VmPhase,
     pub vmm_pid: Option<u32>,
     pub supervisor_pid: u32,
+    /// The VM the supervisor serves.
+    #[serde(default)]
+    pub vm_id: String,
     /// Milliseconds from launch to the guest's authenticated answer.
     pub boot_ms: Option<u64>,
 }

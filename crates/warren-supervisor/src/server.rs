@@ -58,6 +58,8 @@ struct Shared {
     /// Why a requested stop happens, when it is not a destroy (hibernation).
     stop_reason: Mutex<Option<String>>,
     vmm_pid: Option<u32>,
+    /// The VM this supervisor serves (its identity, checked on re-adoption).
+    vm_id: String,
     boot_ms: Mutex<Option<u64>>,
     /// The VMM's QMP socket.
     control: PathBuf,
@@ -193,6 +195,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         stop: Notify::new(),
         stop_reason: Mutex::new(None),
         vmm_pid: child.id(),
+        vm_id: cfg.vm_id.clone(),
         boot_ms: Mutex::new(None),
         control: endpoints.control.clone(),
         dir: dir.clone(),
@@ -792,6 +795,7 @@ fn status(shared: &Shared) -> StatusInfo {
         phase: shared.phase.borrow().clone(),
         vmm_pid: shared.vmm_pid,
         supervisor_pid: std::process::id(),
+        vm_id: shared.vm_id.clone(),
         boot_ms: *shared.boot_ms.lock().unwrap_or_else(|p| p.into_inner()),
     }
 }
