@@ -85,7 +85,11 @@ pub(crate) fn as_owner<T: Send>(
 }
 
 /// Copies `entries` from `src` into `dst` (an existing directory).
-pub(crate) fn copy_entries(src: &Path, dst: &Path, entries: &[Entry]) -> Result<CopyStats, SessionError> {
+pub(crate) fn copy_entries(
+    src: &Path,
+    dst: &Path,
+    entries: &[Entry],
+) -> Result<CopyStats, SessionError> {
     let mut copier = Copier {
         src,
         dst,
@@ -111,7 +115,11 @@ struct Copier<'a> {
 
 impl Copier<'_> {
     fn entry(&mut self, e: &Entry) -> Result<(), SessionError> {
-        if !e.path.components().all(|c| matches!(c, Component::Normal(_))) {
+        if !e
+            .path
+            .components()
+            .all(|c| matches!(c, Component::Normal(_)))
+        {
             // Git never lists such a path; refuse to act on it rather than trust it.
             return Err(SessionError::Io {
                 op: "copy unexpected path",

@@ -117,7 +117,10 @@ fn unsaved_message(uncommitted: &[String], unexported: usize) -> String {
 }
 
 impl SessionError {
-    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
+    pub(crate) fn io(
+        op: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.into();
         move |source| SessionError::Io { op, path, source }
     }

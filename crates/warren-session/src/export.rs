@@ -47,7 +47,11 @@ pub fn export(
     let refname = branch_ref(&git, branch)?;
     let repo = paths.repo();
 
-    let head = git.output(repo, &["rev-parse", "--verify", "-q", "HEAD^{commit}"], None)?;
+    let head = git.output(
+        repo,
+        &["rev-parse", "--verify", "-q", "HEAD^{commit}"],
+        None,
+    )?;
     if !head.status.success() {
         return Err(SessionError::NothingToExport);
     }
@@ -120,7 +124,11 @@ pub fn export(
         .filter(|l| !l.is_empty())
         .count();
     let new_objects = git
-        .run_with(repo, &["rev-list", "--objects", "--stdin"], Some(revs.as_bytes()))?
+        .run_with(
+            repo,
+            &["rev-list", "--objects", "--stdin"],
+            Some(revs.as_bytes()),
+        )?
         .split(|b| *b == b'\n')
         .filter(|l| !l.is_empty())
         .count();
@@ -157,7 +165,9 @@ fn branch_ref(git: &Git, branch: &str) -> Result<String, SessionError> {
     let invalid = || SessionError::InvalidBranch(branch.to_string());
     // `@{-1}` and friends expand only inside a repository; none is given here. A leading
     // dash would read as an option.
-    if branch.starts_with('-') || branch.contains('@') && branch.contains('{') {
+    // `HEAD` is refused explicitly: git before 2.43 accepts it as a branch name.
+    if branch.starts_with('-') || branch == "HEAD" || (branch.contains('@') && branch.contains('{'))
+    {
         return Err(invalid());
     }
     let out = git.output(Repo::None, &["check-ref-format", "--branch", branch], None)?;

@@ -27,7 +27,10 @@ pub(crate) enum Repo<'a> {
     /// Discover the repository from this directory (`git -C dir`): the user's source.
     At(&'a Path),
     /// The session repository: explicit `--git-dir`/`--work-tree`, no discovery.
-    Session { git_dir: &'a Path, work_tree: &'a Path },
+    Session {
+        git_dir: &'a Path,
+        work_tree: &'a Path,
+    },
     /// A git directory without a working tree (`--git-dir`).
     GitDir(&'a Path),
     /// No repository (e.g. `check-ref-format`); runs in `/`.

@@ -48,7 +48,9 @@ pub fn key_allowed(key: &str) -> bool {
     }
     // branch.<subsection>.<name>: the subsection keeps its case and may contain dots.
     if let (Some(rest), Some(dot)) = (key_lc.strip_prefix("branch."), key_lc.rfind('.')) {
-        return dot > "branch".len() && !rest.is_empty() && ALLOWED_BRANCH_KEYS.contains(&&key_lc[dot + 1..]);
+        return dot > "branch".len()
+            && !rest.is_empty()
+            && ALLOWED_BRANCH_KEYS.contains(&&key_lc[dot + 1..]);
     }
     false
 }
@@ -119,7 +121,10 @@ pub(crate) fn check(paths: &SessionPaths, git: &Git) -> Result<(), SessionError>
     };
     for (path, what) in [
         (&paths.git_dir, ".git is not a directory"),
-        (&paths.git_dir.join("objects"), ".git/objects is not a directory"),
+        (
+            &paths.git_dir.join("objects"),
+            ".git/objects is not a directory",
+        ),
     ] {
         match std::fs::symlink_metadata(path) {
             Ok(m) if m.is_dir() => {}

@@ -341,7 +341,8 @@ fn build(git: &Git, src: &Source, paths: &SessionPaths) -> Result<Prepared, Sess
         let info = git_dir.join("objects/info");
         std::fs::create_dir_all(&info).map_err(SessionError::io("create directory", &info))?;
         let alt = info.join("alternates");
-        std::fs::write(&alt, format!("{ALTERNATES_ENTRY}\n")).map_err(SessionError::io("write", &alt))?;
+        std::fs::write(&alt, format!("{ALTERNATES_ENTRY}\n"))
+            .map_err(SessionError::io("write", &alt))?;
         // The source's own exclude rules keep the session's view of ignored files the same.
         if let Ok(rules) = std::fs::read(&info_exclude) {
             let dir = git_dir.join("info");

@@ -87,7 +87,11 @@ pub(crate) fn source_tips(git: &Git, source_git: &Path) -> Result<Vec<String>, S
 
 fn unexported(git: &Git, paths: &SessionPaths) -> Result<Vec<String>, SessionError> {
     let repo = paths.repo();
-    let head = git.output(repo, &["rev-parse", "--verify", "-q", "HEAD^{commit}"], None)?;
+    let head = git.output(
+        repo,
+        &["rev-parse", "--verify", "-q", "HEAD^{commit}"],
+        None,
+    )?;
     let mut args = vec!["rev-list", "--branches", "--stdin"];
     if head.status.success() {
         args.insert(1, "HEAD");

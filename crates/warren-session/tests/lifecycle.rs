@@ -26,17 +26,32 @@ fn test_two_sessions_isolated_from_each_other_and_source() {
     let c1 = commit_in(&w1, "s1.txt", "only s1\n", "s1 commit");
     git(&w1, &["branch", "s1-branch"]);
 
-    assert_eq!(std::fs::read_to_string(w2.join("a.txt")).unwrap(), "alpha\n");
+    assert_eq!(
+        std::fs::read_to_string(w2.join("a.txt")).unwrap(),
+        "alpha\n"
+    );
     assert!(!w2.join("s1.txt").exists());
     assert_eq!(git(&w2, &["rev-parse", "HEAD"]), src_head);
-    assert!(!git_out(&w2, &["cat-file", "-e", &c1]).status.success(), "s1's commit is not visible in s2");
-    assert!(!git_out(&w2, &["rev-parse", "--verify", "-q", "s1-branch"]).status.success());
+    assert!(
+        !git_out(&w2, &["cat-file", "-e", &c1]).status.success(),
+        "s1's commit is not visible in s2"
+    );
+    assert!(!git_out(&w2, &["rev-parse", "--verify", "-q", "s1-branch"])
+        .status
+        .success());
     assert_eq!(porcelain(&w2), "?? wip.txt\n");
 
-    assert_eq!(std::fs::read_to_string(f.src.join("a.txt")).unwrap(), "alpha\n");
+    assert_eq!(
+        std::fs::read_to_string(f.src.join("a.txt")).unwrap(),
+        "alpha\n"
+    );
     assert_eq!(git(&f.src, &["rev-parse", "HEAD"]), src_head);
     assert!(!git_out(&f.src, &["cat-file", "-e", &c1]).status.success());
-    assert_eq!(snapshot(&f.src.join(".git")), src_git, "the source .git changed");
+    assert_eq!(
+        snapshot(&f.src.join(".git")),
+        src_git,
+        "the source .git changed"
+    );
 }
 
 #[test]
@@ -52,8 +67,14 @@ fn test_session_commit_writes_objects_only_in_session() {
     // commit + tree + blob, loose in the session's own store.
     assert_eq!(objects_after.len(), objects_before + 3, "{objects_after:?}");
     let loose = format!("{}/{}", &c[..2], &c[2..]);
-    assert!(objects_after.iter().any(|p| p.to_str() == Some(loose.as_str())));
-    assert_eq!(snapshot(&f.src.join(".git")), before, "prepare, commit or status touched the source .git");
+    assert!(objects_after
+        .iter()
+        .any(|p| p.to_str() == Some(loose.as_str())));
+    assert_eq!(
+        snapshot(&f.src.join(".git")),
+        before,
+        "prepare, commit or status touched the source .git"
+    );
 }
 
 #[test]
@@ -66,7 +87,10 @@ fn test_status_reports_uncommitted_and_unexported() {
     write(&w, "a.txt", "changed\n");
     write(&w, "dir/u.txt", "untracked\n");
     let r = status(&s, None).unwrap();
-    assert_eq!(r.uncommitted, vec!["a.txt".to_string(), "dir/u.txt".to_string()]);
+    assert_eq!(
+        r.uncommitted,
+        vec!["a.txt".to_string(), "dir/u.txt".to_string()]
+    );
     assert!(r.unexported.is_empty());
 
     git(&w, &["add", "-A"]);
@@ -102,15 +126,32 @@ fn test_export_creates_branch_with_session_commit() {
     assert_eq!(e.previous, None);
     assert_eq!(e.new_commits, 2);
     assert_eq!(git(&f.src, &["rev-parse", "session/one"]).trim(), c);
-    assert_eq!(git(&f.src, &["show", "session/one:new.txt"]), "from the session\n");
-    assert_eq!(git(&f.src, &["show", "session/one:staged.txt"]), "staged only in the source index\n");
-    git(&f.src, &["fsck", "--strict", "--no-progress", "--no-dangling"]);
+    assert_eq!(
+        git(&f.src, &["show", "session/one:new.txt"]),
+        "from the session\n"
+    );
+    assert_eq!(
+        git(&f.src, &["show", "session/one:staged.txt"]),
+        "staged only in the source index\n"
+    );
+    git(
+        &f.src,
+        &["fsck", "--strict", "--no-progress", "--no-dangling"],
+    );
     // The source's checkout is untouched.
-    assert_eq!(git(&f.src, &["symbolic-ref", "HEAD"]).trim(), "refs/heads/main");
+    assert_eq!(
+        git(&f.src, &["symbolic-ref", "HEAD"]).trim(),
+        "refs/heads/main"
+    );
     assert_eq!(porcelain(&f.src), "A  staged.txt\n");
     assert!(status(&s, None).unwrap().is_clean());
     // It also works with the git dir or a subdirectory as the source path.
-    assert_eq!(export(&s, &p.source_git_dir, "session/one", None).unwrap().new_commits, 0);
+    assert_eq!(
+        export(&s, &p.source_git_dir, "session/one", None)
+            .unwrap()
+            .new_commits,
+        0
+    );
 }
 
 #[test]
@@ -127,17 +168,30 @@ fn test_export_fast_forward_then_refuses_diverged_branch() {
 
     // The branch moves on in the source: the session's next export is no fast-forward.
     git(&f.src, &["branch", "other", "main"]);
-    git(&f.src, &["update-ref", "refs/heads/feat", "refs/heads/main"]);
+    git(
+        &f.src,
+        &["update-ref", "refs/heads/feat", "refs/heads/main"],
+    );
     let main = git(&f.src, &["rev-parse", "main"]).trim().to_string();
     let wt = f.tmp.path().join("wt");
-    git(&f.src, &["worktree", "add", "-q", wt.to_str().unwrap(), "feat"]);
+    git(
+        &f.src,
+        &["worktree", "add", "-q", wt.to_str().unwrap(), "feat"],
+    );
     commit_in(&wt, "theirs.txt", "x\n", "theirs");
     git(&f.src, &["worktree", "remove", wt.to_str().unwrap()]);
     let theirs = git(&f.src, &["rev-parse", "feat"]).trim().to_string();
     assert_ne!(theirs, main);
     let err = export(&s, &f.src, "feat", None).unwrap_err();
-    assert!(matches!(err, SessionError::NotFastForward { ref existing, .. } if *existing == theirs), "{err}");
-    assert_eq!(git(&f.src, &["rev-parse", "feat"]).trim(), theirs, "the branch was not moved");
+    assert!(
+        matches!(err, SessionError::NotFastForward { ref existing, .. } if *existing == theirs),
+        "{err}"
+    );
+    assert_eq!(
+        git(&f.src, &["rev-parse", "feat"]).trim(),
+        theirs,
+        "the branch was not moved"
+    );
 }
 
 #[test]
@@ -147,7 +201,10 @@ fn test_export_refuses_checked_out_branch() {
     commit_in(&ws(&s), "n.txt", "1\n", "one");
     let before = git(&f.src, &["rev-parse", "main"]);
     let err = export(&s, &f.src, "main", None).unwrap_err();
-    assert!(matches!(err, SessionError::BranchCheckedOut { .. }), "{err}");
+    assert!(
+        matches!(err, SessionError::BranchCheckedOut { .. }),
+        "{err}"
+    );
     assert_eq!(git(&f.src, &["rev-parse", "main"]), before);
 }
 
@@ -156,10 +213,16 @@ fn test_export_refuses_unborn_checked_out_branch() {
     // An empty source: its worktree sits on unborn main.
     let f = Fixture::empty();
     let (s, _) = f.prepare("s");
-    assert!(matches!(export(&s, &f.src, "x", None), Err(SessionError::NothingToExport)));
+    assert!(matches!(
+        export(&s, &f.src, "x", None),
+        Err(SessionError::NothingToExport)
+    ));
     commit_in(&ws(&s), "n.txt", "1\n", "one");
     let err = export(&s, &f.src, "main", None).unwrap_err();
-    assert!(matches!(err, SessionError::BranchCheckedOut { .. }), "{err}");
+    assert!(
+        matches!(err, SessionError::BranchCheckedOut { .. }),
+        "{err}"
+    );
     let e = export(&s, &f.src, "first", None).unwrap();
     assert_eq!(e.new_commits, 1);
     assert_eq!(git(&f.src, &["log", "--format=%s", "first"]).trim(), "one");
@@ -170,9 +233,23 @@ fn test_export_invalid_branch_names_refused() {
     let f = Fixture::committed();
     let (s, _) = f.prepare("s");
     commit_in(&ws(&s), "n.txt", "1\n", "one");
-    for bad in ["", "-x", "a b", "bad..name", "x.lock", "@{-1}", "HEAD", "a~1", "/x", "refs/heads/"] {
+    for bad in [
+        "",
+        "-x",
+        "a b",
+        "bad..name",
+        "x.lock",
+        "@{-1}",
+        "HEAD",
+        "a~1",
+        "/x",
+        "refs/heads/",
+    ] {
         let err = export(&s, &f.src, bad, None).unwrap_err();
-        assert!(matches!(err, SessionError::InvalidBranch(_)), "{bad:?}: {err}");
+        assert!(
+            matches!(err, SessionError::InvalidBranch(_)),
+            "{bad:?}: {err}"
+        );
     }
 }
 
@@ -184,7 +261,9 @@ fn test_export_to_other_repository_refused() {
     commit_in(&ws(&s), "n.txt", "1\n", "one");
     let err = export(&s, &other.src, "x", None).unwrap_err();
     assert!(matches!(err, SessionError::SourceMismatch { .. }), "{err}");
-    assert!(!git_out(&other.src, &["rev-parse", "--verify", "-q", "x"]).status.success());
+    assert!(!git_out(&other.src, &["rev-parse", "--verify", "-q", "x"])
+        .status
+        .success());
 }
 
 #[test]
@@ -197,7 +276,10 @@ fn test_remove_refuses_with_work_then_force_keeps_source() {
     let before = snapshot(&p.source_objects);
     let err = remove(&s, false, None).unwrap_err();
     match &err {
-        SessionError::Unsaved { uncommitted, unexported } => {
+        SessionError::Unsaved {
+            uncommitted,
+            unexported,
+        } => {
             assert_eq!(uncommitted, &vec!["dirty.txt".to_string()]);
             assert_eq!(*unexported, 1);
         }
@@ -208,7 +290,11 @@ fn test_remove_refuses_with_work_then_force_keeps_source() {
     remove(&s, true, None).unwrap();
     assert!(!s.exists());
     assert!(p.source_objects.is_dir());
-    assert_eq!(snapshot(&p.source_objects), before, "removal touched the source objects");
+    assert_eq!(
+        snapshot(&p.source_objects),
+        before,
+        "removal touched the source objects"
+    );
     assert_eq!(git(&f.src, &["log", "--format=%s"]).trim(), "initial");
 }
 
@@ -220,7 +306,10 @@ fn test_remove_clean_and_exported_session() {
     export(&s, &f.src, "done", None).unwrap();
     remove(&s, false, None).unwrap();
     assert!(!s.exists());
-    assert!(matches!(remove(&s, false, None), Err(SessionError::Io { .. })));
+    assert!(matches!(
+        remove(&s, false, None),
+        Err(SessionError::Io { .. })
+    ));
 }
 
 #[test]

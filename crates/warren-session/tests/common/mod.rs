@@ -105,7 +105,11 @@ pub fn snapshot(root: &Path) -> BTreeMap<PathBuf, (u32, u64, i64, i64)> {
         for e in std::fs::read_dir(&dir).expect("read_dir") {
             let e = e.expect("entry");
             let m = std::fs::symlink_metadata(e.path()).expect("lstat");
-            let rel = e.path().strip_prefix(root).expect("under root").to_path_buf();
+            let rel = e
+                .path()
+                .strip_prefix(root)
+                .expect("under root")
+                .to_path_buf();
             out.insert(rel, (m.mode(), m.len(), m.mtime(), m.mtime_nsec()));
             if m.is_dir() {
                 stack.push(e.path());
