@@ -165,7 +165,9 @@ fn branch_ref(git: &Git, branch: &str) -> Result<String, SessionError> {
     let invalid = || SessionError::InvalidBranch(branch.to_string());
     // `@{-1}` and friends expand only inside a repository; none is given here. A leading
     // dash would read as an option.
-    if branch.starts_with('-') || branch.contains('@') && branch.contains('{') {
+    // `HEAD` is refused explicitly: git before 2.43 accepts it as a branch name.
+    if branch.starts_with('-') || branch == "HEAD" || (branch.contains('@') && branch.contains('{'))
+    {
         return Err(invalid());
     }
     let out = git.output(Repo::None, &["check-ref-format", "--branch", branch], None)?;

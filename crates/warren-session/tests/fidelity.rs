@@ -502,3 +502,38 @@ fn test_guest_layout_resolves_through_root_link() {
         .status
         .success());
 }
+
+#[test]
+fn test_prepare_split_index_source() {
+    let f = Fixture::committed();
+    git(&f.src, &["update-index", "--split-index"]);
+    write(&f.src, "s.txt", "staged\n");
+    git(&f.src, &["add", "s.txt"]);
+    write(&f.src, "a.txt", "unstaged\n");
+    let shared = std::fs::read_dir(f.src.join(".git"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("sharedindex.")
+        })
+        .count();
+    assert!(shared > 0, "the source really has a split index");
+    let (s, _) = f.prepare("s");
+    let w = ws(&s);
+    assert_eq!(porcelain(&w), " M a.txt\nA  s.txt\n");
+    assert_eq!(porcelain(&w), porcelain(&f.src));
+    let leftovers = std::fs::read_dir(w.join(".git"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("sharedindex.")
+        })
+        .count();
+    assert_eq!(leftovers, 0, "the session index is whole");
+}
