@@ -529,6 +529,7 @@ impl Service {
                 SuspendModeArg::Hibernate => warren_core::SuspendMode::Hibernate,
             }),
             mounts: vec![],
+            ram_file: a.ram_file,
         };
         let r = self
             .warren

@@ -48,6 +48,10 @@ pub struct VmCreateArgs {
     /// How an idle VM is suspended: "hibernate" (default) or "pause".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_mode: Option<SuspendModeArg>,
+    /// Keep guest RAM in a file in the VM's directory: hibernation becomes a fast standby
+    /// (device state only, RAM file flushed to disk). The file counts as storage.
+    #[serde(default)]
+    pub ram_file: bool,
 }
 
 /// Names one VM.

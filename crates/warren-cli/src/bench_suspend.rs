@@ -7,7 +7,9 @@
 //!     guest RAM touched (random bytes in the guest's tmpfs), giving the cost per GiB touched;
 //! (i) resume from hibernation to the first exec result vs a cold `vm create` to the first
 //!     exec result (target ratio <= 0.1);
-//! (j) host RSS of the VM's QEMU while paused; a hibernated VM has no process at all.
+//! (j) host RSS of the VM's QEMU while paused; a hibernated VM has no process at all;
+//! (standby) the same VM created with `--ram-file`: hibernate (device state plus flushing the
+//!     RAM file) and resume to the first exec result.
 
 use std::time::Instant;
 
@@ -38,6 +40,10 @@ struct Report {
     resume_vs_cold: f64,
     paused_qemu_rss_mib: f64,
     hibernated_host_rss_mib: f64,
+    standby_hibernate_ms_median: f64,
+    standby_state_kib: f64,
+    standby_resume_to_first_exec_ms_median: f64,
+    standby_resume_vs_cold: f64,
 }
 
 fn ms(t: Instant) -> f64 {
@@ -99,6 +105,13 @@ pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
             "(j) host RSS: paused QEMU {:.0} MiB   hibernated {:.0} MiB (no process)",
             r.paused_qemu_rss_mib, r.hibernated_host_rss_mib
         );
+        println!(
+            "(standby) hibernate {:.0} ms, state {:.0} KiB; resume to first exec {:.0} ms   ratio vs cold {:.3}",
+            r.standby_hibernate_ms_median,
+            r.standby_state_kib,
+            r.standby_resume_to_first_exec_ms_median,
+            r.standby_resume_vs_cold
+        );
     }
     Ok(0)
 }
@@ -134,6 +147,7 @@ async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
     let (mut cold, mut pause, mut unpause, mut hib_idle, mut hib_touched, mut resume) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
     let (mut size_idle, mut size_touched, mut rss) = (vec![], vec![], vec![]);
+    let (mut sb_hib, mut sb_size, mut sb_resume) = (vec![], vec![], vec![]);
     let mut accel = String::new();
     for i in 0..cycles {
         eprintln!("cycle {}/{cycles}", i + 1);
@@ -172,6 +186,25 @@ async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
         hib_touched.push(took);
         size_touched.push(size);
         w.destroy_vm(&rec.id).await?;
+
+        // Fast standby: RAM in the VM's file, device state only in the checkpoint.
+        let sb = w
+            .create_vm(
+                &CreateVm {
+                    ram_file: true,
+                    ..create.clone()
+                },
+                &mut |_| {},
+            )
+            .await?;
+        first_exec(w, &sb.id).await?;
+        let (took, size) = hibernate(w, &sb.id).await?;
+        sb_hib.push(took);
+        sb_size.push(size * 1024.0);
+        let t = Instant::now();
+        first_exec(w, &sb.id).await?;
+        sb_resume.push(ms(t));
+        w.destroy_vm(&sb.id).await?;
     }
     let (hi, ht) = (median(&mut hib_idle), median(&mut hib_touched));
     let (si, st) = (median(&mut size_idle), median(&mut size_touched));
@@ -193,5 +226,9 @@ async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
         resume_vs_cold: r / c,
         paused_qemu_rss_mib: median(&mut rss),
         hibernated_host_rss_mib: 0.0,
+        standby_hibernate_ms_median: median(&mut sb_hib),
+        standby_state_kib: median(&mut sb_size),
+        standby_resume_to_first_exec_ms_median: median(&mut sb_resume),
+        standby_resume_vs_cold: median(&mut sb_resume) / c,
     })
 }

@@ -228,6 +228,10 @@ pub enum VmCmd {
         /// enforced on the host; files the guest user creates belong to you.
         #[arg(long = "mount", value_name = "HOST:GUEST[:ro]")]
         mounts: Vec<String>,
+        /// Keep guest RAM in a file in the VM's directory: hibernation becomes a fast
+        /// standby (device state only; the RAM file is flushed and counts as storage).
+        #[arg(long)]
+        ram_file: bool,
         #[command(flatten)]
         accel: AccelArg,
         #[arg(long)]

@@ -327,6 +327,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             idle_seconds,
             idle_mode,
             mounts,
+            ram_file,
             accel,
             json,
         } => {
@@ -341,6 +342,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             let w = open(cli, Some(&accel.accel))?;
             let req = CreateVm {
                 mounts,
+                ram_file: *ram_file,
                 image: image.clone(),
                 memory_mib: *memory_mib,
                 vcpus: *vcpus,

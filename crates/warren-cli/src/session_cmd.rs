@@ -104,7 +104,7 @@ pub async fn session(cli: &Cli, cmd: &SessionCmd) -> Result<i32> {
         }
         SessionCmd::Status { session, json } => {
             let s = w.session(&ws, session)?;
-            let r = w.session_retention(&s)?;
+            let r = w.session_retention(&s).await?;
             if *json {
                 println!(
                     "{}",
@@ -124,7 +124,7 @@ pub async fn session(cli: &Cli, cmd: &SessionCmd) -> Result<i32> {
         }
         SessionCmd::Export { session, branch } => {
             let s = w.session(&ws, session)?;
-            let e = w.export_session(&s, branch.as_deref())?;
+            let e = w.export_session(&s, branch.as_deref()).await?;
             println!(
                 "{} -> {} ({} new commit(s))",
                 e.refname, e.commit, e.new_commits

@@ -257,3 +257,50 @@ fn test_suspend_crash_mid_hibernate_failed_or_hibernated_never_reset() {
         }
     }
 }
+
+/// Fast standby: guest RAM in the VM's RAM file, the checkpoint holds device state only; the
+/// process continues with its PID and memory after each of three cycles, with no QEMU left
+/// while hibernated.
+#[test]
+fn test_suspend_standby_ram_file_small_checkpoint_process_continues() {
+    common::ensure_image("minimal");
+    let env = common::TestEnv::new();
+    let id = env.create_vm_with("minimal", &["--ram-file"]);
+    let vm = TestVm::adopt(env, id);
+    let job = vm.detach("echo pid $$; i=0; while true; do echo $i; i=$((i+1)); sleep 0.2; done");
+    common::wait_until("counter", 30, || produced(&vm, job) > 10);
+    let run = vm.env.vm_dir(&vm.id).join("run");
+    let pid_line = |vm: &TestVm| {
+        vm.output(job, &[])["stdout"]
+            .as_str()
+            .unwrap_or("")
+            .lines()
+            .next()
+            .unwrap_or("")
+            .to_string()
+    };
+    let first = pid_line(&vm);
+    for cycle in 0..3 {
+        ok(suspend(&vm, &["--mode", "hibernate", "--force"]), "standby");
+        assert_eq!(vm.state(), "hibernated");
+        assert!(
+            vm.qemu_pids().is_empty(),
+            "QEMU still running while hibernated"
+        );
+        let state = std::fs::metadata(run.join("checkpoint.ram"))
+            .expect("state")
+            .len();
+        assert!(
+            state < 1 << 20,
+            "cycle {cycle}: device state only, got {state} bytes"
+        );
+        assert!(run.join("guest.ram").exists(), "the RAM file stays");
+        let before = produced(&vm, job);
+        assert_eq!(vm.state(), "running", "reading output wakes the VM");
+        common::wait_until("counting again", 30, || produced(&vm, job) > before + 5);
+    }
+    assert_eq!(pid_line(&vm), first, "same process across standby cycles");
+    let r = vm.sh("cat /proc/meminfo | head -1");
+    assert_eq!(r.code, 0);
+    vm.destroy();
+}

@@ -397,22 +397,50 @@ impl Warren {
         }
     }
 
+    /// Runs host git work on the session copy with the session's VM paused, so the guest
+    /// cannot rewrite the git directory between the safety checks and the git call (a
+    /// running VM is resumed afterwards, whatever the outcome).
+    async fn with_guest_stopped<T>(
+        &self,
+        s: &SessionRecord,
+        f: impl FnOnce() -> Result<T, CoreError>,
+    ) -> Result<T, CoreError> {
+        let running = match &s.vm_id {
+            Some(id) => matches!(self.get_vm(id), Ok(vm) if vm.state == VmState::Running),
+            None => false,
+        };
+        let vm = s.vm_id.as_deref().unwrap_or_default();
+        if running {
+            self.suspend_vm(vm, crate::vm::SuspendMode::Pause, true)
+                .await?;
+        }
+        let r = f();
+        if running {
+            self.resume_vm(vm).await?;
+        }
+        r
+    }
+
     /// What deleting `s` would lose (nothing for a direct session).
-    pub fn session_retention(
+    pub async fn session_retention(
         &self,
         s: &SessionRecord,
     ) -> Result<warren_session::Retention, CoreError> {
         if s.direct {
             return Ok(warren_session::Retention::default());
         }
-        warren_session::status(&s.dir, owner_of(s.owner_uid, s.owner_gid)).map_err(session_error)
+        self.with_guest_stopped(s, || {
+            warren_session::status(&s.dir, owner_of(s.owner_uid, s.owner_gid))
+                .map_err(session_error)
+        })
+        .await
     }
 
     /// Destroys the session's VM and its copy. Without `force`, refuses while the copy has
     /// uncommitted changes or unexported commits, saying which.
     pub async fn delete_session(&self, s: &SessionRecord, force: bool) -> Result<(), CoreError> {
         if !force {
-            let r = self.session_retention(s)?;
+            let r = self.session_retention(s).await?;
             if !r.is_clean() {
                 return Err(session_error(warren_session::SessionError::Unsaved {
                     uncommitted: r.uncommitted,
@@ -436,7 +464,7 @@ impl Warren {
 
     /// Brings the session's HEAD commit into the source repository as `branch`
     /// (default `warren/<session name>`).
-    pub fn export_session(
+    pub async fn export_session(
         &self,
         s: &SessionRecord,
         branch: Option<&str>,
@@ -451,8 +479,11 @@ impl Warren {
         let branch = branch
             .map(str::to_string)
             .unwrap_or_else(|| format!("warren/{}", s.name));
-        warren_session::export(&s.dir, git, &branch, owner_of(s.owner_uid, s.owner_gid))
-            .map_err(session_error)
+        self.with_guest_stopped(s, || {
+            warren_session::export(&s.dir, git, &branch, owner_of(s.owner_uid, s.owner_gid))
+                .map_err(session_error)
+        })
+        .await
     }
 }
 

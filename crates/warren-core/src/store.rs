@@ -78,6 +78,9 @@ pub struct VmRecord {
     pub last_active_unix: u64,
     /// Host directories shared into the guest.
     pub mounts: Vec<MountSpec>,
+    /// Guest RAM lives in a file in the VM's directory (fast standby hibernation); the file
+    /// counts as storage.
+    pub ram_file: bool,
 }
 
 /// One host directory shared into a VM over virtio-fs.
@@ -173,6 +176,7 @@ const ADDED_COLUMNS: &[(&str, &str)] = &[
     ("idle_mode", "TEXT NOT NULL DEFAULT 'hibernate'"),
     ("last_active_unix", "INTEGER NOT NULL DEFAULT 0"),
     ("mounts", "TEXT NOT NULL DEFAULT '[]'"),
+    ("ram_file", "INTEGER NOT NULL DEFAULT 0"),
 ];
 
 impl Store {
@@ -222,8 +226,8 @@ impl Store {
         tx.execute(
             "INSERT INTO vms (id, image_id, state, reason, memory_mib, vcpus, accel, uid, created_unix, boot_ms,
                               workspace, disk_mib, generation, request_id, idle_seconds, idle_mode,
-                              last_active_unix, mounts)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)",
+                              last_active_unix, mounts, ram_file)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)",
             params![
                 rec.id,
                 rec.image_id,
@@ -243,6 +247,7 @@ impl Store {
                 rec.idle_mode,
                 rec.last_active_unix as i64,
                 serde_json::to_string(&rec.mounts).expect("invariant: mounts serialise"),
+                rec.ram_file,
             ],
         )?;
         tx.commit()?;
@@ -450,6 +455,7 @@ fn row(r: &rusqlite::Row<'_>) -> Result<VmRecord, rusqlite::Error> {
                 rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, e.into())
             })?
         },
+        ram_file: r.get("ram_file")?,
     })
 }
 
@@ -477,6 +483,7 @@ mod tests {
             idle_mode: "hibernate".into(),
             last_active_unix: 0,
             mounts: vec![],
+            ram_file: false,
         }
     }
 

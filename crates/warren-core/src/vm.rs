@@ -77,6 +77,9 @@ pub struct CreateVm {
     pub idle_mode: Option<SuspendMode>,
     /// Host directories shared into the guest (checked by [`validate_mounts`]).
     pub mounts: Vec<MountSpec>,
+    /// Guest RAM in a file in the VM's directory: hibernation becomes a fast standby that
+    /// saves device state only and flushes the RAM file (which counts as storage).
+    pub ram_file: bool,
 }
 
 /// At most this many shared directories per VM.
@@ -380,7 +383,8 @@ impl Warren {
         };
         let mut rec = VmRecord {
             workspace,
-            disk_mib: image.rootfs_virtual_size.div_ceil(1 << 20),
+            disk_mib: image.rootfs_virtual_size.div_ceil(1 << 20)
+                + if req.ram_file { u64::from(memory) } else { 0 },
             generation: 1,
             request_id: req.request_id.clone(),
             idle_seconds: req.idle_seconds.unwrap_or(DEFAULT_IDLE_SECONDS),
@@ -401,6 +405,7 @@ impl Warren {
             created_unix: now_unix(),
             boot_ms: None,
             mounts: req.mounts.clone(),
+            ram_file: req.ram_file,
         };
         let add = Usage {
             vms: 1,
@@ -500,6 +505,7 @@ impl Warren {
                 incoming: false,
                 shares,
                 virtiofsd,
+                ram_file: rec.ram_file.then(|| run.join("guest.ram")),
             },
             boot_timeout_ms: self.cfg.boot_timeout.as_millis() as u64,
             restore: false,

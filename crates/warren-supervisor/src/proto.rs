@@ -48,6 +48,11 @@ pub struct CheckpointInfo {
     pub qemu_sha256: String,
     pub firmware_sha256: String,
     pub unix_time: u64,
+    /// Fast standby: guest RAM stayed in the VM's RAM file (flushed to disk before this
+    /// record); the state file holds device state only. Otherwise RAM is in the state file
+    /// (`mapped-ram`).
+    #[serde(default)]
+    pub standby: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]

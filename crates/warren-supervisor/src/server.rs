@@ -60,6 +60,8 @@ struct Shared {
     vmm_pid: Option<u32>,
     /// The VM this supervisor serves (its identity, checked on re-adoption).
     vm_id: String,
+    /// Guest RAM file (fast standby), if the VM has one.
+    ram_file: Option<PathBuf>,
     boot_ms: Mutex<Option<u64>>,
     /// The VMM's QMP socket.
     control: PathBuf,
@@ -196,6 +198,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         stop_reason: Mutex::new(None),
         vmm_pid: child.id(),
         vm_id: cfg.vm_id.clone(),
+        ram_file: cfg.launch.ram_file.clone(),
         boot_ms: Mutex::new(None),
         control: endpoints.control.clone(),
         dir: dir.clone(),
@@ -231,7 +234,10 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         tokio::spawn(async move {
             let mut first = true;
             if restore {
-                if let Err(e) = restore_checkpoint(&control, &restore_state, boot_deadline).await {
+                let standby = shared.ram_file.is_some();
+                if let Err(e) =
+                    restore_checkpoint(&control, &restore_state, standby, boot_deadline).await
+                {
                     let reason = format!("restoring the checkpoint failed: {e}");
                     tracing::error!(%reason);
                     *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
@@ -616,8 +622,15 @@ async fn migration_done(q: &mut Qmp) -> Result<(), String> {
     }
 }
 
-fn mapped_ram() -> serde_json::Value {
-    serde_json::json!({"capabilities": [{"capability": "mapped-ram", "state": true}]})
+/// Migration capabilities of a checkpoint: `mapped-ram` (RAM written into the state file at
+/// fixed offsets) or, for standby, `x-ignore-shared` (the shared RAM file is left as it is).
+fn capabilities(standby: bool) -> serde_json::Value {
+    let cap = if standby {
+        "x-ignore-shared"
+    } else {
+        "mapped-ram"
+    };
+    serde_json::json!({"capabilities": [{"capability": cap, "state": true}]})
 }
 
 fn sha256_file(path: &std::path::Path) -> String {
@@ -653,6 +666,7 @@ pub fn vmm_digests() -> (String, String) {
 
 async fn hibernate(shared: &Shared) -> Reply {
     let t = Instant::now();
+    let standby = shared.ram_file.is_some();
     let was_paused = matches!(*shared.phase.borrow(), VmPhase::Paused(_));
     if ready_info(shared).is_none() {
         return Err(SupervisorError::NotReady("the VM is not running".into()));
@@ -671,7 +685,7 @@ async fn hibernate(shared: &Shared) -> Reply {
             q.pause().await.map_err(|e| error_chain(&e))?;
         }
         let _ = std::fs::remove_file(&state);
-        q.execute("migrate-set-capabilities", Some(mapped_ram()))
+        q.execute("migrate-set-capabilities", Some(capabilities(standby)))
             .await
             .map_err(|e| error_chain(&e))?;
         // QEMU throttles migrations to 128 MiB/s by default, meant for live migration over a
@@ -694,7 +708,14 @@ async fn hibernate(shared: &Shared) -> Reply {
         }
         std::fs::File::open(&state)
             .and_then(|f| f.sync_all())
-            .map_err(|e| format!("fsync {}: {e}", state.display()))
+            .map_err(|e| format!("fsync {}: {e}", state.display()))?;
+        if let Some(ram) = &shared.ram_file {
+            // Standby releases memory only once the RAM file is on disk.
+            std::fs::File::open(ram)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| format!("fsync {}: {e}", ram.display()))?;
+        }
+        Ok(())
     }
     .await;
     if let Err(e) = saved {
@@ -719,6 +740,7 @@ async fn hibernate(shared: &Shared) -> Reply {
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()
             .as_secs(),
+        standby,
     };
     // The record is the completion marker: written, fsynced and renamed into place only now.
     let rec = shared.dir.checkpoint_record();
@@ -767,6 +789,7 @@ fn crash_point(name: &str) {
 async fn restore_checkpoint(
     control: &std::path::Path,
     state: &std::path::Path,
+    standby: bool,
     deadline: Instant,
 ) -> Result<(), String> {
     // QMP appears once QEMU is past its console (which waits for our client).
@@ -777,7 +800,7 @@ async fn restore_checkpoint(
             Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
         }
     };
-    q.execute("migrate-set-capabilities", Some(mapped_ram()))
+    q.execute("migrate-set-capabilities", Some(capabilities(standby)))
         .await
         .map_err(|e| error_chain(&e))?;
     q.execute(

@@ -44,6 +44,10 @@ pub struct LaunchSpec {
     /// The virtiofsd binary; required when `shares` is not empty.
     #[serde(default)]
     pub virtiofsd: Option<PathBuf>,
+    /// Guest RAM in this (shared) file instead of anonymous memory: fast standby, where a
+    /// checkpoint leaves RAM in the file and saves only device state.
+    #[serde(default)]
+    pub ram_file: Option<PathBuf>,
 }
 
 /// One host directory shared into the guest (virtio-fs). The guest mounts it by `tag`.

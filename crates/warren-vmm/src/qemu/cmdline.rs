@@ -28,7 +28,19 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
         "-name",
         &format!("warren-{},process=warren-{}", spec.name, spec.name),
     ]);
-    if spec.shares.is_empty() {
+    if let Some(ram) = &spec.ram_file {
+        // Guest RAM in a per-VM file (shared, so device backends can map it too).
+        push(&[
+            "-object",
+            &format!(
+                "memory-backend-file,id=mem,size={}M,mem-path={},share=on",
+                spec.memory.0,
+                ram.display()
+            ),
+            "-M",
+            "microvm,acpi=on,memory-backend=mem",
+        ]);
+    } else if spec.shares.is_empty() {
         push(&["-M", "microvm,acpi=on"]);
     } else {
         // vhost-user devices need guest RAM the device backend can map: a shared memfd
@@ -151,6 +163,7 @@ mod tests {
             incoming: false,
             shares: vec![],
             virtiofsd: None,
+            ram_file: None,
         }
     }
 
