@@ -22,6 +22,9 @@ pub enum CoreError {
     ImageInUse(String, String),
     #[error("quota exceeded: {0}")]
     QuotaExceeded(String),
+    /// A precondition failed (the state changed under the caller).
+    #[error("conflict: {0}")]
+    Conflict(String),
     #[error("busy: {0}")]
     Busy(String),
     #[error("cannot resume: {0}")]
@@ -68,6 +71,7 @@ impl CoreError {
             CoreError::BootFailed(_) => "unavailable",
             CoreError::QuotaExceeded(_) => "quota_exceeded",
             CoreError::Busy(_) => "busy",
+            CoreError::Conflict(_) => "conflict",
             CoreError::CheckpointIncompatible(_) => "conflict",
             CoreError::Image(ImageError::NotFound(_)) => "not_found",
             CoreError::Image(ImageError::Ambiguous(_)) => "invalid_argument",

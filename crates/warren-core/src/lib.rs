@@ -11,6 +11,7 @@ pub mod error;
 pub mod output;
 pub mod store;
 pub mod vm;
+pub mod workspace_ops;
 
 pub use error::CoreError;
 pub use vm::{local_workspace, CreateVm, Limits, SuspendMode, Warren, WarrenConfig};
