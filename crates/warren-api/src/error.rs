@@ -23,6 +23,7 @@ pub const CODES: &[&str] = &[
     "io_error",
     "integrity",
     "internal",
+    "too_large",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize)]
@@ -75,7 +76,7 @@ impl ApiError {
             "payload_too_large" => StatusCode::PAYLOAD_TOO_LARGE,
             "unsupported_media_type" => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "unavailable" => StatusCode::SERVICE_UNAVAILABLE,
-            "io_error" => StatusCode::UNPROCESSABLE_ENTITY,
+            "io_error" | "too_large" => StatusCode::UNPROCESSABLE_ENTITY,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

@@ -59,7 +59,9 @@ pub const MAX_SESSIONS_PER_WORKSPACE: usize = 64;
 const INSTRUCTIONS: &str = "Warren runs commands in private Linux microVMs. \
 Create one with vm_create, run commands with vm_exec (give wait_ms to wait for short commands), \
 and read a job's output with vm_job_output: pass the next_cursor of the previous page and keep \
-reading until state is \"completed\". Files move with vm_read_file and vm_write_file; \
+reading until state is \"completed\". Files move with vm_read_file and vm_write_file (every \
+read returns the file's version; pass it as expected_version to write or vm_edit_file only \
+if nobody changed the file since); vm_glob and vm_grep search /workspace; \
 vm_destroy frees the VM. vm_create and vm_exec take a request_id: retrying with the same one \
 never creates or runs anything twice. Failures carry a stable error code in \
 structuredContent.error.code.";

@@ -14,12 +14,17 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 use warren_core::output::{self, Cursor, Encoding, OutputPage};
 use warren_core::store::{VmRecord, VmState};
+use warren_core::workspace_ops::{parse_version, version_hex};
 use warren_core::{CoreError, CreateVm, Limits, Warren, WarrenConfig};
 use warren_image::ImageId;
+use warren_protocol::limits::MAX_SEARCH_RESULTS;
 use warren_protocol::limits::{
     MAX_FILE_CHUNK, MAX_OUTPUT_WAIT_MS, MAX_READ_PER_STREAM, MAX_STDIN_BYTES,
 };
-use warren_protocol::{ExecStart, JobId, JobOutput, JobOutputRequest, JobState, WriteMode};
+use warren_protocol::{
+    EditFile, ExecStart, GlobRequest, GrepRequest, JobId, JobOutput, JobOutputRequest, JobState,
+    Precondition, WriteMode,
+};
 use warren_vmm::accel::AccelChoice;
 
 use crate::auth::{Credentials, Principal};
@@ -27,6 +32,21 @@ use crate::config::ServiceConfig;
 use crate::error::ApiError;
 use crate::receipts::{args_hash, validate_request_id, Claim, Receipts};
 use crate::tools::*;
+
+/// Paths `vm_glob` returns unless told otherwise.
+const DEFAULT_GLOB_LIMIT: u32 = 500;
+/// Lines `vm_grep` returns unless told otherwise.
+const DEFAULT_GREP_LIMIT: u32 = 200;
+
+fn search_limit(limit: Option<u32>, default: u32) -> Result<u32, ApiError> {
+    let limit = limit.unwrap_or(default);
+    if limit == 0 || limit > MAX_SEARCH_RESULTS {
+        return Err(ApiError::invalid(format!(
+            "limit must be within 1..={MAX_SEARCH_RESULTS}"
+        )));
+    }
+    Ok(limit)
+}
 
 /// One tool as both transports advertise it.
 #[derive(Debug, Clone)]
@@ -105,11 +125,23 @@ pub fn tool_defs(images: &[String]) -> Vec<ToolDef> {
         ),
         tool::<ReadFileArgs, FileContent>(
             "vm_read_file",
-            "Read up to 128 KiB of a file below /workspace, base64-encoded.",
+            "Read up to 128 KiB of a file below /workspace, base64-encoded, with the file's version (SHA-256 of its content).",
         ),
         tool::<WriteFileArgs, FileWritten>(
             "vm_write_file",
-            "Write (or append) up to 128 KiB, base64-encoded, to a file below /workspace.",
+            "Write up to 128 KiB, base64-encoded, to a file below /workspace: atomically replace it (optionally only if it does not exist yet, or only if its version is still expected_version), or append. Returns the new version.",
+        ),
+        tool::<EditFileArgs, FileEdited>(
+            "vm_edit_file",
+            "Replace one exact occurrence of old_string with new_string in a file below /workspace (it must occur exactly once), optionally only if the file's version is still expected_version. Returns the new version.",
+        ),
+        tool::<GlobArgs, GlobOutput>(
+            "vm_glob",
+            "List files below /workspace whose path matches a glob, sorted, skipping .gitignore'd files and .git.",
+        ),
+        tool::<GrepArgs, GrepOutput>(
+            "vm_grep",
+            "Search the text files below /workspace for lines matching a regular expression (Rust regex), skipping .gitignore'd and binary files. Returns path, line number and text, sorted.",
         ),
         tool::<VmRef, VmDestroyed>(
             "vm_destroy",
@@ -334,6 +366,9 @@ impl Service {
             "vm_job_cancel" => self.vm_job_cancel(p, parse(args)?).await,
             "vm_read_file" => self.vm_read_file(p, parse(args)?).await,
             "vm_write_file" => self.vm_write_file(p, parse(args)?).await,
+            "vm_edit_file" => self.vm_edit_file(p, parse(args)?).await,
+            "vm_glob" => self.vm_glob(p, parse(args)?).await,
+            "vm_grep" => self.vm_grep(p, parse(args)?).await,
             "vm_destroy" => self.vm_destroy(p, parse(args)?).await,
             "vm_suspend" => self.vm_suspend(p, parse(args)?).await,
             "vm_resume" => {
@@ -829,7 +864,7 @@ impl Service {
         let offset = a.offset.unwrap_or(0);
         let d = self
             .warren
-            .read_file_chunk(&rec.id, &a.path, offset, len)
+            .read_file_versioned(&rec.id, &a.path, offset, len)
             .await?;
         to_value(FileContent {
             path: a.path,
@@ -837,6 +872,7 @@ impl Service {
             content_base64: base64::engine::general_purpose::STANDARD.encode(&d.data),
             size: d.size,
             eof: d.eof,
+            version: d.version.as_ref().map(version_hex),
         })
     }
 
@@ -851,18 +887,116 @@ impl Service {
                 data.len()
             )));
         }
-        let mode = if a.append {
-            WriteMode::Append
-        } else {
-            WriteMode::Truncate
+        let precondition = match (a.create_only, a.expected_version.as_deref()) {
+            (false, None) => Precondition::None,
+            (true, None) => Precondition::CreateOnly,
+            (false, Some(v)) => Precondition::IfVersion(parse_version(v)?),
+            (true, Some(_)) => {
+                return Err(ApiError::invalid(
+                    "give at most one of create_only and expected_version",
+                ))
+            }
         };
-        let n = self
+        if a.append {
+            if precondition != Precondition::None {
+                return Err(ApiError::invalid(
+                    "append cannot be combined with create_only or expected_version",
+                ));
+            }
+            let n = self
+                .warren
+                .write_file_chunk(&rec.id, &a.path, WriteMode::Append, data)
+                .await?;
+            return to_value(FileWritten {
+                path: a.path,
+                bytes_written: n,
+                version: None,
+            });
+        }
+        let v = self
             .warren
-            .write_file_chunk(&rec.id, &a.path, mode, data)
+            .write_file_checked(&rec.id, &a.path, data, precondition)
             .await?;
         to_value(FileWritten {
             path: a.path,
-            bytes_written: n,
+            bytes_written: v.size,
+            version: Some(version_hex(&v.version)),
+        })
+    }
+
+    async fn vm_edit_file(&self, p: &Principal, a: EditFileArgs) -> Result<Value, ApiError> {
+        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let expected_version = a
+            .expected_version
+            .as_deref()
+            .map(parse_version)
+            .transpose()?;
+        let v = self
+            .warren
+            .edit_file(
+                &rec.id,
+                EditFile {
+                    path: a.path.clone(),
+                    old: a.old_string,
+                    new: a.new_string,
+                    expected_version,
+                },
+            )
+            .await?;
+        to_value(FileEdited {
+            path: a.path,
+            version: version_hex(&v.version),
+            size: v.size,
+        })
+    }
+
+    async fn vm_glob(&self, p: &Principal, a: GlobArgs) -> Result<Value, ApiError> {
+        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let limit = search_limit(a.limit, DEFAULT_GLOB_LIMIT)?;
+        let r = self
+            .warren
+            .glob(
+                &rec.id,
+                GlobRequest {
+                    pattern: a.pattern,
+                    path: a.path,
+                    limit,
+                },
+            )
+            .await?;
+        to_value(GlobOutput {
+            paths: r.paths,
+            truncated: r.truncated,
+        })
+    }
+
+    async fn vm_grep(&self, p: &Principal, a: GrepArgs) -> Result<Value, ApiError> {
+        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let limit = search_limit(a.limit, DEFAULT_GREP_LIMIT)?;
+        let r = self
+            .warren
+            .grep(
+                &rec.id,
+                GrepRequest {
+                    pattern: a.pattern,
+                    glob: a.glob,
+                    path: a.path,
+                    case_insensitive: a.case_insensitive,
+                    limit,
+                },
+            )
+            .await?;
+        to_value(GrepOutput {
+            matches: r
+                .matches
+                .into_iter()
+                .map(|m| GrepLine {
+                    path: m.path,
+                    line: m.line,
+                    text: m.text,
+                })
+                .collect(),
+            truncated: r.truncated,
         })
     }
 
@@ -893,7 +1027,7 @@ mod tests {
     #[test]
     fn test_tool_defs_complete_schemas_and_image_enum() {
         let defs = tool_defs(&["dev".into(), "minimal".into()]);
-        assert_eq!(defs.len(), 12);
+        assert_eq!(defs.len(), 15);
         for d in &defs {
             assert_eq!(
                 d.input_schema.get("type"),

@@ -174,9 +174,80 @@ pub struct WriteFileArgs {
     pub path: String,
     /// The bytes to write, base64 (at most 131072 bytes decoded).
     pub content_base64: String,
-    /// Append instead of replacing the file.
+    /// Append instead of replacing the file (in place, no version returned; cannot be
+    /// combined with create_only or expected_version).
     #[serde(default)]
     pub append: bool,
+    /// Fail with `conflict` if the path already exists; an existing file is never replaced.
+    #[serde(default)]
+    pub create_only: bool,
+    /// Fail with `conflict` unless the file exists and its version (from vm_read_file or an
+    /// earlier write or edit) is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_version: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EditFileArgs {
+    pub vm_id: String,
+    /// Refuse with `conflict` unless the VM's generation (its memory lineage) is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
+    /// Path relative to /workspace.
+    pub path: String,
+    /// Exact text to replace; it must occur exactly once in the file (`invalid_argument`
+    /// naming 0 or N matches otherwise).
+    pub old_string: String,
+    /// The replacement text.
+    pub new_string: String,
+    /// Fail with `conflict` unless the file's version is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_version: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GlobArgs {
+    pub vm_id: String,
+    /// Refuse with `conflict` unless the VM's generation (its memory lineage) is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
+    /// A glob: `*`, `?`, `[abc]`, `{a,b}`, `**`. Without `/` it matches file names at any
+    /// depth (`*.rs`); with `/` the path relative to `path` (`src/**/*.rs`; `*` never
+    /// crosses `/`).
+    pub pattern: String,
+    /// Directory to search, relative to /workspace (default: /workspace).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// At most this many paths (default 500).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 2000))]
+    pub limit: Option<u32>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GrepArgs {
+    pub vm_id: String,
+    /// Refuse with `conflict` unless the VM's generation (its memory lineage) is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
+    /// A regular expression (Rust regex syntax), matched against each line.
+    pub pattern: String,
+    /// Only files matching this glob (as in vm_glob).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub glob: Option<String>,
+    /// Directory to search, relative to /workspace (default: /workspace).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// Match letters regardless of case.
+    #[serde(default)]
+    pub case_insensitive: bool,
+    /// At most this many matching lines (default 200).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 2000))]
+    pub limit: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -279,12 +350,56 @@ pub struct FileContent {
     pub size: u64,
     /// Whether this read reached the end of the file.
     pub eof: bool,
+    /// The SHA-256 of the whole file's content (64 hex digits) when this was read; pass it
+    /// as expected_version to write or edit only if nobody changed the file since. Null for
+    /// files larger than 16 MiB.
+    pub version: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct FileWritten {
     pub path: String,
     pub bytes_written: u64,
+    /// The new content's version; null after an append.
+    pub version: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct FileEdited {
+    pub path: String,
+    /// The new content's version.
+    pub version: String,
+    /// The file's size after the edit.
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct GlobOutput {
+    /// Matching regular files, relative to /workspace, sorted. Files ignored by .gitignore
+    /// (or .git/info/exclude) and anything in .git are left out; symlinks are neither
+    /// followed nor listed.
+    pub paths: Vec<String>,
+    /// More paths matched than returned, or the search stopped at a work bound.
+    pub truncated: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct GrepLine {
+    /// Relative to /workspace.
+    pub path: String,
+    /// 1-based line number.
+    pub line: u64,
+    /// The line (invalid UTF-8 replaced), cut at 500 characters.
+    pub text: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct GrepOutput {
+    /// Sorted by path, then line. Same files as vm_glob; binary files (a NUL byte in the
+    /// first 8 KiB) are skipped.
+    pub matches: Vec<GrepLine>,
+    /// More lines matched than returned, or the search stopped at a work bound.
+    pub truncated: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]

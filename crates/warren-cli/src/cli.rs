@@ -283,10 +283,68 @@ pub enum VmCmd {
     },
     /// Kills a running job's whole process tree.
     Cancel { vm: String, job: u64 },
-    /// Writes stdin to PATH (relative to /workspace) in the VM.
-    Write { vm: String, path: String },
+    /// Writes stdin to PATH (relative to /workspace) in the VM and prints the new version
+    /// (SHA-256 of the content) on stdout. Up to 512 KiB replaces the file atomically;
+    /// larger content is written in place in chunks and has no version.
+    Write {
+        vm: String,
+        path: String,
+        /// Fail with `conflict` if PATH exists (never replaces it).
+        #[arg(long, conflicts_with = "expected_version")]
+        create_only: bool,
+        /// Fail with `conflict` unless PATH's current version is this one.
+        #[arg(long, value_name = "VERSION")]
+        expected_version: Option<String>,
+    },
     /// Prints PATH (relative to /workspace) from the VM to stdout.
-    Read { vm: String, path: String },
+    Read {
+        vm: String,
+        path: String,
+        /// Also print `version: <sha256>` on stderr.
+        #[arg(long)]
+        print_version: bool,
+    },
+    /// Replaces the one occurrence of --old with --new in PATH; prints the new version.
+    Edit {
+        vm: String,
+        path: String,
+        /// Exact text that must occur exactly once.
+        #[arg(long)]
+        old: String,
+        #[arg(long)]
+        new: String,
+        /// Fail with `conflict` unless PATH's current version is this one.
+        #[arg(long, value_name = "VERSION")]
+        expected_version: Option<String>,
+    },
+    /// Lists files matching a glob (without `/`: file names at any depth; with `/`: paths
+    /// relative to --path), sorted, skipping .gitignore'd files and .git.
+    Glob {
+        vm: String,
+        pattern: String,
+        /// Directory to search, relative to /workspace.
+        #[arg(long)]
+        path: Option<String>,
+        #[arg(long, default_value_t = 500)]
+        limit: u32,
+    },
+    /// Prints `path:line:text` for lines matching a regular expression (Rust regex syntax)
+    /// in the text files glob would list; exits 1 when nothing matches.
+    Grep {
+        vm: String,
+        pattern: String,
+        /// Only files matching this glob.
+        #[arg(long)]
+        glob: Option<String>,
+        /// Directory to search, relative to /workspace.
+        #[arg(long)]
+        path: Option<String>,
+        /// Case-insensitive.
+        #[arg(short = 'i', long)]
+        ignore_case: bool,
+        #[arg(long, default_value_t = 200)]
+        limit: u32,
+    },
     /// Prints the VM's serial console log.
     Logs { vm: String },
     /// Suspends the VM: `pause` keeps its RAM in the VMM, `hibernate` writes it to disk and

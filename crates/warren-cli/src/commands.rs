@@ -6,9 +6,12 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use warren_core::output::{self, Cursor, Encoding};
 use warren_core::store::VmRecord;
+use warren_core::workspace_ops::{parse_version, version_hex};
 use warren_core::{CreateVm, Warren, WarrenConfig};
 use warren_image::Recipe;
-use warren_protocol::{ExecStart, JobId, JobOutputRequest, JobState};
+use warren_protocol::{
+    EditFile, ExecStart, GlobRequest, GrepRequest, JobId, JobOutputRequest, JobState, Precondition,
+};
 use warren_vmm::AccelChoice;
 
 use crate::cli::{Cli, Command, ImageCmd, TokenCmd, VmCmd};
@@ -473,29 +476,136 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             w.job_cancel(vm, JobId(*job)).await?;
             Ok(0)
         }
-        VmCmd::Write { vm, path } => {
+        VmCmd::Write {
+            vm,
+            path,
+            create_only,
+            expected_version,
+        } => {
             let w = open(cli, None)?;
-            let n = w.write_file(vm, path, &mut std::io::stdin().lock()).await?;
+            let precondition = match (create_only, expected_version) {
+                (true, _) => Precondition::CreateOnly,
+                (false, Some(v)) => Precondition::IfVersion(parse_version(v)?),
+                (false, None) => Precondition::None,
+            };
+            let (n, version) = w
+                .write_file(vm, path, &mut std::io::stdin().lock(), precondition)
+                .await?;
             eprintln!("wrote {n} bytes");
+            if let Some(v) = version {
+                println!("{}", version_hex(&v));
+            }
             Ok(0)
         }
-        VmCmd::Read { vm, path } => {
+        VmCmd::Read {
+            vm,
+            path,
+            print_version,
+        } => {
             let w = open(cli, None)?;
             let mut out = std::io::stdout().lock();
             let mut err = None;
-            w.read_file(vm, path, &mut |d| {
-                if err.is_none() {
-                    if let Err(e) = out.write_all(d) {
-                        err = Some(e);
+            let (_, version) = w
+                .read_file(vm, path, &mut |d| {
+                    if err.is_none() {
+                        if let Err(e) = out.write_all(d) {
+                            err = Some(e);
+                        }
                     }
-                }
-            })
-            .await?;
+                })
+                .await?;
             if let Some(e) = err {
                 bail!("writing to stdout: {e}");
             }
             out.flush()?;
+            if *print_version {
+                match version {
+                    Some(v) => eprintln!("version: {}", version_hex(&v)),
+                    None => eprintln!("version: none (file larger than 16 MiB)"),
+                }
+            }
             Ok(0)
+        }
+        VmCmd::Edit {
+            vm,
+            path,
+            old,
+            new,
+            expected_version,
+        } => {
+            let w = open(cli, None)?;
+            let expected_version = expected_version.as_deref().map(parse_version).transpose()?;
+            let v = w
+                .edit_file(
+                    vm,
+                    EditFile {
+                        path: path.clone(),
+                        old: old.clone(),
+                        new: new.clone(),
+                        expected_version,
+                    },
+                )
+                .await?;
+            println!("{}", version_hex(&v.version));
+            Ok(0)
+        }
+        VmCmd::Glob {
+            vm,
+            pattern,
+            path,
+            limit,
+        } => {
+            let w = open(cli, None)?;
+            let r = w
+                .glob(
+                    vm,
+                    GlobRequest {
+                        pattern: pattern.clone(),
+                        path: path.clone(),
+                        limit: *limit,
+                    },
+                )
+                .await?;
+            let mut out = std::io::stdout().lock();
+            for p in &r.paths {
+                writeln!(out, "{p}")?;
+            }
+            out.flush()?;
+            if r.truncated {
+                eprintln!("warning: results truncated (raise --limit or narrow the search)");
+            }
+            Ok(0)
+        }
+        VmCmd::Grep {
+            vm,
+            pattern,
+            glob,
+            path,
+            ignore_case,
+            limit,
+        } => {
+            let w = open(cli, None)?;
+            let r = w
+                .grep(
+                    vm,
+                    GrepRequest {
+                        pattern: pattern.clone(),
+                        glob: glob.clone(),
+                        path: path.clone(),
+                        case_insensitive: *ignore_case,
+                        limit: *limit,
+                    },
+                )
+                .await?;
+            let mut out = std::io::stdout().lock();
+            for m in &r.matches {
+                writeln!(out, "{}:{}:{}", m.path, m.line, m.text)?;
+            }
+            out.flush()?;
+            if r.truncated {
+                eprintln!("warning: results truncated (raise --limit or narrow the search)");
+            }
+            Ok(if r.matches.is_empty() { 1 } else { 0 })
         }
         VmCmd::Logs { vm } => {
             let w = open(cli, None)?;

@@ -22,14 +22,15 @@ pub enum CoreError {
     ImageInUse(String, String),
     #[error("quota exceeded: {0}")]
     QuotaExceeded(String),
+    /// A precondition failed (the state changed under the caller).
+    #[error("conflict: {0}")]
+    Conflict(String),
     #[error("busy: {0}")]
     Busy(String),
     #[error("cannot resume: {0}")]
     CheckpointIncompatible(String),
     #[error("no session {0}")]
     SessionNotFound(String),
-    #[error("conflict: {0}")]
-    Conflict(String),
     #[error("session: {0}")]
     Session(String),
     #[error("the VM failed to boot: {0}")]
@@ -74,9 +75,9 @@ impl CoreError {
             CoreError::BootFailed(_) => "unavailable",
             CoreError::QuotaExceeded(_) => "quota_exceeded",
             CoreError::Busy(_) => "busy",
+            CoreError::Conflict(_) => "conflict",
             CoreError::CheckpointIncompatible(_) => "conflict",
             CoreError::SessionNotFound(_) => "not_found",
-            CoreError::Conflict(_) => "conflict",
             CoreError::Session(_) => "internal",
             CoreError::Image(ImageError::NotFound(_)) => "not_found",
             CoreError::Image(ImageError::Ambiguous(_)) => "invalid_argument",

@@ -12,6 +12,7 @@ pub mod output;
 pub mod session;
 pub mod store;
 pub mod vm;
+pub mod workspace_ops;
 
 pub use error::CoreError;
 pub use session::{CreateSession, SessionDevices};

@@ -1,4 +1,5 @@
-//! Actions on VMs: create, list (with reconciliation), exec, files, logs, destroy.
+//! Actions on VMs: create, list (with reconciliation), exec, file chunks, logs, destroy.
+//! Whole-file operations with versions, edits and searches are in `workspace_ops`.
 
 use std::os::unix::fs::{chown, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -1017,66 +1018,9 @@ impl Warren {
             _ => Err(unexpected()),
         }
     }
-
-    /// Reads a whole file in bounded chunks.
-    pub async fn read_file(
-        &self,
-        id: &str,
-        path: &str,
-        sink: &mut dyn FnMut(&[u8]),
-    ) -> Result<u64, CoreError> {
-        let mut offset = 0u64;
-        loop {
-            let d = self
-                .read_file_chunk(id, path, offset, warren_protocol::limits::MAX_FILE_CHUNK)
-                .await?;
-            offset += d.data.len() as u64;
-            sink(&d.data);
-            if d.eof || d.data.is_empty() {
-                return Ok(offset);
-            }
-        }
-    }
-
-    /// Writes a whole file from `source`, chunked to the protocol's bound.
-    pub async fn write_file(
-        &self,
-        id: &str,
-        path: &str,
-        source: &mut dyn std::io::Read,
-    ) -> Result<u64, CoreError> {
-        let chunk = warren_protocol::limits::MAX_FILE_CHUNK as usize;
-        let mut total = 0u64;
-        loop {
-            let mut buf = vec![0u8; chunk];
-            let mut n = 0;
-            while n < chunk {
-                let r = source
-                    .read(&mut buf[n..])
-                    .map_err(|e| CoreError::io("read", "<input>", e))?;
-                if r == 0 {
-                    break;
-                }
-                n += r;
-            }
-            buf.truncate(n);
-            if n == 0 && total > 0 {
-                return Ok(total);
-            }
-            let mode = if total == 0 {
-                WriteMode::Truncate
-            } else {
-                WriteMode::At(total)
-            };
-            total += self.write_file_chunk(id, path, mode, buf).await?;
-            if n < chunk {
-                return Ok(total);
-            }
-        }
-    }
 }
 
-fn unexpected() -> CoreError {
+pub(crate) fn unexpected() -> CoreError {
     CoreError::Supervisor(warren_supervisor::client::ClientError::Unexpected)
 }
 

@@ -81,7 +81,7 @@ pub fn errno_error(what: &str, err: Errno) -> GuestError {
     GuestError::new(code, format!("{what}: {err}"))
 }
 
-fn io_error(what: &str, err: std::io::Error) -> GuestError {
+pub(crate) fn io_error(what: &str, err: std::io::Error) -> GuestError {
     match err.raw_os_error() {
         Some(raw) => errno_error(what, Errno::from_raw_os_error(raw)),
         None => GuestError::new(ErrorCode::Io, format!("{what}: {err}")),
@@ -89,12 +89,12 @@ fn io_error(what: &str, err: std::io::Error) -> GuestError {
 }
 
 /// Assumes a filesystem identity for the current thread until dropped.
-struct FsIdentity {
+pub(crate) struct FsIdentity {
     previous: Option<(Uid, Gid)>,
 }
 
 impl FsIdentity {
-    fn assume(user: Option<u32>) -> Self {
+    pub(crate) fn assume(user: Option<u32>) -> Self {
         let previous = user.map(|id| {
             let gid = setfsgid(Gid::from_raw(id));
             let uid = setfsuid(Uid::from_raw(id));
@@ -113,7 +113,7 @@ impl Drop for FsIdentity {
     }
 }
 
-fn open_workspace(cfg: &FilesConfig) -> Result<OwnedFd, GuestError> {
+pub(crate) fn open_workspace(cfg: &FilesConfig) -> Result<OwnedFd, GuestError> {
     rustix::fs::open(
         &cfg.workspace,
         OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
@@ -122,7 +122,12 @@ fn open_workspace(cfg: &FilesConfig) -> Result<OwnedFd, GuestError> {
     .map_err(|e| errno_error("open workspace", e))
 }
 
-fn open_beneath(root: &OwnedFd, path: &str, flags: OFlags, mode: Mode) -> Result<OwnedFd, Errno> {
+pub(crate) fn open_beneath(
+    root: &OwnedFd,
+    path: &str,
+    flags: OFlags,
+    mode: Mode,
+) -> Result<OwnedFd, Errno> {
     loop {
         match rustix::fs::openat2(root, path, flags | OFlags::CLOEXEC, mode, RESOLVE) {
             // openat2 may ask for a retry when a rename raced with the lookup.
@@ -144,7 +149,7 @@ pub fn open_dir(cfg: &FilesConfig, rel: Option<&str>) -> Result<OwnedFd, GuestEr
         .map_err(|e| errno_error("cwd", e))
 }
 
-fn regular_file(fd: OwnedFd) -> Result<(File, u64), GuestError> {
+pub(crate) fn regular_file(fd: OwnedFd) -> Result<(File, u64), GuestError> {
     let st = rustix::fs::fstat(&fd).map_err(|e| errno_error("stat", e))?;
     let kind = rustix::fs::FileType::from_raw_mode(st.st_mode);
     if kind == rustix::fs::FileType::Directory {
@@ -196,7 +201,7 @@ pub fn read(cfg: &FilesConfig, req: &FileRead) -> Result<FileData, GuestError> {
 
 /// Creates the missing directories of `parents` one component at a time, never following
 /// symlinks, and returns the innermost one.
-fn ensure_dirs(root: &OwnedFd, parents: &[&str]) -> Result<Option<OwnedFd>, GuestError> {
+pub(crate) fn ensure_dirs(root: &OwnedFd, parents: &[&str]) -> Result<Option<OwnedFd>, GuestError> {
     let mut cur: Option<OwnedFd> = None;
     for name in parents {
         let base = cur.as_ref().unwrap_or(root);
@@ -218,6 +223,25 @@ fn ensure_dirs(root: &OwnedFd, parents: &[&str]) -> Result<Option<OwnedFd>, Gues
     Ok(cur)
 }
 
+/// Opens the directory holding a file (`None`: the workspace itself), creating it first when
+/// `create` says so.
+pub(crate) fn open_parent(
+    root: &OwnedFd,
+    parents: &[&str],
+    create: bool,
+) -> Result<Option<OwnedFd>, GuestError> {
+    if create {
+        return ensure_dirs(root, parents);
+    }
+    if parents.is_empty() {
+        return Ok(None);
+    }
+    let dir = parents.join("/");
+    open_beneath(root, &dir, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())
+        .map(Some)
+        .map_err(|e| errno_error("open parent", e))
+}
+
 /// Writes `data` as `mode` says and returns the file size afterwards.
 pub fn write(cfg: &FilesConfig, req: &FileWrite) -> Result<FileWritten, GuestError> {
     if req.data.len() > MAX_FILE_CHUNK as usize {
@@ -227,22 +251,14 @@ pub fn write(cfg: &FilesConfig, req: &FileWrite) -> Result<FileWritten, GuestErr
         ));
     }
     let parts = split_rel_path(&req.path)?;
+    // Chunk writes serialise with the whole-file operations on the same path.
+    let _lock = crate::workspace_ops::lock_path(cfg, &req.path);
     let _identity = FsIdentity::assume(cfg.user);
     let root = open_workspace(cfg)?;
     let (name, parents) = parts
         .split_last()
         .ok_or_else(|| GuestError::new(ErrorCode::InvalidArgument, "path is empty"))?;
-    let parent = if req.create_parents {
-        ensure_dirs(&root, parents)?
-    } else if parents.is_empty() {
-        None
-    } else {
-        let dir = parents.join("/");
-        Some(
-            open_beneath(&root, &dir, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())
-                .map_err(|e| errno_error("open parent", e))?,
-        )
-    };
+    let parent = open_parent(&root, parents, req.create_parents)?;
     let base = parent.as_ref().unwrap_or(&root);
     let mut flags = OFlags::WRONLY | OFlags::CREATE | OFlags::NONBLOCK;
     match req.mode {

@@ -3,7 +3,8 @@
 //! [`boot`] brings the guest up in named phases (and powers off on failure), then the agent
 //! serves the host over the virtio-serial port ([`channel`], [`session`]) with jobs
 //! ([`jobs`], exec retries deduplicated by [`request_keys`]) and file operations
-//! ([`files`]). All `unsafe` code is in [`sys`].
+//! ([`files`], plus the versioned, atomic and search operations of [`workspace_ops`]). All
+//! `unsafe` code is in [`sys`].
 
 mod boot;
 mod channel;
@@ -14,6 +15,7 @@ mod reaper;
 mod request_keys;
 mod session;
 mod sys;
+mod workspace_ops;
 
 fn main() {
     if std::process::id() != 1 {

@@ -35,6 +35,7 @@ use warren_protocol::{
 
 use crate::files::{self, FilesConfig};
 use crate::jobs::JobManager;
+use crate::workspace_ops;
 
 /// The per-VM secret. Never printed.
 pub struct Secret(pub [u8; SECRET_LEN]);
@@ -402,6 +403,36 @@ async fn serve_request(agent: &Arc<Agent>, req: HostRequest) -> Response {
             blocking(move || files::write(&cfg, &req))
                 .await
                 .map(GuestResponse::FileWritten)
+        }
+        HostRequest::ReadVersioned(req) => {
+            let cfg = agent.files.clone();
+            blocking(move || workspace_ops::read_versioned(&cfg, &req))
+                .await
+                .map(GuestResponse::VersionedData)
+        }
+        HostRequest::WriteChecked(req) => {
+            let cfg = agent.files.clone();
+            blocking(move || workspace_ops::write_checked(&cfg, &req))
+                .await
+                .map(GuestResponse::FileVersioned)
+        }
+        HostRequest::Edit(req) => {
+            let cfg = agent.files.clone();
+            blocking(move || workspace_ops::edit(&cfg, &req))
+                .await
+                .map(GuestResponse::FileVersioned)
+        }
+        HostRequest::Glob(req) => {
+            let cfg = agent.files.clone();
+            blocking(move || workspace_ops::glob(&cfg, &req))
+                .await
+                .map(GuestResponse::Glob)
+        }
+        HostRequest::Grep(req) => {
+            let cfg = agent.files.clone();
+            blocking(move || workspace_ops::grep(&cfg, &req))
+                .await
+                .map(GuestResponse::Grep)
         }
         HostRequest::Bench(warren_protocol::BenchRequest::ForkExecWait { iterations }) => agent
             .jobs

@@ -11,6 +11,21 @@ pub const MAX_RETAINED_OUTPUT: u64 = 256 * 1024;
 pub const MAX_READ_PER_STREAM: u32 = 16 * 1024;
 /// Bytes per file read or write call.
 pub const MAX_FILE_CHUNK: u32 = 128 * 1024;
+/// Largest content of one whole-file operation (a versioned read's data, a checked write):
+/// fits one message with room for the path and framing.
+pub const MAX_WHOLE_FILE: u32 = 512 * 1024;
+/// Largest file that gets a version (hashed on read, checked on write, edited in memory).
+pub const MAX_VERSIONED_FILE: u64 = 16 * 1024 * 1024;
+/// Most paths or matching lines one glob or grep returns.
+pub const MAX_SEARCH_RESULTS: u32 = 2000;
+/// Most directory entries one glob or grep visits; past it the result is `truncated`.
+pub const MAX_SEARCH_ENTRIES: usize = 50_000;
+/// Most file bytes one grep reads; past it the result is `truncated`.
+pub const MAX_GREP_BYTES: u64 = 64 * 1024 * 1024;
+/// Longest line text a grep match carries, in characters.
+pub const MAX_GREP_LINE_CHARS: usize = 500;
+/// Longest glob or regular expression accepted, in bytes.
+pub const MAX_PATTERN_BYTES: usize = 4096;
 /// Longest long-poll an output read may ask for.
 pub const MAX_OUTPUT_WAIT_MS: u32 = 30_000;
 /// Largest encoded message in either direction (a file chunk plus headroom).

@@ -50,6 +50,16 @@ pub enum HostRequest {
     /// After they run again: sets the wall clock, reseeds the RNG, restores the remaining
     /// timeout budgets and thaws the jobs.
     Thaw(Thaw),
+    /// Reads part of a file below /workspace together with the whole file's version.
+    ReadVersioned(ReadVersioned),
+    /// Replaces a whole file atomically, under a precondition.
+    WriteChecked(WriteChecked),
+    /// Replaces the one occurrence of a string in a file.
+    Edit(EditFile),
+    /// Files below /workspace whose path matches a glob.
+    Glob(GlobRequest),
+    /// Lines of files below /workspace that match a regular expression.
+    Grep(GrepRequest),
 }
 
 /// Guest -> host: the success half of every response.
@@ -71,6 +81,11 @@ pub enum GuestResponse {
     /// How many jobs were running when frozen.
     Frozen(u32),
     Thawed,
+    VersionedData(VersionedData),
+    /// Answer to `WriteChecked` and `Edit`: the file's new version.
+    FileVersioned(FileVersion),
+    Glob(GlobResult),
+    Grep(GrepResult),
 }
 
 /// Host facts for a resumed guest.
@@ -253,6 +268,116 @@ pub struct FileWritten {
     pub size: u64,
 }
 
+/// A file's version: the SHA-256 of its content (not its mtime, which virtio-fs may cache).
+pub type Version = [u8; 32];
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadVersioned {
+    pub path: String,
+    pub offset: u64,
+    /// At most `MAX_WHOLE_FILE`; 0 asks for the version only.
+    pub len: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VersionedData {
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    /// File size when read.
+    pub size: u64,
+    /// `offset + data.len() >= size`.
+    pub eof: bool,
+    /// SHA-256 of the whole file, read through the same open file as `data`; `None` when
+    /// the file is larger than `MAX_VERSIONED_FILE`.
+    pub version: Option<Version>,
+}
+
+/// What must hold for a `WriteChecked` to replace the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Precondition {
+    /// Create or replace.
+    None,
+    /// The path must not exist (`Conflict` otherwise); an existing file is never replaced.
+    CreateOnly,
+    /// The file must exist with this version (`Conflict` otherwise).
+    IfVersion(Version),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteChecked {
+    pub path: String,
+    /// The whole new content, at most `MAX_WHOLE_FILE` bytes.
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    pub precondition: Precondition,
+    /// Create missing parent directories.
+    pub create_parents: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EditFile {
+    pub path: String,
+    /// Must occur exactly once in the file (not empty).
+    pub old: String,
+    pub new: String,
+    /// `Conflict` unless the file has this version.
+    pub expected_version: Option<Version>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileVersion {
+    pub version: Version,
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GlobRequest {
+    /// A glob (`*`, `?`, `[..]`, `{a,b}`, `**`); without `/` it matches file names at any
+    /// depth, with `/` the path relative to the search directory.
+    pub pattern: String,
+    /// Search directory relative to /workspace; `None` is /workspace.
+    pub path: Option<String>,
+    /// At most this many paths (capped at `MAX_SEARCH_RESULTS`).
+    pub limit: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GlobResult {
+    /// Paths relative to /workspace, sorted.
+    pub paths: Vec<String>,
+    /// More paths matched than returned, or the search stopped at a work bound.
+    pub truncated: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrepRequest {
+    /// A regular expression (Rust `regex` syntax), matched against each line.
+    pub pattern: String,
+    /// Only files matching this glob (as in `GlobRequest::pattern`).
+    pub glob: Option<String>,
+    pub path: Option<String>,
+    pub case_insensitive: bool,
+    /// At most this many matching lines (capped at `MAX_SEARCH_RESULTS`).
+    pub limit: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrepMatch {
+    /// Relative to /workspace.
+    pub path: String,
+    /// 1-based.
+    pub line: u64,
+    /// The line without its newline, lossily UTF-8, at most `MAX_GREP_LINE_CHARS` characters.
+    pub text: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrepResult {
+    /// Sorted by path, then line.
+    pub matches: Vec<GrepMatch>,
+    pub truncated: bool,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum BenchRequest {
     /// fork+exec+wait of `/bin/true` in the guest, this many times.
@@ -279,8 +404,10 @@ pub enum ErrorCode {
     Io,
     Internal,
     /// The request contradicts an earlier one (an exec request key reused for a different
-    /// request).
+    /// request), or a file precondition failed (it exists, or its version changed).
     Conflict,
+    /// The file is too large for a whole-file operation.
+    TooLarge,
 }
 
 impl ErrorCode {
@@ -297,6 +424,7 @@ impl ErrorCode {
             ErrorCode::Io => "io_error",
             ErrorCode::Internal => "internal",
             ErrorCode::Conflict => "conflict",
+            ErrorCode::TooLarge => "too_large",
         }
     }
 }
@@ -429,6 +557,59 @@ mod tests {
                 })),
             ),
             (
+                "req.read_versioned",
+                req(HostRequest::ReadVersioned(ReadVersioned {
+                    path: "a".into(),
+                    offset: 1,
+                    len: 2,
+                })),
+            ),
+            (
+                "req.write_checked",
+                req(HostRequest::WriteChecked(WriteChecked {
+                    path: "a".into(),
+                    data: vec![1],
+                    precondition: Precondition::IfVersion([7; 32]),
+                    create_parents: true,
+                })),
+            ),
+            (
+                "req.write_checked.create_only",
+                req(HostRequest::WriteChecked(WriteChecked {
+                    path: "a".into(),
+                    data: vec![],
+                    precondition: Precondition::CreateOnly,
+                    create_parents: false,
+                })),
+            ),
+            (
+                "req.edit",
+                req(HostRequest::Edit(EditFile {
+                    path: "a".into(),
+                    old: "o".into(),
+                    new: "n".into(),
+                    expected_version: Some([8; 32]),
+                })),
+            ),
+            (
+                "req.glob",
+                req(HostRequest::Glob(GlobRequest {
+                    pattern: "*.rs".into(),
+                    path: Some("d".into()),
+                    limit: 5,
+                })),
+            ),
+            (
+                "req.grep",
+                req(HostRequest::Grep(GrepRequest {
+                    pattern: "x".into(),
+                    glob: Some("*.rs".into()),
+                    path: None,
+                    case_insensitive: true,
+                    limit: 5,
+                })),
+            ),
+            (
                 "rsp.hello",
                 rsp(Ok(GuestResponse::Hello(HelloReply {
                     version: 1,
@@ -495,12 +676,50 @@ mod tests {
                 }]))),
             ),
             (
+                "rsp.versioned_data",
+                rsp(Ok(GuestResponse::VersionedData(VersionedData {
+                    data: vec![7],
+                    size: 1,
+                    eof: true,
+                    version: Some([9; 32]),
+                }))),
+            ),
+            (
+                "rsp.file_versioned",
+                rsp(Ok(GuestResponse::FileVersioned(FileVersion {
+                    version: [9; 32],
+                    size: 3,
+                }))),
+            ),
+            (
+                "rsp.glob",
+                rsp(Ok(GuestResponse::Glob(GlobResult {
+                    paths: vec!["a".into()],
+                    truncated: true,
+                }))),
+            ),
+            (
+                "rsp.grep",
+                rsp(Ok(GuestResponse::Grep(GrepResult {
+                    matches: vec![GrepMatch {
+                        path: "a".into(),
+                        line: 2,
+                        text: "t".into(),
+                    }],
+                    truncated: false,
+                }))),
+            ),
+            (
                 "rsp.error",
                 rsp(Err(GuestError::new(ErrorCode::Internal, "x"))),
             ),
             (
                 "rsp.error.conflict",
                 rsp(Err(GuestError::new(ErrorCode::Conflict, "x"))),
+            ),
+            (
+                "rsp.error.too_large",
+                rsp(Err(GuestError::new(ErrorCode::TooLarge, "x"))),
             ),
         ]
     }
