@@ -122,6 +122,25 @@ fn test_workspace_ops_end_to_end() {
     edits(&c);
     exec_sees_the_same_state(&c);
     search_matches_host(&c);
+    cli_commands(&c);
+    searches_wake_a_suspended_vm(&c);
+}
+
+fn searches_wake_a_suspended_vm(c: &Ctx) {
+    for (mode, tool, args) in [
+        ("pause", "vm_grep", json!({"pattern": "uno", "path": "cli"})),
+        (
+            "hibernate",
+            "vm_edit_file",
+            json!({"path": "cli/a.txt", "old_string": "uno", "new_string": "eins"}),
+        ),
+    ] {
+        let r = c.ok("vm_suspend", json!({"mode": mode}));
+        assert_ne!(r["state"], "running", "{mode}");
+        c.ok(tool, args);
+        assert_eq!(c.ok("vm_status", json!({}))["state"], "running", "{mode}");
+    }
+    assert_eq!(c.read("cli/a.txt").0, b"eins\n");
 }
 
 fn versions_and_preconditions(c: &Ctx) {
@@ -686,4 +705,85 @@ fn search_matches_host(c: &Ctx) {
     ] {
         c.refused(tool, args, code);
     }
+}
+
+/// The CLI's commands on the same VM (its engine opens the service's state directory).
+fn cli_commands(c: &Ctx) {
+    let cli = |args: &[&str], stdin: Option<&[u8]>| {
+        use std::io::Write;
+        let mut cmd = c.d.env.cmd();
+        cmd.args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let mut child = cmd.spawn().expect("spawn warren");
+        let mut input = child.stdin.take().expect("stdin");
+        // A command that fails early may not read its input.
+        let _ = input.write_all(stdin.unwrap_or(b""));
+        drop(input);
+        let out = child.wait_with_output().expect("wait");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let vm = c.vm.as_str();
+    let (code, out, err) = cli(
+        &["vm", "write", vm, "cli/a.txt", "--create-only"],
+        Some(b"one\n"),
+    );
+    assert_eq!((code, out.trim()), (0, sha(b"one\n").as_str()), "{err}");
+    let (code, _, err) = cli(
+        &["vm", "write", vm, "cli/a.txt", "--create-only"],
+        Some(b"two\n"),
+    );
+    assert_eq!(code, 125);
+    assert!(err.contains("error[conflict]"), "{err}");
+    let stale = sha(b"other");
+    let (code, _, err) = cli(
+        &["vm", "write", vm, "cli/a.txt", "--expected-version", &stale],
+        Some(b"x"),
+    );
+    assert!(code == 125 && err.contains("error[conflict]"), "{err}");
+    let (code, out, err) = cli(&["vm", "read", vm, "cli/a.txt", "--print-version"], None);
+    assert_eq!((code, out.as_str()), (0, "one\n"));
+    assert!(
+        err.contains(&format!("version: {}", sha(b"one\n"))),
+        "{err}"
+    );
+    let (code, out, err) = cli(
+        &[
+            "vm",
+            "edit",
+            vm,
+            "cli/a.txt",
+            "--old",
+            "one",
+            "--new",
+            "uno",
+            "--expected-version",
+            &sha(b"one\n"),
+        ],
+        None,
+    );
+    assert_eq!((code, out.trim()), (0, sha(b"uno\n").as_str()), "{err}");
+    let (code, out, _) = cli(&["vm", "glob", vm, "*.txt", "--path", "cli"], None);
+    assert_eq!((code, out.as_str()), (0, "cli/a.txt\n"));
+    let (code, out, _) = cli(&["vm", "grep", vm, "UNO", "-i", "--path", "cli"], None);
+    assert_eq!((code, out.as_str()), (0, "cli/a.txt:1:uno\n"));
+    let (code, out, _) = cli(&["vm", "grep", vm, "absent", "--path", "cli"], None);
+    assert_eq!((code, out.as_str()), (1, ""));
+    // Content above the whole-file limit goes in chunks, unconditionally, without a version.
+    let big: Vec<u8> = (0..600 * 1024u32).map(|i| (i % 253) as u8).collect();
+    let (code, out, err) = cli(&["vm", "write", vm, "cli/big.bin"], Some(&big));
+    assert_eq!((code, out.as_str()), (0, ""), "{err}");
+    let (code, _, err) = cli(
+        &["vm", "write", vm, "cli/big.bin", "--create-only"],
+        Some(&big),
+    );
+    assert!(code == 125 && err.contains("invalid_argument"), "{err}");
+    let (code, _, err) = cli(&["vm", "read", vm, "cli/big.bin", "--print-version"], None);
+    assert_eq!(code, 0);
+    assert!(err.contains(&format!("version: {}", sha(&big))), "{err}");
 }
