@@ -2,7 +2,7 @@
 //!
 //! [`boot`] brings the guest up in named phases (and powers off on failure), then the agent
 //! serves the host over the virtio-serial port ([`channel`], [`session`]) with jobs
-//! ([`jobs`], exec retries deduplicated by [`request_keys`]) and file operations
+//! ([`jobs`] on pipes or pseudo-terminals ([`pty`]), exec retries deduplicated by [`request_keys`]) and file operations
 //! ([`files`]). All `unsafe` code is in [`sys`].
 
 mod boot;
@@ -10,6 +10,7 @@ mod channel;
 mod console;
 mod files;
 mod jobs;
+mod pty;
 mod reaper;
 mod request_keys;
 mod session;
