@@ -8,9 +8,11 @@
 #![forbid(unsafe_code)]
 
 pub mod error;
+pub mod interactive;
 pub mod output;
 pub mod store;
 pub mod vm;
 
 pub use error::CoreError;
+pub use interactive::InteractiveSpec;
 pub use vm::{local_workspace, CreateVm, Limits, SuspendMode, Warren, WarrenConfig};

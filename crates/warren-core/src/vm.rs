@@ -905,7 +905,7 @@ impl Warren {
     }
 }
 
-fn unexpected() -> CoreError {
+pub(crate) fn unexpected() -> CoreError {
     CoreError::Supervisor(warren_supervisor::client::ClientError::Unexpected)
 }
 
