@@ -307,14 +307,26 @@ impl Warren {
             tty: spec.tty.then(local_window_size),
         };
         let job = self.exec_interactive(id, req).await?;
-        let client = self.awake_client(id).await?;
-
         // Raw mode only once the job runs: an error before leaves the terminal untouched.
-        let raw = if local_tty {
-            let stdin: BorrowedFd<'static> = rustix::stdio::stdin();
-            Some(RawMode::enable(stdin).map_err(|e| CoreError::io("raw mode on", "stdin", e))?)
-        } else {
-            None
+        let setup = async {
+            let client = self.awake_client(id).await?;
+            let raw = if local_tty {
+                let stdin: BorrowedFd<'static> = rustix::stdio::stdin();
+                Some(RawMode::enable(stdin).map_err(|e| CoreError::io("raw mode on", "stdin", e))?)
+            } else {
+                None
+            };
+            Ok::<_, CoreError>((client, raw))
+        };
+        let (client, raw) = match setup.await {
+            Ok(x) => x,
+            Err(e) => {
+                // Nobody would ever read or end the job: do not leave it holding a slot.
+                if let Err(c) = self.job_cancel(id, job).await {
+                    tracing::warn!(error = %c, job = %job, "cancelling the orphaned job failed");
+                }
+                return Err(e);
+            }
         };
         let stop = Arc::new(AtomicBool::new(false));
         let input = spawn_stdin_reader(stop.clone());
