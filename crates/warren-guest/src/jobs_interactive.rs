@@ -137,6 +137,45 @@ impl JobManager {
     }
 }
 
+impl Job {
+    /// Interactive jobs' output is flow-controlled: at most `max_retained` unread bytes are
+    /// kept, and a full window makes the drain (and so, once the pipe or terminal buffer is
+    /// full, the job) wait until the host reads. Nothing is discarded unless `closing`.
+    pub(super) async fn append_flow(&self, stream: Stream, mut bytes: &[u8], max_retained: u64) {
+        while !bytes.is_empty() {
+            let notified = self.room.notified();
+            tokio::pin!(notified);
+            // Registered before looking, so a release in between is not missed.
+            notified.as_mut().enable();
+            let took = {
+                let mut d = self.data();
+                let used = (d.stdout.len() + d.stderr.len()) as u64;
+                let room = usize::try_from(max_retained.saturating_sub(used))
+                    .unwrap_or(usize::MAX)
+                    .min(bytes.len());
+                if room == 0 && d.closing {
+                    d.truncated = true;
+                    drop(d);
+                    self.bump();
+                    return;
+                }
+                let buf = match stream {
+                    Stream::Stdout => &mut d.stdout,
+                    Stream::Stderr => &mut d.stderr,
+                };
+                buf.extend_from_slice(&bytes[..room]);
+                room
+            };
+            if took > 0 {
+                bytes = &bytes[took..];
+                self.bump();
+            } else {
+                notified.await;
+            }
+        }
+    }
+}
+
 /// Reads a terminal's master into the job's stdout buffer until no slave is open any more.
 pub(super) async fn drain_terminal(job: Arc<Job>, master: Arc<pty::Master>, max_retained: u64) {
     let mut buf = vec![0u8; DRAIN_CHUNK];
