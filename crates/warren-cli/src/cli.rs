@@ -254,9 +254,17 @@ pub enum VmCmd {
         /// Extra environment, NAME=VALUE (repeatable).
         #[arg(long = "env", value_name = "NAME=VALUE")]
         env: Vec<String>,
-        /// Feed this process's stdin to the command (at most 128 KiB).
-        #[arg(long)]
+        /// Feed this process's stdin to the command (at most 128 KiB, read before it starts).
+        #[arg(long, conflicts_with_all = ["tty", "interactive"])]
         stdin: bool,
+        /// Run the command on a pseudo-terminal in the guest, with this terminal in raw mode
+        /// (keys, Ctrl-C and window size go to the command; stderr is merged into stdout).
+        #[arg(short = 't', long, conflicts_with = "detach")]
+        tty: bool,
+        /// Stream this process's stdin to the command while it runs (end of file closes the
+        /// command's stdin); stdout and stderr stay separate. Implied by --tty.
+        #[arg(short = 'i', long, conflicts_with = "detach")]
+        interactive: bool,
         /// Print the job id as JSON and return without waiting.
         #[arg(long)]
         detach: bool,

@@ -379,6 +379,8 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             cwd,
             env,
             stdin,
+            tty,
+            interactive,
             detach,
             command,
         } => {
@@ -405,6 +407,16 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                 Some(t) => Some((t * 1000.0) as u64),
                 None => None,
             };
+            if *tty || *interactive {
+                let spec = warren_core::InteractiveSpec {
+                    argv: command.clone(),
+                    env,
+                    cwd: cwd.clone(),
+                    timeout_ms,
+                    tty: *tty,
+                };
+                return Ok(w.interactive(vm, spec).await?);
+            }
             let stdin_data = if *stdin {
                 let mut buf = Vec::new();
                 std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf)?;

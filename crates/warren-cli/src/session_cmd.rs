@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use warren_core::session::GUEST_AGENT_STATE;
 use warren_core::{local_workspace, CreateSession, SessionDevices, SessionRecord, Warren};
-use warren_protocol::ExecStart;
 
 use crate::cli::{Cli, DeviceArgs, RunArgs, SessionCmd};
 use crate::commands::open;
@@ -184,18 +183,14 @@ fn argv_for(agent: &str, command: &[String], tty: bool) -> Vec<String> {
 /// [`GUEST_AGENT_STATE`], never in the workspace.
 fn agent_env() -> Vec<(String, String)> {
     let s = GUEST_AGENT_STATE;
-    let mut env = vec![
+    vec![
         ("CLAUDE_CONFIG_DIR".into(), format!("{s}/claude")),
         ("CODEX_HOME".into(), format!("{s}/codex")),
         ("XDG_CONFIG_HOME".into(), format!("{s}/config")),
         ("XDG_DATA_HOME".into(), format!("{s}/data")),
         ("XDG_STATE_HOME".into(), format!("{s}/state")),
         ("XDG_CACHE_HOME".into(), format!("{s}/cache")),
-    ];
-    if let Ok(term) = std::env::var("TERM") {
-        env.push(("TERM".into(), term));
-    }
-    env
+    ]
 }
 
 pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
@@ -236,34 +231,23 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
     run_in(&w, &vm.id, argv, rel, tty).await
 }
 
+/// Runs `argv` in the VM attached to this terminal: on a guest pseudo-terminal when stdin
+/// and stdout are terminals, otherwise with stdin streamed and stdout/stderr kept apart.
 async fn run_in(
     w: &Warren,
     vm: &str,
     argv: Vec<String>,
     cwd: Option<String>,
-    _tty: bool,
+    tty: bool,
 ) -> Result<i32> {
-    let stdin = if std::io::stdin().is_terminal() {
-        None
-    } else {
-        let mut buf = Vec::new();
-        std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf)?;
-        Some(buf.into())
+    let spec = warren_core::InteractiveSpec {
+        argv,
+        env: agent_env(),
+        cwd,
+        timeout_ms: None,
+        tty,
     };
-    let job = w
-        .exec_start(
-            vm,
-            ExecStart {
-                argv,
-                env: agent_env(),
-                cwd,
-                stdin,
-                timeout_ms: None,
-                request_key: None,
-            },
-        )
-        .await?;
-    crate::commands::stream_job(w, vm, job).await
+    Ok(w.interactive(vm, spec).await?)
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub mod error;
+pub mod interactive;
 pub mod output;
 pub mod session;
 pub mod store;
@@ -15,6 +16,7 @@ pub mod vm;
 pub mod workspace_ops;
 
 pub use error::CoreError;
+pub use interactive::InteractiveSpec;
 pub use session::{CreateSession, SessionDevices};
 pub use store::{MountSpec, SessionRecord};
 pub use vm::{

@@ -17,6 +17,11 @@
 //! `Conflict` when the request differs) instead of starting a second process. A start that
 //! fails after that step forgets its key again.
 //!
+//! Interactive jobs (`ExecInteractive`, in [`interactive`]) keep their input open: a stdin
+//! pipe, or a pseudo-terminal ([`crate::pty`]) whose master replaces both output pipes (one
+//! drain task reads it into the stdout buffer). Their input is written by `JobInput` requests;
+//! when the job finishes, the supervisor task drops the input and the master.
+//!
 //! Locks: `JobManager::table` guards the set of records and the remembered request keys; each
 //! `Job::data` guards that job's buffers and state. Order: table, then job data; never the
 //! other way round. `Job::changed` is bumped after every change of `data` and wakes
@@ -45,10 +50,11 @@ use warren_protocol::limits::{
 };
 use warren_protocol::{
     BenchReply, ErrorCode, ExecStart, GuestError, JobExit, JobId, JobOutput, JobOutputRequest,
-    JobState,
+    JobState, WindowSize,
 };
 
 use crate::files::{self, FilesConfig};
+use crate::pty;
 use crate::reaper::{ExitStatus, Reaper};
 use crate::request_keys::{Lookup, RequestKeys};
 use crate::sys::spawn::SpawnRequest;
@@ -67,6 +73,9 @@ const BASE_ENV: [(&str, &str); 6] = [
     ("TERM", "dumb"),
 ];
 
+/// `TERM` of terminal jobs unless the request sets one.
+const TERMINAL_TERM: &str = "xterm-256color";
+
 /// Most iterations one `ForkExecWait` bench request may ask for (bounds its duration).
 pub const MAX_BENCH_ITERATIONS: u32 = 10_000;
 
@@ -75,6 +84,10 @@ const CGROUP_RMDIR_ATTEMPTS: u32 = 200;
 const CGROUP_RMDIR_PAUSE: Duration = Duration::from_millis(10);
 
 const DRAIN_CHUNK: usize = 64 * 1024;
+
+/// How long an interactive job's remaining output waits for the host once its processes
+/// are gone (see `supervise`).
+const INTERACTIVE_CLOSE_GRACE: Duration = Duration::from_secs(30);
 
 /// How the processes of a job are tracked and killed.
 #[derive(Debug, Clone)]
@@ -135,6 +148,30 @@ struct JobData {
     kill: Option<KillReason>,
     /// Main process id, once spawned; it leads the job's process group.
     pid: Option<i32>,
+    /// Interactive jobs only: bytes already read and released before the buffers' starts
+    /// (cursors stay absolute). Always 0 for batch jobs.
+    stdout_base: u64,
+    stderr_base: u64,
+    /// Interactive jobs only: the main process ended and the host did not read the rest in
+    /// time, so output beyond the window is discarded instead of waited for.
+    closing: bool,
+}
+
+/// How a job's stdin, stdout and stderr are connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum JobIo {
+    /// `ExecStart`: stdin from the request's bytes or /dev/null, two output pipes.
+    Batch,
+    /// `ExecInteractive` without a terminal: a stdin pipe kept open for `JobInput`.
+    Pipe,
+    /// `ExecInteractive` with a terminal of this initial size.
+    Terminal(WindowSize),
+}
+
+/// The writable end of an interactive job's input.
+enum InputSink {
+    Pipe(pipe::Sender),
+    Terminal(Arc<pty::Master>),
 }
 
 struct Job {
@@ -143,6 +180,16 @@ struct Job {
     data: Mutex<JobData>,
     /// Bumped after every change of `data`.
     changed: watch::Sender<u64>,
+    io: JobIo,
+    /// Interactive jobs' input, `None` once closed (`eof`, or the job ended). Held across a
+    /// write, so inputs are written whole and in order; the supervisor task empties it after
+    /// the job finished.
+    input: tokio::sync::Mutex<Option<InputSink>>,
+    /// A terminal job's master, for resizes; the supervisor task drops it when the job ends.
+    terminal: Mutex<Option<Arc<pty::Master>>>,
+    /// Interactive jobs: woken when a read releases output or `closing` is set, so a drain
+    /// waiting for room in the window goes on.
+    room: tokio::sync::Notify,
 }
 
 impl Job {
@@ -153,6 +200,10 @@ impl Job {
 
     fn is_running(&self) -> bool {
         matches!(self.data().state, JobState::Running)
+    }
+
+    fn terminal(&self) -> MutexGuard<'_, Option<Arc<pty::Master>>> {
+        self.terminal.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn bump(&self) {
@@ -207,32 +258,42 @@ impl Job {
         }
     }
 
+    /// Reads at the request's cursors. For interactive jobs the read also releases the
+    /// bytes before the cursors (the host has them), making room for more output.
     fn read(&self, req: &JobOutputRequest) -> Result<(JobOutput, bool), GuestError> {
         let max = req.max_bytes.min(MAX_READ_PER_STREAM) as usize;
-        let d = self.data();
-        let slice = |buf: &[u8], cursor: u64, name: &str| -> Result<Vec<u8>, GuestError> {
-            let start = usize::try_from(cursor)
+        let mut d = self.data();
+        // Offset of `cursor` in a buffer that starts at absolute position `base`.
+        let offset = |buf: &[u8], base: u64, cursor: u64, name: &str| {
+            let off = cursor.checked_sub(base).ok_or_else(|| {
+                invalid(format!(
+                    "{name} cursor {cursor} is before {base}, which was already read and released"
+                ))
+            })?;
+            usize::try_from(off)
                 .ok()
-                .filter(|&c| c <= buf.len())
-                .ok_or_else(|| {
-                    GuestError::new(
-                        ErrorCode::InvalidArgument,
-                        format!("{name} cursor is past the retained output"),
-                    )
-                })?;
-            let end = buf.len().min(start.saturating_add(max));
-            Ok(buf[start..end].to_vec())
+                .filter(|&o| o <= buf.len())
+                .ok_or_else(|| invalid(format!("{name} cursor is past the retained output")))
         };
-        let stdout = slice(&d.stdout, req.stdout_cursor, "stdout")?;
-        let stderr = slice(&d.stderr, req.stderr_cursor, "stderr")?;
-        let caught_up = req.stdout_cursor == d.stdout.len() as u64
-            && req.stderr_cursor == d.stderr.len() as u64;
+        let mut out_off = offset(&d.stdout, d.stdout_base, req.stdout_cursor, "stdout")?;
+        let mut err_off = offset(&d.stderr, d.stderr_base, req.stderr_cursor, "stderr")?;
+        if self.io != JobIo::Batch && (out_off > 0 || err_off > 0) {
+            d.stdout.drain(..out_off);
+            d.stderr.drain(..err_off);
+            d.stdout_base = req.stdout_cursor;
+            d.stderr_base = req.stderr_cursor;
+            (out_off, err_off) = (0, 0);
+            self.room.notify_waiters();
+        }
+        let take =
+            |buf: &[u8], off: usize| buf[off..buf.len().min(off.saturating_add(max))].to_vec();
+        let caught_up = out_off == d.stdout.len() && err_off == d.stderr.len();
         let running = matches!(d.state, JobState::Running);
         let out = JobOutput {
-            stdout,
-            stderr,
-            stdout_retained: d.stdout.len() as u64,
-            stderr_retained: d.stderr.len() as u64,
+            stdout: take(&d.stdout, out_off),
+            stderr: take(&d.stderr, err_off),
+            stdout_retained: d.stdout_base + d.stdout.len() as u64,
+            stderr_retained: d.stderr_base + d.stderr.len() as u64,
             state: d.state,
             truncated: d.truncated,
         };
@@ -319,12 +380,16 @@ pub fn validate_exec(req: &ExecStart) -> Result<(), GuestError> {
     Ok(())
 }
 
-/// The job's environment: the base environment overridden by the request's entries.
-fn job_env(extra: &[(String, String)]) -> Vec<(String, String)> {
+/// The job's environment: the base environment (with `TERM=xterm-256color` on a terminal)
+/// overridden by the request's entries.
+fn job_env(extra: &[(String, String)], terminal: bool) -> Vec<(String, String)> {
     let mut env: BTreeMap<String, String> = BASE_ENV
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
+    if terminal {
+        env.insert("TERM".into(), TERMINAL_TERM.into());
+    }
     for (k, v) in extra {
         env.insert(k.clone(), v.clone());
     }
@@ -410,7 +475,11 @@ impl JobManager {
     /// remembers the request's key for the new job. A key already remembered short-circuits
     /// everything: its job's id for the same request, `Conflict` for a different one. Refusals
     /// remember nothing. The key is looked up and recorded under one table guard.
-    fn reserve(&self, key: Option<(String, [u8; 32])>) -> Result<Reservation, GuestError> {
+    fn reserve(
+        &self,
+        key: Option<(String, [u8; 32])>,
+        io: JobIo,
+    ) -> Result<Reservation, GuestError> {
         let mut t = self.table();
         if let Some((k, digest)) = &key {
             match t.keys.lookup(k, digest) {
@@ -465,8 +534,15 @@ impl JobManager {
                 state: JobState::Running,
                 kill: None,
                 pid: None,
+                stdout_base: 0,
+                stderr_base: 0,
+                closing: false,
             }),
             changed: watch::Sender::new(0),
+            io,
+            input: tokio::sync::Mutex::new(None),
+            terminal: Mutex::new(None),
+            room: tokio::sync::Notify::new(),
         });
         t.jobs.insert(id, job.clone());
         if let Some((k, digest)) = key {
@@ -488,10 +564,21 @@ impl JobManager {
             }
             None => None,
         };
+        self.start_job(req, JobIo::Batch, key)
+    }
+
+    /// Reserves, then launches; shared by batch and interactive starts. `key` is the
+    /// request key with the digest of the whole request.
+    fn start_job(
+        self: &Arc<Self>,
+        req: ExecStart,
+        io: JobIo,
+        key: Option<(String, [u8; 32])>,
+    ) -> Result<JobId, GuestError> {
         // Nothing below awaits: on the agent's single-threaded runtime a start runs to its end
         // before another request is polled, so a duplicate never sees a reserved job whose
         // launch then fails.
-        let job = match self.reserve(key)? {
+        let job = match self.reserve(key, io)? {
             Reservation::New(job) => job,
             Reservation::Existing(id) => return Ok(id),
         };
@@ -533,7 +620,11 @@ impl JobManager {
             }
             None => None,
         };
-        let env = job_env(&req.env);
+        let terminal_size = match job.io {
+            JobIo::Terminal(size) => Some(size),
+            JobIo::Batch | JobIo::Pipe => None,
+        };
+        let env = job_env(&req.env, terminal_size.is_some());
         let program =
             resolve_program(&req.argv[0], &env).map_err(|e| spawn_error(&req.argv[0], &e))?;
         let to_c = |s: &str| CString::new(s).map_err(|_| invalid("argument contains NUL"));
@@ -550,9 +641,49 @@ impl JobManager {
             rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
                 .map_err(|e| internal("pipe", io::Error::from(e)))
         };
+        if let Some(size) = terminal_size {
+            let pair = pty::open(size, self.cfg.files.user)
+                .map_err(|e| internal("open pseudo-terminal", e))?;
+            let setup = ChildSetup {
+                new_session: true,
+                controlling_terminal: true,
+                cgroup_procs,
+                user: self.cfg.files.user,
+                cwd: Some(cwd),
+            };
+            let spawn_req = SpawnRequest {
+                program: &program,
+                argv: &argv,
+                envp: &envp,
+                stdin: pair.slave.as_fd(),
+                stdout: pair.slave.as_fd(),
+                stderr: pair.slave.as_fd(),
+                setup: &setup,
+            };
+            let master =
+                Arc::new(pty::Master::new(pair.master).map_err(|e| internal("terminal", e))?);
+            let (pid, exit) = self
+                .reaper
+                .spawn_with(|| crate::sys::spawn::spawn(&spawn_req))
+                .map_err(|e| spawn_error(&req.argv[0], &e))?;
+            // Only the job holds the slave now: the master reads EIO once it is gone.
+            drop((pair.slave, setup));
+            job.data().pid = Some(pid);
+            *job.terminal() = Some(master.clone());
+            if let Ok(mut input) = job.input.try_lock() {
+                *input = Some(InputSink::Terminal(master.clone()));
+            }
+            let drains = vec![tokio::spawn(interactive::drain_terminal(
+                job.clone(),
+                master,
+                self.cfg.max_retained,
+            ))];
+            self.supervise(job, exit, drains, req.timeout_ms);
+            return Ok(());
+        }
         let (out_r, out_w) = pipe()?;
         let (err_r, err_w) = pipe()?;
-        let (stdin_child, stdin_parent) = if req.stdin.is_some() {
+        let (stdin_child, stdin_parent) = if req.stdin.is_some() || job.io == JobIo::Pipe {
             let (r, w) = pipe()?;
             (r, Some(w))
         } else {
@@ -561,6 +692,7 @@ impl JobManager {
         };
         let setup = ChildSetup {
             new_session: true,
+            controlling_terminal: false,
             cgroup_procs,
             user: self.cfg.files.user,
             cwd: Some(cwd),
@@ -581,6 +713,17 @@ impl JobManager {
         // The child has its copies; closing ours lets the pipes reach end of file.
         drop((stdin_child, out_w, err_w, setup));
         job.data().pid = Some(pid);
+
+        let stdin_parent = match (stdin_parent, job.io) {
+            (Some(fd), JobIo::Pipe) => {
+                let tx = pipe::Sender::from_owned_fd(fd).map_err(|e| internal("stdin pipe", e))?;
+                if let Ok(mut input) = job.input.try_lock() {
+                    *input = Some(InputSink::Pipe(tx));
+                }
+                None
+            }
+            (fd, _) => fd,
+        };
 
         if let (Some(fd), Some(data)) = (stdin_parent, req.stdin) {
             match pipe::Sender::from_owned_fd(fd) {
@@ -603,14 +746,25 @@ impl JobManager {
                 self.cfg.max_retained,
             )));
         }
-        let timeout = req.timeout_ms.map(|t| Budget {
+        self.supervise(job, exit, drains, req.timeout_ms);
+        Ok(())
+    }
+
+    /// Starts the task that ends the job (see [`supervise`]).
+    fn supervise(
+        &self,
+        job: &Arc<Job>,
+        exit: oneshot::Receiver<ExitStatus>,
+        drains: Vec<JoinHandle<()>>,
+        timeout_ms: Option<u64>,
+    ) {
+        let timeout = timeout_ms.map(|t| Budget {
             start: tokio::time::Instant::now(),
             budget: Duration::from_millis(t),
             frozen_before: self.suspension.borrow().total,
             clock: self.suspension.subscribe(),
         });
         tokio::spawn(supervise(job.clone(), exit, drains, timeout));
-        Ok(())
     }
 
     /// Reads output at the request's cursors, long-polling when asked and nothing is new.
@@ -712,7 +866,8 @@ async fn drain(job: Arc<Job>, mut rx: pipe::Receiver, stream: Stream, max_retain
     loop {
         match rx.read(&mut buf).await {
             Ok(0) => return,
-            Ok(n) => job.append(stream, &buf[..n], max_retained),
+            Ok(n) if job.io == JobIo::Batch => job.append(stream, &buf[..n], max_retained),
+            Ok(n) => job.append_flow(stream, &buf[..n], max_retained).await,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 crate::console::log(format_args!("job {}: read output: {e}", job.id));
@@ -780,9 +935,19 @@ async fn supervise(
         }
     };
     tokio::pin!(drained);
+    // An interactive job's drains wait for the host to read; once its processes are gone,
+    // give the host this long before discarding what does not fit.
+    let closing = tokio::time::sleep(INTERACTIVE_CLOSE_GRACE);
+    tokio::pin!(closing);
+    let mut closed = job.io == JobIo::Batch;
     loop {
         tokio::select! {
             () = &mut drained => break,
+            () = &mut closing, if !closed => {
+                closed = true;
+                job.data().closing = true;
+                job.room.notify_waiters();
+            }
             () = &mut deadline, if !timed_out => {
                 timed_out = true;
                 job.kill(Some(KillReason::Timeout));
@@ -804,6 +969,10 @@ async fn supervise(
         });
     }
     job.bump();
+    // Interactive input ends with the job; a pending `JobInput` saw the bump and gives up
+    // the lock. Dropping the last reference to a terminal master closes it.
+    job.terminal().take();
+    job.input.lock().await.take();
     if let Some(dir) = &job.cgroup {
         remove_cgroup(job.id, dir).await;
     }
@@ -828,6 +997,9 @@ async fn remove_cgroup(id: JobId, dir: &std::path::Path) {
         "job {id}: cgroup still populated, left in place"
     ));
 }
+
+#[path = "jobs_interactive.rs"]
+mod interactive;
 
 #[cfg(test)]
 #[path = "jobs_tests.rs"]

@@ -2,15 +2,16 @@
 //!
 //! [`boot`] brings the guest up in named phases (and powers off on failure), then the agent
 //! serves the host over the virtio-serial port ([`channel`], [`session`]) with jobs
-//! ([`jobs`], exec retries deduplicated by [`request_keys`]) and file operations
-//! ([`files`], plus the versioned, atomic and search operations of [`workspace_ops`]). All
-//! `unsafe` code is in [`sys`].
+//! ([`jobs`] on pipes or pseudo-terminals ([`pty`]), exec retries deduplicated by
+//! [`request_keys`]) and file operations ([`files`], plus the versioned, atomic and search
+//! operations of [`workspace_ops`]). All `unsafe` code is in [`sys`].
 
 mod boot;
 mod channel;
 mod console;
 mod files;
 mod jobs;
+mod pty;
 mod reaper;
 mod request_keys;
 mod session;

@@ -391,6 +391,17 @@ async fn serve_request(agent: &Arc<Agent>, req: HostRequest) -> Response {
             agent.jobs.start(exec).await.map(GuestResponse::ExecStarted)
         }
         HostRequest::JobOutput(req) => agent.jobs.output(&req).await.map(GuestResponse::JobOutput),
+        HostRequest::ExecInteractive(req) => agent
+            .jobs
+            .start_interactive(req)
+            .await
+            .map(GuestResponse::ExecStarted),
+        HostRequest::JobInput(req) => agent
+            .jobs
+            .input(req)
+            .await
+            .map(|()| GuestResponse::InputWritten),
+        HostRequest::JobResize(req) => agent.jobs.resize(req).map(|()| GuestResponse::Resized),
         HostRequest::JobCancel(id) => agent.jobs.cancel(id).map(|()| GuestResponse::JobCancelled),
         HostRequest::FileRead(req) => {
             let cfg = agent.files.clone();

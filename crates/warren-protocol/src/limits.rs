@@ -36,6 +36,8 @@ pub const MAX_PATH_BYTES: usize = 4096;
 pub const MAX_ARGV: usize = 4096;
 pub const MAX_ENV: usize = 1024;
 pub const MAX_STDIN_BYTES: usize = 128 * 1024;
+/// Bytes per `JobInput` request.
+pub const MAX_INPUT_CHUNK: usize = 64 * 1024;
 /// Longest `ExecStart::request_key` accepted, in bytes.
 pub const MAX_REQUEST_KEY_BYTES: usize = 128;
 /// Exec request keys the guest remembers per boot (the most recent ones; older keys are

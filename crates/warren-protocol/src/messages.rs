@@ -60,6 +60,15 @@ pub enum HostRequest {
     Glob(GlobRequest),
     /// Lines of files below /workspace that match a regular expression.
     Grep(GrepRequest),
+    /// Starts a job whose input is streamed with `JobInput`: on a pseudo-terminal (`tty`) or
+    /// on a stdin pipe. Answers `ExecStarted`.
+    ExecInteractive(ExecInteractive),
+    /// Writes bytes to an interactive job's terminal or stdin pipe, then optionally closes
+    /// the input. Answers `InputWritten` once the bytes are written (backpressure).
+    JobInput(JobInput),
+    /// Sets the window size of a terminal job (the kernel signals SIGWINCH to its
+    /// foreground process group). Answers `Resized`.
+    JobResize(JobResize),
 }
 
 /// Guest -> host: the success half of every response.
@@ -86,6 +95,10 @@ pub enum GuestResponse {
     FileVersioned(FileVersion),
     Glob(GlobResult),
     Grep(GrepResult),
+    /// `JobInput` wrote all its bytes (and closed the input when asked).
+    InputWritten,
+    /// `JobResize` set the terminal's size.
+    Resized,
 }
 
 /// Host facts for a resumed guest.
@@ -175,6 +188,58 @@ impl ExecStart {
         let bytes = postcard::to_stdvec(self)?;
         Ok(Sha256::digest(&bytes).into())
     }
+}
+
+/// A terminal's size in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WindowSize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+/// Starts a job whose stdin stays open for `JobInput`.
+///
+/// With `tty`, the job runs on a new pseudo-terminal of that initial size: it is the
+/// controlling terminal of the job's session and its stdin, stdout and stderr, so all output
+/// arrives as the job's stdout (stderr stays empty) and `TERM` defaults to `xterm-256color`.
+/// Without, stdin is a pipe and stdout and stderr stay separate.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecInteractive {
+    /// argv, env, cwd, timeout and request key as for `ExecStart`; `stdin` must be `None`
+    /// (input is sent with `JobInput`). A request key is shared with `ExecStart`: the same
+    /// key with a different request (of either kind) is a `Conflict`.
+    pub start: ExecStart,
+    /// Run on a pseudo-terminal of this size (rows and cols at least 1).
+    pub tty: Option<WindowSize>,
+}
+
+impl ExecInteractive {
+    /// SHA-256 of the request's postcard encoding, as [`ExecStart::digest`].
+    pub fn digest(&self) -> Result<[u8; 32], CodecError> {
+        use sha2::{Digest, Sha256};
+        let bytes = postcard::to_stdvec(self)?;
+        Ok(Sha256::digest(&bytes).into())
+    }
+}
+
+/// Input for an interactive job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobInput {
+    pub job: JobId,
+    /// At most `MAX_INPUT_CHUNK` bytes. On a terminal they go through its line discipline:
+    /// 0x03 (Ctrl-C) signals SIGINT to the foreground process group, and so on.
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    /// After `data`, end the input: a pipe is closed; a terminal gets its EOF character
+    /// (Ctrl-D, which ends input only where the terminal is in canonical mode) and takes
+    /// no further input.
+    pub eof: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobResize {
+    pub job: JobId,
+    pub size: WindowSize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -610,6 +675,38 @@ mod tests {
                 })),
             ),
             (
+                "req.exec_interactive",
+                req(HostRequest::ExecInteractive(ExecInteractive {
+                    start: ExecStart {
+                        argv: vec!["sh".into()],
+                        env: vec![("A".into(), "b".into())],
+                        cwd: None,
+                        stdin: None,
+                        timeout_ms: Some(7),
+                        request_key: Some("k".into()),
+                    },
+                    tty: Some(WindowSize { rows: 24, cols: 80 }),
+                })),
+            ),
+            (
+                "req.input",
+                req(HostRequest::JobInput(JobInput {
+                    job: JobId(9),
+                    data: vec![3],
+                    eof: true,
+                })),
+            ),
+            (
+                "req.resize",
+                req(HostRequest::JobResize(JobResize {
+                    job: JobId(9),
+                    size: WindowSize {
+                        rows: 40,
+                        cols: 120,
+                    },
+                })),
+            ),
+            (
                 "rsp.hello",
                 rsp(Ok(GuestResponse::Hello(HelloReply {
                     version: 1,
@@ -675,6 +772,8 @@ mod tests {
                     state: JobState::Running,
                 }]))),
             ),
+            ("rsp.input_written", rsp(Ok(GuestResponse::InputWritten))),
+            ("rsp.resized", rsp(Ok(GuestResponse::Resized))),
             (
                 "rsp.versioned_data",
                 rsp(Ok(GuestResponse::VersionedData(VersionedData {

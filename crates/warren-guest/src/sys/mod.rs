@@ -1,5 +1,6 @@
 //! Every `unsafe` operation of the agent lives here, each with its safety argument:
-//! the vfork-style job spawn ([`spawn`]) and the `RNDADDENTROPY` and `RNDRESEEDCRNG` ioctls. Everything else uses the safe `nix`/`rustix` APIs.
+//! the vfork-style job spawn ([`spawn`]), the `RNDADDENTROPY` and `RNDRESEEDCRNG` ioctls and
+//! the registration of a descriptor with tokio ([`register_fd`]). Everything else uses the safe `nix`/`rustix` APIs.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::fs::File;
@@ -12,6 +13,10 @@ pub mod spawn;
 pub struct ChildSetup {
     /// `setsid()`: the job gets its own session and process group.
     pub new_session: bool,
+    /// After the new session and the `dup2`s: make stdin (a terminal) the session's
+    /// controlling terminal (`TIOCSCTTY`), so the job's foreground process group gets the
+    /// terminal's signals (Ctrl-C, SIGWINCH, hangup).
+    pub controlling_terminal: bool,
     /// An fd of the job cgroup's `cgroup.procs`, opened by the parent; the child writes "0"
     /// (itself) into it while it is still root.
     pub cgroup_procs: Option<OwnedFd>,
@@ -20,6 +25,15 @@ pub struct ChildSetup {
     /// `fchdir` here (an `O_PATH` directory resolved beneath the workspace) after dropping
     /// privileges, so that the cwd check and the chdir see the same directory.
     pub cwd: Option<OwnedFd>,
+}
+
+/// Registers `fd` with the runtime's reactor for readiness in both directions.
+pub fn register_fd(fd: OwnedFd) -> io::Result<tokio::io::unix::AsyncFd<OwnedFd>> {
+    let interest = tokio::io::Interest::READABLE | tokio::io::Interest::WRITABLE;
+    // SAFETY: the AsyncFd takes ownership of the OwnedFd, so the descriptor stays open and
+    // refers to the same open file description until the AsyncFd is dropped, and
+    // `OwnedFd::as_raw_fd` always returns that same descriptor.
+    unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, interest) }.map_err(Into::into)
 }
 
 /// `RNDRESEEDCRNG` from `<linux/random.h>`: `_IO('R', 0x07)`.

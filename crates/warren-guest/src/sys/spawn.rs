@@ -42,6 +42,7 @@ struct ChildArgs {
     envp: *const *const libc::c_char,
     fds: [c_int; 3],
     new_session: bool,
+    controlling_terminal: bool,
     cgroup_procs: c_int,
     user: Option<u32>,
     cwd: c_int,
@@ -68,6 +69,7 @@ pub fn spawn(req: &SpawnRequest<'_>) -> io::Result<i32> {
             req.stderr.as_raw_fd(),
         ],
         new_session: req.setup.new_session,
+        controlling_terminal: req.setup.controlling_terminal,
         cgroup_procs: fd_or_none(&req.setup.cgroup_procs),
         user: req.setup.user,
         cwd: fd_or_none(&req.setup.cwd),
@@ -156,6 +158,13 @@ extern "C" fn child(arg: *mut c_void) -> c_int {
             if libc::syscall(libc::SYS_dup2, *fd, target as c_int) < 0 {
                 return fail(args);
             }
+        }
+        // Needs the new session (a session leader without a controlling terminal); the
+        // terminal is the job's own, so stealing it (argument 1) is never needed.
+        if args.controlling_terminal
+            && libc::syscall(libc::SYS_ioctl, 0 as c_int, libc::TIOCSCTTY, 0 as c_int) < 0
+        {
+            return fail(args);
         }
         libc::syscall(
             libc::SYS_rt_sigprocmask,

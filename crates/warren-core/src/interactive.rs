@@ -1,0 +1,451 @@
+//! Interactive jobs from the host: the requests (`ExecInteractive`, `JobInput`, `JobResize`)
+//! and [`Warren::interactive`], which connects this process's stdin, stdout and stderr to a
+//! job the way `ssh` does: for `warren vm exec --tty` and `warren run`.
+//!
+//! [`Warren::interactive`], in order:
+//! 1. starts the job: on a guest pseudo-terminal of the local terminal's size (`tty`), else
+//!    with a stdin pipe;
+//! 2. with `tty` and a local terminal on stdin, puts it in raw mode; a [`RawMode`] guard
+//!    restores it on every way out (return, error, panic unwinding; SIGTERM, SIGHUP and SIGINT
+//!    are caught and turned into a return);
+//! 3. a thread reads local stdin (raw reads, polled so it stops when the job ends) and a
+//!    forwarder task sends each chunk as `JobInput` in order, one at a time (the guest answers
+//!    once the bytes are written: backpressure), local end of file as `eof`, and every
+//!    SIGWINCH as `JobResize` with the local terminal's new size;
+//! 4. the calling task long-polls `JobOutput` and writes what arrives to stdout (and stderr
+//!    without `tty`; a terminal merges both into stdout);
+//! 5. when the job has finished and its output is drained, stops the reader and the
+//!    forwarder, restores the terminal and returns the job's exit code.
+//!
+//! Ctrl-C: with `tty` and a raw local terminal it is the byte 0x03, sent to the guest's
+//! terminal, which signals SIGINT to the job's foreground process group. Otherwise (no
+//! terminal) a SIGINT to this process cancels the job, as `warren vm exec` does.
+
+use std::io::Write;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use nix::sys::signal::Signal;
+use rustix::termios::{self, OptionalActions, Termios};
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::mpsc;
+use warren_protocol::limits::{MAX_INPUT_CHUNK, MAX_READ_PER_STREAM};
+use warren_protocol::{
+    ExecInteractive, ExecStart, GuestResponse, HostRequest, JobExit, JobId, JobInput,
+    JobOutputRequest, JobResize, JobState, WindowSize,
+};
+use warren_supervisor::SupervisorClient;
+
+use crate::error::CoreError;
+use crate::vm::{unexpected, Warren};
+
+/// Exit code when the job's timeout killed it (as coreutils' `timeout`).
+pub const EXIT_TIMEOUT: i32 = 124;
+/// Exit code when the job ended without an exit code or signal (should not happen).
+pub const EXIT_UNKNOWN: i32 = 125;
+/// Guest terminal size when there is no local terminal to copy it from.
+pub const DEFAULT_WINDOW: WindowSize = WindowSize { rows: 24, cols: 80 };
+
+/// Local stdin is read in chunks of at most this many bytes (well below `MAX_INPUT_CHUNK`).
+const READ_CHUNK: usize = 16 * 1024;
+/// How often the stdin reader looks whether it should stop.
+const STDIN_POLL_MS: u8 = 100;
+/// Long-poll of each output read.
+const OUTPUT_WAIT_MS: u32 = 5_000;
+
+/// What [`Warren::interactive`] runs.
+#[derive(Debug, Clone, Default)]
+pub struct InteractiveSpec {
+    pub argv: Vec<String>,
+    /// Extra environment; with `tty`, the local `TERM` is added unless this sets one.
+    pub env: Vec<(String, String)>,
+    /// Working directory relative to /workspace.
+    pub cwd: Option<String>,
+    pub timeout_ms: Option<u64>,
+    /// Run on a guest pseudo-terminal (stdout and stderr merged, local terminal raw).
+    pub tty: bool,
+}
+
+/// The shell convention for a finished job: its code, 128+N for signal N, [`EXIT_TIMEOUT`]
+/// when its timeout killed it.
+pub fn exit_code(x: &JobExit) -> i32 {
+    if x.timed_out {
+        return EXIT_TIMEOUT;
+    }
+    if let Some(sig) = x.signal {
+        return 128 + sig;
+    }
+    x.code.unwrap_or(EXIT_UNKNOWN)
+}
+
+/// Whether this process's stdin is a terminal (`warren run` picks `tty` from it).
+pub fn stdin_is_terminal() -> bool {
+    termios::isatty(std::io::stdin().as_fd())
+}
+
+/// The size of the terminal on stdin, else on stdout, else [`DEFAULT_WINDOW`].
+pub fn local_window_size() -> WindowSize {
+    let stdin = std::io::stdin();
+    let stdout = std::io::stdout();
+    for fd in [stdin.as_fd(), stdout.as_fd()] {
+        if let Ok(ws) = termios::tcgetwinsize(fd) {
+            if ws.ws_row > 0 && ws.ws_col > 0 {
+                return WindowSize {
+                    rows: ws.ws_row,
+                    cols: ws.ws_col,
+                };
+            }
+        }
+    }
+    DEFAULT_WINDOW
+}
+
+/// A terminal in raw mode; dropping it restores the settings it found.
+pub struct RawMode {
+    fd: BorrowedFd<'static>,
+    saved: Termios,
+}
+
+impl RawMode {
+    /// Puts the terminal on `fd` in raw mode (no echo, no line editing, no signal keys, no
+    /// output processing), as `cfmakeraw`.
+    pub fn enable(fd: BorrowedFd<'static>) -> std::io::Result<RawMode> {
+        let saved = termios::tcgetattr(fd)?;
+        let mut raw = saved.clone();
+        raw.make_raw();
+        termios::tcsetattr(fd, OptionalActions::Now, &raw)?;
+        Ok(RawMode { fd, saved })
+    }
+}
+
+impl Drop for RawMode {
+    fn drop(&mut self) {
+        if let Err(e) = termios::tcsetattr(self.fd, OptionalActions::Now, &self.saved) {
+            tracing::warn!(error = %e, "restoring the terminal settings failed");
+        }
+    }
+}
+
+/// Reads stdin on a thread of its own (a blocking read cannot be cancelled; a polled one
+/// can), sending chunks and then `None` at end of file. Stops when `stop` is set or the
+/// receiver is gone.
+fn spawn_stdin_reader(stop: Arc<AtomicBool>) -> mpsc::Receiver<Option<Vec<u8>>> {
+    let (tx, rx) = mpsc::channel(4);
+    let spawned = std::thread::Builder::new()
+        .name("warren-stdin".into())
+        .spawn(move || {
+            let stdin = std::io::stdin();
+            let fd = stdin.as_fd();
+            let mut buf = vec![0u8; READ_CHUNK];
+            while !stop.load(Ordering::Relaxed) {
+                let mut fds = [nix::poll::PollFd::new(fd, nix::poll::PollFlags::POLLIN)];
+                match nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(STDIN_POLL_MS)) {
+                    Ok(0) => continue,
+                    Ok(_) => {}
+                    Err(nix::errno::Errno::EINTR) => continue,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "poll stdin");
+                        let _ = tx.blocking_send(None);
+                        return;
+                    }
+                }
+                match rustix::io::read(fd, &mut buf) {
+                    Ok(0) => {
+                        let _ = tx.blocking_send(None);
+                        return;
+                    }
+                    Ok(n) => {
+                        if tx.blocking_send(Some(buf[..n].to_vec())).is_err() {
+                            return;
+                        }
+                    }
+                    Err(rustix::io::Errno::INTR | rustix::io::Errno::AGAIN) => continue,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "read stdin");
+                        let _ = tx.blocking_send(None);
+                        return;
+                    }
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the stdin reader; the job gets no input");
+    }
+    rx
+}
+
+/// Sends local input and window changes to the job, in order, until stopped (aborted).
+async fn forward(
+    client: SupervisorClient,
+    job: JobId,
+    mut input: mpsc::Receiver<Option<Vec<u8>>>,
+    resize: bool,
+) {
+    let mut winch = if resize {
+        signal(SignalKind::window_change()).ok()
+    } else {
+        None
+    };
+    let mut input_open = true;
+    loop {
+        tokio::select! {
+            chunk = input.recv(), if input_open => {
+                let (data, eof) = match chunk {
+                    Some(Some(data)) => (data, false),
+                    Some(None) | None => (Vec::new(), true),
+                };
+                if eof {
+                    input_open = false;
+                }
+                debug_assert!(data.len() <= MAX_INPUT_CHUNK);
+                let req = HostRequest::JobInput(JobInput { job, data, eof });
+                if let Err(e) = client.guest(req).await {
+                    // The job ended or closed its input: later input has nowhere to go.
+                    tracing::debug!(error = %e, "job input");
+                    input_open = false;
+                }
+            }
+            Some(()) = async {
+                match winch.as_mut() {
+                    Some(w) => w.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                let req = HostRequest::JobResize(JobResize { job, size: local_window_size() });
+                if let Err(e) = client.guest(req).await {
+                    tracing::debug!(error = %e, "job resize");
+                }
+            }
+            else => std::future::pending::<()>().await,
+        }
+    }
+}
+
+impl Warren {
+    /// Starts an interactive job (see `ExecInteractive`); waking a suspended VM first.
+    pub async fn exec_interactive(
+        &self,
+        id: &str,
+        req: ExecInteractive,
+    ) -> Result<JobId, CoreError> {
+        match self
+            .awake_client(id)
+            .await?
+            .guest(HostRequest::ExecInteractive(req))
+            .await?
+        {
+            GuestResponse::ExecStarted(j) => Ok(j),
+            _ => Err(unexpected()),
+        }
+    }
+
+    /// Writes input to an interactive job (at most `MAX_INPUT_CHUNK` bytes); answered once
+    /// the guest wrote it.
+    pub async fn job_input(
+        &self,
+        id: &str,
+        job: JobId,
+        data: Vec<u8>,
+        eof: bool,
+    ) -> Result<(), CoreError> {
+        match self
+            .awake_client(id)
+            .await?
+            .guest(HostRequest::JobInput(JobInput { job, data, eof }))
+            .await?
+        {
+            GuestResponse::InputWritten => Ok(()),
+            _ => Err(unexpected()),
+        }
+    }
+
+    /// Sets a terminal job's window size.
+    pub async fn job_resize(
+        &self,
+        id: &str,
+        job: JobId,
+        size: WindowSize,
+    ) -> Result<(), CoreError> {
+        match self
+            .awake_client(id)
+            .await?
+            .guest(HostRequest::JobResize(JobResize { job, size }))
+            .await?
+        {
+            GuestResponse::Resized => Ok(()),
+            _ => Err(unexpected()),
+        }
+    }
+
+    /// Runs `spec` in VM `id` connected to this process's stdin, stdout and stderr (see the
+    /// module documentation) and returns the job's exit code ([`exit_code`]); a SIGTERM,
+    /// SIGHUP or SIGINT to this process cancels the job and returns 128 + that signal.
+    /// With `tty` but no terminal on stdin the guest still gets a terminal (of stdout's size,
+    /// or 24x80), and nothing is put in raw mode.
+    ///
+    /// Meant for a command-line process: it owns stdin while it runs (one reader thread).
+    pub async fn interactive(&self, id: &str, spec: InteractiveSpec) -> Result<i32, CoreError> {
+        let local_tty = spec.tty && stdin_is_terminal();
+        let mut env = spec.env;
+        if spec.tty && !env.iter().any(|(k, _)| k == "TERM") {
+            if let Ok(term) = std::env::var("TERM") {
+                if !term.is_empty() {
+                    env.push(("TERM".into(), term));
+                }
+            }
+        }
+        let req = ExecInteractive {
+            start: ExecStart {
+                argv: spec.argv,
+                env,
+                cwd: spec.cwd,
+                stdin: None,
+                timeout_ms: spec.timeout_ms,
+                request_key: None,
+            },
+            tty: spec.tty.then(local_window_size),
+        };
+        let job = self.exec_interactive(id, req).await?;
+        // Raw mode only once the job runs: an error before leaves the terminal untouched.
+        let setup = async {
+            let client = self.awake_client(id).await?;
+            let raw = if local_tty {
+                let stdin: BorrowedFd<'static> = rustix::stdio::stdin();
+                Some(RawMode::enable(stdin).map_err(|e| CoreError::io("raw mode on", "stdin", e))?)
+            } else {
+                None
+            };
+            Ok::<_, CoreError>((client, raw))
+        };
+        let (client, raw) = match setup.await {
+            Ok(x) => x,
+            Err(e) => {
+                // Nobody would ever read or end the job: do not leave it holding a slot.
+                if let Err(c) = self.job_cancel(id, job).await {
+                    tracing::warn!(error = %c, job = %job, "cancelling the orphaned job failed");
+                }
+                return Err(e);
+            }
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let input = spawn_stdin_reader(stop.clone());
+        let forwarder = tokio::spawn(forward(client, job, input, local_tty));
+        let result = self.pump_output(id, job, spec.tty).await;
+        stop.store(true, Ordering::Relaxed);
+        forwarder.abort();
+        drop(raw);
+        result
+    }
+
+    /// Streams the job's output until it finished and everything was written; handles the
+    /// signals that end the session early.
+    async fn pump_output(&self, id: &str, job: JobId, tty: bool) -> Result<i32, CoreError> {
+        let sig = |kind: SignalKind| {
+            signal(kind).map_err(|e| CoreError::io("install signal handler", "signal", e))
+        };
+        let mut term = sig(SignalKind::terminate())?;
+        let mut hup = sig(SignalKind::hangup())?;
+        let mut int = sig(SignalKind::interrupt())?;
+        let mut ended_by: Option<i32> = None;
+        let (mut out_cursor, mut err_cursor) = (0u64, 0u64);
+        loop {
+            let req = JobOutputRequest {
+                job,
+                stdout_cursor: out_cursor,
+                stderr_cursor: err_cursor,
+                max_bytes: MAX_READ_PER_STREAM,
+                wait_ms: OUTPUT_WAIT_MS,
+            };
+            let out = tokio::select! {
+                r = self.job_output(id, req) => r?,
+                Some(()) = term.recv(), if ended_by.is_none() => {
+                    ended_by = Some(Signal::SIGTERM as i32);
+                    self.job_cancel(id, job).await?;
+                    continue;
+                }
+                Some(()) = hup.recv(), if ended_by.is_none() => {
+                    ended_by = Some(Signal::SIGHUP as i32);
+                    self.job_cancel(id, job).await?;
+                    continue;
+                }
+                Some(()) = int.recv(), if ended_by.is_none() => {
+                    ended_by = Some(Signal::SIGINT as i32);
+                    self.job_cancel(id, job).await?;
+                    continue;
+                }
+            };
+            write_all(std::io::stdout(), &out.stdout)?;
+            if !tty {
+                write_all(std::io::stderr(), &out.stderr)?;
+            }
+            out_cursor += out.stdout.len() as u64;
+            err_cursor += out.stderr.len() as u64;
+            let caught_up = out_cursor >= out.stdout_retained && err_cursor >= out.stderr_retained;
+            if let (JobState::Finished(x), true) = (out.state, caught_up) {
+                if out.truncated {
+                    tracing::warn!("output truncated: the rest was discarded");
+                }
+                return Ok(match ended_by {
+                    Some(s) => 128 + s,
+                    None => exit_code(&x),
+                });
+            }
+        }
+    }
+}
+
+fn write_all(mut w: impl Write, bytes: &[u8]) -> Result<(), CoreError> {
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    w.write_all(bytes)
+        .and_then(|()| w.flush())
+        .map_err(|e| CoreError::io("write", "output", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_exit_code_follows_shell_convention() {
+        let x = |code, signal, timed_out| JobExit {
+            code,
+            signal,
+            timed_out,
+            cancelled: false,
+        };
+        assert_eq!(exit_code(&x(Some(7), None, false)), 7);
+        assert_eq!(exit_code(&x(None, Some(2), false)), 130);
+        assert_eq!(exit_code(&x(None, Some(9), true)), EXIT_TIMEOUT);
+        assert_eq!(exit_code(&x(None, None, false)), EXIT_UNKNOWN);
+    }
+
+    #[test]
+    fn test_raw_mode_restored_on_drop() {
+        // A pseudo-terminal stands in for the user's terminal.
+        let flags = rustix::pty::OpenptFlags::RDWR
+            | rustix::pty::OpenptFlags::NOCTTY
+            | rustix::pty::OpenptFlags::CLOEXEC;
+        let master = rustix::pty::openpt(flags).expect("openpt");
+        rustix::pty::grantpt(&master).expect("grantpt");
+        rustix::pty::unlockpt(&master).expect("unlockpt");
+        let slave = rustix::pty::ioctl_tiocgptpeer(&master, flags).expect("slave");
+        let slave: &'static std::os::fd::OwnedFd = Box::leak(Box::new(slave));
+        let before = termios::tcgetattr(slave).expect("attrs");
+        assert!(before
+            .local_modes
+            .contains(termios::LocalModes::ICANON | termios::LocalModes::ECHO));
+        let guard = RawMode::enable(slave.as_fd()).expect("raw");
+        let raw = termios::tcgetattr(slave).expect("attrs");
+        assert!(!raw.local_modes.intersects(
+            termios::LocalModes::ICANON | termios::LocalModes::ECHO | termios::LocalModes::ISIG
+        ));
+        drop(guard);
+        let after = termios::tcgetattr(slave).expect("attrs");
+        assert_eq!(after.local_modes, before.local_modes);
+        assert_eq!(after.input_modes, before.input_modes);
+        assert_eq!(after.output_modes, before.output_modes);
+    }
+}
