@@ -487,10 +487,10 @@ impl Session {
                     if !contains(&value, p) {
                         continue;
                     }
-                    if !self.values.contains_key(&i) {
+                    if let std::collections::hash_map::Entry::Vacant(slot) = self.values.entry(i) {
                         match secrets[i].resolve() {
                             Ok(v) => {
-                                self.values.insert(i, v);
+                                slot.insert(v);
                             }
                             Err(e) => {
                                 tracing::error!(vm = %inner.cfg.vm, host = %self.host, error = %e, "secret unavailable");

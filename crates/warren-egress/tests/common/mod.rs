@@ -8,6 +8,7 @@
 //!   169.254.169.254 and 10.1.2.3 to prove blocked ranges are refused by policy, not by
 //!   reachability), all on its loopback device: HTTP echo on :80, HTTPS echo on :443 (test CA), TCP echo on :7, DNS on
 //!   203.0.113.53:53. The egress's `Outbound` creates its sockets here.
+//!
 //! No packet leaves these namespaces.
 
 #![allow(dead_code)]
@@ -28,7 +29,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
-use warren_egress::{bind_tcp_in, bind_udp_in, run_in_netns, Outbound};
+use warren_egress::{bind_tcp_in, bind_udp_in, Outbound};
 
 pub const PROXY_PORT: u16 = 15001;
 pub const DNS_PORT: u16 = 15053;
@@ -364,7 +365,8 @@ fn nb(l: std::net::TcpListener) -> Result<std::net::TcpListener> {
     Ok(l)
 }
 
-/// Stand-in HTTP/1.1 server: echoes the request head and body; `/leak` returns `leak`.
+/// Stand-in HTTP/1.1 server: echoes the request head and body; `/leak` returns `leak`;
+/// `/bytes/N` returns N bytes.
 async fn echo_http<S: AsyncRead + AsyncWrite + Unpin>(s: S, leak: String) {
     let mut s = BufReader::new(s);
     loop {
@@ -395,7 +397,9 @@ async fn echo_http<S: AsyncRead + AsyncWrite + Unpin>(s: S, leak: String) {
         if s.read_exact(&mut body).await.is_err() {
             return;
         }
-        let mut out = if path == "/leak" {
+        let mut out = if let Some(n) = path.strip_prefix("/bytes/") {
+            vec![b'x'; n.parse().unwrap_or(0)]
+        } else if path == "/leak" {
             format!("{LEAK_MARK}{leak}").into_bytes()
         } else {
             let mut o = head.clone();
@@ -468,13 +472,8 @@ pub fn post(host: &str, path: &str, extra: &str, body: &str) -> Vec<u8> {
     .into_bytes()
 }
 
-/// A runtime-independent check that `run_in_netns` reached the namespace: used as a sanity
-/// check that blocked stand-ins exist (the policy, not reachability, refuses them).
+/// Whether `ip:port` accepts connections from the world namespace (sanity checks that a
+/// refused stand-in exists: the policy, not reachability, refuses it).
 pub async fn world_reaches(out: &Outbound, ip: Ipv4Addr, port: u16) -> bool {
     out.tcp_connect(SocketAddrV4::new(ip, port)).await.is_ok()
-}
-
-pub fn _unused() -> Result<()> {
-    run_in_netns(std::path::Path::new("/proc/self/ns/net"), || ())?;
-    Ok(())
 }
