@@ -234,12 +234,14 @@ impl Topology {
             let leak2 = leak.clone();
             tokio::spawn(async move {
                 while let Ok((s, _)) = http.accept().await {
+                    let _ = s.set_nodelay(true);
                     tokio::spawn(echo_http(s, leak2.clone()));
                 }
             });
             let (acceptor, leak) = (acceptor.clone(), leak.clone());
             tokio::spawn(async move {
                 while let Ok((s, _)) = https.accept().await {
+                    let _ = s.set_nodelay(true);
                     let (acceptor, leak) = (acceptor.clone(), leak.clone());
                     tokio::spawn(async move {
                         if let Ok(tls) = acceptor.accept(s).await {
