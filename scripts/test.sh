@@ -5,10 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 if ! command -v cargo-nextest >/dev/null; then cargo install --locked cargo-nextest; fi
-# Test-only tools: curl and setpriv drive the local socket as other uids; python3-venv holds
+# Test-only tools: curl and setpriv drive the local socket as other uids; ip and nft build the
+# egress tests' network namespaces; python3-venv holds
 # the official MCP Python SDK the MCP end-to-end test speaks through.
 test_pkgs=()
-for p in curl util-linux python3-venv; do
+for p in curl util-linux python3-venv iproute2 nftables; do
   dpkg -s "$p" >/dev/null 2>&1 || test_pkgs+=("$p")
 done
 if [ ${#test_pkgs[@]} -gt 0 ]; then

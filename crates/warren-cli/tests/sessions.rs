@@ -258,6 +258,35 @@ fn test_run_shell_git_status_in_fresh_project_reuses_session() {
     let list = ok(env.run(&["session", "list", "--json"]), "list");
     let v: serde_json::Value = serde_json::from_str(&list).unwrap();
     assert_eq!(v.as_array().unwrap().len(), 1, "{v}");
+    // On a terminal (util-linux `script` provides one), the command gets a guest
+    // pseudo-terminal, input typed on the terminal reaches it, and its exit code comes back.
+    let inner = format!(
+        "{} --state-dir {} --image-dir {} run -- sh -c 'tty; read x; echo got:$x; exit 5'",
+        common::WARREN,
+        env.state.path().display(),
+        env.image_dir.display()
+    );
+    let mut child = Command::new("script")
+        .args(["-qec", &inner, "/dev/null"])
+        .current_dir(proj.join("sub"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("script");
+    {
+        use std::io::Write;
+        let mut input = child.stdin.take().expect("stdin");
+        std::thread::sleep(std::time::Duration::from_secs(3));
+        input.write_all(b"hello\r").expect("type");
+        std::thread::sleep(std::time::Duration::from_secs(2));
+    }
+    let out = child.wait_with_output().expect("script");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(5), "{text}");
+    assert!(text.contains("/dev/pts/"), "{text}");
+    assert!(text.contains("got:hello"), "{text}");
+
     // Different devices for the running session are refused.
     let out = run(&["--memory-mib", "1024", "shell", "--", "true"]);
     assert_eq!(out.status.code(), Some(125));

@@ -1,0 +1,639 @@
+//! The HTTP/1.1 relay used on inspected connections (TLS terminated by Warren, or plain HTTP
+//! when the VM has secrets or rules).
+//!
+//! One request at a time: read the request head from the guest, check it for placeholders,
+//! either answer it with an interception rule or forward the (possibly substituted) head and
+//! the body unchanged, then relay exactly one response (head and body unchanged) back, and
+//! loop for the next request on the keep-alive connection. Bodies are framed by
+//! `Content-Length` or `chunked` and copied byte for byte; responses without framing run to
+//! EOF and end the connection. A `101 Switching Protocols` answer turns the connection into a
+//! plain two-way relay. Placeholders are substituted in `Authorization` and the configured
+//! headers only, never in request targets, bodies or responses.
+
+use std::collections::HashMap;
+
+use std::net::SocketAddrV4;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+use crate::config::SecretValue;
+use crate::egress::Inner;
+use crate::error::ConnError;
+
+/// Largest request or response head accepted.
+pub const MAX_HEAD: usize = 64 * 1024;
+/// Largest request (head and body) passed to an interception command; larger gets 413.
+pub const MAX_INTERCEPT_REQUEST: usize = 64 * 1024;
+/// How long an idle keep-alive connection waits for the next request.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+/// Longest chunk-size or trailer line.
+const MAX_LINE: usize = 8 * 1024;
+
+/// Anything the relay can talk over.
+pub(crate) trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+/// A minimal complete response with `Connection: close`.
+pub(crate) fn simple_response(code: u16, reason: &str) -> Vec<u8> {
+    let body = format!("{code} {reason} (warren egress)\n");
+    format!(
+        "HTTP/1.1 {code} {reason}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// How to reach the upstream, connected on first use.
+pub(crate) enum Upstream {
+    /// Plain TCP (cleartext HTTP).
+    Plain(SocketAddrV4, Option<TcpStream>),
+    /// TLS to `name`, verified against the VM's upstream roots.
+    Tls(SocketAddrV4, Option<TcpStream>, String),
+}
+
+async fn connect(inner: &Inner, up: &mut Upstream) -> Result<Box<dyn Io>, ConnError> {
+    match up {
+        Upstream::Plain(addr, pre) => Ok(Box::new(match pre.take() {
+            Some(s) => s,
+            None => inner.outbound.tcp_connect(*addr).await?,
+        })),
+        Upstream::Tls(addr, pre, name) => {
+            let tcp = match pre.take() {
+                Some(s) => s,
+                None => inner.outbound.tcp_connect(*addr).await?,
+            };
+            let tls = &inner.tls;
+            let server_name =
+                ServerName::try_from(name.clone()).map_err(|_| ConnError::ServerName)?;
+            let connector = tokio_rustls::TlsConnector::from(tls.client.clone());
+            Ok(Box::new(connector.connect(server_name, tcp).await?))
+        }
+    }
+}
+
+/// Body framing of one message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    None,
+    Length(u64),
+    Chunked,
+    UntilClose,
+}
+
+fn header<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> impl Iterator<Item = &'a [u8]> + 'a {
+    let name = name.to_string();
+    headers
+        .iter()
+        .filter(move |(n, _)| n.eq_ignore_ascii_case(&name))
+        .map(|(_, v)| v.as_slice())
+}
+
+fn has_token(headers: &[(String, Vec<u8>)], name: &str, token: &str) -> bool {
+    header(headers, name).any(|v| {
+        String::from_utf8_lossy(v)
+            .split(',')
+            .any(|t| t.trim().eq_ignore_ascii_case(token))
+    })
+}
+
+/// Framing from `Transfer-Encoding`/`Content-Length`; `Err` for ambiguous or invalid framing
+/// (both present, conflicting lengths, a transfer coding other than final `chunked`).
+fn framing(headers: &[(String, Vec<u8>)], default: Framing) -> Result<Framing, ConnError> {
+    let te: Vec<&[u8]> = header(headers, "transfer-encoding").collect();
+    let cl: Vec<&[u8]> = header(headers, "content-length").collect();
+    if !te.is_empty() {
+        if !cl.is_empty() {
+            return Err(ConnError::Framing(
+                "both Transfer-Encoding and Content-Length",
+            ));
+        }
+        let joined = te
+            .iter()
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .collect::<Vec<_>>()
+            .join(",");
+        let last = joined
+            .rsplit(',')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        return if last == "chunked" {
+            Ok(Framing::Chunked)
+        } else if default == Framing::UntilClose {
+            Ok(Framing::UntilClose)
+        } else {
+            Err(ConnError::Framing("request transfer coding not chunked"))
+        };
+    }
+    let mut len = None;
+    for v in cl {
+        let s = std::str::from_utf8(v).map_err(|_| ConnError::Framing("bad Content-Length"))?;
+        for part in s.split(',') {
+            let n: u64 = part
+                .trim()
+                .parse()
+                .map_err(|_| ConnError::Framing("bad Content-Length"))?;
+            if len.is_some_and(|l| l != n) {
+                return Err(ConnError::Framing("conflicting Content-Length"));
+            }
+            len = Some(n);
+        }
+    }
+    Ok(len.map(Framing::Length).unwrap_or(default))
+}
+
+/// Reads one head (up to and including the empty line). `Ok(None)` on a clean EOF before any
+/// byte. Leading empty lines are skipped (RFC 9112 section 2.2).
+async fn read_head<R: AsyncBufReadExt + Unpin>(r: &mut R) -> Result<Option<Vec<u8>>, ConnError> {
+    let mut head = Vec::new();
+    loop {
+        let before = head.len();
+        let room = (MAX_HEAD - before) as u64;
+        let n = (&mut *r).take(room).read_until(b'\n', &mut head).await?;
+        if n == 0 {
+            return if head.is_empty() {
+                Ok(None)
+            } else {
+                Err(ConnError::Framing("EOF inside a head"))
+            };
+        }
+        if !head.ends_with(b"\n") {
+            return Err(ConnError::Framing("head too large"));
+        }
+        let line = &head[before..];
+        if line == b"\r\n" || line == b"\n" {
+            if before == 0 {
+                head.clear();
+                continue;
+            }
+            return Ok(Some(head));
+        }
+    }
+}
+
+async fn read_line<R: AsyncBufReadExt + Unpin>(
+    r: &mut R,
+    out: &mut Vec<u8>,
+) -> Result<(), ConnError> {
+    let start = out.len();
+    let n = (&mut *r)
+        .take(MAX_LINE as u64)
+        .read_until(b'\n', out)
+        .await?;
+    if n == 0 || !out[start..].ends_with(b"\n") {
+        return Err(ConnError::Framing("bad chunk line"));
+    }
+    Ok(())
+}
+
+/// A body sink: either a writer (relay) or a capped buffer (interception).
+enum Sink<'a> {
+    Write(&'a mut dyn Io),
+    Buffer(&'a mut Vec<u8>, usize),
+}
+
+impl Sink<'_> {
+    async fn put(&mut self, data: &[u8]) -> Result<(), ConnError> {
+        match self {
+            Sink::Write(w) => Ok(w.write_all(data).await?),
+            Sink::Buffer(buf, cap) => {
+                if buf.len() + data.len() > *cap {
+                    return Err(ConnError::Framing("too large"));
+                }
+                buf.extend_from_slice(data);
+                Ok(())
+            }
+        }
+    }
+}
+
+async fn copy_exact<R: AsyncBufReadExt + Unpin>(
+    r: &mut R,
+    sink: &mut Sink<'_>,
+    mut n: u64,
+) -> Result<(), ConnError> {
+    while n > 0 {
+        let buf = r.fill_buf().await?;
+        if buf.is_empty() {
+            return Err(ConnError::Framing("EOF inside a body"));
+        }
+        let take = buf.len().min(usize::try_from(n).unwrap_or(usize::MAX));
+        sink.put(&buf[..take]).await?;
+        r.consume(take);
+        n -= take as u64;
+    }
+    Ok(())
+}
+
+async fn copy_body<R: AsyncBufReadExt + Unpin>(
+    r: &mut R,
+    sink: &mut Sink<'_>,
+    framing: Framing,
+) -> Result<(), ConnError> {
+    match framing {
+        Framing::None => Ok(()),
+        Framing::Length(n) => copy_exact(r, sink, n).await,
+        Framing::UntilClose => loop {
+            let buf = r.fill_buf().await?;
+            if buf.is_empty() {
+                return Ok(());
+            }
+            let n = buf.len();
+            sink.put(buf).await?;
+            r.consume(n);
+        },
+        Framing::Chunked => loop {
+            let mut line = Vec::new();
+            read_line(r, &mut line).await?;
+            sink.put(&line).await?;
+            let text =
+                std::str::from_utf8(&line).map_err(|_| ConnError::Framing("bad chunk size"))?;
+            let size_text = text.split(';').next().unwrap_or("").trim();
+            let size = u64::from_str_radix(size_text, 16)
+                .map_err(|_| ConnError::Framing("bad chunk size"))?;
+            if size == 0 {
+                loop {
+                    let mut trailer = Vec::new();
+                    read_line(r, &mut trailer).await?;
+                    sink.put(&trailer).await?;
+                    if trailer == b"\r\n" || trailer == b"\n" {
+                        return Ok(());
+                    }
+                }
+            }
+            copy_exact(r, sink, size).await?;
+            let mut crlf = Vec::new();
+            read_line(r, &mut crlf).await?;
+            if crlf != b"\r\n" && crlf != b"\n" {
+                return Err(ConnError::Framing("missing CRLF after chunk"));
+            }
+            sink.put(&crlf).await?;
+        },
+    }
+}
+
+struct Request {
+    method: String,
+    path: String,
+    minor: u8,
+    headers: Vec<(String, Vec<u8>)>,
+}
+
+fn parse_request(head: &[u8]) -> Option<Request> {
+    let mut headers = [httparse::EMPTY_HEADER; 128];
+    let mut req = httparse::Request::new(&mut headers);
+    match req.parse(head) {
+        Ok(httparse::Status::Complete(_)) => {}
+        _ => return None,
+    }
+    Some(Request {
+        method: req.method?.to_string(),
+        path: req.path?.to_string(),
+        minor: req.version?,
+        headers: req
+            .headers
+            .iter()
+            .map(|h| (h.name.to_string(), h.value.to_vec()))
+            .collect(),
+    })
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
+}
+
+fn replace(hay: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(hay.len());
+    let mut i = 0;
+    while i < hay.len() {
+        if hay[i..].starts_with(needle) {
+            out.extend_from_slice(with);
+            i += needle.len();
+        } else {
+            out.push(hay[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Per-connection relay state.
+pub(crate) struct Session {
+    pub(crate) inner: Arc<Inner>,
+    /// The normalised name the connection was allowed for (SNI or Host).
+    pub(crate) host: String,
+    /// Whether placeholders are substituted (only on TLS connections Warren terminated).
+    pub(crate) substitute: bool,
+    pub(crate) upstream: Upstream,
+    /// Values read for this connection (indexes into the VM's secrets). Files are read at
+    /// most once per connection, so a rotated file takes effect on the next connection.
+    values: HashMap<usize, SecretValue>,
+}
+
+enum Next {
+    Continue,
+    Close,
+}
+
+impl Session {
+    pub(crate) fn new(
+        inner: Arc<Inner>,
+        host: String,
+        substitute: bool,
+        upstream: Upstream,
+    ) -> Self {
+        Session {
+            inner,
+            host,
+            substitute,
+            upstream,
+            values: HashMap::new(),
+        }
+    }
+
+    /// Relays requests until either side closes.
+    pub(crate) async fn run(mut self, guest: Box<dyn Io>) -> Result<(), ConnError> {
+        let mut guest = BufReader::new(guest);
+        let mut up: Option<BufReader<Box<dyn Io>>> = None;
+        loop {
+            let head = match tokio::time::timeout(IDLE_TIMEOUT, read_head(&mut guest)).await {
+                Err(_) | Ok(Ok(None)) => return Ok(()),
+                Ok(Ok(Some(h))) => h,
+                Ok(Err(ConnError::Framing(what))) => {
+                    let code = if what == "head too large" { 431 } else { 400 };
+                    let reason = if code == 431 {
+                        "Request Header Fields Too Large"
+                    } else {
+                        "Bad Request"
+                    };
+                    let _ = guest
+                        .get_mut()
+                        .write_all(&simple_response(code, reason))
+                        .await;
+                    return Err(ConnError::Framing(what));
+                }
+                Ok(Err(e)) => return Err(e),
+            };
+            match self.one(head, &mut guest, &mut up).await? {
+                Next::Continue => {}
+                Next::Close => {
+                    let _ = guest.get_mut().shutdown().await;
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    async fn refuse(
+        guest: &mut BufReader<Box<dyn Io>>,
+        code: u16,
+        reason: &str,
+    ) -> Result<Next, ConnError> {
+        guest
+            .get_mut()
+            .write_all(&simple_response(code, reason))
+            .await?;
+        guest.get_mut().flush().await?;
+        Ok(Next::Close)
+    }
+
+    async fn one(
+        &mut self,
+        head: Vec<u8>,
+        guest: &mut BufReader<Box<dyn Io>>,
+        up: &mut Option<BufReader<Box<dyn Io>>>,
+    ) -> Result<Next, ConnError> {
+        let Some(req) = parse_request(&head) else {
+            return Self::refuse(guest, 400, "Bad Request").await;
+        };
+        if req.method == "CONNECT" {
+            return Self::refuse(guest, 405, "Method Not Allowed").await;
+        }
+        let Ok(req_framing) = framing(&req.headers, Framing::None) else {
+            return Self::refuse(guest, 400, "Bad Request").await;
+        };
+
+        // Placeholders: any placeholder bound for another host, anywhere in the head, blocks.
+        let inner = self.inner.clone();
+        let secrets = &inner.cfg.secrets;
+        let mut used = Vec::new();
+        for (i, s) in secrets.iter().enumerate() {
+            let p = s.placeholder.as_bytes();
+            let present = contains(req.path.as_bytes(), p)
+                || req
+                    .headers
+                    .iter()
+                    .any(|(n, v)| contains(n.as_bytes(), p) || contains(v, p));
+            if !present {
+                continue;
+            }
+            if !crate::policy::any_matches(&s.hosts, &self.host) {
+                inner.log.secret_blocked(&s.name, &self.host);
+                return Self::refuse(guest, 403, "Forbidden").await;
+            }
+            used.push(i);
+        }
+
+        // Interception rules.
+        if let Some(rule) = inner
+            .rules
+            .iter()
+            .find(|r| r.matches(&self.host, &req.method, &req.path))
+        {
+            let mut request = head.clone();
+            let cap = MAX_INTERCEPT_REQUEST;
+            if request.len() > cap {
+                return Self::refuse(guest, 413, "Payload Too Large").await;
+            }
+            let mut sink = Sink::Buffer(&mut request, cap);
+            match copy_body(guest, &mut sink, req_framing).await {
+                Ok(()) => {}
+                Err(ConnError::Framing("too large")) => {
+                    return Self::refuse(guest, 413, "Payload Too Large").await
+                }
+                Err(e) => return Err(e),
+            }
+            let answer = rule
+                .answer(&inner.cfg.vm, &self.host, &req.method, &req.path, request)
+                .await;
+            guest.get_mut().write_all(&answer).await?;
+            guest.get_mut().flush().await?;
+            return Ok(Next::Close);
+        }
+
+        // Substitution in Authorization and the configured headers only.
+        let mut out_headers = Vec::with_capacity(req.headers.len());
+        let mut expect_continue = false;
+        for (name, value) in &req.headers {
+            if name.eq_ignore_ascii_case("expect") && value.eq_ignore_ascii_case(b"100-continue") {
+                expect_continue = true;
+                continue;
+            }
+            let substitutable = name.eq_ignore_ascii_case("authorization")
+                || inner
+                    .cfg
+                    .secret_headers
+                    .iter()
+                    .any(|h| h.eq_ignore_ascii_case(name));
+            let mut value = value.clone();
+            if self.substitute && substitutable {
+                for &i in &used {
+                    let p = secrets[i].placeholder.as_bytes();
+                    if !contains(&value, p) {
+                        continue;
+                    }
+                    if let std::collections::hash_map::Entry::Vacant(slot) = self.values.entry(i) {
+                        match secrets[i].resolve() {
+                            Ok(v) => {
+                                slot.insert(v);
+                            }
+                            Err(e) => {
+                                tracing::error!(vm = %inner.cfg.vm, host = %self.host, error = %e, "secret unavailable");
+                                return Self::refuse(guest, 502, "Bad Gateway").await;
+                            }
+                        }
+                    }
+                    if let Some(v) = self.values.get(&i) {
+                        value = replace(&value, p, v.0.as_bytes());
+                    }
+                }
+            }
+            out_headers.push((name.as_str(), value));
+        }
+        let mut out = format!("{} {} HTTP/1.{}\r\n", req.method, req.path, req.minor).into_bytes();
+        for (name, value) in &out_headers {
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(value);
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+
+        if up.is_none() {
+            match connect(&inner, &mut self.upstream).await {
+                Ok(s) => *up = Some(BufReader::new(s)),
+                Err(e) => {
+                    tracing::debug!(vm = %inner.cfg.vm, host = %self.host, error = %e, "upstream connect failed");
+                    return Self::refuse(guest, 502, "Bad Gateway").await;
+                }
+            }
+        }
+        let Some(upstream) = up.as_mut() else {
+            return Self::refuse(guest, 502, "Bad Gateway").await;
+        };
+        if expect_continue {
+            guest
+                .get_mut()
+                .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+                .await?;
+            guest.get_mut().flush().await?;
+        }
+        upstream.get_mut().write_all(&out).await?;
+        copy_body(
+            guest,
+            &mut Sink::Write(upstream.get_mut().as_mut()),
+            req_framing,
+        )
+        .await?;
+        upstream.get_mut().flush().await?;
+
+        let mut close = (req.minor == 0 && !has_token(&req.headers, "connection", "keep-alive"))
+            || has_token(&req.headers, "connection", "close");
+        loop {
+            let Some(resp_head) = read_head(upstream).await? else {
+                return Ok(Next::Close);
+            };
+            let mut headers = [httparse::EMPTY_HEADER; 128];
+            let mut resp = httparse::Response::new(&mut headers);
+            if !matches!(resp.parse(&resp_head), Ok(httparse::Status::Complete(_))) {
+                return Self::refuse(guest, 502, "Bad Gateway").await;
+            }
+            let code = resp.code.unwrap_or(0);
+            let resp_headers: Vec<(String, Vec<u8>)> = resp
+                .headers
+                .iter()
+                .map(|h| (h.name.to_string(), h.value.to_vec()))
+                .collect();
+            let minor = resp.version.unwrap_or(1);
+            guest.get_mut().write_all(&resp_head).await?;
+            if code == 101 {
+                guest.get_mut().flush().await?;
+                tokio::io::copy_bidirectional(guest, upstream).await?;
+                return Ok(Next::Close);
+            }
+            if (100..200).contains(&code) {
+                continue;
+            }
+            let body = if req.method == "HEAD" || code == 204 || code == 304 {
+                Framing::None
+            } else {
+                framing(&resp_headers, Framing::UntilClose)?
+            };
+            copy_body(upstream, &mut Sink::Write(guest.get_mut().as_mut()), body).await?;
+            guest.get_mut().flush().await?;
+            close |= body == Framing::UntilClose
+                || has_token(&resp_headers, "connection", "close")
+                || (minor == 0 && !has_token(&resp_headers, "connection", "keep-alive"));
+            return Ok(if close { Next::Close } else { Next::Continue });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+        pairs
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn test_framing_rejects_smuggling_shapes() {
+        assert!(framing(
+            &h(&[("Content-Length", "5"), ("Transfer-Encoding", "chunked")]),
+            Framing::None
+        )
+        .is_err());
+        assert!(framing(
+            &h(&[("Content-Length", "5"), ("Content-Length", "6")]),
+            Framing::None
+        )
+        .is_err());
+        assert!(framing(&h(&[("Transfer-Encoding", "chunked, gzip")]), Framing::None).is_err());
+        assert_eq!(
+            framing(&h(&[("Content-Length", "5, 5")]), Framing::None).ok(),
+            Some(Framing::Length(5))
+        );
+        assert_eq!(
+            framing(&h(&[]), Framing::UntilClose).ok(),
+            Some(Framing::UntilClose)
+        );
+    }
+
+    #[tokio::test]
+    async fn test_chunked_body_copied_unchanged() {
+        let body = b"4;ext=1\r\nWiki\r\n5\r\npedia\r\n0\r\nTrailer: x\r\n\r\nNEXT";
+        let mut r = BufReader::new(&body[..]);
+        let mut out = Vec::new();
+        copy_body(&mut r, &mut Sink::Buffer(&mut out, 1024), Framing::Chunked)
+            .await
+            .expect("chunked");
+        assert_eq!(out, &body[..body.len() - 4]);
+    }
+
+    #[test]
+    fn test_replace_all_occurrences() {
+        assert_eq!(
+            replace(b"Bearer PH PH", b"PH", b"real"),
+            b"Bearer real real"
+        );
+    }
+}

@@ -1,0 +1,294 @@
+//! The per-VM egress policy: domain patterns, CIDR lists and the always-denied address ranges.
+//!
+//! Pure data and pure decisions; the proxy and the resolver ask it questions and add what only
+//! they know (the original destination, what Warren's resolver returned for a name).
+//! Invariants: names are compared in normalised form (ASCII lowercase, no trailing dot); deny
+//! wins over allow; an always-denied address is denied whatever the lists say.
+
+use std::fmt;
+use std::net::Ipv4Addr;
+use std::str::FromStr;
+
+use ipnet::Ipv4Net;
+
+use crate::error::ConfigError;
+
+/// Ranges no guest may reach, whatever the policy says: unspecified/"this network", RFC 1918,
+/// CGNAT, loopback, link-local (which holds the cloud metadata address 169.254.169.254),
+/// multicast, and the reserved block that ends in the limited broadcast address.
+pub const ALWAYS_DENIED: &[(Ipv4Addr, u8)] = &[
+    (Ipv4Addr::new(0, 0, 0, 0), 8),
+    (Ipv4Addr::new(10, 0, 0, 0), 8),
+    (Ipv4Addr::new(100, 64, 0, 0), 10),
+    (Ipv4Addr::new(127, 0, 0, 0), 8),
+    (Ipv4Addr::new(169, 254, 0, 0), 16),
+    (Ipv4Addr::new(172, 16, 0, 0), 12),
+    (Ipv4Addr::new(192, 168, 0, 0), 16),
+    (Ipv4Addr::new(224, 0, 0, 0), 4),
+    (Ipv4Addr::new(240, 0, 0, 0), 4),
+];
+
+/// True when `ip` lies in one of [`ALWAYS_DENIED`].
+pub fn is_always_denied(ip: Ipv4Addr) -> bool {
+    ALWAYS_DENIED.iter().any(|(net, len)| {
+        Ipv4Net::new(*net, *len)
+            .map(|n| n.contains(&ip))
+            .unwrap_or(true)
+    })
+}
+
+/// Normalises a DNS name for comparison: ASCII lowercase, one trailing dot removed, and
+/// checked for DNS syntax (labels of 1-63 letters, digits, `-` or `_`; at most 253 bytes).
+/// IP literals are not names and are rejected.
+pub fn normalize_name(raw: &str) -> Option<String> {
+    let name = raw.strip_suffix('.').unwrap_or(raw).to_ascii_lowercase();
+    if name.is_empty() || name.len() > 253 || name.parse::<Ipv4Addr>().is_ok() {
+        return None;
+    }
+    let ok = name.split('.').all(|label| {
+        !label.is_empty()
+            && label.len() <= 63
+            && label
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    });
+    ok.then_some(name)
+}
+
+/// A domain pattern: `example.com` matches that name only; `*.example.com` matches every name
+/// below `example.com` (any depth) but not `example.com` itself.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum DomainPattern {
+    /// One exact name (normalised).
+    Exact(String),
+    /// Every name strictly below this suffix (normalised, without the `*.`).
+    Wildcard(String),
+}
+
+impl DomainPattern {
+    /// Whether the normalised `name` matches.
+    pub fn matches(&self, name: &str) -> bool {
+        match self {
+            DomainPattern::Exact(n) => n == name,
+            DomainPattern::Wildcard(suffix) => name
+                .strip_suffix(suffix.as_str())
+                .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
+        }
+    }
+}
+
+impl FromStr for DomainPattern {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || ConfigError::DomainPattern(s.to_string());
+        match s.strip_prefix("*.") {
+            Some(rest) => Ok(DomainPattern::Wildcard(
+                normalize_name(rest).ok_or_else(bad)?,
+            )),
+            None => Ok(DomainPattern::Exact(normalize_name(s).ok_or_else(bad)?)),
+        }
+    }
+}
+
+impl fmt::Display for DomainPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DomainPattern::Exact(n) => f.write_str(n),
+            DomainPattern::Wildcard(s) => write!(f, "*.{s}"),
+        }
+    }
+}
+
+/// Whether any pattern in `patterns` matches the normalised `name`.
+pub fn any_matches(patterns: &[DomainPattern], name: &str) -> bool {
+    patterns.iter().any(|p| p.matches(name))
+}
+
+/// A VM's egress policy. Empty lists deny everything (fail closed).
+#[derive(Debug, Clone, Default)]
+pub struct EgressPolicy {
+    /// Names the guest may reach (TLS by SNI, HTTP by Host, other TCP by resolved address).
+    pub allow_domains: Vec<DomainPattern>,
+    /// Names never reachable; wins over `allow_domains`.
+    pub deny_domains: Vec<DomainPattern>,
+    /// Destination ranges the guest may reach by address (any name not denied).
+    pub allow_cidrs: Vec<Ipv4Net>,
+    /// Destination ranges never reachable; wins over everything.
+    pub deny_cidrs: Vec<Ipv4Net>,
+    /// Operator ranges (for example public management networks) added to [`ALWAYS_DENIED`].
+    pub blocked_cidrs: Vec<Ipv4Net>,
+}
+
+/// Why a connection or query was refused. Stable snake_case names via [`DenyReason::as_str`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenyReason {
+    /// Always-denied range or operator `blocked_cidrs`.
+    BlockedAddress,
+    /// In the policy's `deny_cidrs`.
+    DeniedCidr,
+    /// Matches `deny_domains`.
+    DeniedName,
+    /// Matches no `allow_domains` entry.
+    NameNotAllowed,
+    /// The name does not resolve (through Warren) to the connection's destination.
+    NameAddressMismatch,
+    /// Address neither in `allow_cidrs` nor returned by Warren's resolver for an allowed name.
+    AddressNotAllowed,
+    /// Not a valid DNS name.
+    InvalidName,
+    /// The original destination could not be determined, or is the proxy itself.
+    NoDestination,
+    /// The first bytes looked like TLS or HTTP but could not be parsed.
+    Malformed,
+    /// A placeholder was sent towards a host outside its scope.
+    SecretOutOfScope,
+    /// Warren's own resolution of the name failed.
+    ResolveFailed,
+}
+
+impl DenyReason {
+    /// Stable machine name, used in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DenyReason::BlockedAddress => "blocked_address",
+            DenyReason::DeniedCidr => "denied_cidr",
+            DenyReason::DeniedName => "denied_name",
+            DenyReason::NameNotAllowed => "name_not_allowed",
+            DenyReason::NameAddressMismatch => "name_address_mismatch",
+            DenyReason::AddressNotAllowed => "address_not_allowed",
+            DenyReason::InvalidName => "invalid_name",
+            DenyReason::NoDestination => "no_destination",
+            DenyReason::Malformed => "malformed",
+            DenyReason::SecretOutOfScope => "secret_out_of_scope",
+            DenyReason::ResolveFailed => "resolve_failed",
+        }
+    }
+}
+
+impl fmt::Display for DenyReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl EgressPolicy {
+    /// The address-level refusal that applies to `ip` whatever the name: always-denied ranges,
+    /// `blocked_cidrs`, then `deny_cidrs`.
+    pub fn address_block(&self, ip: Ipv4Addr) -> Option<DenyReason> {
+        if is_always_denied(ip) || self.blocked_cidrs.iter().any(|n| n.contains(&ip)) {
+            Some(DenyReason::BlockedAddress)
+        } else if self.deny_cidrs.iter().any(|n| n.contains(&ip)) {
+            Some(DenyReason::DeniedCidr)
+        } else {
+            None
+        }
+    }
+
+    /// Whether `ip` is in `allow_cidrs` (and not blocked).
+    pub fn cidr_allows(&self, ip: Ipv4Addr) -> bool {
+        self.address_block(ip).is_none() && self.allow_cidrs.iter().any(|n| n.contains(&ip))
+    }
+
+    /// The name-level verdict for a normalised name: deny list first, then allow list.
+    pub fn name_verdict(&self, name: &str) -> Result<(), DenyReason> {
+        if any_matches(&self.deny_domains, name) {
+            Err(DenyReason::DeniedName)
+        } else if any_matches(&self.allow_domains, name) {
+            Ok(())
+        } else {
+            Err(DenyReason::NameNotAllowed)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pat(s: &str) -> DomainPattern {
+        s.parse().expect("valid pattern")
+    }
+
+    #[test]
+    fn test_wildcard_matches_subdomains_not_apex() {
+        let p = pat("*.Example.com.");
+        assert!(p.matches("a.example.com"));
+        assert!(p.matches("a.b.example.com"));
+        assert!(!p.matches("example.com"));
+        assert!(!p.matches("badexample.com"));
+    }
+
+    #[test]
+    fn test_exact_pattern_matches_only_itself() {
+        let p = pat("api.example.com");
+        assert!(p.matches("api.example.com"));
+        assert!(!p.matches("x.api.example.com"));
+    }
+
+    #[test]
+    fn test_invalid_patterns_rejected() {
+        for bad in [
+            "",
+            "*.",
+            "a..b",
+            "1.2.3.4",
+            "exa mple.com",
+            "*.*.x.com",
+            "é.com",
+        ] {
+            assert!(bad.parse::<DomainPattern>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn test_deny_wins_over_allow() {
+        let policy = EgressPolicy {
+            allow_domains: vec![pat("*.example.com")],
+            deny_domains: vec![pat("evil.example.com")],
+            ..Default::default()
+        };
+        assert_eq!(policy.name_verdict("ok.example.com"), Ok(()));
+        assert_eq!(
+            policy.name_verdict("evil.example.com"),
+            Err(DenyReason::DeniedName)
+        );
+        assert_eq!(
+            policy.name_verdict("other.org"),
+            Err(DenyReason::NameNotAllowed)
+        );
+    }
+
+    #[test]
+    fn test_always_denied_ranges() {
+        for ip in [
+            "169.254.169.254",
+            "10.1.2.3",
+            "172.31.0.1",
+            "192.168.1.1",
+            "127.0.0.1",
+            "100.64.0.1",
+            "0.0.0.0",
+            "255.255.255.255",
+            "224.0.0.1",
+        ] {
+            assert!(is_always_denied(ip.parse().expect("ip")), "{ip}");
+        }
+        for ip in ["203.0.113.10", "198.51.100.1", "8.8.8.8", "172.32.0.1"] {
+            assert!(!is_always_denied(ip.parse().expect("ip")), "{ip}");
+        }
+    }
+
+    #[test]
+    fn test_allow_cidr_cannot_open_blocked_range() {
+        let policy = EgressPolicy {
+            allow_cidrs: vec!["10.0.0.0/8".parse().expect("net")],
+            ..Default::default()
+        };
+        assert!(!policy.cidr_allows("10.1.1.1".parse().expect("ip")));
+        assert_eq!(
+            policy.address_block("10.1.1.1".parse().expect("ip")),
+            Some(DenyReason::BlockedAddress)
+        );
+    }
+}

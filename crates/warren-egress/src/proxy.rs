@@ -1,0 +1,307 @@
+//! The transparent TCP proxy of one VM.
+//!
+//! Per accepted connection (one task each):
+//! 1. the original destination from `SO_ORIGINAL_DST` (nftables `redirect` rewrote it);
+//! 2. the first client bytes are read (up to [`FIRST_BYTES_WAIT`]) and classified: a TLS
+//!    ClientHello is decided by SNI, an HTTP request by Host, anything else by address;
+//! 3. a client that stays silent (server-speaks-first protocols) is decided by address, the
+//!    upstream connected, and if the client then speaks TLS or HTTP first, its name is checked
+//!    before a single byte is forwarded;
+//! 4. allowed connections are relayed untouched (the read bytes first, then a two-way copy),
+//!    or, for hosts with secrets or rules, TLS is terminated with the VM CA and the requests go
+//!    through [`crate::http1`]; denied connections are closed.
+
+use std::io;
+use std::net::SocketAddrV4;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::decision_log::Kind;
+use crate::egress::Inner;
+use crate::error::ConnError;
+use crate::http1::{Session, Upstream};
+use crate::policy::{normalize_name, DenyReason};
+use crate::resolver::name_resolves_to;
+use crate::sniff::{sniff, Sniffed, MAX_SNIFF};
+
+/// How long a new connection may stay silent before it is treated as server-speaks-first.
+pub const FIRST_BYTES_WAIT: Duration = Duration::from_secs(1);
+/// How long a started ClientHello or request head may take to complete.
+pub const SNIFF_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Accepts connections until the listener fails.
+pub(crate) async fn serve(inner: Arc<Inner>, listener: TcpListener) {
+    let local = listener.local_addr().ok();
+    loop {
+        let (conn, _) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!(vm = %inner.cfg.vm, error = %e, "proxy accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let i = inner.clone();
+        inner.tasks.spawn(async move {
+            if let Err(e) = handle(&i, conn, local).await {
+                tracing::debug!(vm = %i.cfg.vm, error = %e, "proxied connection ended with an error");
+            }
+        });
+    }
+}
+
+/// Reads client bytes until they can be classified. `first_wait` bounds the wait for the very
+/// first byte (`Ok(None)`: the client is silent).
+async fn read_first(
+    conn: &mut TcpStream,
+    first_wait: Duration,
+) -> io::Result<Option<(Sniffed, Vec<u8>)>> {
+    let mut buf = Vec::with_capacity(2048);
+    let mut chunk = [0u8; 4096];
+    match tokio::time::timeout(first_wait, conn.read(&mut chunk)).await {
+        Err(_) => return Ok(None),
+        Ok(n) => {
+            let n = n?;
+            if n == 0 {
+                return Ok(Some((Sniffed::Other, buf)));
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+    let deadline = tokio::time::Instant::now() + SNIFF_TIMEOUT;
+    loop {
+        let s = sniff(&buf);
+        if s != Sniffed::NeedMore {
+            return Ok(Some((s, buf)));
+        }
+        if buf.len() >= MAX_SNIFF {
+            return Ok(Some((Sniffed::Malformed, buf)));
+        }
+        let want = chunk.len().min(MAX_SNIFF - buf.len());
+        match tokio::time::timeout_at(deadline, conn.read(&mut chunk[..want])).await {
+            Err(_) => return Ok(Some((Sniffed::Malformed, buf))),
+            Ok(n) => {
+                let n = n?;
+                if n == 0 {
+                    return Ok(Some((Sniffed::Malformed, buf)));
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            }
+        }
+    }
+}
+
+async fn handle(
+    inner: &Arc<Inner>,
+    mut conn: TcpStream,
+    local: Option<std::net::SocketAddr>,
+) -> Result<(), ConnError> {
+    let _ = conn.set_nodelay(true);
+    let dst = match crate::sys::sockopt::original_dst(&conn) {
+        Ok(d) if Some(std::net::SocketAddr::V4(d)) != local => d,
+        _ => {
+            inner
+                .log
+                .record(Kind::Tcp, None, None, Err(DenyReason::NoDestination));
+            return Ok(());
+        }
+    };
+    match read_first(&mut conn, FIRST_BYTES_WAIT).await? {
+        Some((sniffed, prefix)) => dispatch(inner, conn, dst, sniffed, prefix, None).await,
+        None => {
+            // Silent client: decide by address, connect, and see who speaks first.
+            if let Err(reason) = decide_addr(inner, dst) {
+                inner.log.record(Kind::Tcp, None, Some(dst), Err(reason));
+                return Ok(());
+            }
+            let upstream = inner.outbound.tcp_connect(dst).await?;
+            tokio::select! {
+                r = conn.readable() => {
+                    r?;
+                    let Some((sniffed, prefix)) = read_first(&mut conn, SNIFF_TIMEOUT).await? else {
+                        return Ok(());
+                    };
+                    dispatch(inner, conn, dst, sniffed, prefix, Some(upstream)).await
+                }
+                r = upstream.readable() => {
+                    r?;
+                    inner.log.record(Kind::Tcp, None, Some(dst), Ok(()));
+                    relay(conn, upstream, &[]).await
+                }
+            }
+        }
+    }
+}
+
+/// Address-only decision: blocked ranges, allowed CIDRs, or an address Warren's resolver
+/// returned for a name that is still allowed.
+fn decide_addr(inner: &Inner, dst: SocketAddrV4) -> Result<(), DenyReason> {
+    let policy = &inner.cfg.policy;
+    if let Some(reason) = policy.address_block(*dst.ip()) {
+        return Err(reason);
+    }
+    if policy.cidr_allows(*dst.ip()) {
+        return Ok(());
+    }
+    let names = inner.names.names_for(*dst.ip());
+    if names.iter().any(|n| policy.name_verdict(n).is_ok()) {
+        Ok(())
+    } else {
+        Err(DenyReason::AddressNotAllowed)
+    }
+}
+
+/// Name decision for SNI/Host: the name must be allowed (deny list first) and resolve, through
+/// Warren, to the destination; or the destination must be in `allow_cidrs` and the name not
+/// denied.
+async fn decide_name(inner: &Inner, raw: &str, dst: SocketAddrV4) -> Result<String, DenyReason> {
+    let name = normalize_name(raw).ok_or(DenyReason::InvalidName)?;
+    let policy = &inner.cfg.policy;
+    if let Some(reason) = policy.address_block(*dst.ip()) {
+        return Err(reason);
+    }
+    match policy.name_verdict(&name) {
+        Err(DenyReason::NameNotAllowed) if policy.cidr_allows(*dst.ip()) => Ok(name),
+        Err(reason) => Err(reason),
+        Ok(()) => match name_resolves_to(inner, &name, *dst.ip()).await {
+            Ok(true) => Ok(name),
+            Ok(false) => Err(DenyReason::NameAddressMismatch),
+            Err(_) => Err(DenyReason::ResolveFailed),
+        },
+    }
+}
+
+async fn dispatch(
+    inner: &Arc<Inner>,
+    conn: TcpStream,
+    dst: SocketAddrV4,
+    sniffed: Sniffed,
+    prefix: Vec<u8>,
+    pre: Option<TcpStream>,
+) -> Result<(), ConnError> {
+    let (kind, raw_name) = match &sniffed {
+        Sniffed::Tls(sni) => (Kind::Tls, sni.clone()),
+        // A Host that is an IP literal carries no name: decided by address.
+        Sniffed::Http(host) => (
+            Kind::Http,
+            host.clone().filter(|h| normalize_name(h).is_some()),
+        ),
+        Sniffed::Other | Sniffed::NeedMore => (Kind::Tcp, None),
+        Sniffed::Malformed => {
+            inner
+                .log
+                .record(Kind::Tcp, None, Some(dst), Err(DenyReason::Malformed));
+            return Ok(());
+        }
+    };
+    let Some(raw) = raw_name else {
+        let verdict = decide_addr(inner, dst);
+        inner.log.record(kind, None, Some(dst), verdict);
+        if verdict.is_err() {
+            return Ok(());
+        }
+        let upstream = match pre {
+            Some(s) => s,
+            None => inner.outbound.tcp_connect(dst).await?,
+        };
+        return relay(conn, upstream, &prefix).await;
+    };
+    let name = match decide_name(inner, &raw, dst).await {
+        Ok(n) => n,
+        Err(reason) => {
+            let shown = normalize_name(&raw);
+            inner
+                .log
+                .record(kind, shown.as_deref(), Some(dst), Err(reason));
+            return Ok(());
+        }
+    };
+    inner.log.record(kind, Some(&name), Some(dst), Ok(()));
+    let guest = Prefixed {
+        prefix,
+        pos: 0,
+        inner: conn,
+    };
+    match sniffed {
+        Sniffed::Tls(_) if inner.intercepts(&name) => {
+            let acceptor = tokio_rustls::TlsAcceptor::from(inner.tls.server.clone());
+            let tls = acceptor.accept(guest).await?;
+            let upstream = Upstream::Tls(dst, pre, name.clone());
+            Session::new(inner.clone(), name, true, upstream)
+                .run(Box::new(tls))
+                .await
+        }
+        Sniffed::Http(_) if inner.inspects_http() => {
+            let upstream = Upstream::Plain(dst, pre);
+            Session::new(inner.clone(), name, false, upstream)
+                .run(Box::new(guest))
+                .await
+        }
+        _ => {
+            let upstream = match pre {
+                Some(s) => s,
+                None => inner.outbound.tcp_connect(dst).await?,
+            };
+            relay(guest.inner, upstream, &guest.prefix).await
+        }
+    }
+}
+
+/// Writes the bytes already read, then copies both ways until both sides are done.
+async fn relay(
+    mut guest: TcpStream,
+    mut upstream: TcpStream,
+    prefix: &[u8],
+) -> Result<(), ConnError> {
+    if !prefix.is_empty() {
+        upstream.write_all(prefix).await?;
+    }
+    tokio::io::copy_bidirectional(&mut guest, &mut upstream).await?;
+    Ok(())
+}
+
+/// A stream that first yields bytes already read from it (so rustls sees the ClientHello).
+struct Prefixed {
+    prefix: Vec<u8>,
+    pos: usize,
+    inner: TcpStream,
+}
+
+impl AsyncRead for Prefixed {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.pos < self.prefix.len() {
+            let n = buf.remaining().min(self.prefix.len() - self.pos);
+            let start = self.pos;
+            buf.put_slice(&self.prefix[start..start + n]);
+            self.pos += n;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Prefixed {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}

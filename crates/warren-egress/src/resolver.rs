@@ -1,0 +1,341 @@
+//! Warren's DNS resolver for one VM.
+//!
+//! Serves the guest over UDP and TCP (sockets bound by the caller inside the VM's namespace).
+//! In allow-list mode only `A` queries for allowed names are forwarded, one name at a time, to
+//! the configured upstream resolver (reached through the [`Outbound`] strategy); the answer
+//! is rewritten to plain `A` records for the queried name, minus always-denied and denied
+//! addresses. `AAAA` and every other type of an allowed name get an empty answer (no IPv6,
+//! nothing else to carry data); denied names get REFUSED. Returned addresses are recorded in
+//! [`ResolvedNames`] so the proxy can accept TCP to them (by address) and check that a
+//! SNI/Host name really resolves to the connection's destination.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
+use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, UdpSocket};
+use tokio::sync::Semaphore;
+
+use crate::decision_log::Kind;
+use crate::egress::Inner;
+use crate::outbound::Outbound;
+use crate::policy::{normalize_name, DenyReason, EgressPolicy};
+
+/// A recorded address stays valid for at least this long, whatever TTL upstream gave: guests
+/// cache answers for a moment, and a connection made a few seconds after the lookup must work.
+pub const MIN_RECORD_TTL: Duration = Duration::from_secs(60);
+/// TTLs handed to the guest are capped to this (and recorded for at least as long).
+pub const MAX_TTL: u32 = 3600;
+/// Upstream query timeout per attempt (two attempts over UDP).
+pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
+/// Most names remembered per VM; expired entries go first, then the cache is cleared.
+const MAX_NAMES: usize = 4096;
+/// Concurrent guest queries being answered per VM (UDP).
+const MAX_INFLIGHT: usize = 64;
+
+/// Addresses Warren's resolver returned, per normalised name, each with its expiry.
+/// The mutex guards the map only; it is never held across an await.
+#[derive(Default)]
+pub(crate) struct ResolvedNames {
+    map: Mutex<HashMap<String, Vec<(Ipv4Addr, Instant)>>>,
+}
+
+impl ResolvedNames {
+    pub(crate) fn insert(&self, name: &str, ips: &[Ipv4Addr], ttl: Duration) {
+        let expiry = Instant::now() + ttl.max(MIN_RECORD_TTL);
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= MAX_NAMES {
+            let now = Instant::now();
+            map.retain(|_, v| {
+                v.retain(|(_, e)| *e > now);
+                !v.is_empty()
+            });
+            if map.len() >= MAX_NAMES {
+                map.clear();
+            }
+        }
+        let entry = map.entry(name.to_string()).or_default();
+        for ip in ips {
+            match entry.iter_mut().find(|(a, _)| a == ip) {
+                Some(slot) => slot.1 = slot.1.max(expiry),
+                None => entry.push((*ip, expiry)),
+            }
+        }
+    }
+
+    /// Whether `name` resolved (unexpired) to `ip`.
+    pub(crate) fn has(&self, name: &str, ip: Ipv4Addr) -> bool {
+        let now = Instant::now();
+        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.get(name)
+            .is_some_and(|v| v.iter().any(|(a, e)| *a == ip && *e > now))
+    }
+
+    /// Names that resolved (unexpired) to `ip`.
+    pub(crate) fn names_for(&self, ip: Ipv4Addr) -> Vec<String> {
+        let now = Instant::now();
+        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.iter()
+            .filter(|(_, v)| v.iter().any(|(a, e)| *a == ip && *e > now))
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+}
+
+/// Result of asking upstream for a name's `A` records.
+#[derive(Debug, Clone)]
+pub(crate) struct Lookup {
+    pub(crate) rcode: ResponseCode,
+    /// Usable addresses (blocked ones removed).
+    pub(crate) ips: Vec<Ipv4Addr>,
+    pub(crate) ttl: u32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ResolveError {
+    #[error("upstream DNS i/o")]
+    Io(#[from] io::Error),
+    #[error("upstream DNS timed out")]
+    Timeout,
+    #[error("upstream DNS answer unusable")]
+    BadAnswer,
+}
+
+fn fqdn(name: &str) -> Option<Name> {
+    Name::from_ascii(format!("{name}.")).ok()
+}
+
+async fn query_udp(
+    outbound: &Outbound,
+    upstream: SocketAddr,
+    wire: &[u8],
+) -> Result<Vec<u8>, ResolveError> {
+    let sock = outbound.udp_socket().await?;
+    sock.connect(upstream).await?;
+    let mut buf = vec![0u8; 4096];
+    for _ in 0..2 {
+        sock.send(wire).await?;
+        if let Ok(n) = tokio::time::timeout(UPSTREAM_TIMEOUT, sock.recv(&mut buf)).await {
+            let n = n?;
+            return Ok(buf[..n].to_vec());
+        }
+    }
+    Err(ResolveError::Timeout)
+}
+
+async fn query_tcp(
+    outbound: &Outbound,
+    upstream: SocketAddr,
+    wire: &[u8],
+) -> Result<Vec<u8>, ResolveError> {
+    let SocketAddr::V4(v4) = upstream else {
+        return Err(ResolveError::BadAnswer);
+    };
+    let work = async {
+        let mut s = outbound.tcp_connect(v4).await?;
+        let len = u16::try_from(wire.len()).map_err(|_| io::Error::other("query too long"))?;
+        s.write_all(&len.to_be_bytes()).await?;
+        s.write_all(wire).await?;
+        let n = s.read_u16().await?;
+        let mut buf = vec![0u8; usize::from(n)];
+        s.read_exact(&mut buf).await?;
+        Ok::<_, io::Error>(buf)
+    };
+    tokio::time::timeout(UPSTREAM_TIMEOUT * 2, work)
+        .await
+        .map_err(|_| ResolveError::Timeout)?
+        .map_err(ResolveError::from)
+}
+
+/// Asks the upstream resolver for `name`'s `A` records and records the usable ones.
+pub(crate) async fn lookup(inner: &Inner, name: &str) -> Result<Lookup, ResolveError> {
+    let qname = fqdn(name).ok_or(ResolveError::BadAnswer)?;
+    let mut msg = Message::query();
+    msg.metadata.recursion_desired = true;
+    msg.add_query(Query::query(qname, RecordType::A));
+    let id = msg.metadata.id;
+    let wire = msg.to_vec().map_err(|_| ResolveError::BadAnswer)?;
+    let upstream = inner.cfg.upstream_dns;
+    let mut answer = query_udp(&inner.outbound, upstream, &wire).await?;
+    let mut resp = Message::from_vec(&answer).map_err(|_| ResolveError::BadAnswer)?;
+    if resp.metadata.truncation {
+        answer = query_tcp(&inner.outbound, upstream, &wire).await?;
+        resp = Message::from_vec(&answer).map_err(|_| ResolveError::BadAnswer)?;
+    }
+    if resp.metadata.id != id || resp.metadata.message_type != MessageType::Response {
+        return Err(ResolveError::BadAnswer);
+    }
+    let policy: &EgressPolicy = &inner.cfg.policy;
+    let mut ips = Vec::new();
+    let mut ttl = MAX_TTL;
+    for r in &resp.answers {
+        if let RData::A(a) = &r.data {
+            if policy.address_block(a.0).is_none() {
+                ips.push(a.0);
+                ttl = ttl.min(r.ttl);
+            }
+        }
+    }
+    if !ips.is_empty() {
+        inner
+            .names
+            .insert(name, &ips, Duration::from_secs(u64::from(ttl)));
+    }
+    Ok(Lookup {
+        rcode: resp.metadata.response_code,
+        ips,
+        ttl,
+    })
+}
+
+/// Whether `name` resolves (per Warren's records, or a fresh lookup) to `ip`.
+pub(crate) async fn name_resolves_to(
+    inner: &Inner,
+    name: &str,
+    ip: Ipv4Addr,
+) -> Result<bool, ResolveError> {
+    if inner.names.has(name, ip) {
+        return Ok(true);
+    }
+    let found = lookup(inner, name).await?;
+    Ok(found.ips.contains(&ip))
+}
+
+/// Builds the reply to one guest query (wire format in, wire format out). `None` drops it.
+pub(crate) async fn answer(inner: &Inner, wire: &[u8]) -> Option<Vec<u8>> {
+    let req = Message::from_vec(wire).ok()?;
+    if req.metadata.message_type != MessageType::Query {
+        return None;
+    }
+    let mut resp = Message::response(req.metadata.id, req.metadata.op_code);
+    resp.metadata.recursion_desired = req.metadata.recursion_desired;
+    resp.metadata.recursion_available = true;
+    let refuse = |mut resp: Message, code| {
+        resp.metadata.response_code = code;
+        resp.to_vec().ok()
+    };
+    if req.metadata.op_code != OpCode::Query {
+        return refuse(resp, ResponseCode::NotImp);
+    }
+    let [q] = req.queries.as_slice() else {
+        return refuse(resp, ResponseCode::FormErr);
+    };
+    resp.add_query(q.clone());
+    let raw = q.name().to_ascii();
+    let Some(name) = normalize_name(&raw) else {
+        inner
+            .log
+            .record(Kind::Dns, None, None, Err(DenyReason::InvalidName));
+        return refuse(resp, ResponseCode::Refused);
+    };
+    if q.query_class() != DNSClass::IN {
+        return refuse(resp, ResponseCode::Refused);
+    }
+    if let Err(reason) = inner.cfg.policy.name_verdict(&name) {
+        inner.log.record(Kind::Dns, Some(&name), None, Err(reason));
+        return refuse(resp, ResponseCode::Refused);
+    }
+    if q.query_type() != RecordType::A {
+        // Allowed name, but no IPv6 and no other record types: an empty answer.
+        inner.log.record(Kind::Dns, Some(&name), None, Ok(()));
+        return resp.to_vec().ok();
+    }
+    match lookup(inner, &name).await {
+        Ok(found) => {
+            inner.log.record(Kind::Dns, Some(&name), None, Ok(()));
+            resp.metadata.response_code = match found.rcode {
+                ResponseCode::NXDomain => ResponseCode::NXDomain,
+                _ => ResponseCode::NoError,
+            };
+            for ip in found.ips {
+                resp.add_answer(Record::from_rdata(
+                    q.name().clone(),
+                    found.ttl,
+                    RData::A(ip.into()),
+                ));
+            }
+            resp.to_vec().ok()
+        }
+        Err(e) => {
+            tracing::debug!(vm = %inner.cfg.vm, name = %name, error = %e, "upstream DNS failed");
+            inner
+                .log
+                .record(Kind::Dns, Some(&name), None, Err(DenyReason::ResolveFailed));
+            refuse(resp, ResponseCode::ServFail)
+        }
+    }
+}
+
+/// Serves guest DNS over UDP until the socket fails.
+pub(crate) async fn serve_udp(inner: Arc<Inner>, sock: UdpSocket) -> io::Result<()> {
+    let sock = Arc::new(sock);
+    let limit = Arc::new(Semaphore::new(MAX_INFLIGHT));
+    let mut buf = vec![0u8; 4096];
+    loop {
+        let (n, peer) = sock.recv_from(&mut buf).await?;
+        let Ok(permit) = limit.clone().try_acquire_owned() else {
+            continue; // Overloaded: drop, the guest retries.
+        };
+        let query = buf[..n].to_vec();
+        let (inner, sock) = (inner.clone(), sock.clone());
+        tokio::spawn(async move {
+            if let Some(reply) = answer(&inner, &query).await {
+                let _ = sock.send_to(&reply, peer).await;
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// Serves guest DNS over TCP (length-prefixed messages) until the listener fails.
+pub(crate) async fn serve_tcp(inner: Arc<Inner>, listener: TcpListener) -> io::Result<()> {
+    loop {
+        let (mut conn, _) = listener.accept().await?;
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            loop {
+                let read = async {
+                    let n = conn.read_u16().await?;
+                    let mut buf = vec![0u8; usize::from(n)];
+                    conn.read_exact(&mut buf).await?;
+                    Ok::<_, io::Error>(buf)
+                };
+                let Ok(Ok(query)) = tokio::time::timeout(Duration::from_secs(10), read).await
+                else {
+                    return;
+                };
+                let Some(reply) = answer(&inner, &query).await else {
+                    return;
+                };
+                let Ok(len) = u16::try_from(reply.len()) else {
+                    return;
+                };
+                if conn.write_all(&len.to_be_bytes()).await.is_err()
+                    || conn.write_all(&reply).await.is_err()
+                {
+                    return;
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_resolved_names_records_and_finds() {
+        let names = ResolvedNames::default();
+        let ip: Ipv4Addr = "203.0.113.10".parse().expect("ip");
+        names.insert("a.example.com", &[ip], Duration::from_secs(1));
+        assert!(names.has("a.example.com", ip));
+        assert!(!names.has("b.example.com", ip));
+        assert_eq!(names.names_for(ip), vec!["a.example.com".to_string()]);
+    }
+}

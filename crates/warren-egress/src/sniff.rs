@@ -1,0 +1,230 @@
+//! Classifying a connection from its first bytes: a TLS ClientHello (and its SNI), an HTTP/1
+//! request (and its Host), or something else. Parsers are total over arbitrary input: they
+//! return `NeedMore` until they can decide, and never panic.
+
+/// Most bytes read before deciding; a ClientHello or a request head larger than this is
+/// treated as malformed.
+pub(crate) const MAX_SNIFF: usize = 16 * 1024;
+
+/// What the first bytes are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Sniffed {
+    /// Not enough bytes yet.
+    NeedMore,
+    /// A TLS ClientHello; the SNI host name if present (raw, not yet normalised).
+    Tls(Option<String>),
+    /// An HTTP/1 request head; the Host header without port (raw), if any.
+    Http(Option<String>),
+    /// Starts like TLS or HTTP but does not parse.
+    Malformed,
+    /// Any other protocol.
+    Other,
+}
+
+/// Classifies `buf` (the bytes read so far).
+pub(crate) fn sniff(buf: &[u8]) -> Sniffed {
+    match buf.first() {
+        None => Sniffed::NeedMore,
+        Some(0x16) => sniff_tls(buf),
+        Some(b) if b.is_ascii_uppercase() => sniff_http(buf),
+        Some(_) => Sniffed::Other,
+    }
+}
+
+fn sniff_tls(buf: &[u8]) -> Sniffed {
+    if buf.len() < 5 {
+        return Sniffed::NeedMore;
+    }
+    let record_len = usize::from(u16::from_be_bytes([buf[3], buf[4]]));
+    if buf[1] != 3 || record_len == 0 || record_len > 16384 + 256 {
+        return Sniffed::Malformed;
+    }
+    if buf.len() < 5 + record_len {
+        return Sniffed::NeedMore;
+    }
+    let record = &buf[5..5 + record_len];
+    // Handshake header: type (1 = ClientHello) and a 24-bit length. A ClientHello spanning
+    // several records is not supported (clients do not fragment it in practice).
+    if record.len() < 4 || record[0] != 1 {
+        return Sniffed::Malformed;
+    }
+    let hs_len =
+        (usize::from(record[1]) << 16) | (usize::from(record[2]) << 8) | usize::from(record[3]);
+    let Some(body) = record.get(4..4 + hs_len) else {
+        return Sniffed::Malformed;
+    };
+    match client_hello_sni(body) {
+        Some(sni) => Sniffed::Tls(sni),
+        None => Sniffed::Malformed,
+    }
+}
+
+/// A byte cursor that fails (returns `None`) instead of panicking.
+struct Cursor<'a>(&'a [u8]);
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Some(head)
+    }
+    fn u8(&mut self) -> Option<usize> {
+        self.take(1).map(|b| usize::from(b[0]))
+    }
+    fn u16(&mut self) -> Option<usize> {
+        self.take(2)
+            .map(|b| usize::from(u16::from_be_bytes([b[0], b[1]])))
+    }
+}
+
+/// `Some(None)`: a valid ClientHello without SNI; `None`: malformed.
+fn client_hello_sni(body: &[u8]) -> Option<Option<String>> {
+    let mut c = Cursor(body);
+    c.take(2 + 32)?; // legacy_version, random
+    let sid = c.u8()?;
+    c.take(sid)?;
+    let suites = c.u16()?;
+    c.take(suites)?;
+    let comp = c.u8()?;
+    c.take(comp)?;
+    if c.0.is_empty() {
+        return Some(None);
+    }
+    let ext_len = c.u16()?;
+    let mut exts = Cursor(c.take(ext_len)?);
+    while !exts.0.is_empty() {
+        let ty = exts.u16()?;
+        let len = exts.u16()?;
+        let data = exts.take(len)?;
+        if ty != 0 {
+            continue;
+        }
+        let mut sn = Cursor(data);
+        let list_len = sn.u16()?;
+        let mut list = Cursor(sn.take(list_len)?);
+        while !list.0.is_empty() {
+            let name_type = list.u8()?;
+            let name_len = list.u16()?;
+            let name = list.take(name_len)?;
+            if name_type == 0 {
+                return std::str::from_utf8(name).ok().map(|s| Some(s.to_string()));
+            }
+        }
+        return Some(None);
+    }
+    Some(None)
+}
+
+fn sniff_http(buf: &[u8]) -> Sniffed {
+    // The method: uppercase letters then a space, within 16 bytes.
+    let method_end = buf.iter().take(17).position(|&b| b == b' ');
+    match method_end {
+        None if buf.len() < 17 && buf.iter().all(|b| b.is_ascii_uppercase()) => {
+            return Sniffed::NeedMore
+        }
+        None => return Sniffed::Other,
+        Some(n) if !buf[..n].iter().all(|b| b.is_ascii_uppercase()) => return Sniffed::Other,
+        Some(_) => {}
+    }
+    let mut headers = [httparse::EMPTY_HEADER; 100];
+    let mut req = httparse::Request::new(&mut headers);
+    match req.parse(buf) {
+        Ok(httparse::Status::Partial) => Sniffed::NeedMore,
+        Ok(httparse::Status::Complete(_)) => {
+            let host = req
+                .headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case("host"))
+                .and_then(|h| std::str::from_utf8(h.value).ok())
+                .map(|v| strip_port(v.trim()).to_string());
+            Sniffed::Http(host)
+        }
+        Err(_) => Sniffed::Malformed,
+    }
+}
+
+/// `host:port` -> `host` (IPv6 literals in brackets are kept whole).
+pub(crate) fn strip_port(host: &str) -> &str {
+    if host.starts_with('[') {
+        return host;
+    }
+    match host.rsplit_once(':') {
+        Some((h, p)) if p.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => host,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A minimal ClientHello record with the given SNI.
+    fn client_hello(sni: Option<&str>) -> Vec<u8> {
+        let mut exts = Vec::new();
+        if let Some(name) = sni {
+            let n = name.as_bytes();
+            let mut list = vec![0u8];
+            list.extend_from_slice(&(n.len() as u16).to_be_bytes());
+            list.extend_from_slice(n);
+            let mut data = (list.len() as u16).to_be_bytes().to_vec();
+            data.extend_from_slice(&list);
+            exts.extend_from_slice(&0u16.to_be_bytes());
+            exts.extend_from_slice(&(data.len() as u16).to_be_bytes());
+            exts.extend_from_slice(&data);
+        }
+        let mut body = vec![3, 3];
+        body.extend_from_slice(&[0u8; 32]);
+        body.push(0);
+        body.extend_from_slice(&[0, 2, 0x13, 0x01]);
+        body.extend_from_slice(&[1, 0]);
+        body.extend_from_slice(&(exts.len() as u16).to_be_bytes());
+        body.extend_from_slice(&exts);
+        let mut hs = vec![1, 0];
+        hs.extend_from_slice(&(body.len() as u16).to_be_bytes());
+        hs.extend_from_slice(&body);
+        let mut rec = vec![0x16, 3, 1];
+        rec.extend_from_slice(&(hs.len() as u16).to_be_bytes());
+        rec.extend_from_slice(&hs);
+        rec
+    }
+
+    #[test]
+    fn test_sniff_tls_sni_extracted() {
+        let hello = client_hello(Some("api.example.com"));
+        assert_eq!(sniff(&hello), Sniffed::Tls(Some("api.example.com".into())));
+        assert_eq!(sniff(&hello[..hello.len() - 1]), Sniffed::NeedMore);
+    }
+
+    #[test]
+    fn test_sniff_tls_without_sni() {
+        assert_eq!(sniff(&client_hello(None)), Sniffed::Tls(None));
+    }
+
+    #[test]
+    fn test_sniff_truncated_fields_malformed_not_panic() {
+        let hello = client_hello(Some("a.example.com"));
+        for cut in 6..hello.len() {
+            let mut broken = hello[..cut].to_vec();
+            // Claim the truncated length so the parser sees a complete record.
+            let len = (cut - 5) as u16;
+            broken[3..5].copy_from_slice(&len.to_be_bytes());
+            let _ = sniff(&broken);
+        }
+    }
+
+    #[test]
+    fn test_sniff_http_host_without_port() {
+        let req = b"GET / HTTP/1.1\r\nHost: Example.com:8080\r\n\r\n";
+        assert_eq!(sniff(req), Sniffed::Http(Some("Example.com".into())));
+        assert_eq!(sniff(&req[..20]), Sniffed::NeedMore);
+    }
+
+    #[test]
+    fn test_sniff_other_protocols() {
+        assert_eq!(sniff(b"SSH-2.0-OpenSSH_9.2\r\n"), Sniffed::Other);
+        assert_eq!(sniff(b"\x00\x01binary"), Sniffed::Other);
+    }
+}
