@@ -66,6 +66,22 @@ pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
     Ok(0)
 }
 
+/// A Warren on a private state directory `<tmp>/<name>` (removed first) that shares the
+/// caller's image store and uses `--accel`, so a bench never touches the user's VMs.
+pub(crate) fn private_warren(
+    cli: &Cli,
+    args: &BenchArgs,
+    name: &str,
+) -> Result<(Warren, std::path::PathBuf)> {
+    let main = crate::commands::open(cli, None)?;
+    let state = tempfile_dir()?.join(name);
+    let _ = std::fs::remove_dir_all(&state);
+    let mut cfg = WarrenConfig::new(state.clone(), std::env::current_exe()?);
+    cfg.image_dir = main.config().image_dir.clone();
+    cfg.accel = args.accel.accel.parse::<AccelChoice>()?;
+    Ok((Warren::open(cfg)?, state))
+}
+
 pub(crate) fn tempfile_dir() -> Result<std::path::PathBuf> {
     let d = std::env::temp_dir().join(format!("warren-bench-{}", std::process::id()));
     std::fs::create_dir_all(&d)?;

@@ -14,10 +14,9 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use warren_core::{CreateVm, SuspendMode, Warren, WarrenConfig};
-use warren_vmm::AccelChoice;
+use warren_core::{CreateVm, SuspendMode, Warren};
 
-use crate::bench::{exec_true, median, tempfile_dir, wait_job};
+use crate::bench::{exec_true, median, private_warren, wait_job};
 use crate::cli::{BenchArgs, Cli};
 
 /// MiB of guest memory touched for the per-GiB figures.
@@ -64,13 +63,7 @@ fn rss_mib(pid: u32) -> f64 {
 }
 
 pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
-    let main = crate::commands::open(cli, None)?;
-    let state = tempfile_dir()?.join("suspend");
-    let _ = std::fs::remove_dir_all(&state);
-    let mut cfg = WarrenConfig::new(state.clone(), std::env::current_exe()?);
-    cfg.image_dir = main.config().image_dir.clone();
-    cfg.accel = args.accel.accel.parse::<AccelChoice>()?;
-    let w = Warren::open(cfg)?;
+    let (w, state) = private_warren(cli, args, "suspend")?;
     let r = measure(&w, args).await;
     for vm in w.list_vms().unwrap_or_default() {
         let _ = w.destroy_vm(&vm.id).await;

@@ -13,11 +13,10 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use warren_core::{CreateSession, SessionDevices, Warren, WarrenConfig};
+use warren_core::{CreateSession, SessionDevices, Warren};
 use warren_protocol::JobOutputRequest;
-use warren_vmm::AccelChoice;
 
-use crate::bench::{exec_true, median, tempfile_dir};
+use crate::bench::{exec_true, median, private_warren};
 use crate::cli::{BenchArgs, Cli};
 
 const SMALL_FILES: usize = 10_000;
@@ -37,13 +36,7 @@ struct Report {
 }
 
 pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
-    let main = crate::commands::open(cli, None)?;
-    let state = tempfile_dir()?.join("workspace");
-    let _ = std::fs::remove_dir_all(&state);
-    let mut cfg = WarrenConfig::new(state.clone(), std::env::current_exe()?);
-    cfg.image_dir = main.config().image_dir.clone();
-    cfg.accel = args.accel.accel.parse::<AccelChoice>()?;
-    let w = Warren::open(cfg)?;
+    let (w, state) = private_warren(cli, args, "workspace")?;
     let repo = state.join("bench-repo");
     let r = measure(&w, args, &repo).await;
     for s in w.list_sessions(None).unwrap_or_default() {

@@ -6,16 +6,7 @@ mod common;
 
 use std::os::unix::fs::MetadataExt;
 
-use common::{TestEnv, TestVm};
-
-fn ok(out: std::process::Output, what: &str) -> String {
-    assert!(
-        out.status.success(),
-        "{what}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+use common::{ok, TestEnv, TestVm};
 
 #[test]
 fn test_shares_edit_both_ways_ownership_readonly_and_hibernate() {

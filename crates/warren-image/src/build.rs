@@ -204,44 +204,16 @@ fn build_stage(
         format!("done in {:.0?}", started.elapsed()),
     ));
 
-    // 2. Extra packages.
+    // 2. Extra packages, then 2b. the agent CLIs from the npm registry.
     let packages = recipe.packages();
     if !packages.is_empty() {
-        progress(BuildProgress::new("packages", packages.join(" ")));
-        let mut cmd = Command::new("chroot");
-        cmd.arg(&root)
-            .args(["apt-get", "-q", "-y", "--no-install-recommends", "install"])
-            .args(packages)
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .env("LC_ALL", "C");
-        let mut summary = LineSummary::new("packages");
-        run_logged(cmd, &log, &mut |line| summary.line(line, progress))?.map_err(|f| {
-            ImageError::Packages {
-                status: f.status,
-                log: log.clone(),
-                log_tail: f.log_tail,
-            }
-        })?;
+        let apt = ["apt-get", "-q", "-y", "--no-install-recommends", "install"];
+        chroot_install(&root, &log, "packages", &apt, packages, progress)?;
     }
-
-    // 2b. Agent CLIs from the npm registry.
     let npm = recipe.npm_packages();
     if !npm.is_empty() {
-        progress(BuildProgress::new("npm", npm.join(" ")));
-        let mut cmd = Command::new("chroot");
-        cmd.arg(&root)
-            .args(["npm", "install", "-g", "--no-audit", "--no-fund"])
-            .args(npm)
-            .env("LC_ALL", "C")
-            .env("HOME", "/root");
-        let mut summary = LineSummary::new("npm");
-        run_logged(cmd, &log, &mut |line| summary.line(line, progress))?.map_err(|f| {
-            ImageError::Packages {
-                status: f.status,
-                log: log.clone(),
-                log_tail: f.log_tail,
-            }
-        })?;
+        let install = ["npm", "install", "-g", "--no-audit", "--no-fund"];
+        chroot_install(&root, &log, "npm", &install, npm, progress)?;
     }
 
     // 3. Kernel and modules.
@@ -353,6 +325,34 @@ fn build_stage(
         format!("built in {:.0?}", started.elapsed()),
     ));
     Ok(rec)
+}
+
+/// Runs `command items...` in a chroot of `root`, logging to `log` and summarising progress
+/// as `phase`.
+fn chroot_install(
+    root: &Path,
+    log: &Path,
+    phase: &'static str,
+    command: &[&str],
+    items: &[&str],
+    progress: &mut dyn FnMut(BuildProgress),
+) -> Result<(), ImageError> {
+    progress(BuildProgress::new(phase, items.join(" ")));
+    let mut cmd = Command::new("chroot");
+    cmd.arg(root)
+        .args(command)
+        .args(items)
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .env("LC_ALL", "C")
+        .env("HOME", "/root");
+    let mut summary = LineSummary::new(phase);
+    run_logged(cmd, log, &mut |line| summary.line(line, progress))?.map_err(|f| {
+        ImageError::Packages {
+            status: f.status,
+            log: log.to_path_buf(),
+            log_tail: f.log_tail,
+        }
+    })
 }
 
 fn remove_all(p: &Path) -> Result<(), ImageError> {

@@ -58,8 +58,8 @@ pub enum Recipe {
     Agents,
 }
 
-/// DEV's packages (shared with AGENTS).
-const DEV_PACKAGES: &[&str] = &[
+/// AGENTS' packages: DEV's, then npm.
+const AGENTS_PACKAGES: [&str; 9] = [
     "bash",
     "coreutils",
     "python3",
@@ -68,7 +68,10 @@ const DEV_PACKAGES: &[&str] = &[
     "build-essential",
     "nodejs",
     "ca-certificates",
+    "npm",
 ];
+/// DEV's packages (AGENTS' without npm).
+const DEV_PACKAGES: &[&str] = AGENTS_PACKAGES.split_at(8).0;
 
 /// The canonical, hashed description of a recipe (the agent is hashed separately).
 #[derive(Debug, Clone, Serialize)]
@@ -106,17 +109,7 @@ impl Recipe {
         match self {
             Recipe::Minimal => &[],
             Recipe::Dev => DEV_PACKAGES,
-            Recipe::Agents => &[
-                "bash",
-                "coreutils",
-                "python3",
-                "git",
-                "gcc",
-                "build-essential",
-                "nodejs",
-                "ca-certificates",
-                "npm",
-            ],
+            Recipe::Agents => &AGENTS_PACKAGES,
         }
     }
 

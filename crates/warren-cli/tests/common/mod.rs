@@ -319,6 +319,16 @@ impl Drop for TestVm {
     }
 }
 
+/// Asserts `out` succeeded (showing its stderr otherwise) and returns its stdout.
+pub fn ok(out: Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Pids whose command line contains `needle`.
 pub fn pids_matching(needle: &str) -> Vec<i32> {
     let mut v = Vec::new();
