@@ -212,21 +212,8 @@ fn build_stage(
     }
     let npm = recipe.npm_packages();
     if !npm.is_empty() {
-        // npm fetches over TLS with the build host's trust (a host behind a TLS-inspecting
-        // proxy trusts its CA there); the bundle is only in the chroot for this step.
-        let host_ca = Path::new(HOST_CA_BUNDLE);
-        let staged = root.join(STAGED_CA.trim_start_matches('/'));
-        let cafile = if host_ca.is_file() {
-            std::fs::copy(host_ca, &staged).map_err(ImageError::io("copy", &staged))?;
-            Some(format!("--cafile={STAGED_CA}"))
-        } else {
-            None
-        };
-        let mut install = vec!["npm", "install", "-g", "--no-audit", "--no-fund"];
-        install.extend(cafile.as_deref());
-        let r = chroot_install(&root, &log, "npm", &install, npm, progress);
-        let _ = std::fs::remove_file(&staged);
-        r?;
+        let install = ["npm", "install", "-g", "--no-audit", "--no-fund"];
+        chroot_install(&root, &log, "npm", &install, npm, progress)?;
     }
 
     // 3. Kernel and modules.
@@ -339,10 +326,6 @@ fn build_stage(
     ));
     Ok(rec)
 }
-
-/// The build host's CA bundle, used (only) while npm downloads in the chroot.
-const HOST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
-const STAGED_CA: &str = "/tmp/warren-build-ca.pem";
 
 /// Runs `command items...` in a chroot of `root`, logging to `log` and summarising progress
 /// as `phase`.
