@@ -204,16 +204,11 @@ fn build_stage(
         format!("done in {:.0?}", started.elapsed()),
     ));
 
-    // 2. Extra packages, then 2b. the agent CLIs from the npm registry.
+    // 2. Extra packages.
     let packages = recipe.packages();
     if !packages.is_empty() {
         let apt = ["apt-get", "-q", "-y", "--no-install-recommends", "install"];
         chroot_install(&root, &log, "packages", &apt, packages, progress)?;
-    }
-    let npm = recipe.npm_packages();
-    if !npm.is_empty() {
-        let install = ["npm", "install", "-g", "--no-audit", "--no-fund"];
-        chroot_install(&root, &log, "npm", &install, npm, progress)?;
     }
 
     // 3. Kernel and modules.

@@ -53,13 +53,10 @@ pub enum Recipe {
     Minimal,
     /// A development image with compilers, python3, git and nodejs.
     Dev,
-    /// `dev` plus npm and the coding agents' CLIs from the npm registry (Claude Code, Codex,
-    /// opencode) for `warren run claude|codex|opencode`.
-    Agents,
 }
 
-/// AGENTS' packages: DEV's, then npm.
-const AGENTS_PACKAGES: [&str; 9] = [
+/// DEV's packages.
+const DEV_PACKAGES: &[&str] = &[
     "bash",
     "coreutils",
     "python3",
@@ -68,10 +65,7 @@ const AGENTS_PACKAGES: [&str; 9] = [
     "build-essential",
     "nodejs",
     "ca-certificates",
-    "npm",
 ];
-/// DEV's packages (AGENTS' without npm).
-const DEV_PACKAGES: &[&str] = AGENTS_PACKAGES.split_at(8).0;
 
 /// The canonical, hashed description of a recipe (the agent is hashed separately).
 #[derive(Debug, Clone, Serialize)]
@@ -82,9 +76,6 @@ pub struct RecipeDescription {
     pub mirror: &'static str,
     pub variant: &'static str,
     pub packages: Vec<&'static str>,
-    /// Installed globally with npm after the packages (absent from older recipes' digests).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub npm_packages: Vec<&'static str>,
     pub rootfs_size: u64,
     pub kernel_package: &'static str,
     pub modules: Vec<&'static str>,
@@ -93,14 +84,13 @@ pub struct RecipeDescription {
 
 impl Recipe {
     /// Every recipe, in display order.
-    pub const ALL: [Recipe; 3] = [Recipe::Minimal, Recipe::Dev, Recipe::Agents];
+    pub const ALL: [Recipe; 2] = [Recipe::Minimal, Recipe::Dev];
 
     /// The recipe's name as used on the command line and in manifests.
     pub fn name(self) -> &'static str {
         match self {
             Recipe::Minimal => "minimal",
             Recipe::Dev => "dev",
-            Recipe::Agents => "agents",
         }
     }
 
@@ -109,17 +99,6 @@ impl Recipe {
         match self {
             Recipe::Minimal => &[],
             Recipe::Dev => DEV_PACKAGES,
-            Recipe::Agents => &AGENTS_PACKAGES,
-        }
-    }
-
-    /// npm packages installed globally (`npm install -g`) from the npm registry: the agent
-    /// CLIs `warren run` starts. Their versions are whatever the registry serves at build
-    /// time; the image digest pins the result.
-    pub fn npm_packages(self) -> &'static [&'static str] {
-        match self {
-            Recipe::Agents => &["@anthropic-ai/claude-code", "@openai/codex", "opencode-ai"],
-            _ => &[],
         }
     }
 
@@ -127,7 +106,7 @@ impl Recipe {
     pub fn rootfs_size(self) -> u64 {
         match self {
             Recipe::Minimal => 2 * GIB,
-            Recipe::Dev | Recipe::Agents => 4 * GIB,
+            Recipe::Dev => 4 * GIB,
         }
     }
 
@@ -140,7 +119,6 @@ impl Recipe {
             mirror: MIRROR,
             variant: "minbase",
             packages: self.packages().to_vec(),
-            npm_packages: self.npm_packages().to_vec(),
             rootfs_size: self.rootfs_size(),
             kernel_package: KERNEL_METAPACKAGE,
             modules: AGENT_MODULES.to_vec(),
@@ -187,19 +165,6 @@ impl FromStr for Recipe {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn test_npm_packages_only_in_agents_recipe_digest() {
-        let dev = serde_json::to_string(&Recipe::Dev.description()).unwrap();
-        assert!(
-            !dev.contains("npm_packages"),
-            "dev digest must not change: {dev}"
-        );
-        let agents = serde_json::to_string(&Recipe::Agents.description()).unwrap();
-        assert!(agents.contains("@anthropic-ai/claude-code"));
-        assert!(Recipe::Agents.packages().contains(&"npm"));
-        assert_ne!(Recipe::Dev.stage_digest(), Recipe::Agents.stage_digest());
-    }
 
     #[test]
     fn test_recipe_parse_display_roundtrip() {
