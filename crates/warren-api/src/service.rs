@@ -565,6 +565,7 @@ impl Service {
             }),
             mounts: vec![],
             ram_file: a.ram_file,
+            network: None,
         };
         let r = self
             .warren
