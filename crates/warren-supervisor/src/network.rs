@@ -19,6 +19,8 @@ use warren_vmm::NetSpec;
 pub const HOST_ADDR: Ipv4Addr = Ipv4Addr::new(10, 255, 0, 1);
 /// The guest's address.
 pub const GUEST_ADDR: Ipv4Addr = Ipv4Addr::new(10, 255, 0, 2);
+/// The host side's MAC address (locally administered; every VM namespace is separate).
+pub const HOST_MAC: &str = "02:57:52:00:00:01";
 /// Prefix length of the link.
 pub const PREFIX: u8 = 30;
 /// Where guest TCP is redirected, inside the namespace.
@@ -295,6 +297,9 @@ pub fn setup(vm: &str, vm_dir: &Path, spec: &NetSpec) -> Result<Network, NetErro
         "dev",
         "tap0",
     ])?;
+    // A fixed MAC: a guest restored from a checkpoint keeps its neighbour entry for the
+    // gateway, so the rebuilt device must answer to the same address.
+    ip(&["-n", &name, "link", "set", "tap0", "address", HOST_MAC])?;
     ip(&["-n", &name, "link", "set", "tap0", "up"])?;
     run(
         "nft -f -",
