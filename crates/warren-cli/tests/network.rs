@@ -207,6 +207,27 @@ async fn test_network_egress_policy_secrets_and_teardown() {
         r.stdout
     );
 
+    // Figures for the report (printed, not asserted): new-connection HTTP latency and bulk
+    // throughput guest -> stand-in host through the proxy.
+    let r = vm.exec_args(
+        &[],
+        &[
+            "python3",
+            "-c",
+            "import time, urllib.request as u\n\
+             t = time.time()\n\
+             for _ in range(20): u.urlopen('http://api.allowed.test/x').read()\n\
+             lat = (time.time() - t) / 20\n\
+             t = time.time(); n = len(u.urlopen('http://api.allowed.test/bytes/8388608').read())\n\
+             print(f'connection+request {lat*1000:.1f} ms, {n/(time.time()-t)/1e6:.1f} MB/s')",
+        ],
+    );
+    eprintln!(
+        "network figures (TCG guest): {} {}",
+        r.stdout.trim(),
+        r.stderr.trim()
+    );
+
     // Hibernate removes the namespace; resume rebuilds it and the network works again.
     ok(
         vm.warren(&["vm", "suspend", &vm.id, "--mode", "hibernate", "--force"]),
