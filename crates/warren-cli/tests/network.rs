@@ -243,6 +243,24 @@ async fn test_network_egress_policy_secrets_and_teardown() {
         Some(("Authorization", &auth)),
     );
     assert!(body.contains(ROTATED), "after resume: {body}");
+    // A supervisor that dies without cleaning up (SIGKILL) leaves its namespace; the next
+    // listing reconciles the VM to failed and sweeps it.
+    let mut vm = vm;
+    vm.expect_failure = true;
+    let pid = vm.supervisor_pid();
+    Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .expect("kill");
+    common::wait_until("supervisor gone", 10, || {
+        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    });
+    assert!(
+        netns_exists(&ns),
+        "the crash left the namespace (as a real one would)"
+    );
+    assert_eq!(vm.state(), "failed");
+    assert!(!netns_exists(&ns), "stale namespace not swept");
     vm.destroy();
     assert!(!netns_exists(&ns), "namespace left after destroy");
     drop(topo);
