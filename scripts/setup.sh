@@ -21,8 +21,9 @@ qemu_ok() {
     qemu-system-x86_64 --version | grep -Eq 'version (1[0-9]|9)\.' &&
     [ -f /usr/share/qemu/qboot.rom ]
 }
-# libcap-ng-dev and libseccomp-dev: to build virtiofsd (not packaged in bookworm); git: sessions.
-for p in debootstrap e2fsprogs kmod qemu-utils ca-certificates git pkg-config libcap-ng-dev libseccomp-dev; do
+# libcap-ng-dev and libseccomp-dev: to build virtiofsd (not packaged in bookworm); git: sessions;
+# iproute2 and nftables: guest networking (per-VM namespace, TAP device, redirect rules).
+for p in debootstrap e2fsprogs kmod qemu-utils ca-certificates git pkg-config libcap-ng-dev libseccomp-dev iproute2 nftables; do
   dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p")
 done
 if ! qemu_ok || [ ${#need_pkgs[@]} -gt 0 ]; then

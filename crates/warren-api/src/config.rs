@@ -48,6 +48,22 @@ pub struct ServiceConfig {
     /// Host directories HTTP callers may name, each acting as one host uid.
     #[serde(default)]
     pub host_roots: Vec<HostRoot>,
+    /// Host-held secrets per workspace, substituted by the egress into request headers of
+    /// the named hosts; the guest only sees the placeholder. Values stay in the host files.
+    #[serde(default)]
+    pub secrets: Vec<SecretConfig>,
+}
+
+/// One `[[secrets]]` entry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretConfig {
+    pub workspace: String,
+    pub name: String,
+    pub placeholder: String,
+    pub hosts: Vec<String>,
+    /// Host file with the value, re-read on each new connection (rotation needs no restart).
+    pub file: PathBuf,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -490,18 +490,35 @@ impl Service {
                 )));
             }
         }
-        if a.network == Some(Network::On) {
-            if !p.policy.allow_network {
-                return Err(ApiError::forbidden(format!(
-                    "workspace {} has no network grant",
-                    p.workspace
-                )));
-            }
-            return Err(ApiError::new(
-                "unavailable",
-                "guest networking is not available in this version of Warren",
-            ));
+        if a.network == Some(Network::On) && !p.policy.allow_network {
+            return Err(ApiError::forbidden(format!(
+                "workspace {} has no network grant",
+                p.workspace
+            )));
         }
+        if a.egress.is_some() && a.network != Some(Network::On) {
+            return Err(ApiError::invalid("egress needs network \"on\""));
+        }
+        let network = (a.network == Some(Network::On)).then(|| {
+            let egress = a.egress.clone().unwrap_or_default();
+            warren_core::NetworkRequest {
+                allow: egress.allow,
+                deny: egress.deny,
+                secrets: self
+                    .cfg
+                    .secrets
+                    .iter()
+                    .filter(|s| s.workspace == p.workspace)
+                    .map(|s| warren_vmm::NetSecret {
+                        name: s.name.clone(),
+                        placeholder: s.placeholder.clone(),
+                        hosts: s.hosts.clone(),
+                        file: s.file.clone(),
+                    })
+                    .collect(),
+                ..Default::default()
+            }
+        });
         let memory = a
             .memory_mib
             .or(img.memory_mib)
@@ -565,6 +582,7 @@ impl Service {
             }),
             mounts: vec![],
             ram_file: a.ram_file,
+            network,
         };
         let r = self
             .warren

@@ -20,6 +20,19 @@ pub enum Network {
     On,
 }
 
+/// Allow and deny lists: domain names (`*.example.com` wildcards) and IPv4 CIDRs. Private,
+/// loopback, link-local and metadata addresses are always denied.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EgressArgs {
+    #[serde(default)]
+    #[schemars(length(max = 256))]
+    pub allow: Vec<String>,
+    #[serde(default)]
+    #[schemars(length(max = 256))]
+    pub deny: Vec<String>,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct VmCreateArgs {
@@ -40,6 +53,10 @@ pub struct VmCreateArgs {
     /// Guest networking; "on" needs the workspace's network grant. Default "off".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<Network>,
+    /// Egress policy of a networked VM (fail-closed: nothing is reachable unless allowed).
+    /// Secrets and interception rules come from the operator's configuration, never from here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<EgressArgs>,
     /// Suspend the VM after this many seconds without exec, output or file work while no job
     /// runs (default 300; 0 never).
     #[serde(default, skip_serializing_if = "Option::is_none")]

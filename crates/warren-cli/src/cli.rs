@@ -232,6 +232,14 @@ pub enum VmCmd {
         /// standby (device state only; the RAM file is flushed and counts as storage).
         #[arg(long)]
         ram_file: bool,
+        /// Give the VM a NIC behind Warren's fail-closed egress (nothing is reachable unless
+        /// `--egress` allows it). Without it the VM has no NIC at all.
+        #[arg(long)]
+        network: bool,
+        /// Egress policy (TOML: allow, deny, upstream_dns, [[secrets]] name/placeholder/
+        /// hosts/file, upstream_roots, outbound_netns); implies --network.
+        #[arg(long, value_name = "FILE.toml")]
+        egress: Option<std::path::PathBuf>,
         #[command(flatten)]
         accel: AccelArg,
         #[arg(long)]

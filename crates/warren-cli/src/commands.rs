@@ -321,6 +321,59 @@ fn print_vms(list: &[VmRecord], json: bool) -> Result<()> {
     Ok(())
 }
 
+/// The `--egress` file of `warren vm create`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EgressFile {
+    #[serde(default)]
+    allow: Vec<String>,
+    #[serde(default)]
+    deny: Vec<String>,
+    upstream_dns: Option<std::net::SocketAddr>,
+    outbound_netns: Option<std::path::PathBuf>,
+    upstream_roots: Option<std::path::PathBuf>,
+    #[serde(default)]
+    secrets: Vec<EgressSecret>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EgressSecret {
+    name: String,
+    placeholder: String,
+    hosts: Vec<String>,
+    file: std::path::PathBuf,
+}
+
+fn egress_file(path: &std::path::Path) -> Result<warren_core::NetworkRequest> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let f: EgressFile =
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let abs = |p: std::path::PathBuf| -> Result<std::path::PathBuf> {
+        std::fs::canonicalize(&p).with_context(|| format!("resolving {}", p.display()))
+    };
+    Ok(warren_core::NetworkRequest {
+        allow: f.allow,
+        deny: f.deny,
+        upstream_dns: f.upstream_dns,
+        outbound_netns: f.outbound_netns,
+        upstream_roots: f.upstream_roots.map(abs).transpose()?,
+        secrets: f
+            .secrets
+            .into_iter()
+            .map(|s| {
+                Ok(warren_vmm::NetSecret {
+                    name: s.name,
+                    placeholder: s.placeholder,
+                    hosts: s.hosts,
+                    file: abs(s.file)?,
+                })
+            })
+            .collect::<Result<_>>()?,
+    })
+}
+
 async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
     match cmd {
         VmCmd::Create {
@@ -331,9 +384,16 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             idle_mode,
             mounts,
             ram_file,
+            network,
+            egress,
             accel,
             json,
         } => {
+            let network = match (egress, network) {
+                (Some(path), _) => Some(egress_file(path)?),
+                (None, true) => Some(warren_core::NetworkRequest::default()),
+                (None, false) => None,
+            };
             let owner = (
                 nix::unistd::getuid().as_raw(),
                 nix::unistd::getgid().as_raw(),
@@ -346,6 +406,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             let req = CreateVm {
                 mounts,
                 ram_file: *ram_file,
+                network,
                 image: image.clone(),
                 memory_mib: *memory_mib,
                 vcpus: *vcpus,

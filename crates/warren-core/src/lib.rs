@@ -20,5 +20,6 @@ pub use interactive::InteractiveSpec;
 pub use session::{CreateSession, SessionDevices};
 pub use store::{MountSpec, SessionRecord};
 pub use vm::{
-    local_workspace, validate_mounts, CreateVm, Limits, SuspendMode, Warren, WarrenConfig,
+    local_workspace, validate_mounts, CreateVm, Limits, NetworkRequest, SuspendMode, Warren,
+    WarrenConfig,
 };

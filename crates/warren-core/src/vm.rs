@@ -81,6 +81,63 @@ pub struct CreateVm {
     /// Guest RAM in a file in the VM's directory: hibernation becomes a fast standby that
     /// saves device state only and flushes the RAM file (which counts as storage).
     pub ram_file: bool,
+    /// A NIC behind Warren's fail-closed egress; `None`: no NIC at all.
+    pub network: Option<NetworkRequest>,
+}
+
+/// A VM's network and egress settings (see `docs/egress.md`). Secret values stay in host
+/// files; only their paths are recorded.
+#[derive(Debug, Clone, Default)]
+pub struct NetworkRequest {
+    /// Allowed domains (wildcards `*.example.com`) and IPv4 CIDRs.
+    pub allow: Vec<String>,
+    /// Denied domains and CIDRs (win over `allow`).
+    pub deny: Vec<String>,
+    /// File-backed secrets substituted into request headers for their hosts.
+    pub secrets: Vec<warren_vmm::NetSecret>,
+    /// Upstream resolver (default: the first nameserver of the host's /etc/resolv.conf).
+    pub upstream_dns: Option<std::net::SocketAddr>,
+    /// Outbound connections from this network namespace instead of the host's (testing).
+    pub outbound_netns: Option<PathBuf>,
+    /// PEM roots for upstream TLS on intercepted connections (default: Mozilla's).
+    pub upstream_roots: Option<PathBuf>,
+}
+
+/// The launch description of `net` for VM `id`, checked.
+fn net_spec(id: &str, net: &NetworkRequest) -> Result<warren_vmm::NetSpec, CoreError> {
+    let upstream_dns = match net.upstream_dns {
+        Some(a) => a,
+        None => warren_supervisor::network::host_resolver().ok_or_else(|| {
+            CoreError::InvalidArgument(
+                "no upstream DNS given and no nameserver in /etc/resolv.conf".into(),
+            )
+        })?,
+    };
+    let mut mac = [0u8; 3];
+    rand::rng().fill_bytes(&mut mac);
+    let spec = warren_vmm::NetSpec {
+        netns: warren_supervisor::network::netns_name(id),
+        mac: format!("52:54:00:{:02x}:{:02x}:{:02x}", mac[0], mac[1], mac[2]),
+        upstream_dns,
+        outbound_netns: net.outbound_netns.clone(),
+        allow: net.allow.clone(),
+        deny: net.deny.clone(),
+        secrets: net.secrets.clone(),
+        upstream_roots: net.upstream_roots.clone(),
+    };
+    warren_supervisor::network::validate(&spec)
+        .map_err(|e| CoreError::InvalidArgument(format!("network: {}", error_text(&e))))?;
+    Ok(spec)
+}
+
+fn error_text(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s.push_str(&format!(": {x}"));
+        src = x.source();
+    }
+    s
 }
 
 /// At most this many shared directories per VM.
@@ -377,6 +434,7 @@ impl Warren {
         let mut id_bytes = [0u8; 6];
         rand::rng().fill_bytes(&mut id_bytes);
         let id = format!("vm-{}", hex::encode(id_bytes));
+        let network = req.network.as_ref().map(|n| net_spec(&id, n)).transpose()?;
         let workspace = if req.workspace.is_empty() {
             local_workspace(nix::unistd::geteuid().as_raw())
         } else {
@@ -424,7 +482,7 @@ impl Warren {
                 req.host_limits
                     .check("host", vmstore::usage(tx, None)?, add)
             })?;
-        match self.start(&rec, &image, accel, virtiofsd).await {
+        match self.start(&rec, &image, accel, virtiofsd, network).await {
             Ok(boot_ms) => {
                 self.store
                     .set_state(&id, VmState::Running, None, Some(boot_ms))?;
@@ -447,6 +505,7 @@ impl Warren {
         image: &VerifiedImage,
         accel: Accel,
         virtiofsd: Option<PathBuf>,
+        network: Option<warren_vmm::NetSpec>,
     ) -> Result<u64, CoreError> {
         let dir = self.vm_dir(&rec.id);
         // The VM directory is root's (0711: the VMM may only traverse it); the VMM's own
@@ -487,7 +546,10 @@ impl Warren {
         } else {
             None
         };
-        let (shares, extra_cmdline) = shares_of(&rec.mounts);
+        let (shares, mut extra_cmdline) = shares_of(&rec.mounts);
+        if network.is_some() {
+            extra_cmdline.push(warren_supervisor::network::guest_kernel_arg());
+        }
         let cfg = SupervisorConfig {
             vm_id: rec.id.clone(),
             launch: LaunchSpec {
@@ -507,6 +569,7 @@ impl Warren {
                 shares,
                 virtiofsd,
                 ram_file: rec.ram_file.then(|| run.join("guest.ram")),
+                network,
             },
             boot_timeout_ms: self.cfg.boot_timeout.as_millis() as u64,
             restore: false,
@@ -593,6 +656,7 @@ impl Warren {
         for rec in self.store.list()? {
             out.push(self.reconcile(rec)?);
         }
+        self.sweep_netns();
         Ok(out)
     }
 
@@ -651,6 +715,22 @@ impl Warren {
         Ok((adopted, failed))
     }
 
+    /// Removes Warren network namespaces whose VM has no live supervisor (a crashed
+    /// supervisor cannot remove its own). A live supervisor holds its lock before it creates
+    /// the namespace, so a VM being created is never swept.
+    pub fn sweep_netns(&self) {
+        for name in warren_supervisor::network::list_netns() {
+            let id = &name[warren_supervisor::network::NETNS_PREFIX.len()..];
+            let plain =
+                !id.is_empty() && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+            if plain && self.vm_dir(id).supervisor_alive() {
+                continue;
+            }
+            tracing::info!(netns = %name, "removing a stale network namespace");
+            warren_supervisor::network::delete_netns(&name);
+        }
+    }
+
     /// A running VM whose supervisor is gone becomes failed with the recorded reason, and
     /// anything left in its cgroup is killed.
     fn reconcile(&self, mut rec: VmRecord) -> Result<VmRecord, CoreError> {
@@ -679,6 +759,7 @@ impl Warren {
         if let Some(h) = cgroup::Hierarchy::detect() {
             let _ = cgroup::kill_and_remove(&h.vm_cgroup(&rec.id));
         }
+        warren_supervisor::network::delete_netns(&warren_supervisor::network::netns_name(&rec.id));
         self.store
             .set_state(&rec.id, VmState::Failed, Some(&reason), None)?;
         rec.state = VmState::Failed;

@@ -115,13 +115,20 @@ fn do_mount(
 /// Runs the boot phases; on failure returns the phase name and the error.
 pub fn boot() -> Result<Booted, (&'static str, BootError)> {
     early_mounts().map_err(|e| ("early-mounts", e))?;
-    let shares = shares_from_cmdline().map_err(|e| ("shares", e))?;
-    let deferred = load_modules(!shares.is_empty()).map_err(|e| ("modules", e))?;
+    let cmdline = fs::read_to_string("/proc/cmdline")
+        .map_err(io_err("read", "/proc/cmdline"))
+        .map_err(|e| ("early-mounts", e))?;
+    let shares = parse_shares(&cmdline).map_err(|e| ("shares", e))?;
+    let net = parse_net(&cmdline).map_err(|e| ("network", e))?;
+    let deferred = load_modules(!shares.is_empty(), net.is_some()).map_err(|e| ("modules", e))?;
     let secret = read_secret().map_err(|e| ("secret", e))?;
     switch_root().map_err(|e| ("root", e))?;
     system_setup().map_err(|e| ("system", e))?;
     cgroup_setup().map_err(|e| ("cgroup", e))?;
     mount_shares(&shares).map_err(|e| ("shares", e))?;
+    if let Some(net) = &net {
+        network_setup(net).map_err(|e| ("network", e))?;
+    }
     let port = open_port().map_err(|e| ("port", e))?;
     Ok(Booted {
         port,
@@ -198,9 +205,77 @@ fn parse_shares(cmdline: &str) -> Phase<Vec<ShareMount>> {
     Ok(out)
 }
 
-fn shares_from_cmdline() -> Phase<Vec<ShareMount>> {
-    let cmdline = fs::read_to_string("/proc/cmdline").map_err(io_err("read", "/proc/cmdline"))?;
-    parse_shares(&cmdline)
+/// Also boot-critical when the VM has a network (in load order).
+const NET_MODULES: &[&str] = &["failover", "net_failover", "virtio_net"];
+/// The guest's NIC.
+const NET_DEVICE: &str = "eth0";
+const NET_DEVICE_WAIT: Duration = Duration::from_secs(5);
+
+/// The VM's network, from `warren.net=ADDR/PREFIX,GW,DNS`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct NetConfig {
+    addr: std::net::Ipv4Addr,
+    prefix: u8,
+    gateway: std::net::Ipv4Addr,
+    dns: std::net::Ipv4Addr,
+}
+
+fn parse_net(cmdline: &str) -> Phase<Option<NetConfig>> {
+    let Some(v) = cmdline
+        .split_whitespace()
+        .find_map(|a| a.strip_prefix("warren.net="))
+    else {
+        return Ok(None);
+    };
+    let bad = || BootError::Other(format!("malformed warren.net={v}"));
+    let parts: Vec<&str> = v.split(',').collect();
+    let [cidr, gw, dns] = parts[..] else {
+        return Err(bad());
+    };
+    let (addr, prefix) = cidr.split_once('/').ok_or_else(bad)?;
+    let prefix: u8 = prefix.parse().map_err(|_| bad())?;
+    if prefix > 32 {
+        return Err(bad());
+    }
+    Ok(Some(NetConfig {
+        addr: addr.parse().map_err(|_| bad())?,
+        prefix,
+        gateway: gw.parse().map_err(|_| bad())?,
+        dns: dns.parse().map_err(|_| bad())?,
+    }))
+}
+
+/// IPv6 off, `lo` and the NIC up with the address and default route, and the resolver.
+fn network_setup(net: &NetConfig) -> Phase<()> {
+    let sys = |what: &'static str| {
+        move |e: io::Error| BootError::Sys {
+            what,
+            source: nix::Error::from_raw(e.raw_os_error().unwrap_or(libc::EIO)),
+        }
+    };
+    let dev = Path::new("/sys/class/net").join(NET_DEVICE);
+    if !wait_for(&dev, NET_DEVICE_WAIT) {
+        return Err(BootError::Other(format!(
+            "{} did not appear",
+            dev.display()
+        )));
+    }
+    for conf in ["all", "default", NET_DEVICE, "lo"] {
+        let p = format!("/proc/sys/net/ipv6/conf/{conf}/disable_ipv6");
+        match fs::write(&p, "1") {
+            Ok(()) => {}
+            // A kernel without IPv6 has nothing to disable.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err("write", p)(e)),
+        }
+    }
+    crate::sys::net::link_up("lo").map_err(sys("lo up"))?;
+    crate::sys::net::configure(NET_DEVICE, net.addr, net.prefix, net.gateway)
+        .map_err(sys("configure eth0"))?;
+    let resolv = "/etc/resolv.conf";
+    let _ = fs::remove_file(resolv);
+    fs::write(resolv, format!("nameserver {}\n", net.dns)).map_err(io_err("write", resolv))?;
+    Ok(())
 }
 
 /// Mounts each share (after switch-root, so on the real root), creating mount points.
@@ -228,7 +303,7 @@ fn mount_shares(shares: &[ShareMount]) -> Phase<()> {
 
 /// Loads the boot-critical modules (plus fuse and virtiofs when `shares`); opens the others
 /// (their files vanish at switch-root) and returns them for [`load_deferred_modules`].
-fn load_modules(shares: bool) -> Phase<Vec<(String, File)>> {
+fn load_modules(shares: bool, net: bool) -> Phase<Vec<(String, File)>> {
     let list = match fs::read_to_string(MODULE_LIST) {
         Ok(list) => list,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -245,7 +320,10 @@ fn load_modules(shares: bool) -> Phase<Vec<(String, File)>> {
             .and_then(|n| n.to_str())
             .and_then(|n| n.split('.').next())
             .unwrap_or("");
-        if BOOT_CRITICAL_MODULES.contains(&stem) || (shares && SHARE_MODULES.contains(&stem)) {
+        if BOOT_CRITICAL_MODULES.contains(&stem)
+            || (shares && SHARE_MODULES.contains(&stem))
+            || (net && NET_MODULES.contains(&stem))
+        {
             load_module(path, &file)?;
         } else {
             deferred.push((path.to_owned(), file));
@@ -527,6 +605,25 @@ pub fn power_off() -> ! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_parse_net() {
+        assert_eq!(parse_net("console=ttyS0 x=1").expect("ok"), None);
+        let n = parse_net("a warren.net=10.255.0.2/30,10.255.0.1,10.255.0.1 b")
+            .expect("ok")
+            .expect("some");
+        assert_eq!(n.addr, std::net::Ipv4Addr::new(10, 255, 0, 2));
+        assert_eq!(n.prefix, 30);
+        assert_eq!(n.gateway, std::net::Ipv4Addr::new(10, 255, 0, 1));
+        for bad in [
+            "warren.net=10.255.0.2,10.255.0.1,10.255.0.1",
+            "warren.net=10.255.0.2/33,10.255.0.1,10.255.0.1",
+            "warren.net=10.255.0.2/30,10.255.0.1",
+            "warren.net=x/30,10.255.0.1,10.255.0.1",
+        ] {
+            assert!(parse_net(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn test_parse_shares_reads_mount_args_only() {

@@ -324,6 +324,8 @@ pub struct JobManager {
     suspension: watch::Sender<Suspension>,
     /// All job records, by id (ids grow, so iteration order is age order).
     table: Mutex<Table>,
+    /// Added to every later job's base environment (the egress CA bundle variables).
+    extra_env: Mutex<Vec<(String, String)>>,
 }
 
 fn invalid(msg: impl Into<String>) -> GuestError {
@@ -382,10 +384,15 @@ pub fn validate_exec(req: &ExecStart) -> Result<(), GuestError> {
 
 /// The job's environment: the base environment (with `TERM=xterm-256color` on a terminal)
 /// overridden by the request's entries.
-fn job_env(extra: &[(String, String)], terminal: bool) -> Vec<(String, String)> {
+fn job_env(
+    base: &[(String, String)],
+    extra: &[(String, String)],
+    terminal: bool,
+) -> Vec<(String, String)> {
     let mut env: BTreeMap<String, String> = BASE_ENV
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
+        .chain(base.iter().cloned())
         .collect();
     if terminal {
         env.insert("TERM".into(), TERMINAL_TERM.into());
@@ -446,9 +453,15 @@ struct Suspension {
 }
 
 impl JobManager {
+    /// Sets variables every job started from now on gets (requests still override them).
+    pub fn set_extra_env(&self, vars: Vec<(String, String)>) {
+        *self.extra_env.lock().unwrap_or_else(|p| p.into_inner()) = vars;
+    }
+
     pub fn new(cfg: JobsConfig, reaper: Arc<Reaper>) -> Arc<Self> {
         Arc::new(Self {
             reaper,
+            extra_env: Mutex::new(Vec::new()),
             suspension: watch::Sender::new(Suspension::default()),
             table: Mutex::new(Table {
                 next_id: 1,
@@ -624,7 +637,12 @@ impl JobManager {
             JobIo::Terminal(size) => Some(size),
             JobIo::Batch | JobIo::Pipe => None,
         };
-        let env = job_env(&req.env, terminal_size.is_some());
+        let base = self
+            .extra_env
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let env = job_env(&base, &req.env, terminal_size.is_some());
         let program =
             resolve_program(&req.argv[0], &env).map_err(|e| spawn_error(&req.argv[0], &e))?;
         let to_c = |s: &str| CString::new(s).map_err(|_| invalid("argument contains NUL"));

@@ -16,6 +16,7 @@ mod reaper;
 mod request_keys;
 mod session;
 mod sys;
+mod trust;
 mod workspace_ops;
 
 fn main() {

@@ -401,6 +401,11 @@ async fn serve_request(agent: &Arc<Agent>, req: HostRequest) -> Response {
             .input(req)
             .await
             .map(|()| GuestResponse::InputWritten),
+        HostRequest::InstallCa(pem) => {
+            let bundle = blocking(move || crate::trust::install(&pem)).await?;
+            agent.jobs.set_extra_env(crate::trust::env_for(&bundle));
+            Ok(GuestResponse::CaInstalled)
+        }
         HostRequest::JobResize(req) => agent.jobs.resize(req).map(|()| GuestResponse::Resized),
         HostRequest::JobCancel(id) => agent.jobs.cancel(id).map(|()| GuestResponse::JobCancelled),
         HostRequest::FileRead(req) => {

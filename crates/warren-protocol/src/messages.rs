@@ -69,6 +69,10 @@ pub enum HostRequest {
     /// Sets the window size of a terminal job (the kernel signals SIGWINCH to its
     /// foreground process group). Answers `Resized`.
     JobResize(JobResize),
+    /// The VM's egress CA certificate (PEM): the agent writes a trust bundle (system roots +
+    /// this CA) and points every later job at it (`SSL_CERT_FILE` and friends). Answers
+    /// `CaInstalled`.
+    InstallCa(String),
 }
 
 /// Guest -> host: the success half of every response.
@@ -99,6 +103,8 @@ pub enum GuestResponse {
     InputWritten,
     /// `JobResize` set the terminal's size.
     Resized,
+    /// `InstallCa` wrote the bundle.
+    CaInstalled,
 }
 
 /// Host facts for a resumed guest.
@@ -774,6 +780,11 @@ mod tests {
             ),
             ("rsp.input_written", rsp(Ok(GuestResponse::InputWritten))),
             ("rsp.resized", rsp(Ok(GuestResponse::Resized))),
+            ("rsp.ca_installed", rsp(Ok(GuestResponse::CaInstalled))),
+            (
+                "req.install_ca",
+                req(HostRequest::InstallCa("-----BEGIN CERTIFICATE-----".into())),
+            ),
             (
                 "rsp.versioned_data",
                 rsp(Ok(GuestResponse::VersionedData(VersionedData {

@@ -44,6 +44,8 @@ pub enum SuperviseError {
     },
     #[error(transparent)]
     Vmm(#[from] warren_vmm::VmmError),
+    #[error("setting up the VM network")]
+    Network(#[from] crate::network::NetError),
 }
 
 /// How long a stopping VMM gets to exit after `quit` before it is killed.
@@ -176,6 +178,23 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
     if let Some(cg) = &cfg.launch.cgroup {
         cgroup::create(cg)?;
     }
+    // The network namespace, TAP device, rules and egress; removed when this process exits
+    // (dropped after the VMM, which holds the TAP device).
+    let network = match &cfg.launch.network {
+        Some(spec) => match crate::network::setup(&cfg.vm_id, dir.path(), spec) {
+            Ok(n) => Some(n),
+            Err(e) => {
+                record_exit(
+                    &dir,
+                    false,
+                    format!("setting up the network failed: {}", error_chain(&e)),
+                );
+                return Err(e.into());
+            }
+        },
+        None => None,
+    };
+    let ca_cert = network.as_ref().map(|n| n.ca_cert_pem.clone());
     let launched_at = Instant::now();
     let launched = match backend.launch(&cfg.launch) {
         Ok(l) => l,
@@ -231,6 +250,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         let boot_deadline = launched_at + Duration::from_millis(cfg.boot_timeout_ms);
         let restore_state = dir.checkpoint_state();
         let control = endpoints.control.clone();
+        let ca_cert = ca_cert.clone();
         tokio::spawn(async move {
             let mut first = true;
             if restore {
@@ -268,6 +288,15 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                                 shared.phase.send_replace(VmPhase::Failed(reason));
                                 shared.stop.notify_one();
                                 return;
+                            }
+                        }
+                        if let Some(ca) = &ca_cert {
+                            // Idempotent: sent on every (re)connection, so a fresh agent
+                            // always has it before any job runs.
+                            if let Err(e) =
+                                guest_call(&ch, HostRequest::InstallCa(ca.clone())).await
+                            {
+                                tracing::warn!(error = %e, "installing the egress CA failed");
                             }
                         }
                         first = false;
@@ -367,6 +396,8 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         }
     }
     let _ = tokio::time::timeout(Duration::from_secs(1), console_task).await;
+    // Namespace, TAP device, rules and egress go before the exit is recorded.
+    drop(network);
     record_exit(&dir, requested, reason);
     for p in [
         dir.socket(),

@@ -48,6 +48,49 @@ pub struct LaunchSpec {
     /// checkpoint leaves RAM in the file and saves only device state.
     #[serde(default)]
     pub ram_file: Option<PathBuf>,
+    /// A virtio-net NIC on the TAP device `tap0` of this network namespace; `None`: no NIC
+    /// at all.
+    #[serde(default)]
+    pub network: Option<NetSpec>,
+}
+
+/// A VM's network: its namespace (created by the supervisor, which also runs the egress
+/// there) and the egress settings. Secret values never appear here, only host file paths.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NetSpec {
+    /// Namespace name (`/run/netns/NAME`), `warren-<vm id>`.
+    pub netns: String,
+    /// Guest MAC address.
+    pub mac: String,
+    /// Upstream recursive resolver the egress asks for allowed names.
+    pub upstream_dns: std::net::SocketAddr,
+    /// Namespace outbound connections are made from (`None`: the host's). For tests.
+    #[serde(default)]
+    pub outbound_netns: Option<PathBuf>,
+    /// Allowed domains (`*.example.com` wildcards) and CIDRs.
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// Denied domains and CIDRs (win over `allow`).
+    #[serde(default)]
+    pub deny: Vec<String>,
+    /// File-backed secrets substituted into request headers.
+    #[serde(default)]
+    pub secrets: Vec<NetSecret>,
+    /// PEM roots upstream TLS is verified against on intercepted connections (`None`:
+    /// Mozilla's). For tests and private PKI.
+    #[serde(default)]
+    pub upstream_roots: Option<PathBuf>,
+}
+
+/// A host-held secret known to the guest only by its placeholder.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NetSecret {
+    pub name: String,
+    pub placeholder: String,
+    /// Hosts the real value may be sent to.
+    pub hosts: Vec<String>,
+    /// Host file holding the value, re-read on each new connection.
+    pub file: PathBuf,
 }
 
 /// One host directory shared into the guest (virtio-fs). The guest mounts it by `tag`.

@@ -7,6 +7,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 
+pub mod net;
 pub mod spawn;
 
 /// What the spawned child does to itself before `exec`, in this order.

@@ -2,6 +2,11 @@
 
 use crate::backend::{LaunchSpec, VmEndpoints};
 
+/// The TAP device in a VM's network namespace.
+pub const TAP_NAME: &str = "tap0";
+/// The descriptor number the TAP device gets in the VMM.
+pub const TAP_FD: i32 = 3;
+
 /// Kernel arguments measured in PLATFORM.md: quiet console, no crypto self-tests, trusted TSC
 /// and CPU RNG, one UART, no legacy keyboard probing, and always `tsc_early_khz`.
 pub fn kernel_cmdline(tsc_khz: u64, extra: &[String]) -> String {
@@ -123,6 +128,14 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
             &format!("vhost-user-fs-device,chardev={id},tag={}", share.tag),
         ]);
     }
+    if let Some(net) = &spec.network {
+        push(&[
+            "-netdev",
+            &format!("tap,id=net0,fd={TAP_FD},vhost=off"),
+            "-device",
+            &format!("virtio-net-device,netdev=net0,mac={}", net.mac),
+        ]);
+    }
     push(&[
         "-qmp",
         &format!("unix:{},server=on,wait=off", ep.control.display()),
@@ -164,6 +177,7 @@ mod tests {
             shares: vec![],
             virtiofsd: None,
             ram_file: None,
+            network: None,
         }
     }
 
@@ -181,6 +195,30 @@ mod tests {
         assert!(s.contains("-sandbox on,"));
         assert!(s.contains("name=org.warren.agent.0"));
         assert!(!s.contains("-cpu host"));
+        assert!(!s.contains("-netdev"), "no NIC without network");
+    }
+
+    #[test]
+    fn test_qemu_args_network_tap_fd() {
+        let mut sp = spec();
+        sp.network = Some(crate::backend::NetSpec {
+            netns: "warren-x".into(),
+            mac: "52:54:00:12:34:56".into(),
+            upstream_dns: "203.0.113.53:53".parse().expect("addr"),
+            outbound_netns: None,
+            allow: vec![],
+            deny: vec![],
+            secrets: vec![],
+            upstream_roots: None,
+        });
+        let s = qemu_args(
+            &sp,
+            &crate::qemu::QemuBackend::endpoints(&PathBuf::from("/r")),
+            1,
+        )
+        .join(" ");
+        assert!(s.contains("-netdev tap,id=net0,fd=3,vhost=off"));
+        assert!(s.contains("virtio-net-device,netdev=net0,mac=52:54:00:12:34:56"));
     }
 
     #[test]

@@ -67,6 +67,17 @@ impl VmBackend for QemuBackend {
             }
         }
         let helpers = virtiofs::spawn_all(spec)?;
+        // The NIC: the namespace's TAP device, opened here and kept open until spawn returns.
+        let tap = match &spec.network {
+            Some(net) => {
+                let ns = PathBuf::from("/run/netns").join(&net.netns);
+                Some(
+                    crate::sys::tap::open_tap_in(&ns, cmdline::TAP_NAME)
+                        .map_err(|e| VmmError::io("open TAP in", &ns, e))?,
+                )
+            }
+            None => None,
+        };
         let args = qemu_args(spec, &endpoints, self.tsc_khz);
         let mut cmd = tokio::process::Command::new(&self.qemu);
         cmd.args(&args)
@@ -78,10 +89,15 @@ impl VmBackend for QemuBackend {
             ))
             .kill_on_drop(false);
         crate::sys::process::confine(cmd.as_std_mut(), spec.run_as);
+        if let Some(tap) = &tap {
+            use std::os::fd::AsRawFd;
+            crate::sys::process::pass_fd_as(cmd.as_std_mut(), tap.as_raw_fd(), cmdline::TAP_FD);
+        }
         let child = cmd.spawn().map_err(|source| VmmError::Spawn {
             program: self.qemu.display().to_string(),
             source,
         })?;
+        drop(tap);
         if let (Some(cg), Some(pid)) = (&spec.cgroup, child.id()) {
             crate::sys::cgroup::add_pid(cg, pid)?;
         }

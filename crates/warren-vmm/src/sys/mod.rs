@@ -3,3 +3,4 @@
 
 pub mod cgroup;
 pub mod process;
+pub mod tap;

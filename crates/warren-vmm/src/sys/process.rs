@@ -34,14 +34,20 @@ pub const PASSED_FD: i32 = 3;
 /// Makes `fd` (a listening socket the caller keeps open until spawn returns) the child's fd
 /// [`PASSED_FD`], without close-on-exec.
 pub fn pass_fd(cmd: &mut std::process::Command, fd: std::os::fd::RawFd) {
+    pass_fd_as(cmd, fd, PASSED_FD);
+}
+
+/// Makes `fd` (kept open by the caller until spawn returns) the child's fd `target`, without
+/// close-on-exec.
+pub fn pass_fd_as(cmd: &mut std::process::Command, fd: std::os::fd::RawFd, target: i32) {
     // SAFETY: runs in the forked child before exec; dup2 and fcntl are async-signal-safe and
     // only touch the child's descriptor table.
     unsafe {
         cmd.pre_exec(move || {
-            let rc = if fd == PASSED_FD {
+            let rc = if fd == target {
                 nix::libc::fcntl(fd, nix::libc::F_SETFD, 0)
             } else {
-                nix::libc::dup2(fd, PASSED_FD)
+                nix::libc::dup2(fd, target)
             };
             if rc < 0 {
                 return Err(std::io::Error::last_os_error());
