@@ -75,7 +75,7 @@ pub struct DeviceArgs {
     pub memory_mib: Option<u32>,
     #[arg(long)]
     pub vcpus: Option<u32>,
-    /// Also share a host directory: HOST:GUEST[:ro] (repeatable; read-only enforced on the
+    /// Also share a host directory: `HOST:GUEST[:ro]` (repeatable; read-only enforced on the
     /// host).
     #[arg(long = "mount", value_name = "HOST:GUEST[:ro]")]
     pub mounts: Vec<String>,
@@ -114,7 +114,7 @@ pub enum SessionCmd {
     /// Brings the session's commits into the source repository as a branch.
     Export {
         session: String,
-        /// Default: warren/<session name>.
+        /// Default: `warren/SESSION_NAME`.
         #[arg(long)]
         branch: Option<String>,
     },
@@ -224,7 +224,7 @@ pub enum VmCmd {
         /// How an idle VM is suspended.
         #[arg(long, value_parser = ["pause", "hibernate"])]
         idle_mode: Option<String>,
-        /// Shares a host directory over virtio-fs: HOST:GUEST[:ro] (repeatable). Read-only is
+        /// Shares a host directory over virtio-fs: `HOST:GUEST[:ro]` (repeatable). Read-only is
         /// enforced on the host; files the guest user creates belong to you.
         #[arg(long = "mount", value_name = "HOST:GUEST[:ro]")]
         mounts: Vec<String>,
@@ -236,7 +236,7 @@ pub enum VmCmd {
         /// `--egress` allows it). Without it the VM has no NIC at all.
         #[arg(long)]
         network: bool,
-        /// Egress policy (TOML: allow, deny, upstream_dns, [[secrets]] name/placeholder/
+        /// Egress policy (TOML: allow, deny, upstream_dns, `[[secrets]]` name/placeholder/
         /// hosts/file, upstream_roots, outbound_netns); implies --network.
         #[arg(long, value_name = "FILE.toml")]
         egress: Option<std::path::PathBuf>,

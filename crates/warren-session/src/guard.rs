@@ -1,14 +1,14 @@
 //! Checks that make the session repository safe for host git.
 //!
 //! The guest owns everything under `S/workspace`, including `.git`. Before the host runs git
-//! there, [`check`] verifies the layout [`crate::prepare`] made is still in place (real
+//! there, `check` verifies the layout [`crate::prepare`] made is still in place (real
 //! directories, no `commondir` redirect, the alternates line unchanged) and that every key of
 //! `.git/config` is on [`ALLOWED_KEYS`]. The config is read with
 //! `git config --file F --list --no-includes`, which parses the file and runs nothing.
 //!
 //! The check and the git command that follows are not atomic: a guest that rewrites its
 //! config in between could still get a key past it. Hooks, fsmonitor, pagers, attribute
-//! files and transports are also overridden on git's command line ([`crate::git`]), so the
+//! files and transports are also overridden on git's command line (`crate::git`), so the
 //! window matters only for drivers named by attributes (filters); callers that need a hard
 //! guarantee run host-side git while the VM is paused or stopped.
 
