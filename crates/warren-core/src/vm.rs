@@ -715,15 +715,16 @@ impl Warren {
         Ok((adopted, failed))
     }
 
-    /// Removes Warren network namespaces whose VM has no live supervisor (a crashed
-    /// supervisor cannot remove its own). A live supervisor holds its lock before it creates
-    /// the namespace, so a VM being created is never swept.
+    /// Removes the network namespaces of this state directory's VMs that have no live
+    /// supervisor (a crashed supervisor cannot remove its own). A live supervisor holds its
+    /// lock before it creates the namespace, so a VM being created is never swept; namespaces
+    /// of VMs this state directory does not know (another Warren's) are left alone.
     pub fn sweep_netns(&self) {
         for name in warren_supervisor::network::list_netns() {
             let id = &name[warren_supervisor::network::NETNS_PREFIX.len()..];
             let plain =
                 !id.is_empty() && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
-            if plain && self.vm_dir(id).supervisor_alive() {
+            if !plain || !self.vm_dir(id).path().is_dir() || self.vm_dir(id).supervisor_alive() {
                 continue;
             }
             tracing::info!(netns = %name, "removing a stale network namespace");
