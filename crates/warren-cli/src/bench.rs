@@ -82,6 +82,17 @@ pub(crate) fn private_warren(
     Ok((Warren::open(cfg)?, state))
 }
 
+/// Undoes [`private_warren`]: deletes its sessions and VMs, then its state directory.
+pub(crate) async fn discard_private_warren(w: &Warren, state: &std::path::Path) {
+    for s in w.list_sessions(None).unwrap_or_default() {
+        let _ = w.delete_session(&s, true).await;
+    }
+    for vm in w.list_vms().unwrap_or_default() {
+        let _ = w.destroy_vm(&vm.id).await;
+    }
+    let _ = std::fs::remove_dir_all(state);
+}
+
 pub(crate) fn tempfile_dir() -> Result<std::path::PathBuf> {
     let d = std::env::temp_dir().join(format!("warren-bench-{}", std::process::id()));
     std::fs::create_dir_all(&d)?;

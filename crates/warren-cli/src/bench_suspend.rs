@@ -16,7 +16,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use warren_core::{CreateVm, SuspendMode, Warren};
 
-use crate::bench::{exec_true, median, private_warren, wait_job};
+use crate::bench::{discard_private_warren, exec_true, median, private_warren, wait_job};
 use crate::cli::{BenchArgs, Cli};
 
 /// MiB of guest memory touched for the per-GiB figures.
@@ -65,10 +65,7 @@ fn rss_mib(pid: u32) -> f64 {
 pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
     let (w, state) = private_warren(cli, args, "suspend")?;
     let r = measure(&w, args).await;
-    for vm in w.list_vms().unwrap_or_default() {
-        let _ = w.destroy_vm(&vm.id).await;
-    }
-    let _ = std::fs::remove_dir_all(&state);
+    discard_private_warren(&w, &state).await;
     let r = r?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&r)?);

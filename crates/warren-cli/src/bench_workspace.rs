@@ -16,7 +16,7 @@ use anyhow::{bail, Context, Result};
 use warren_core::{CreateSession, SessionDevices, Warren};
 use warren_protocol::JobOutputRequest;
 
-use crate::bench::{exec_true, median, private_warren};
+use crate::bench::{discard_private_warren, exec_true, median, private_warren};
 use crate::cli::{BenchArgs, Cli};
 
 const SMALL_FILES: usize = 10_000;
@@ -39,13 +39,7 @@ pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
     let (w, state) = private_warren(cli, args, "workspace")?;
     let repo = state.join("bench-repo");
     let r = measure(&w, args, &repo).await;
-    for s in w.list_sessions(None).unwrap_or_default() {
-        let _ = w.delete_session(&s, true).await;
-    }
-    for vm in w.list_vms().unwrap_or_default() {
-        let _ = w.destroy_vm(&vm.id).await;
-    }
-    let _ = std::fs::remove_dir_all(&state);
+    discard_private_warren(&w, &state).await;
     let r = r?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
