@@ -52,6 +52,36 @@ pub struct ServiceConfig {
     /// the named hosts; the guest only sees the placeholder. Values stay in the host files.
     #[serde(default)]
     pub secrets: Vec<SecretConfig>,
+    /// Requests of a workspace's VMs answered by a host command instead of the upstream
+    /// (for example an OAuth token refresh).
+    #[serde(default)]
+    pub intercepts: Vec<InterceptConfig>,
+}
+
+/// One `[[intercepts]]` entry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InterceptConfig {
+    pub workspace: String,
+    /// Host (SNI or `Host` header); wildcards as in the allow list.
+    pub host: String,
+    /// Exact request method, for example `POST`.
+    pub method: String,
+    /// Request-target prefix, starting with `/`.
+    pub path_prefix: String,
+    /// Absolute program path and arguments; gets the raw request on stdin and prints a raw
+    /// HTTP response.
+    pub command: Vec<String>,
+    /// Host uid and gid the command runs as (never root).
+    pub uid: u32,
+    pub gid: u32,
+    /// Timeout in seconds (default 60).
+    #[serde(default = "default_intercept_timeout")]
+    pub timeout_secs: u64,
+}
+
+fn default_intercept_timeout() -> u64 {
+    60
 }
 
 /// One `[[secrets]]` entry.
@@ -64,6 +94,9 @@ pub struct SecretConfig {
     pub hosts: Vec<String>,
     /// Host file with the value, re-read on each new connection (rotation needs no restart).
     pub file: PathBuf,
+    /// The file is JSON and the value is the string at this JSON pointer.
+    #[serde(default)]
+    pub json_pointer: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -221,6 +254,23 @@ impl ServiceConfig {
                     "host_roots path {} is not absolute",
                     r.path.display()
                 ));
+            }
+        }
+        for (i, r) in self.intercepts.iter().enumerate() {
+            let program_ok = r
+                .command
+                .first()
+                .is_some_and(|p| std::path::Path::new(p).is_absolute());
+            if !program_ok {
+                return Err(format!(
+                    "intercepts[{i}].command must start with an absolute program path"
+                ));
+            }
+            if r.uid == 0 || r.gid == 0 {
+                return Err(format!("intercepts[{i}]: uid and gid must not be root"));
+            }
+            if r.timeout_secs == 0 {
+                return Err(format!("intercepts[{i}].timeout_secs must be positive"));
             }
         }
         if self.limits.max_vms == Some(0) {

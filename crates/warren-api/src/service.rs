@@ -514,6 +514,23 @@ impl Service {
                         placeholder: s.placeholder.clone(),
                         hosts: s.hosts.clone(),
                         file: s.file.clone(),
+                        json_pointer: s.json_pointer.clone(),
+                    })
+                    .collect(),
+                intercepts: self
+                    .cfg
+                    .intercepts
+                    .iter()
+                    .filter(|r| r.workspace == p.workspace)
+                    .map(|r| warren_vmm::NetIntercept {
+                        host: r.host.clone(),
+                        method: r.method.clone(),
+                        path_prefix: r.path_prefix.clone(),
+                        command: r.command.clone(),
+                        uid: r.uid,
+                        gid: r.gid,
+                        timeout_ms: r.timeout_secs.saturating_mul(1000),
+                        env: vec![],
                     })
                     .collect(),
                 ..Default::default()

@@ -57,6 +57,15 @@ pub enum Command {
     /// Runs a coding agent (or a shell, or CMD) in the current project's session VM,
     /// creating the session on first use. Interactive with a terminal, streamed otherwise.
     Run(RunArgs),
+    /// Answers an agent's OAuth refresh from the host credential file (run by the egress
+    /// for wired credentials, not by hand).
+    #[command(hide = true)]
+    InterceptRefresh {
+        #[arg(long)]
+        agent: String,
+        #[arg(long)]
+        credentials: PathBuf,
+    },
     /// Runs the per-VM supervisor (started by `vm create`, not by hand).
     #[command(hide = true)]
     Supervise {
@@ -143,6 +152,22 @@ pub struct RunArgs {
     /// Mount the project directory itself instead of a copy (first run only).
     #[arg(long)]
     pub direct: bool,
+    /// Also wire this agent's host credentials (claude or codex; repeatable): real tokens
+    /// stay on the host, the VM gets placeholders. `run claude` and `run codex` wire their
+    /// own unless --no-credentials.
+    #[arg(long = "credentials", value_parser = ["claude", "codex"])]
+    pub credentials: Vec<String>,
+    /// Wire no credentials (the agent logs in inside the VM, or not at all).
+    #[arg(long, conflicts_with = "credentials")]
+    pub no_credentials: bool,
+    /// Give the session VM a NIC behind Warren's egress (wired credentials imply it, with
+    /// their provider hosts allowed). Applies when the session VM is created.
+    #[arg(long)]
+    pub network: bool,
+    /// Egress settings (TOML, as for `vm create --egress`) added to the agent's; implies
+    /// --network.
+    #[arg(long, value_name = "FILE.toml")]
+    pub egress: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]

@@ -26,6 +26,9 @@ pub fn run(cli: Cli) -> Result<i32> {
         warren_supervisor::run(vm_dir.clone()).context("supervisor")?;
         return Ok(0);
     }
+    if let Command::InterceptRefresh { agent, credentials } = &cli.command {
+        return crate::agents::intercept_refresh(agent, credentials);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -79,7 +82,9 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::Session(cmd) => crate::session_cmd::session(&cli, cmd).await,
         Command::Run(args) => crate::session_cmd::run(&cli, args).await,
         Command::Shutdown { .. } => shutdown(&cli).await,
-        Command::Supervise { .. } => unreachable!("handled before the runtime starts"),
+        Command::Supervise { .. } | Command::InterceptRefresh { .. } => {
+            unreachable!("handled before the runtime starts")
+        }
     }
 }
 
@@ -334,6 +339,27 @@ struct EgressFile {
     upstream_roots: Option<std::path::PathBuf>,
     #[serde(default)]
     secrets: Vec<EgressSecret>,
+    #[serde(default)]
+    intercepts: Vec<EgressIntercept>,
+}
+
+/// An `[[intercepts]]` entry: the command runs as `uid`/`gid` (default: the caller, and
+/// never root).
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EgressIntercept {
+    host: String,
+    method: String,
+    path_prefix: String,
+    command: Vec<String>,
+    uid: Option<u32>,
+    gid: Option<u32>,
+    #[serde(default = "default_intercept_timeout")]
+    timeout_secs: u64,
+}
+
+fn default_intercept_timeout() -> u64 {
+    60
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -343,9 +369,10 @@ struct EgressSecret {
     placeholder: String,
     hosts: Vec<String>,
     file: std::path::PathBuf,
+    json_pointer: Option<String>,
 }
 
-fn egress_file(path: &std::path::Path) -> Result<warren_core::NetworkRequest> {
+pub(crate) fn egress_file(path: &std::path::Path) -> Result<warren_core::NetworkRequest> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let f: EgressFile =
@@ -368,6 +395,37 @@ fn egress_file(path: &std::path::Path) -> Result<warren_core::NetworkRequest> {
                     placeholder: s.placeholder,
                     hosts: s.hosts,
                     file: abs(s.file)?,
+                    json_pointer: s.json_pointer,
+                })
+            })
+            .collect::<Result<_>>()?,
+        intercepts: f
+            .intercepts
+            .into_iter()
+            .map(|r| {
+                let uid = r.uid.unwrap_or_else(|| nix::unistd::getuid().as_raw());
+                let gid = r.gid.unwrap_or_else(|| nix::unistd::getgid().as_raw());
+                if uid == 0 || gid == 0 {
+                    bail!(
+                        "{}: intercept commands never run as root; set uid and gid",
+                        path.display()
+                    );
+                }
+                if !r.command.first().is_some_and(|p| p.starts_with('/')) {
+                    bail!(
+                        "{}: an intercept command starts with an absolute program path",
+                        path.display()
+                    );
+                }
+                Ok(warren_vmm::NetIntercept {
+                    host: r.host,
+                    method: r.method,
+                    path_prefix: r.path_prefix,
+                    command: r.command,
+                    uid,
+                    gid,
+                    timeout_ms: r.timeout_secs.saturating_mul(1000),
+                    env: vec![],
                 })
             })
             .collect::<Result<_>>()?,

@@ -3,6 +3,7 @@
 //! Exit codes: `vm exec` exits with the command's code (128+N for signal N, 124 on timeout);
 //! every Warren error exits 125 and prints `error[<code>]: <message chain>`.
 
+mod agents;
 mod bench;
 mod bench_service;
 mod bench_suspend;

@@ -33,6 +33,7 @@ fn devices(d: &DeviceArgs) -> Result<SessionDevices> {
             .iter()
             .map(|m| warren_core::vm::parse_mount(m, owner))
             .collect::<Result<Vec<_>, _>>()?,
+        network: None,
     })
 }
 
@@ -199,7 +200,12 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
     let cwd = std::env::current_dir().context("current directory")?;
     let cwd = cwd.canonicalize().unwrap_or(cwd);
     let project = project_of(&cwd)?;
-    let want = devices(&args.devices)?;
+    let mut want = devices(&args.devices)?;
+    let agent = args.agent.as_deref().unwrap_or("shell");
+    let wiring = wire_credentials(args, agent, &project, &want)?;
+    if let Some(wired) = &wiring {
+        want.network = Some(wired.network.clone());
+    }
     let (s, vm) = match w.project_session(&ws, &project)? {
         Some(s) => {
             w.session_vm(&s, &want, args.recreate, &mut |m| warn(m))
@@ -224,11 +230,68 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
         .ok()
         .filter(|r| !r.as_os_str().is_empty())
         .map(|r| r.to_string_lossy().into_owned());
+    if let Some(wiring) = &wiring {
+        let state = w.agent_state_dir(&s.workspace, &s.source);
+        crate::agents::write_files(&state, &wiring.files, (s.owner_uid, s.owner_gid))?;
+    }
     let tty = std::io::stdin().is_terminal() && std::io::stdout().is_terminal();
-    let agent = args.agent.as_deref().unwrap_or("shell");
     let argv = argv_for(agent, &args.command, tty);
     tracing::info!(session = %s.id, vm = %vm.id, ?argv, tty, "run");
     run_in(&w, &vm.id, argv, rel, tty).await
+}
+
+/// The network the run asks for: the `--egress` file's settings plus, for each agent whose
+/// credentials are wired, its provider hosts, file-backed secrets and refresh rules. `None`
+/// when the run asks for no network.
+fn wire_credentials(
+    args: &RunArgs,
+    agent: &str,
+    project: &Path,
+    devices: &SessionDevices,
+) -> Result<Option<crate::agents::Wiring>> {
+    use crate::agents::Provider;
+    let mut providers: Vec<Provider> = Vec::new();
+    if !args.no_credentials {
+        let named = args.credentials.iter().map(String::as_str);
+        for p in named
+            .chain(std::iter::once(agent))
+            .filter_map(Provider::parse)
+        {
+            if !providers.contains(&p) {
+                providers.push(p);
+            }
+        }
+    }
+    if providers.is_empty() && !args.network && args.egress.is_none() {
+        return Ok(None);
+    }
+    let mut mounted: Vec<PathBuf> = devices.mounts.iter().map(|m| m.host.clone()).collect();
+    if args.direct {
+        mounted.push(project.to_path_buf());
+    }
+    let home = caller_home()?;
+    let mut wiring = crate::agents::wire(&providers, &home, caller(), &mounted, &mut |m| warn(m))?;
+    if let Some(file) = &args.egress {
+        let mut net = crate::commands::egress_file(file)?;
+        net.allow.append(&mut wiring.network.allow);
+        net.secrets.append(&mut wiring.network.secrets);
+        net.intercepts.append(&mut wiring.network.intercepts);
+        wiring.network = net;
+    }
+    Ok(Some(wiring))
+}
+
+/// The calling user's home: `$HOME`, else the password database's entry.
+fn caller_home() -> Result<PathBuf> {
+    if let Some(h) = std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+        return Ok(PathBuf::from(h));
+    }
+    let uid = nix::unistd::getuid();
+    nix::unistd::User::from_uid(uid)
+        .ok()
+        .flatten()
+        .map(|u| u.dir)
+        .with_context(|| format!("no home directory for uid {uid}"))
 }
 
 /// Runs `argv` in the VM attached to this terminal: on a guest pseudo-terminal when stdin

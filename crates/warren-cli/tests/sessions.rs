@@ -63,6 +63,7 @@ struct Sessions<'a> {
 
 impl Sessions<'_> {
     fn create(&mut self, repo: &Path, name: &str) -> serde_json::Value {
+        let dev = common::image_id("dev");
         let out = self.env.run(&[
             "session",
             "create",
@@ -71,7 +72,7 @@ impl Sessions<'_> {
             "--name",
             name,
             "--image",
-            "dev",
+            &dev,
             "--json",
         ]);
         assert!(
@@ -231,9 +232,10 @@ fn test_run_shell_git_status_in_fresh_project_reuses_session() {
             .output()
             .expect("warren run")
     };
+    let dev = common::image_id("dev");
     let out = run(&[
         "--image",
-        "dev",
+        &dev,
         "shell",
         "--",
         "sh",

@@ -216,10 +216,11 @@ fn test_suspend_crash_mid_hibernate_failed_or_hibernated_never_reset() {
         ("hibernate:after-record", true),
     ] {
         let env = common::TestEnv::new();
+        let minimal = common::image_id("minimal");
         let out = env
             .cmd()
             .env("WARREN_TEST_CRASH", point)
-            .args(["vm", "create", "--image", "minimal", "--json"])
+            .args(["vm", "create", "--image", &minimal, "--json"])
             .output()
             .expect("create");
         assert!(

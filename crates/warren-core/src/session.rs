@@ -30,6 +30,9 @@ pub struct SessionDevices {
     pub vcpus: Option<u32>,
     /// Extra mounts (`HOST:GUEST[:ro]`, canonical host paths).
     pub mounts: Vec<MountSpec>,
+    /// A NIC behind the egress with these settings (none: no NIC).
+    #[serde(default)]
+    pub network: Option<crate::vm::NetworkRequest>,
 }
 
 impl SessionDevices {
@@ -56,6 +59,13 @@ impl SessionDevices {
         }
         if !want.mounts.is_empty() && want.mounts != self.mounts {
             d.push("mounts differ".to_string());
+        }
+        if want.network.is_some() && want.network != self.network {
+            d.push(if self.network.is_none() {
+                "network (the session VM has none)".to_string()
+            } else {
+                "network settings differ".to_string()
+            });
         }
         d
     }
@@ -113,7 +123,7 @@ impl Warren {
     }
 
     /// The per-project agent state directory on the host (outside any session copy).
-    fn agent_state_dir(&self, workspace: &str, project: &Path) -> PathBuf {
+    pub fn agent_state_dir(&self, workspace: &str, project: &Path) -> PathBuf {
         use sha2::Digest;
         let h = sha2::Sha256::digest(format!("{workspace}\0{}", project.display()).as_bytes());
         self.config()
@@ -330,6 +340,7 @@ impl Warren {
             vcpus: devices.vcpus,
             workspace: s.workspace.clone(),
             mounts: self.session_mounts(s, devices)?,
+            network: devices.network.clone(),
             ..Default::default()
         };
         let vm = self.create_vm(&req, warn).await?;
@@ -497,6 +508,7 @@ fn merge_devices(have: &SessionDevices, want: &SessionDevices) -> SessionDevices
         } else {
             want.mounts.clone()
         },
+        network: want.network.clone().or_else(|| have.network.clone()),
     }
 }
 
@@ -522,8 +534,19 @@ mod tests {
             memory_mib: Some(512),
             vcpus: None,
             mounts: vec![],
+            network: None,
         };
         assert!(have.differences(&SessionDevices::default()).is_empty());
+        let networked = SessionDevices {
+            network: Some(crate::vm::NetworkRequest::default()),
+            ..Default::default()
+        };
+        assert_eq!(
+            have.differences(&networked).len(),
+            1,
+            "network asked, none there"
+        );
+        assert!(merge_devices(&have, &networked).network.is_some());
         let want = SessionDevices {
             memory_mib: Some(1024),
             ..Default::default()

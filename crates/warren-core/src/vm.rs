@@ -87,7 +87,7 @@ pub struct CreateVm {
 
 /// A VM's network and egress settings (see `docs/egress.md`). Secret values stay in host
 /// files; only their paths are recorded.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NetworkRequest {
     /// Allowed domains (wildcards `*.example.com`) and IPv4 CIDRs.
     pub allow: Vec<String>,
@@ -101,6 +101,9 @@ pub struct NetworkRequest {
     pub outbound_netns: Option<PathBuf>,
     /// PEM roots for upstream TLS on intercepted connections (default: Mozilla's).
     pub upstream_roots: Option<PathBuf>,
+    /// Requests answered by a host command instead of the upstream (OAuth refresh).
+    #[serde(default)]
+    pub intercepts: Vec<warren_vmm::NetIntercept>,
 }
 
 /// The launch description of `net` for VM `id`, checked.
@@ -124,6 +127,7 @@ fn net_spec(id: &str, net: &NetworkRequest) -> Result<warren_vmm::NetSpec, CoreE
         deny: net.deny.clone(),
         secrets: net.secrets.clone(),
         upstream_roots: net.upstream_roots.clone(),
+        intercepts: net.intercepts.clone(),
     };
     warren_supervisor::network::validate(&spec)
         .map_err(|e| CoreError::InvalidArgument(format!("network: {}", error_text(&e))))?;

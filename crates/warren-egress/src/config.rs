@@ -118,6 +118,15 @@ pub enum SecretSource {
     /// A host file, re-read on every new intercepted connection; one trailing newline is
     /// stripped. Keep it outside anything shared with the guest.
     File(PathBuf),
+    /// A string field of a host JSON file, addressed by a JSON pointer (RFC 6901, e.g.
+    /// `/claudeAiOauth/accessToken`), re-read on every new intercepted connection. This is how
+    /// an agent's own credential file is used without copying its token anywhere.
+    JsonField {
+        /// The JSON file.
+        path: PathBuf,
+        /// JSON pointer to a string value.
+        pointer: String,
+    },
     /// A fixed value.
     Static(String),
 }
@@ -126,6 +135,11 @@ impl fmt::Debug for SecretSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             SecretSource::File(p) => f.debug_tuple("File").field(p).finish(),
+            SecretSource::JsonField { path, pointer } => f
+                .debug_struct("JsonField")
+                .field("path", path)
+                .field("pointer", pointer)
+                .finish(),
             SecretSource::Static(_) => f.write_str("Static(<redacted>)"),
         }
     }
@@ -152,6 +166,25 @@ impl SecretSpec {
                     path: path.clone(),
                     source,
                 })?
+            }
+            SecretSource::JsonField { path, pointer } => {
+                let text = std::fs::read_to_string(path).map_err(|source| SecretError::Read {
+                    name: self.name.clone(),
+                    path: path.clone(),
+                    source,
+                })?;
+                let doc: serde_json::Value =
+                    serde_json::from_str(&text).map_err(|_| SecretError::Invalid {
+                        name: self.name.clone(),
+                    })?;
+                match doc.pointer(pointer).and_then(|v| v.as_str()) {
+                    Some(v) => v.to_string(),
+                    None => {
+                        return Err(SecretError::Invalid {
+                            name: self.name.clone(),
+                        })
+                    }
+                }
             }
         };
         let value = raw
@@ -220,5 +253,46 @@ impl fmt::Debug for CaMaterial {
             .field("cert_pem", &self.cert_pem)
             .field("key_pem", &"<redacted>")
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(source: SecretSource) -> SecretSpec {
+        SecretSpec {
+            name: "t".into(),
+            placeholder: "PLACEHOLDER-1".into(),
+            hosts: vec!["api.test".parse().expect("pattern")],
+            source,
+        }
+    }
+
+    #[test]
+    fn json_field_secret_is_reread_and_checked() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("creds.json");
+        let pointer = "/oauth/accessToken".to_string();
+        let s = spec(SecretSource::JsonField {
+            path: path.clone(),
+            pointer,
+        });
+        std::fs::write(&path, r#"{"oauth":{"accessToken":"tok-1","expiresAt":1}}"#).expect("w");
+        assert_eq!(s.resolve().expect("value").0, "tok-1");
+        std::fs::write(&path, r#"{"oauth":{"accessToken":"tok-2"}}"#).expect("w");
+        assert_eq!(s.resolve().expect("rotated").0, "tok-2");
+        // Missing field, non-string field, malformed JSON, missing file: all refused.
+        for bad in [r#"{"oauth":{}}"#, r#"{"oauth":{"accessToken":5}}"#, "{"] {
+            std::fs::write(&path, bad).expect("w");
+            assert!(
+                matches!(s.resolve(), Err(SecretError::Invalid { .. })),
+                "{bad}"
+            );
+        }
+        std::fs::remove_file(&path).expect("rm");
+        assert!(matches!(s.resolve(), Err(SecretError::Read { .. })));
+        // The path and pointer may be logged; nothing else is.
+        assert!(format!("{:?}", s.source).contains("accessToken"));
     }
 }

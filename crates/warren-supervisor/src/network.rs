@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 
 use warren_egress::{
     bind_tcp_in, bind_udp_in, CaMaterial, DomainPattern, Egress, EgressConfig, EgressHandle,
-    Listeners, Outbound, SecretSource, SecretSpec, UpstreamRoots,
+    InterceptRule, Listeners, Outbound, SecretSource, SecretSpec, UpstreamRoots,
 };
 use warren_vmm::NetSpec;
 
@@ -242,7 +242,28 @@ fn egress_config(
             name: s.name.clone(),
             placeholder: s.placeholder.clone(),
             hosts,
-            source: SecretSource::File(s.file.clone()),
+            source: match &s.json_pointer {
+                Some(pointer) => SecretSource::JsonField {
+                    path: s.file.clone(),
+                    pointer: pointer.clone(),
+                },
+                None => SecretSource::File(s.file.clone()),
+            },
+        });
+    }
+    for r in &spec.intercepts {
+        cfg.intercepts.push(InterceptRule {
+            host: r
+                .host
+                .parse::<DomainPattern>()
+                .map_err(|_| NetError::Setting(r.host.clone()))?,
+            method: r.method.clone(),
+            path_prefix: r.path_prefix.clone(),
+            command: r.command.clone(),
+            uid: r.uid,
+            gid: r.gid,
+            timeout: std::time::Duration::from_millis(r.timeout_ms),
+            env: r.env.clone(),
         });
     }
     if let Some(roots) = &spec.upstream_roots {
@@ -386,6 +407,7 @@ mod tests {
             deny: vec![],
             secrets: vec![],
             upstream_roots: None,
+            intercepts: vec![],
         };
         assert!(matches!(
             setup("x", Path::new("/nonexistent"), &spec),

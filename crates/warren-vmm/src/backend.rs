@@ -80,6 +80,31 @@ pub struct NetSpec {
     /// Mozilla's). For tests and private PKI.
     #[serde(default)]
     pub upstream_roots: Option<PathBuf>,
+    /// Requests answered by a host command instead of the upstream (OAuth refresh).
+    #[serde(default)]
+    pub intercepts: Vec<NetIntercept>,
+}
+
+/// A request (host, method, path prefix) answered on the host by a command instead of the
+/// upstream server. The command gets the raw request on stdin and prints a raw response.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NetIntercept {
+    /// Host (SNI or `Host` header) the rule applies to; wildcards as in the allow list.
+    pub host: String,
+    /// Exact request method.
+    pub method: String,
+    /// Request-target prefix, starting with `/`.
+    pub path_prefix: String,
+    /// Program and arguments (absolute program path).
+    pub command: Vec<String>,
+    /// Host user and group the command runs as (the session owner).
+    pub uid: u32,
+    pub gid: u32,
+    /// Killed after this long; the guest then gets 504.
+    pub timeout_ms: u64,
+    /// Extra environment for the command.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
 }
 
 /// A host-held secret known to the guest only by its placeholder.
@@ -91,6 +116,10 @@ pub struct NetSecret {
     pub hosts: Vec<String>,
     /// Host file holding the value, re-read on each new connection.
     pub file: PathBuf,
+    /// When set, the file is JSON and the value is the string at this JSON pointer
+    /// (`/claudeAiOauth/accessToken`), so an agent's own credential file is used in place.
+    #[serde(default)]
+    pub json_pointer: Option<String>,
 }
 
 /// One host directory shared into the guest (virtio-fs). The guest mounts it by `tag`.

@@ -14,5 +14,7 @@ pub mod qemu;
 pub mod sys;
 
 pub use accel::{Accel, AccelChoice};
-pub use backend::{LaunchSpec, LaunchedVm, NetSecret, NetSpec, VmBackend, VmControl, VmEndpoints};
+pub use backend::{
+    LaunchSpec, LaunchedVm, NetIntercept, NetSecret, NetSpec, VmBackend, VmControl, VmEndpoints,
+};
 pub use error::VmmError;

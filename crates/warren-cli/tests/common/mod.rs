@@ -9,9 +9,10 @@
 
 pub mod daemon;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 pub const WARREN: &str = env!("CARGO_BIN_EXE_warren");
 
@@ -28,15 +29,34 @@ pub fn image_dir() -> PathBuf {
 
 /// Builds (or finds in the cache) the image for `recipe`, once per test process.
 pub fn ensure_image(recipe: &str) {
-    static DONE: OnceLock<()> = OnceLock::new();
-    if recipe != "minimal" {
-        build_image(recipe);
-        return;
-    }
-    DONE.get_or_init(|| build_image(recipe));
+    image_id(recipe);
 }
 
-fn build_image(recipe: &str) {
+/// The id of the image this build of Warren makes for `recipe` (built or found in the
+/// cache once per test process). Tests boot by id: the shared image store may hold newer
+/// images of the same recipe made by other builds, which a recipe name would pick.
+pub fn image_id(recipe: &str) -> String {
+    static IDS: OnceLock<Mutex<BTreeMap<String, String>>> = OnceLock::new();
+    let ids = IDS.get_or_init(Default::default);
+    let mut ids = ids.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(id) = ids.get(recipe) {
+        return id.clone();
+    }
+    let id = build_image(recipe);
+    ids.insert(recipe.to_string(), id.clone());
+    id
+}
+
+/// `image` with a recipe name replaced by [`image_id`].
+pub fn pinned_image(image: &str) -> String {
+    if matches!(image, "minimal" | "dev" | "agents") {
+        image_id(image)
+    } else {
+        image.to_string()
+    }
+}
+
+fn build_image(recipe: &str) -> String {
     let state = tempfile::tempdir().expect("tempdir");
     let out = Command::new(WARREN)
         .args(["--state-dir"])
@@ -48,6 +68,7 @@ fn build_image(recipe: &str) {
         .output()
         .expect("run warren image build");
     assert!(out.status.success(), "image build failed");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 /// A private state directory sharing the image store.
@@ -58,20 +79,17 @@ pub struct TestEnv {
 
 impl TestEnv {
     pub fn new() -> Self {
-        TestEnv {
-            state: tempfile::Builder::new()
-                .prefix("warren-test-")
-                .tempdir()
-                .expect("tempdir"),
-            image_dir: image_dir(),
-        }
+        Self::with_image_dir(image_dir())
     }
 
     /// An environment using its own image store.
     pub fn with_image_dir(image_dir: PathBuf) -> Self {
         TestEnv {
+            state: tempfile::Builder::new()
+                .prefix("warren-test-")
+                .tempdir()
+                .expect("tempdir"),
             image_dir,
-            ..TestEnv::new()
         }
     }
 
@@ -103,7 +121,8 @@ impl TestEnv {
 
     /// `vm create --image <image> <extra...>`.
     pub fn create_vm_with(&self, image: &str, extra: &[&str]) -> String {
-        let mut args = vec!["vm", "create", "--image", image, "--json"];
+        let image = pinned_image(image);
+        let mut args = vec!["vm", "create", "--image", &image, "--json"];
         args.extend_from_slice(extra);
         let out = self.run(&args);
         assert!(
@@ -305,6 +324,22 @@ impl TestVm {
         }
         if !self.expect_failure {
             assert_eq!(state, "running", "the VM ended abnormally");
+        }
+    }
+}
+
+impl Drop for TestEnv {
+    /// Destroys whatever VM a test left in its state directory (sessions' VMs, VMs of a test
+    /// that failed half-way), so no supervisor outlives the directory it runs from.
+    fn drop(&mut self) {
+        let Ok(out) = self.cmd().args(["vm", "list", "--json"]).output() else {
+            return;
+        };
+        let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        for vm in list.as_array().into_iter().flatten() {
+            if let Some(id) = vm["id"].as_str().or_else(|| vm["vm_id"].as_str()) {
+                let _ = self.cmd().args(["vm", "destroy", id]).output();
+            }
         }
     }
 }

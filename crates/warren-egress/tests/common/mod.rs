@@ -54,6 +54,11 @@ pub fn zone() -> HashMap<&'static str, Ipv4Addr> {
         ("echo.allowed.test", ECHO),
         ("meta.allowed.test", META),
         ("private.allowed.test", PRIVATE),
+        // Stand-ins for the agents' providers (`warren run` credential wiring tests).
+        ("api.anthropic.com", API),
+        ("platform.claude.com", OAUTH),
+        ("api.openai.com", API),
+        ("auth.openai.com", OAUTH),
     ])
 }
 

@@ -210,6 +210,7 @@ mod tests {
             deny: vec![],
             secrets: vec![],
             upstream_roots: None,
+            intercepts: vec![],
         });
         let s = qemu_args(
             &sp,
