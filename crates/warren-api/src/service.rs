@@ -155,18 +155,40 @@ pub fn tool_defs(images: &[String]) -> Vec<ToolDef> {
             "vm_resume",
             "Resume a paused or hibernated VM where it was.",
         ),
+        tool::<SessionCreateArgs, SessionInfo>(
+            "session_create",
+            "Create a session: a private copy of a host git repository (staged, unstaged and untracked files included; ignored ones not) with its own git directory, mounted read-write at /workspace of a new VM; direct mounts the directory itself. The path is checked as the caller (local callers, or the operator's host roots).",
+        ),
+        tool::<NoArgs, SessionList>("session_list", "List this workspace's sessions."),
+        tool::<SessionRef, SessionStatus>(
+            "session_status",
+            "What deleting a session would lose: uncommitted paths and commits not exported to the source repository.",
+        ),
+        tool::<SessionExportArgs, SessionExported>(
+            "session_export",
+            "Bring a session's commits into its source repository as a branch (created, or fast-forwarded only).",
+        ),
+        tool::<SessionDeleteArgs, SessionDeleted>(
+            "session_delete",
+            "Destroy a session's VM and its copy; refused while it has uncommitted changes or unexported commits unless force.",
+        ),
     ];
     let names: Vec<Value> = images.iter().map(|n| Value::String(n.clone())).collect();
-    if let Some(img) = tools[0]
-        .input_schema
-        .get_mut("properties")
-        .and_then(|p| p.get_mut("image"))
+    for t in tools
+        .iter_mut()
+        .filter(|t| t.name == "vm_create" || t.name == "session_create")
     {
-        *img = serde_json::json!({
-            "description": "A configured image name; the default image when omitted.",
-            "type": "string",
-            "enum": names,
-        });
+        if let Some(img) = t
+            .input_schema
+            .get_mut("properties")
+            .and_then(|p| p.get_mut("image"))
+        {
+            *img = serde_json::json!({
+                "description": "A configured image name; the default image when omitted.",
+                "type": "string",
+                "enum": names,
+            });
+        }
     }
     tools
 }
@@ -193,6 +215,23 @@ fn kind(v: &Value) -> &'static str {
         Value::String(_) => "a string",
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
+    }
+}
+
+fn session_info(s: &warren_core::SessionRecord) -> SessionInfo {
+    let workspace_dir = if s.direct {
+        s.source.clone()
+    } else {
+        warren_session::workspace_dir(&s.dir)
+    };
+    SessionInfo {
+        session_id: s.id.clone(),
+        name: s.name.clone(),
+        source: s.source.to_string_lossy().into_owned(),
+        direct: s.direct,
+        workspace_dir: workspace_dir.to_string_lossy().into_owned(),
+        vm_id: s.vm_id.clone(),
+        created_unix: s.created_unix,
     }
 }
 
@@ -371,6 +410,53 @@ impl Service {
             "vm_grep" => self.vm_grep(p, parse(args)?).await,
             "vm_destroy" => self.vm_destroy(p, parse(args)?).await,
             "vm_suspend" => self.vm_suspend(p, parse(args)?).await,
+            "session_create" => self.session_create(p, parse(args)?).await,
+            "session_list" => {
+                let _: NoArgs = parse(args)?;
+                let sessions = self
+                    .warren
+                    .list_sessions(Some(&p.workspace))?
+                    .iter()
+                    .map(session_info)
+                    .collect();
+                to_value(SessionList { sessions })
+            }
+            "session_status" => {
+                let a: SessionRef = parse(args)?;
+                let s = self.warren.session(&p.workspace, &a.session)?;
+                let r = self.warren.session_retention(&s).await?;
+                to_value(SessionStatus {
+                    session_id: s.id,
+                    uncommitted: r.uncommitted,
+                    unexported: r.unexported,
+                })
+            }
+            "session_export" => {
+                let a: SessionExportArgs = parse(args)?;
+                let s = self.warren.session(&p.workspace, &a.session)?;
+                // Writing into the source repository needs the caller's write access now.
+                crate::hostpath::authorize(
+                    p,
+                    &self.cfg.host_roots,
+                    &s.source.to_string_lossy(),
+                    crate::hostpath::Access::ReadWrite,
+                )?;
+                let e = self.warren.export_session(&s, a.branch.as_deref()).await?;
+                to_value(SessionExported {
+                    refname: e.refname,
+                    commit: e.commit,
+                    new_commits: e.new_commits as u64,
+                })
+            }
+            "session_delete" => {
+                let a: SessionDeleteArgs = parse(args)?;
+                let s = self.warren.session(&p.workspace, &a.session)?;
+                self.warren.delete_session(&s, a.force).await?;
+                to_value(SessionDeleted {
+                    session_id: s.id,
+                    deleted: true,
+                })
+            }
             "vm_resume" => {
                 let a: VmRef = parse(args)?;
                 let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
@@ -467,29 +553,7 @@ impl Service {
 
     async fn vm_create(&self, p: &Principal, a: VmCreateArgs) -> Result<Value, ApiError> {
         validate_request_id(&a.request_id)?;
-        let name = a
-            .image
-            .clone()
-            .unwrap_or_else(|| self.cfg.default_image().to_string());
-        let Some(img) = self.cfg.images.get(&name) else {
-            return Err(ApiError::invalid(format!(
-                "image {name:?} is not configured; configured: {}",
-                self.cfg
-                    .images
-                    .keys()
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
-        };
-        if let Some(allowed) = &p.policy.images {
-            if !allowed.contains(&name) {
-                return Err(ApiError::forbidden(format!(
-                    "workspace {} may not use image {name}",
-                    p.workspace
-                )));
-            }
-        }
+        let (name, img) = self.configured_image(p, a.image.as_deref())?;
         if a.network == Some(Network::On) && !p.policy.allow_network {
             return Err(ApiError::forbidden(format!(
                 "workspace {} has no network grant",
@@ -623,6 +687,93 @@ impl Service {
                 Err(e)
             }
         }
+    }
+
+    /// `session_create`: the repository is checked as the caller (host path rules), the
+    /// session belongs to the uid it was checked as, and its VM is admitted under the same
+    /// limits as `vm_create`.
+    async fn session_create(&self, p: &Principal, a: SessionCreateArgs) -> Result<Value, ApiError> {
+        let access = if a.direct {
+            crate::hostpath::Access::ReadWrite
+        } else {
+            crate::hostpath::Access::Read
+        };
+        let host = crate::hostpath::authorize(p, &self.cfg.host_roots, &a.repo, access)?;
+        let gid = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(host.uid))
+            .ok()
+            .flatten()
+            .map(|u| u.gid.as_raw())
+            .ok_or_else(|| {
+                ApiError::forbidden(format!("host path {:?} is not available to you", a.repo))
+            })?;
+        let (name, img) = self.configured_image(p, a.image.as_deref())?;
+        let memory = a
+            .memory_mib
+            .or(img.memory_mib)
+            .or(img.min_memory_mib)
+            .unwrap_or(warren_core::vm::DEFAULT_MEMORY_MIB);
+        if img.min_memory_mib.is_some_and(|min| memory < min) {
+            return Err(ApiError::invalid(format!(
+                "image {name} needs at least {} MiB of memory",
+                img.min_memory_mib.unwrap_or_default()
+            )));
+        }
+        let req = warren_core::CreateSession {
+            repo: host.path,
+            name: a.name,
+            direct: a.direct,
+            devices: warren_core::SessionDevices {
+                image: Some(img.id.clone()),
+                memory_mib: Some(memory),
+                vcpus: a.vcpus,
+                mounts: vec![],
+                network: None,
+            },
+            owner: (host.uid, gid),
+            workspace: p.workspace.clone(),
+            limits: (
+                self.cfg.host_limits(),
+                Limits {
+                    max_vms: p.policy.max_vms,
+                    max_memory_mib: p.policy.max_memory_mib,
+                    max_storage_mib: None,
+                },
+            ),
+        };
+        let (s, _vm) = self
+            .warren
+            .create_session(&req, &mut |w| tracing::warn!("{w}"))
+            .await?;
+        to_value(session_info(&s))
+    }
+
+    /// A configured image the principal may use (the default when `None`).
+    fn configured_image(
+        &self,
+        p: &Principal,
+        name: Option<&str>,
+    ) -> Result<(String, crate::config::ImageConfig), ApiError> {
+        let name = name.unwrap_or_else(|| self.cfg.default_image()).to_string();
+        let Some(img) = self.cfg.images.get(&name) else {
+            return Err(ApiError::invalid(format!(
+                "image {name:?} is not configured; configured: {}",
+                self.cfg
+                    .images
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        };
+        if let Some(allowed) = &p.policy.images {
+            if !allowed.contains(&name) {
+                return Err(ApiError::forbidden(format!(
+                    "workspace {} may not use image {name}",
+                    p.workspace
+                )));
+            }
+        }
+        Ok((name, img.clone()))
     }
 
     fn settle_create(&self, p: &Principal, rid: &str, rec: VmRecord) -> Result<Value, ApiError> {
@@ -1062,7 +1213,7 @@ mod tests {
     #[test]
     fn test_tool_defs_complete_schemas_and_image_enum() {
         let defs = tool_defs(&["dev".into(), "minimal".into()]);
-        assert_eq!(defs.len(), 15);
+        assert_eq!(defs.len(), 20);
         for d in &defs {
             assert_eq!(
                 d.input_schema.get("type"),

@@ -430,3 +430,106 @@ pub type ExecResult = OutputPage;
 
 /// Re-exported so the OpenAPI document names it.
 pub type CursorResult = Cursor;
+
+/// A session: a private copy of a host repository (or, with `direct`, the directory itself)
+/// mounted read-write at /workspace of its own VM. Local callers only, or paths under the
+/// operator's host roots.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionCreateArgs {
+    /// Absolute host path of the repository (any directory inside a git checkout; its
+    /// toplevel is used). Checked as the caller's uid.
+    #[schemars(length(min = 1, max = 4096))]
+    pub repo: String,
+    /// Session name (default: the project's directory name, made unique).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 64))]
+    pub name: Option<String>,
+    /// Mount `repo` itself instead of a copy (needs write access; nothing to export).
+    #[serde(default)]
+    pub direct: bool,
+    /// A configured image name; the default image when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Guest memory in MiB (default: the image's default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 128, max = 65536))]
+    pub memory_mib: Option<u32>,
+    /// Virtual CPUs (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub vcpus: Option<u32>,
+}
+
+/// Names one session of the caller's workspace, by id or name.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionRef {
+    #[schemars(length(min = 1, max = 64))]
+    pub session: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionExportArgs {
+    #[schemars(length(min = 1, max = 64))]
+    pub session: String,
+    /// Branch of the source repository to create or fast-forward (default:
+    /// warren/SESSION_NAME).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 255))]
+    pub branch: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionDeleteArgs {
+    #[schemars(length(min = 1, max = 64))]
+    pub session: String,
+    /// Delete even with uncommitted changes or unexported commits.
+    #[serde(default)]
+    pub force: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct SessionInfo {
+    pub session_id: String,
+    pub name: String,
+    /// The source repository's toplevel (or the directory, when direct).
+    pub source: String,
+    pub direct: bool,
+    /// The host directory mounted at /workspace.
+    pub workspace_dir: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_id: Option<String>,
+    pub created_unix: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct SessionList {
+    pub sessions: Vec<SessionInfo>,
+}
+
+/// What deleting the session would lose.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct SessionStatus {
+    pub session_id: String,
+    /// Paths with uncommitted changes (as `git status --porcelain`).
+    pub uncommitted: Vec<String>,
+    /// Commits not in the source repository.
+    pub unexported: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct SessionExported {
+    /// The branch created or fast-forwarded in the source repository.
+    pub refname: String,
+    pub commit: String,
+    pub new_commits: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct SessionDeleted {
+    pub session_id: String,
+    pub deleted: bool,
+}

@@ -11,8 +11,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpStream;
 use warren_core::{Warren, WarrenConfig};
 use warren_vmm::AccelChoice;
@@ -39,63 +39,7 @@ struct Report {
     exec_http_vs_cli_process: f64,
 }
 
-/// A keep-alive HTTP/1.1 connection for JSON POSTs.
-struct Conn {
-    r: BufReader<TcpStream>,
-    host: String,
-    auth: String,
-}
-
-impl Conn {
-    async fn open(addr: &str, token: &str) -> Result<Conn> {
-        let s = TcpStream::connect(addr).await?;
-        s.set_nodelay(true)?;
-        Ok(Conn {
-            r: BufReader::new(s),
-            host: addr.to_string(),
-            auth: format!("Bearer {token}"),
-        })
-    }
-
-    async fn post(&mut self, tool: &str, body: &Value) -> Result<Value> {
-        let body = body.to_string();
-        let req = format!(
-            "POST /v1/tools/{tool} HTTP/1.1\r\nHost: {}\r\nAuthorization: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            self.host,
-            self.auth,
-            body.len()
-        );
-        self.r.get_mut().write_all(req.as_bytes()).await?;
-        let mut status = String::new();
-        self.r.read_line(&mut status).await?;
-        let code: u16 = status
-            .split(' ')
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .ok_or_else(|| anyhow!("bad status line {status:?}"))?;
-        let mut len = 0usize;
-        loop {
-            let mut line = String::new();
-            self.r.read_line(&mut line).await?;
-            let line = line.trim_end();
-            if line.is_empty() {
-                break;
-            }
-            if let Some((k, v)) = line.split_once(':') {
-                if k.eq_ignore_ascii_case("content-length") {
-                    len = v.trim().parse()?;
-                }
-            }
-        }
-        let mut buf = vec![0u8; len];
-        self.r.read_exact(&mut buf).await?;
-        let v: Value = serde_json::from_slice(&buf)?;
-        if code != 200 {
-            bail!("{tool}: HTTP {code}: {v}");
-        }
-        Ok(v)
-    }
-}
+type Conn = crate::client::Conn<TcpStream>;
 
 pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
     let main = crate::commands::open(cli, None)?;
@@ -176,7 +120,7 @@ async fn measure(
     if args.iterations == 0 {
         bail!("--iterations must be positive");
     }
-    let mut c = Conn::open(addr, token).await?;
+    let mut c = Conn::tcp(addr, token).await?;
     let vm = c
         .post("vm_create", &json!({"request_id": "bench-vm"}))
         .await?;
@@ -190,7 +134,7 @@ async fn measure(
     for _ in 0..CLIENTS {
         let (addr, token, body) = (addr.to_string(), token.to_string(), status.clone());
         tasks.push(tokio::spawn(async move {
-            let mut c = Conn::open(&addr, &token).await?;
+            let mut c = Conn::tcp(&addr, &token).await?;
             let mut n = 0u64;
             while Instant::now() < stop {
                 c.post("vm_status", &body).await?;

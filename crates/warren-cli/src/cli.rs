@@ -17,6 +17,11 @@ pub struct Cli {
     /// Image store (default: STATE_DIR/images).
     #[arg(long, global = true, env = "WARREN_IMAGE_DIR")]
     pub image_dir: Option<PathBuf>,
+    /// A running `warren serve`'s local socket: session commands go through it (host paths
+    /// checked as your uid). Default: STATE_DIR/warrend.sock when a service listens there;
+    /// otherwise they act on the state directory directly.
+    #[arg(long, global = true, env = "WARREN_SOCKET")]
+    pub socket: Option<PathBuf>,
     /// More logging (-v info, -vv debug); RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,

@@ -36,7 +36,7 @@ pub fn run(cli: Cli) -> Result<i32> {
     rt.block_on(run_async(cli))
 }
 
-fn default_state_dir() -> PathBuf {
+pub(crate) fn default_state_dir() -> PathBuf {
     if let Some(x) = std::env::var_os("XDG_STATE_HOME") {
         return PathBuf::from(x).join("warren");
     }

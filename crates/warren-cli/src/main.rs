@@ -9,6 +9,7 @@ mod bench_service;
 mod bench_suspend;
 mod bench_workspace;
 mod cli;
+mod client;
 mod commands;
 mod session_cmd;
 

@@ -9,6 +9,7 @@ use warren_core::session::GUEST_AGENT_STATE;
 use warren_core::{local_workspace, CreateSession, SessionDevices, SessionRecord, Warren};
 
 use crate::cli::{Cli, DeviceArgs, RunArgs, SessionCmd};
+use crate::client::Conn;
 use crate::commands::open;
 
 fn caller() -> (u32, u32) {
@@ -53,7 +54,145 @@ fn warn(m: &str) {
     eprintln!("warning: {m}");
 }
 
+/// The service to send session commands to: `--socket`, else the state directory's
+/// socket when a service answers there.
+async fn service_conn(cli: &Cli) -> Result<Option<Conn<tokio::net::UnixStream>>> {
+    if let Some(path) = &cli.socket {
+        return Ok(Some(Conn::unix(path).await?));
+    }
+    let state = cli
+        .state_dir
+        .clone()
+        .unwrap_or_else(crate::commands::default_state_dir);
+    Ok(Conn::unix(&state.join("warrend.sock")).await.ok())
+}
+
+/// `warren session ...` through the service (the same output as the direct path).
+async fn session_via_service(mut c: Conn<tokio::net::UnixStream>, cmd: &SessionCmd) -> Result<i32> {
+    use serde_json::json;
+    match cmd {
+        SessionCmd::Create {
+            repo,
+            name,
+            direct,
+            devices: d,
+            json,
+        } => {
+            if !d.mounts.is_empty() {
+                anyhow::bail!("--mount is not available through the service");
+            }
+            let repo = std::path::absolute(repo)
+                .with_context(|| format!("resolving {}", repo.display()))?;
+            let mut args = json!({"repo": repo, "direct": direct});
+            for (k, v) in [
+                ("name", name.as_ref().map(|n| json!(n))),
+                ("image", d.image.as_ref().map(|n| json!(n))),
+                ("memory_mib", d.memory_mib.map(|n| json!(n))),
+                ("vcpus", d.vcpus.map(|n| json!(n))),
+            ] {
+                if let Some(v) = v {
+                    args[k] = v;
+                }
+            }
+            let s = c.post("session_create", &args).await?;
+            if *json {
+                println!("{s}");
+            } else {
+                println!(
+                    "{} {} {}",
+                    s["session_id"].as_str().unwrap_or_default(),
+                    s["name"].as_str().unwrap_or_default(),
+                    s["vm_id"].as_str().unwrap_or("-")
+                );
+            }
+        }
+        SessionCmd::List { json } => {
+            let v = c.post("session_list", &json!({})).await?;
+            if *json {
+                println!("{}", v["sessions"]);
+            } else {
+                print_session_table(v["sessions"].as_array().map(Vec::as_slice).unwrap_or(&[]));
+            }
+        }
+        SessionCmd::Status { session, json } => {
+            let v = c
+                .post("session_status", &json!({"session": session}))
+                .await?;
+            let list = |k: &str| -> Vec<String> {
+                v[k].as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|x| x.as_str().map(str::to_string))
+                    .collect()
+            };
+            print_retention(&list("uncommitted"), &list("unexported"), *json);
+        }
+        SessionCmd::Export { session, branch } => {
+            let mut args = json!({"session": session});
+            if let Some(b) = branch {
+                args["branch"] = json!(b);
+            }
+            let v = c.post("session_export", &args).await?;
+            println!(
+                "{} -> {} ({} new commit(s))",
+                v["refname"].as_str().unwrap_or_default(),
+                v["commit"].as_str().unwrap_or_default(),
+                v["new_commits"]
+            );
+        }
+        SessionCmd::Delete { session, force } => {
+            let v = c
+                .post(
+                    "session_delete",
+                    &json!({"session": session, "force": force}),
+                )
+                .await?;
+            println!("deleted {}", v["session_id"].as_str().unwrap_or_default());
+        }
+    }
+    Ok(0)
+}
+
+fn print_session_table(sessions: &[serde_json::Value]) {
+    println!("{:<18} {:<20} {:<17} SOURCE", "SESSION", "NAME", "VM");
+    for s in sessions {
+        println!(
+            "{:<18} {:<20} {:<17} {}{}",
+            s["session_id"].as_str().unwrap_or_default(),
+            s["name"].as_str().unwrap_or_default(),
+            s["vm_id"].as_str().unwrap_or("-"),
+            s["source"].as_str().unwrap_or_default(),
+            if s["direct"].as_bool() == Some(true) {
+                " (direct)"
+            } else {
+                ""
+            }
+        );
+    }
+}
+
+fn print_retention(uncommitted: &[String], unexported: &[String], json: bool) {
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"uncommitted": uncommitted, "unexported": unexported})
+        );
+        return;
+    }
+    println!("uncommitted paths: {}", uncommitted.len());
+    for p in uncommitted {
+        println!("  {p}");
+    }
+    println!("unexported commits: {}", unexported.len());
+    for c in unexported {
+        println!("  {c}");
+    }
+}
+
 pub async fn session(cli: &Cli, cmd: &SessionCmd) -> Result<i32> {
+    if let Some(conn) = service_conn(cli).await? {
+        return session_via_service(conn, cmd).await;
+    }
     let w = open(cli, None)?;
     let ws = my_workspace();
     match cmd {
@@ -71,6 +210,7 @@ pub async fn session(cli: &Cli, cmd: &SessionCmd) -> Result<i32> {
                 devices: devices(d)?,
                 owner: caller(),
                 workspace: ws,
+                limits: Default::default(),
             };
             let (s, vm) = w.create_session(&req, &mut |m| warn(m)).await?;
             if *json {
@@ -84,42 +224,18 @@ pub async fn session(cli: &Cli, cmd: &SessionCmd) -> Result<i32> {
         }
         SessionCmd::List { json } => {
             let list = w.list_sessions(Some(&ws))?;
+            let v: Vec<_> = list.iter().map(session_json).collect();
             if *json {
-                let v: Vec<_> = list.iter().map(session_json).collect();
                 println!("{}", serde_json::Value::Array(v));
             } else {
-                println!("{:<18} {:<20} {:<17} SOURCE", "SESSION", "NAME", "VM");
-                for s in &list {
-                    println!(
-                        "{:<18} {:<20} {:<17} {}{}",
-                        s.id,
-                        s.name,
-                        s.vm_id.as_deref().unwrap_or("-"),
-                        s.source.display(),
-                        if s.direct { " (direct)" } else { "" }
-                    );
-                }
+                print_session_table(&v);
             }
             Ok(0)
         }
         SessionCmd::Status { session, json } => {
             let s = w.session(&ws, session)?;
             let r = w.session_retention(&s).await?;
-            if *json {
-                println!(
-                    "{}",
-                    serde_json::json!({"uncommitted": r.uncommitted, "unexported": r.unexported})
-                );
-            } else {
-                println!("uncommitted paths: {}", r.uncommitted.len());
-                for p in &r.uncommitted {
-                    println!("  {p}");
-                }
-                println!("unexported commits: {}", r.unexported.len());
-                for c in &r.unexported {
-                    println!("  {c}");
-                }
-            }
+            print_retention(&r.uncommitted, &r.unexported, *json);
             Ok(0)
         }
         SessionCmd::Export { session, branch } => {
@@ -219,6 +335,7 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
                 devices: want,
                 owner: caller(),
                 workspace: ws,
+                limits: Default::default(),
             };
             let (s, vm) = w.create_session(&req, &mut |m| warn(m)).await?;
             eprintln!("warren: session {} ({}) in VM {}", s.name, s.id, vm.id);

@@ -813,3 +813,109 @@ fn test_service_idle_suspend_restart_keeps_suspended_vms_and_shutdown() {
     assert_eq!(state(&d, &awake), "running");
     std::fs::rename(&saved, &idle_sock).expect("restore");
 }
+
+/// Sessions through the service's local socket: `warren --socket S session ...` creates,
+/// lists, reports, exports and deletes a session of the caller; a repository the caller's uid
+/// cannot read is refused (checked as that uid), as is any host path from a token holder
+/// outside the operator's host roots.
+#[test]
+fn test_service_sessions_over_local_socket_checked_as_caller() {
+    let d = Daemon::start("");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let repo = dir.path().canonicalize().expect("canonical");
+    std::fs::set_permissions(&repo, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        .expect("chmod");
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .args(["-c", "user.name=T", "-c", "user.email=t@example.com"])
+            .args(args)
+            .current_dir(&repo)
+            .output()
+            .expect("git");
+        assert!(out.status.success(), "git {args:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    git(&["init", "-q", "-b", "main"]);
+    std::fs::write(repo.join("a.txt"), "committed\n").expect("write");
+    git(&["add", "-A"]);
+    git(&["commit", "-qm", "initial"]);
+    std::fs::write(repo.join("untracked.txt"), "from the host\n").expect("write");
+    let warren = |pre: &[&str], args: &[&str]| {
+        let mut c = std::process::Command::new(pre.first().copied().unwrap_or(common::WARREN));
+        if !pre.is_empty() {
+            c.args(&pre[1..]).arg(common::WARREN);
+        }
+        c.arg("--socket").arg(&d.socket).args(args);
+        c.output().expect("warren")
+    };
+    let repo_arg = repo.to_str().expect("utf-8");
+
+    // Another local uid cannot name root's private repository.
+    let out = warren(
+        &["setpriv", "--reuid=4242", "--regid=4242", "--clear-groups"],
+        &["session", "create", "--repo", repo_arg],
+    );
+    assert_eq!(out.status.code(), Some(125));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("error[forbidden]"), "{err}");
+    // A token holder: no host roots configured, so no host path at all.
+    let token = d.token("tok-sessions", &[]);
+    let r = d.call(&token, "session_create", json!({"repo": repo_arg}));
+    assert_eq!((r.status, r.code()), (403, "forbidden"), "{}", r.text);
+    assert!(d.all_vms().is_empty(), "a refused session left a VM");
+
+    // Root, through the socket.
+    let out = warren(
+        &[],
+        &[
+            "session", "create", "--repo", repo_arg, "--image", "dev", "--name", "svc", "--json",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: Value = serde_json::from_slice(&out.stdout).expect("session JSON");
+    let vm = s["vm_id"].as_str().expect("vm_id").to_string();
+    assert_eq!(s["name"], "svc");
+    assert_eq!(s["source"], repo_arg);
+    let out = warren(&[], &["session", "list", "--json"]);
+    let list: Value = serde_json::from_slice(&out.stdout).expect("list JSON");
+    assert_eq!(list.as_array().map(Vec::len), Some(1), "{list}");
+    // The guest works on the copy (untracked file included) and commits.
+    let r = d.local_call(
+        "vm_exec",
+        json!({"request_id": "s1", "vm_id": vm, "wait_ms": 30000, "command":
+            "cat untracked.txt && git add -A && git -c user.name=G -c user.email=g@example.com commit -qm guest && echo done"}),
+        &[],
+    );
+    assert_eq!(r.body["stdout"], "from the host\ndone\n", "{}", r.text);
+    let out = warren(&[], &["session", "status", "svc", "--json"]);
+    let st: Value = serde_json::from_slice(&out.stdout).expect("status JSON");
+    assert_eq!(st["unexported"].as_array().map(Vec::len), Some(1), "{st}");
+    // Delete refuses with unexported work; export, then delete.
+    let out = warren(&[], &["session", "delete", "svc"]);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("error[conflict]"));
+    let out = warren(
+        &[],
+        &["session", "export", "svc", "--branch", "from-service"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        git(&["log", "--format=%s", "-1", "from-service"]),
+        "guest\n"
+    );
+    let out = warren(&[], &["session", "delete", "svc"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(d.all_vms().is_empty(), "the session's VM is gone");
+}

@@ -85,6 +85,8 @@ pub struct CreateSession {
     pub owner: (u32, u32),
     /// The owning workspace (`local-<uid>` for local callers).
     pub workspace: String,
+    /// Admission limits for the session's VM: (host, workspace).
+    pub limits: (crate::vm::Limits, crate::vm::Limits),
 }
 
 fn owner_of(uid: u32, gid: u32) -> Option<Owner> {
@@ -228,7 +230,10 @@ impl Warren {
             }
             return Err(e.into());
         }
-        match self.start_session_vm(&rec, &req.devices, warn).await {
+        match self
+            .start_session_vm(&rec, &req.devices, req.limits, warn)
+            .await
+        {
             Ok((rec, vm)) => Ok((rec, vm)),
             Err(e) => {
                 let _ = self.store().delete_session(&rec.id);
@@ -332,9 +337,12 @@ impl Warren {
         &self,
         s: &SessionRecord,
         devices: &SessionDevices,
+        limits: (crate::vm::Limits, crate::vm::Limits),
         warn: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(SessionRecord, VmRecord), CoreError> {
         let req = CreateVm {
+            host_limits: limits.0,
+            workspace_limits: limits.1,
             image: devices.image.clone(),
             memory_mib: devices.memory_mib,
             vcpus: devices.vcpus,
@@ -393,7 +401,8 @@ impl Warren {
             Some(vm) => {
                 self.destroy_vm(&vm.id).await?;
                 let merged = merge_devices(&have, want);
-                self.start_session_vm(s, &merged, warn).await
+                self.start_session_vm(s, &merged, Default::default(), warn)
+                    .await
             }
             None => {
                 if s.vm_id.is_some() && !recreate {
@@ -403,7 +412,8 @@ impl Warren {
                     )));
                 }
                 let merged = merge_devices(&have, want);
-                self.start_session_vm(s, &merged, warn).await
+                self.start_session_vm(s, &merged, Default::default(), warn)
+                    .await
             }
         }
     }
