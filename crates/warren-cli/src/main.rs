@@ -4,6 +4,7 @@
 //! every Warren error exits 125 and prints `error[<code>]: <message chain>`.
 
 mod bench;
+mod bench_network;
 mod bench_service;
 mod bench_suspend;
 mod bench_workspace;
