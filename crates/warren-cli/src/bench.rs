@@ -82,7 +82,8 @@ pub(crate) fn private_warren(
     Ok((Warren::open(cfg)?, state))
 }
 
-/// Undoes [`private_warren`]: deletes its sessions and VMs, then its state directory.
+/// Undoes [`private_warren`]: deletes its sessions and VMs, then its state directory (and
+/// the per-process directory above it once empty).
 pub(crate) async fn discard_private_warren(w: &Warren, state: &std::path::Path) {
     for s in w.list_sessions(None).unwrap_or_default() {
         let _ = w.delete_session(&s, true).await;
@@ -91,6 +92,9 @@ pub(crate) async fn discard_private_warren(w: &Warren, state: &std::path::Path) 
         let _ = w.destroy_vm(&vm.id).await;
     }
     let _ = std::fs::remove_dir_all(state);
+    if let Some(parent) = state.parent() {
+        let _ = std::fs::remove_dir(parent);
+    }
 }
 
 pub(crate) fn tempfile_dir() -> Result<std::path::PathBuf> {
@@ -279,6 +283,40 @@ pub(crate) fn exec_true() -> ExecStart {
         stdin: None,
         timeout_ms: None,
         request_key: None,
+    }
+}
+
+/// Runs `argv` and returns its stdout (fails on a non-zero exit).
+pub(crate) async fn run_argv(w: &Warren, vm: &str, argv: Vec<String>) -> Result<String> {
+    let mut job = exec_true();
+    job.argv = argv.clone();
+    let id = w.exec_start(vm, job).await?;
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    loop {
+        let o = w
+            .job_output(
+                vm,
+                JobOutputRequest {
+                    job: id,
+                    stdout_cursor: out.len() as u64,
+                    stderr_cursor: err.len() as u64,
+                    max_bytes: warren_protocol::limits::MAX_READ_PER_STREAM,
+                    wait_ms: 5_000,
+                },
+            )
+            .await?;
+        out.extend_from_slice(&o.stdout);
+        err.extend_from_slice(&o.stderr);
+        if let warren_protocol::JobState::Finished(exit) = o.state {
+            if exit.code != Some(0) {
+                bail!(
+                    "{argv:?}: exit {:?}: {}",
+                    exit.code,
+                    String::from_utf8_lossy(&err)
+                );
+            }
+            return Ok(String::from_utf8_lossy(&out).into_owned());
+        }
     }
 }
 

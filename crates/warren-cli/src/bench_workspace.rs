@@ -14,9 +14,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use warren_core::{CreateSession, SessionDevices, Warren};
-use warren_protocol::JobOutputRequest;
 
-use crate::bench::{discard_private_warren, exec_true, median, private_warren};
+use crate::bench::{discard_private_warren, exec_true, median, private_warren, run_argv};
 use crate::cli::{BenchArgs, Cli};
 
 const SMALL_FILES: usize = 10_000;
@@ -93,40 +92,6 @@ fn make_repo(dir: &Path, n: usize) -> Result<()> {
         std::fs::write(dir.join(format!("d00/f{}.txt", i * 64)), "edited\n")?;
     }
     Ok(())
-}
-
-/// Runs `argv` and returns its stdout (fails on a non-zero exit).
-async fn run_argv(w: &Warren, vm: &str, argv: Vec<String>) -> Result<String> {
-    let mut job = exec_true();
-    job.argv = argv.clone();
-    let id = w.exec_start(vm, job).await?;
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    loop {
-        let o = w
-            .job_output(
-                vm,
-                JobOutputRequest {
-                    job: id,
-                    stdout_cursor: out.len() as u64,
-                    stderr_cursor: err.len() as u64,
-                    max_bytes: warren_protocol::limits::MAX_READ_PER_STREAM,
-                    wait_ms: 5_000,
-                },
-            )
-            .await?;
-        out.extend_from_slice(&o.stdout);
-        err.extend_from_slice(&o.stderr);
-        if let warren_protocol::JobState::Finished(exit) = o.state {
-            if exit.code != Some(0) {
-                bail!(
-                    "{argv:?}: exit {:?}: {}",
-                    exit.code,
-                    String::from_utf8_lossy(&err)
-                );
-            }
-            return Ok(String::from_utf8_lossy(&out).into_owned());
-        }
-    }
 }
 
 async fn sh(w: &Warren, vm: &str, script: &str) -> Result<String> {

@@ -413,8 +413,11 @@ pub struct BenchArgs {
     /// `core`: boot, exec and file costs against raw QEMU and channel baselines; `service`:
     /// the HTTP service against the CLI path; `suspend`: pause, hibernate and resume against
     /// a cold boot; `workspace`: a session's /workspace (virtio-fs) against the guest's disk
-    /// (use --image dev; --mib sets the repository size, 64 files per unit).
-    #[arg(long, default_value = "core", value_parser = ["core", "service", "suspend", "workspace"])]
+    /// (use --image dev; --mib sets the repository size, 64 files per unit); `network`: HTTP
+    /// and HTTPS (passed through, intercepted) from a guest through its egress proxy against
+    /// the host with and without the proxy (use --image dev; --iterations new connections
+    /// per case, --boots downloads of --mib MiB).
+    #[arg(long, default_value = "core", value_parser = ["core", "service", "suspend", "workspace", "network"])]
     pub suite: String,
     /// Image to boot.
     #[arg(long, default_value = "minimal")]

@@ -73,6 +73,9 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::Bench(args) if args.suite == "workspace" => {
             crate::bench_workspace::run(&cli, args).await
         }
+        Command::Bench(args) if args.suite == "network" => {
+            crate::bench_network::run(&cli, args).await
+        }
         Command::Bench(args) if args.suite == "service" => {
             crate::bench_service::run(&cli, args).await
         }

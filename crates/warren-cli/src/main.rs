@@ -5,6 +5,7 @@
 
 mod agents;
 mod bench;
+mod bench_network;
 mod bench_service;
 mod bench_suspend;
 mod bench_workspace;

@@ -22,6 +22,7 @@ mod policy;
 mod proxy;
 mod resolver;
 mod sniff;
+pub mod standin;
 mod sys;
 
 pub use ca::generate_ca;

@@ -12,8 +12,7 @@ use std::time::Duration;
 use anyhow::Result;
 use common::*;
 use hickory_proto::rr::RecordType;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::pki_types::ServerName;
 use warren_egress::bench::{http_bench, HttpBenchParams, HttpBenchReport};
 use warren_egress::{
     DomainPattern, Egress, EgressConfig, Outbound, SecretSource, SecretSpec, UpstreamRoots,
@@ -32,17 +31,9 @@ fn params(host: &str) -> HttpBenchParams {
 }
 
 fn tls_connector(ca_pem: &str) -> Result<tokio_rustls::TlsConnector> {
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(c?)?;
-    }
-    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    Ok(tokio_rustls::TlsConnector::from(Arc::new(cfg)))
+    Ok(tokio_rustls::TlsConnector::from(Arc::new(client_config(
+        ca_pem,
+    )?)))
 }
 
 async fn plain(out: &Outbound, host: &str) -> Result<HttpBenchReport> {
