@@ -22,8 +22,9 @@ qemu_ok() {
     [ -f /usr/share/qemu/qboot.rom ]
 }
 # libcap-ng-dev and libseccomp-dev: to build virtiofsd (not packaged in bookworm); git: sessions;
-# iproute2 and nftables: guest networking (per-VM namespace, TAP device, redirect rules).
-for p in debootstrap e2fsprogs kmod qemu-utils ca-certificates git pkg-config libcap-ng-dev libseccomp-dev iproute2 nftables; do
+# iproute2 and nftables: guest networking (per-VM namespace, TAP device, redirect rules);
+# curl: the agents recipe's npm tarballs (fetched on the host, verified against their pins).
+for p in debootstrap e2fsprogs kmod qemu-utils ca-certificates curl git pkg-config libcap-ng-dev libseccomp-dev iproute2 nftables; do
   dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p")
 done
 if ! qemu_ok || [ ${#need_pkgs[@]} -gt 0 ]; then

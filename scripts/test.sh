@@ -26,7 +26,7 @@ export WARREN_TEST_IMAGE_DIR="${WARREN_TEST_IMAGE_DIR:-/var/cache/warren-test/im
 mkdir -p "$WARREN_TEST_IMAGE_DIR"
 state=$(mktemp -d)
 trap 'rm -rf "$state"' EXIT
-for recipe in minimal dev; do
+for recipe in minimal dev agents; do
   echo "==> image $recipe"
   target/release/warren --state-dir "$state" --image-dir "$WARREN_TEST_IMAGE_DIR" image build --recipe "$recipe"
 done

@@ -82,7 +82,8 @@ pub enum Command {
 /// VM devices, with the same names as `vm create`.
 #[derive(Args, Debug, Clone, Default)]
 pub struct DeviceArgs {
-    /// Image id, unique id prefix, or recipe name. Default: dev.
+    /// Image id, unique id prefix, or recipe name. Default: dev (agents for a new session
+    /// started by warren run claude, codex or opencode).
     #[arg(long)]
     pub image: Option<String>,
     #[arg(long)]
@@ -179,6 +180,7 @@ pub struct RunArgs {
 pub enum ImageCmd {
     /// Builds an image from a recipe (cached by recipe digest).
     Build {
+        /// minimal, dev, or agents (dev plus the Claude Code, Codex and opencode CLIs).
         #[arg(long, default_value = "dev")]
         recipe: String,
         /// The static guest agent binary (default: next to this binary or in the target dir).

@@ -239,7 +239,7 @@ async fn image(cli: &Cli, cmd: &ImageCmd) -> Result<i32> {
         ImageCmd::Build { recipe, agent } => {
             let recipe: Recipe = recipe.parse().map_err(|_| {
                 warren_core::CoreError::InvalidArgument(format!(
-                    "unknown recipe {recipe:?} (expected minimal or dev)"
+                    "unknown recipe {recipe:?} (expected minimal, dev or agents)"
                 ))
             })?;
             let agent = match agent {

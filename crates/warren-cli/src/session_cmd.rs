@@ -296,6 +296,15 @@ fn argv_for(agent: &str, command: &[String], tty: bool) -> Vec<String> {
     v
 }
 
+/// The image a new session gets when `--image` is not given: the `agents` recipe (which
+/// installs the agent CLIs) for an agent, else the engine's default (`dev`).
+fn default_image_for(agent: Option<&str>) -> Option<&'static str> {
+    match agent {
+        Some("claude" | "codex" | "opencode") => Some("agents"),
+        _ => None,
+    }
+}
+
 /// Every agent keeps its state under the per-project directory mounted at
 /// [`GUEST_AGENT_STATE`], never in the workspace.
 fn agent_env() -> Vec<(String, String)> {
@@ -328,6 +337,10 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
                 .await?
         }
         None => {
+            let mut want = want;
+            if want.image.is_none() {
+                want.image = default_image_for(args.agent.as_deref()).map(str::to_string);
+            }
             let req = CreateSession {
                 repo: project.clone(),
                 name: None,
@@ -433,6 +446,14 @@ async fn run_in(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_default_image_for_agent_is_agents_recipe() {
+        assert_eq!(default_image_for(Some("claude")), Some("agents"));
+        assert_eq!(default_image_for(Some("opencode")), Some("agents"));
+        assert_eq!(default_image_for(Some("shell")), None);
+        assert_eq!(default_image_for(None), None);
+    }
 
     #[test]
     fn test_argv_for_agents_and_shell() {

@@ -2,8 +2,12 @@
 //! modules) and the cheap *assembly* of an image from a stage plus an agent binary.
 //!
 //! Stage build steps, in order (run on the caller's thread, progress via callback):
+//! 0. Agent CLIs (`agents` recipe): fetch their npm tarballs on the host and verify them
+//!    against the recipe's pins (`agent_cli::fetch`), before anything slow.
 //! 1. `debootstrap --variant=minbase <suite>` into `<tmp>/root` (log: `<tmp>/build.log`).
-//! 2. `apt-get install --no-install-recommends` of the recipe's extra packages in a chroot.
+//! 2. `apt-get install --no-install-recommends` of the recipe's extra packages in a chroot,
+//!    then the agent CLIs unpacked under `/usr/local/lib/warren-agents` and linked into
+//!    `/usr/local/bin` (`agent_cli::install`).
 //! 3. Kernel: resolve + download the cloud kernel `.deb` with the chroot's apt, unpack it,
 //!    extract `vmlinux`, `depmod`, decompress the needed modules to plain `.ko`.
 //! 4. Root tree: drop apt caches/lists, add `user` (1000:1000), `/workspace` (1000:1000 0755).
@@ -20,6 +24,7 @@ use std::process::Command;
 
 use serde::{Deserialize, Serialize};
 
+use crate::agent_cli;
 use crate::command::{run_logged, run_output};
 use crate::digest::{self, FileIdentity};
 use crate::initramfs::BaseInitramfs;
@@ -49,9 +54,11 @@ pub struct StageRecord {
 const STAGE_FILE: &str = "stage.json";
 const LOG_FILE: &str = "build.log";
 
-/// Loads the stage for `recipe` from `stages_dir`, building it if it is missing.
+/// Loads the stage for `recipe` from `stages_dir`, building it if it is missing (npm tarballs
+/// are cached in `downloads_dir`).
 pub fn ensure_stage(
     stages_dir: &Path,
+    downloads_dir: &Path,
     recipe: Recipe,
     progress: &mut dyn FnMut(BuildProgress),
 ) -> Result<(PathBuf, StageRecord), ImageError> {
@@ -78,7 +85,7 @@ pub fn ensure_stage(
     // The temp dir is never dropped as a `TempDir`: a failed debootstrap may leave mounts
     // inside it, and a recursive delete must not descend into them.
     let work = tmp.keep();
-    let rec = match build_stage(&work, recipe, &digest, progress) {
+    let rec = match build_stage(&work, downloads_dir, recipe, &digest, progress) {
         Ok(rec) => rec,
         Err(e) => {
             let e = keep_failed_log(stages_dir, recipe, &work, e);
@@ -168,6 +175,7 @@ pub(crate) fn cleanup_stale(dir: &Path, prefix: &str) {
 
 fn build_stage(
     work: &Path,
+    downloads: &Path,
     recipe: Recipe,
     digest: &str,
     progress: &mut dyn FnMut(BuildProgress),
@@ -176,6 +184,17 @@ fn build_stage(
     let root = work.join("root");
     let log = work.join(LOG_FILE);
     let started = std::time::Instant::now();
+
+    // 0. Agent CLI tarballs, verified against their pins.
+    let registry = agent_cli::registry();
+    let mut tarballs = Vec::new();
+    for cli in recipe.agent_clis() {
+        progress(BuildProgress::new(
+            "agents",
+            format!("fetching {} from {registry}", cli.spec()),
+        ));
+        tarballs.push((cli, agent_cli::fetch(cli, downloads, &registry)?));
+    }
 
     // 1. debootstrap.
     progress(BuildProgress::new(
@@ -209,6 +228,18 @@ fn build_stage(
     if !packages.is_empty() {
         let apt = ["apt-get", "-q", "-y", "--no-install-recommends", "install"];
         chroot_install(&root, &log, "packages", &apt, packages, progress)?;
+    }
+    for (cli, tarball) in &tarballs {
+        let bytes = agent_cli::install(cli, tarball, &root)?;
+        progress(BuildProgress::new(
+            "agents",
+            format!(
+                "/usr/local/bin/{} from {} ({} MiB)",
+                cli.command,
+                cli.spec(),
+                bytes >> 20
+            ),
+        ));
     }
 
     // 3. Kernel and modules.

@@ -38,6 +38,24 @@ pub enum ImageError {
         log: PathBuf,
         log_tail: String,
     },
+    /// Downloading an agent CLI's npm tarball failed.
+    #[error("downloading npm package {package} from {url} failed ({status}): {output}")]
+    NpmFetch {
+        package: String,
+        url: String,
+        status: String,
+        output: String,
+    },
+    /// An agent CLI's npm tarball does not match the integrity pinned in the recipe.
+    #[error("npm package {package}: integrity mismatch: pinned {expected}, got {actual}")]
+    NpmIntegrity {
+        package: String,
+        expected: String,
+        actual: String,
+    },
+    /// An agent CLI's npm tarball could not be unpacked safely.
+    #[error("unpacking npm package {package}: {reason}")]
+    NpmUnpack { package: String, reason: String },
     /// Finding or downloading the kernel package failed.
     #[error("kernel fetch failed: {0}")]
     KernelFetch(String),
@@ -69,8 +87,8 @@ pub enum ImageError {
     /// More than one image matches the given prefix.
     #[error("image spec {0:?} is ambiguous")]
     Ambiguous(String),
-    /// A recipe name that is not `minimal` or `dev`.
-    #[error("unknown recipe {0:?} (expected minimal or dev)")]
+    /// A recipe name that is not `minimal`, `dev` or `agents`.
+    #[error("unknown recipe {0:?} (expected minimal, dev or agents)")]
     UnknownRecipe(String),
     /// The string is not a 64-hex-digit image id.
     #[error("invalid image id {0:?}")]

@@ -4,7 +4,8 @@
 //! `vmlinux`, a base `initramfs.cpio` (agent as `/init` plus the virtio/vsock/overlay modules),
 //! the ext4 `rootfs.ext4` and the `manifest.json` whose SHA-256 is the image id.
 //!
-//! - [`recipe`]: what goes into an image (`minimal`, `dev`) and its canonical digest.
+//! - [`recipe`]: what goes into an image (`minimal`, `dev`, `agents`) and its canonical digest.
+//! - [`agent_cli`]: the agent CLIs' pinned npm packages: fetch, verify, unpack.
 //! - [`build`]: debootstrap, kernel and module staging, rootfs creation (the slow part, cached).
 //! - [`kernel`]: fetching the Debian cloud kernel, extracting `vmlinux`, module closure.
 //! - [`initramfs`]: the newc cpio writer and the per-VM secret archive.
@@ -12,6 +13,7 @@
 //! - [`store`]: the on-disk store: build cache, list, resolve, verify, remove.
 #![forbid(unsafe_code)]
 
+pub mod agent_cli;
 pub mod build;
 mod command;
 pub mod digest;

@@ -2,14 +2,15 @@
 //! keys the build caches.
 //!
 //! Invariant: everything that changes the bytes of a built image (suite, packages, sizes,
-//! kernel package, module list, builder logic version) is part of [`Recipe::description`], so
-//! an unchanged digest means the cached stage can be reused.
+//! kernel package, module list, pinned agent CLIs, builder logic version) is part of
+//! [`Recipe::description`], so an unchanged digest means the cached stage can be reused.
 
 use std::fmt;
 use std::str::FromStr;
 
 use serde::Serialize;
 
+use crate::agent_cli::{NpmAgentCli, AGENT_CLIS};
 use crate::digest;
 use crate::ImageError;
 
@@ -53,6 +54,9 @@ pub enum Recipe {
     Minimal,
     /// A development image with compilers, python3, git and nodejs.
     Dev,
+    /// `dev` plus the agent CLIs (Claude Code, Codex, opencode): their native binaries from
+    /// the npm registry, pinned in [`AGENT_CLIS`].
+    Agents,
 }
 
 /// DEV's packages.
@@ -80,17 +84,22 @@ pub struct RecipeDescription {
     pub kernel_package: &'static str,
     pub modules: Vec<&'static str>,
     pub user_id: u32,
+    /// Pinned npm packages of the agent CLIs. Left out when empty, so recipes without them
+    /// keep the digests they had before the field existed.
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    pub agent_clis: &'static [NpmAgentCli],
 }
 
 impl Recipe {
     /// Every recipe, in display order.
-    pub const ALL: [Recipe; 2] = [Recipe::Minimal, Recipe::Dev];
+    pub const ALL: [Recipe; 3] = [Recipe::Minimal, Recipe::Dev, Recipe::Agents];
 
     /// The recipe's name as used on the command line and in manifests.
     pub fn name(self) -> &'static str {
         match self {
             Recipe::Minimal => "minimal",
             Recipe::Dev => "dev",
+            Recipe::Agents => "agents",
         }
     }
 
@@ -98,7 +107,15 @@ impl Recipe {
     pub fn packages(self) -> &'static [&'static str] {
         match self {
             Recipe::Minimal => &[],
-            Recipe::Dev => DEV_PACKAGES,
+            Recipe::Dev | Recipe::Agents => DEV_PACKAGES,
+        }
+    }
+
+    /// Agent CLIs installed from the npm registry into `/usr/local/bin`.
+    pub fn agent_clis(self) -> &'static [NpmAgentCli] {
+        match self {
+            Recipe::Minimal | Recipe::Dev => &[],
+            Recipe::Agents => AGENT_CLIS,
         }
     }
 
@@ -107,6 +124,8 @@ impl Recipe {
         match self {
             Recipe::Minimal => 2 * GIB,
             Recipe::Dev => 4 * GIB,
+            // The agent CLIs' binaries add ~1.1 GiB.
+            Recipe::Agents => 6 * GIB,
         }
     }
 
@@ -123,6 +142,7 @@ impl Recipe {
             kernel_package: KERNEL_METAPACKAGE,
             modules: AGENT_MODULES.to_vec(),
             user_id: USER_ID,
+            agent_clis: self.agent_clis(),
         }
     }
 
@@ -181,5 +201,19 @@ mod tests {
         assert_ne!(a, b);
         assert_eq!(a, Recipe::Minimal.recipe_digest(&"a".repeat(64)));
         assert_ne!(Recipe::Minimal.stage_digest(), Recipe::Dev.stage_digest());
+        assert_ne!(Recipe::Dev.stage_digest(), Recipe::Agents.stage_digest());
+    }
+
+    #[test]
+    fn test_description_agent_clis_only_in_agents_recipe() {
+        let dev =
+            String::from_utf8(digest::canonical_json(&Recipe::Dev.description())).expect("utf-8");
+        assert!(!dev.contains("agent_clis"), "{dev}");
+        let agents = String::from_utf8(digest::canonical_json(&Recipe::Agents.description()))
+            .expect("utf-8");
+        for cli in AGENT_CLIS {
+            assert!(agents.contains(cli.integrity), "{agents}");
+            assert!(agents.contains(cli.version), "{agents}");
+        }
     }
 }

@@ -5,6 +5,8 @@
 //! <image_dir>/<image id>/{manifest.json, verified.json, vmlinux, initramfs.cpio, rootfs.ext4}
 //! <image_dir>/cache/builds/<recipe digest>   text: the image id built from it
 //! <image_dir>/cache/stages/<stage digest>/   debootstrap rootfs + kernel + modules
+//! <image_dir>/cache/downloads/<package>-<version>.tgz   agent CLIs' npm tarballs (verified
+//!                                                        against their pins on every use)
 //! <image_dir>/cache/lock                     held (flock) for the duration of a build
 //! ```
 //! Invariants: an image directory appears only by an atomic rename of a complete temp dir
@@ -16,11 +18,11 @@ use std::fmt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::build;
 use crate::digest::{self, FileIdentity};
 use crate::manifest::{
     Manifest, VerifiedRecord, CONTENT_FILES, INITRAMFS_FILE, ROOTFS_FILE, VMLINUX_FILE,
 };
+use crate::{agent_cli, build};
 use crate::{ImageError, Recipe};
 
 /// Shortest accepted id prefix.
@@ -114,6 +116,7 @@ impl ImageStore {
             image_dir.join("cache"),
             image_dir.join("cache/builds"),
             image_dir.join("cache/stages"),
+            image_dir.join("cache/downloads"),
         ] {
             if !d.is_dir() {
                 std::fs::create_dir_all(&d).map_err(ImageError::io("create", &d))?;
@@ -173,8 +176,16 @@ impl ImageStore {
 
         build::cleanup_stale(&self.root, ".build-");
         build::cleanup_stale(&self.root.join("cache/stages"), ".stage-");
-        let (stage_dir, stage) =
-            build::ensure_stage(&self.root.join("cache/stages"), recipe, progress)?;
+        let downloads = self.root.join("cache/downloads");
+        // A store created before the downloads cache existed.
+        std::fs::create_dir_all(&downloads).map_err(ImageError::io("create", &downloads))?;
+        agent_cli::remove_partial_downloads(&downloads);
+        let (stage_dir, stage) = build::ensure_stage(
+            &self.root.join("cache/stages"),
+            &downloads,
+            recipe,
+            progress,
+        )?;
         let tmp = tempfile::Builder::new()
             .prefix(".build-")
             .tempdir_in(&self.root)

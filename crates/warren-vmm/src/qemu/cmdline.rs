@@ -61,8 +61,12 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
         ]);
     }
     push(&spec.accel.qemu_args());
-    if spec.accel == crate::Accel::Kvm {
-        push(&["-cpu", "host"]);
+    match spec.accel {
+        crate::Accel::Kvm => push(&["-cpu", "host"]),
+        // QEMU's default TCG model (qemu64) lacks SSSE3, SSE4, POPCNT and AVX, so binaries
+        // built for newer x86-64 levels die with SIGILL (the Bun-built Claude Code and
+        // opencode CLIs of the agents image). `max` is every feature TCG emulates.
+        crate::Accel::Tcg => push(&["-cpu", "max"]),
     }
     push(&[
         "-bios",
@@ -195,6 +199,10 @@ mod tests {
         assert!(s.contains("-sandbox on,"));
         assert!(s.contains("name=org.warren.agent.0"));
         assert!(!s.contains("-cpu host"));
+        assert!(
+            s.contains("-cpu max"),
+            "TCG guests get every emulated CPU feature"
+        );
         assert!(!s.contains("-netdev"), "no NIC without network");
     }
 
