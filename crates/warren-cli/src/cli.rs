@@ -158,9 +158,9 @@ pub struct RunArgs {
     /// Mount the project directory itself instead of a copy (first run only).
     #[arg(long)]
     pub direct: bool,
-    /// Also wire this agent's host credentials (claude or codex; repeatable): real tokens
-    /// stay on the host, the VM gets placeholders. `run claude` and `run codex` wire their
-    /// own unless --no-credentials.
+    /// Wire these host credentials (claude or codex; repeatable): real tokens stay on the
+    /// host, the VM gets placeholders. Default for claude, codex and opencode: both, where the
+    /// host has them (the same for every agent, so they share the project's VM).
     #[arg(long = "credentials", value_parser = ["claude", "codex"])]
     pub credentials: Vec<String>,
     /// Wire no credentials (the agent logs in inside the VM, or not at all).

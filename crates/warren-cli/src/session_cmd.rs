@@ -380,18 +380,23 @@ fn wire_credentials(
     devices: &SessionDevices,
 ) -> Result<Option<crate::agents::Wiring>> {
     use crate::agents::Provider;
-    let mut providers: Vec<Provider> = Vec::new();
-    if !args.no_credentials {
-        let named = args.credentials.iter().map(String::as_str);
-        for p in named
-            .chain(std::iter::once(agent))
-            .filter_map(Provider::parse)
-        {
-            if !providers.contains(&p) {
-                providers.push(p);
+    // An agent gets every provider's credentials the host has, the same set whichever agent
+    // runs, so all agents of a project share its VM (opencode talks to either provider).
+    let providers: Vec<Provider> = if args.no_credentials {
+        Vec::new()
+    } else if !args.credentials.is_empty() {
+        let mut v: Vec<Provider> = Vec::new();
+        for p in args.credentials.iter().filter_map(|c| Provider::parse(c)) {
+            if !v.contains(&p) {
+                v.push(p);
             }
         }
-    }
+        v
+    } else if matches!(agent, "claude" | "codex" | "opencode") {
+        vec![Provider::Claude, Provider::Codex]
+    } else {
+        Vec::new()
+    };
     if providers.is_empty() && !args.network && args.egress.is_none() {
         return Ok(None);
     }
