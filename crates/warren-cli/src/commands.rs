@@ -300,24 +300,51 @@ async fn image(cli: &Cli, cmd: &ImageCmd) -> Result<i32> {
     }
 }
 
-fn print_vms(list: &[VmRecord], json: bool) -> Result<()> {
+/// `off`, or `egress:` with the allow list's length and the secrets' and rules' counts.
+fn network_summary(net: Option<&warren_vmm::NetSpec>) -> String {
+    match net {
+        None => "off".into(),
+        Some(n) => format!(
+            "egress:{}a/{}s/{}r",
+            n.allow.len(),
+            n.secrets.len(),
+            n.intercepts.len()
+        ),
+    }
+}
+
+fn print_vms(w: &Warren, list: &[VmRecord], json: bool) -> Result<()> {
     if json {
-        println!("{}", serde_json::to_string_pretty(list)?);
+        let mut v = serde_json::to_value(list)?;
+        for (item, r) in v.as_array_mut().into_iter().flatten().zip(list) {
+            let net = w.vm_network(&r.id);
+            item["network"] = match &net {
+                None => serde_json::json!("off"),
+                Some(n) => serde_json::json!({
+                    "allow": n.allow,
+                    "deny": n.deny,
+                    "secrets": n.secrets.iter().map(|s| &s.name).collect::<Vec<_>>(),
+                    "intercepts": n.intercepts.iter().map(|i| format!("{} {} {}", i.method, i.host, i.path_prefix)).collect::<Vec<_>>(),
+                }),
+            };
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     println!(
-        "{:<16} {:<9} {:<5} {:>6} {:>5} {:<14} REASON",
-        "VM", "STATE", "ACCEL", "MiB", "VCPU", "IMAGE"
+        "{:<16} {:<9} {:<5} {:>6} {:>5} {:<14} {:<16} REASON",
+        "VM", "STATE", "ACCEL", "MiB", "VCPU", "IMAGE", "NET"
     );
     for r in list {
         println!(
-            "{:<16} {:<9} {:<5} {:>6} {:>5} {:<14} {}",
+            "{:<16} {:<9} {:<5} {:>6} {:>5} {:<14} {:<16} {}",
             r.id,
             r.state.as_str(),
             r.accel,
             r.memory_mib,
             r.vcpus,
             &r.image_id[..r.image_id.len().min(12)],
+            network_summary(w.vm_network(&r.id).as_ref()),
             r.reason
                 .as_deref()
                 .unwrap_or("")
@@ -492,7 +519,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
         }
         VmCmd::List { json } => {
             let w = open(cli, None)?;
-            print_vms(&w.list_vms()?, *json)?;
+            print_vms(&w, &w.list_vms()?, *json)?;
             Ok(0)
         }
         VmCmd::Exec {

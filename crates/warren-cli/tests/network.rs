@@ -128,6 +128,8 @@ fn test_network_off_by_default_no_nic() {
     let r = vm.sh("ls /sys/class/net");
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.stdout.split_whitespace().collect::<Vec<_>>(), ["lo"]);
+    let rec = vm.env.record(&vm.id).expect("listed");
+    assert_eq!(rec["network"], "off", "{rec}");
     assert!(!netns_exists(&format!("warren-{}", vm.id)));
 }
 
@@ -191,6 +193,12 @@ async fn test_network_egress_policy_secrets_and_teardown() {
     let vm = TestVm::adopt(env, id);
     let ns = format!("warren-{}", vm.id);
     assert!(netns_exists(&ns), "the VM's namespace exists while it runs");
+    let rec = vm.env.record(&vm.id).expect("listed");
+    assert_eq!(rec["network"]["secrets"], serde_json::json!(["api", "json"]), "{rec}");
+    assert_eq!(
+        rec["network"]["intercepts"],
+        serde_json::json!(["POST oauth.allowed.test /oauth/token"])
+    );
 
     // Guest side: one NIC with the /30 address, IPv6 off, resolver set.
     let r = vm.sh(

@@ -1013,6 +1013,16 @@ impl Warren {
         Ok(self.vm_dir(&rec.id).console_text())
     }
 
+    /// The VM's network as launched (`None`: no NIC), from its supervisor configuration.
+    pub fn vm_network(&self, id: &str) -> Option<warren_vmm::NetSpec> {
+        let dir = warren_supervisor::layout::VmDir(self.vm_dir_path(id));
+        let text = std::fs::read_to_string(dir.config()).ok()?;
+        serde_json::from_str::<warren_supervisor::layout::SupervisorConfig>(&text)
+            .ok()?
+            .launch
+            .network
+    }
+
     pub fn vm_dir_path(&self, id: &str) -> PathBuf {
         self.vm_dir(id).0
     }
