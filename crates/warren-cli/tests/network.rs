@@ -194,7 +194,11 @@ async fn test_network_egress_policy_secrets_and_teardown() {
     let ns = format!("warren-{}", vm.id);
     assert!(netns_exists(&ns), "the VM's namespace exists while it runs");
     let rec = vm.env.record(&vm.id).expect("listed");
-    assert_eq!(rec["network"]["secrets"], serde_json::json!(["api", "json"]), "{rec}");
+    assert_eq!(
+        rec["network"]["secrets"],
+        serde_json::json!(["api", "json"]),
+        "{rec}"
+    );
     assert_eq!(
         rec["network"]["intercepts"],
         serde_json::json!(["POST oauth.allowed.test /oauth/token"])
