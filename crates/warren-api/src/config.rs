@@ -385,4 +385,40 @@ mod tests {
         ))
         .is_err());
     }
+
+    #[test]
+    fn test_intercepts_and_json_secrets_checked() {
+        let base = format!("state_dir = \"/s\"\n[images.dev]\nid = \"{ID}\"\n");
+        let rule = |extra: &str| {
+            format!(
+                "{base}[[intercepts]]\nworkspace = \"w\"\nhost = \"a.example\"\nmethod = \"POST\"\n\
+                 path_prefix = \"/t\"\n{extra}"
+            )
+        };
+        let ok = parse(&rule("command = [\"/bin/hook\"]\nuid = 1000\ngid = 1000\n"))
+            .expect("valid rule");
+        assert_eq!(ok.intercepts[0].timeout_secs, 60);
+        for (bad, word) in [
+            ("command = [\"hook\"]\nuid = 1000\ngid = 1000\n", "absolute"),
+            ("command = []\nuid = 1000\ngid = 1000\n", "absolute"),
+            ("command = [\"/bin/hook\"]\nuid = 0\ngid = 1000\n", "root"),
+            (
+                "command = [\"/bin/hook\"]\nuid = 1000\ngid = 1000\ntimeout_secs = 0\n",
+                "timeout",
+            ),
+            (
+                "command = [\"/bin/hook\"]\nuid = 1000\ngid = 1000\nshell = true\n",
+                "shell",
+            ),
+        ] {
+            let e = parse(&rule(bad)).expect_err(bad);
+            assert!(e.to_string().contains(word), "{bad}: {e}");
+        }
+        let c = parse(&format!(
+            "{base}[[secrets]]\nworkspace = \"w\"\nname = \"n\"\nplaceholder = \"PLACEHOLDER1\"\n\
+             hosts = [\"a.example\"]\nfile = \"/f.json\"\njson_pointer = \"/t\"\n"
+        ))
+        .expect("JSON-field secret");
+        assert_eq!(c.secrets[0].json_pointer.as_deref(), Some("/t"));
+    }
 }

@@ -862,7 +862,41 @@ fn test_service_sessions_over_local_socket_checked_as_caller() {
     let token = d.token("tok-sessions", &[]);
     let r = d.call(&token, "session_create", json!({"repo": repo_arg}));
     assert_eq!((r.status, r.code()), (403, "forbidden"), "{}", r.text);
+    // Bad input: clean codes, nothing created.
+    for (tool, args, want) in [
+        (
+            "session_create",
+            json!({"repo": repo_arg, "bogus": 1}),
+            (400, "invalid_argument"),
+        ),
+        (
+            "session_create",
+            json!({"repo": "relative/dir"}),
+            (400, "invalid_argument"),
+        ),
+        (
+            "session_create",
+            json!({"repo": repo_arg, "name": "bad name!"}),
+            (400, "invalid_argument"),
+        ),
+        (
+            "session_create",
+            json!({"repo": repo_arg, "image": "nope"}),
+            (400, "invalid_argument"),
+        ),
+        (
+            "session_status",
+            json!({"session": "nope"}),
+            (404, "not_found"),
+        ),
+        ("session_delete", json!({}), (400, "invalid_argument")),
+    ] {
+        let r = d.local_call(tool, args.clone(), &[]);
+        assert_eq!((r.status, r.code()), want, "{tool} {args}: {}", r.text);
+    }
     assert!(d.all_vms().is_empty(), "a refused session left a VM");
+    let r = d.local_call("session_list", json!({}), &[]);
+    assert_eq!(r.body["sessions"], json!([]), "{}", r.text);
 
     // Root, through the socket.
     let out = warren(
