@@ -566,6 +566,7 @@ impl Warren {
                 memory: MemMib(rec.memory_mib),
                 vcpus: rec.vcpus,
                 accel,
+                cpu: Some(warren_vmm::qemu::default_cpu(accel).to_string()),
                 extra_cmdline,
                 run_as,
                 cgroup,

@@ -28,6 +28,11 @@ pub struct LaunchSpec {
     pub memory: MemMib,
     pub vcpus: u32,
     pub accel: Accel,
+    /// QEMU CPU model, fixed when the VM is created so its checkpoints stay loadable across
+    /// Warren upgrades ([`crate::qemu::default_cpu`]); `None` (VMs created before Warren
+    /// chose one): QEMU's default under TCG, `host` under KVM.
+    #[serde(default)]
+    pub cpu: Option<String>,
     /// Extra kernel command line arguments appended after the backend's own.
     pub extra_cmdline: Vec<String>,
     /// uid/gid the VMM process runs as; `None` keeps the caller's (non-root developer runs).

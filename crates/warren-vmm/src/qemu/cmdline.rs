@@ -61,12 +61,10 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
         ]);
     }
     push(&spec.accel.qemu_args());
-    match spec.accel {
-        crate::Accel::Kvm => push(&["-cpu", "host"]),
-        // QEMU's default TCG model (qemu64) lacks SSSE3, SSE4, POPCNT and AVX, so binaries
-        // built for newer x86-64 levels die with SIGILL (the Bun-built Claude Code and
-        // opencode CLIs of the agents image). `max` is every feature TCG emulates.
-        crate::Accel::Tcg => push(&["-cpu", "max"]),
+    match (&spec.cpu, spec.accel) {
+        (Some(model), _) => push(&["-cpu", model]),
+        (None, crate::Accel::Kvm) => push(&["-cpu", "host"]),
+        (None, crate::Accel::Tcg) => {}
     }
     push(&[
         "-bios",
@@ -156,6 +154,17 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
     a
 }
 
+/// The CPU model a new VM gets: `host` under KVM; `max` under TCG, because QEMU's default
+/// TCG model (qemu64) lacks SSSE3, SSE4, POPCNT and AVX, so binaries built for newer x86-64
+/// levels die with SIGILL (the Bun-built Claude Code and opencode CLIs of the agents image).
+/// `max` is every feature TCG emulates.
+pub fn default_cpu(accel: crate::Accel) -> &'static str {
+    match accel {
+        crate::Accel::Kvm => "host",
+        crate::Accel::Tcg => "max",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,6 +183,7 @@ mod tests {
             memory: MemMib(512),
             vcpus: 1,
             accel: Accel::Tcg,
+            cpu: Some(default_cpu(Accel::Tcg).into()),
             extra_cmdline: vec![],
             run_as: None,
             cgroup: None,
@@ -203,6 +213,17 @@ mod tests {
             s.contains("-cpu max"),
             "TCG guests get every emulated CPU feature"
         );
+        // A VM created before Warren chose a model keeps QEMU's default, so its
+        // checkpoints still load.
+        let mut legacy = spec();
+        legacy.cpu = None;
+        let old = qemu_args(
+            &legacy,
+            &crate::qemu::QemuBackend::endpoints(&legacy.run_dir),
+            2_000_000,
+        )
+        .join(" ");
+        assert!(!old.contains("-cpu"), "{old}");
         assert!(!s.contains("-netdev"), "no NIC without network");
     }
 

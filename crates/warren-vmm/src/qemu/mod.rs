@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-pub use cmdline::{kernel_cmdline, qemu_args};
+pub use cmdline::{default_cpu, kernel_cmdline, qemu_args};
 use tokio::io::AsyncReadExt;
 
 use crate::accel::{Accel, ProbeVerdict};
