@@ -106,6 +106,41 @@ fn ok(out: std::process::Output, what: &str) {
     );
 }
 
+/// Files under `dir` (recursively, symlinks not followed) that contain any of `needles`;
+/// guest disk images and memory files are skipped.
+fn files_containing(dir: &std::path::Path, needles: &[&str]) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            let Ok(meta) = std::fs::symlink_metadata(&path) else {
+                continue;
+            };
+            let name = e.file_name().to_string_lossy().into_owned();
+            if meta.is_dir() {
+                stack.push(path);
+            } else if meta.is_file()
+                && !name.ends_with(".qcow2")
+                && !name.ends_with(".ram")
+                && !name.ends_with(".cpio")
+            {
+                let Ok(bytes) = std::fs::read(&path) else {
+                    continue;
+                };
+                let text = String::from_utf8_lossy(&bytes);
+                if needles.iter().any(|n| text.contains(n)) {
+                    found.push(path);
+                }
+            }
+        }
+    }
+    found
+}
+
 /// Python in the guest: fetches `url` with optional headers; prints the body or `ERR <e>`.
 fn fetch(vm: &TestVm, url: &str, header: Option<(&str, &str)>) -> String {
     let hdr = header
@@ -410,6 +445,23 @@ async fn test_network_egress_policy_secrets_and_teardown() {
         "network figures (TCG guest): {} {}",
         r.stdout.trim(),
         r.stderr.trim()
+    );
+
+    // Pause keeps the namespace (the egress keeps serving the frozen guest's connections).
+    ok(
+        vm.warren(&["vm", "suspend", &vm.id, "--mode", "pause", "--force"]),
+        "pause",
+    );
+    assert_eq!(vm.state(), "paused");
+    assert!(netns_exists(&ns), "namespace removed by a pause");
+    ok(vm.warren(&["vm", "resume", &vm.id]), "resume from pause");
+    // No real value in anything Warren keeps on the host for this VM: database, records,
+    // logs, console (the guest's disk and memory are searched from inside, above).
+    let leaks = files_containing(vm.env.state.path(), &[REAL, ROTATED, JSON_REAL]);
+    assert!(leaks.is_empty(), "real secret in host state: {leaks:?}");
+    assert!(
+        !files_containing(vm.env.state.path(), &[PLACEHOLDER]).is_empty(),
+        "the search reads the VM's records (its placeholder is recorded there)"
     );
 
     // Hibernate removes the namespace; resume rebuilds it and the network works again.
