@@ -218,7 +218,53 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
-fn session_info(s: &warren_core::SessionRecord) -> SessionInfo {
+/// A new VM's memory (the request, else the image's default) after checking it and `vcpus`
+/// against the engine's ranges and the image's minimum.
+fn checked_size(
+    name: &str,
+    img: &crate::config::ImageConfig,
+    memory_mib: Option<u32>,
+    vcpus: Option<u32>,
+) -> Result<u32, ApiError> {
+    let memory = memory_mib
+        .or(img.memory_mib)
+        .or(img.min_memory_mib)
+        .unwrap_or(warren_core::vm::DEFAULT_MEMORY_MIB);
+    if !warren_core::vm::MEMORY_MIB_RANGE.contains(&memory) {
+        return Err(ApiError::invalid(format!(
+            "memory_mib must be within {:?}",
+            warren_core::vm::MEMORY_MIB_RANGE
+        )));
+    }
+    if let Some(min) = img.min_memory_mib {
+        if memory < min {
+            return Err(ApiError::invalid(format!(
+                "image {name} needs at least {min} MiB of memory"
+            )));
+        }
+    }
+    if let Some(v) = vcpus {
+        if !warren_core::vm::VCPUS_RANGE.contains(&v) {
+            return Err(ApiError::invalid(format!(
+                "vcpus must be within {:?}",
+                warren_core::vm::VCPUS_RANGE
+            )));
+        }
+    }
+    Ok(memory)
+}
+
+/// The workspace's own admission limits (its token policy).
+fn workspace_limits(p: &Principal) -> Limits {
+    Limits {
+        max_vms: p.policy.max_vms,
+        max_memory_mib: p.policy.max_memory_mib,
+        max_storage_mib: None,
+    }
+}
+
+/// A session record as the `session_*` tools return it.
+pub fn session_info(s: &warren_core::SessionRecord) -> SessionInfo {
     let workspace_dir = if s.direct {
         s.source.clone()
     } else {
@@ -600,36 +646,11 @@ impl Service {
                 ..Default::default()
             }
         });
-        let memory = a
-            .memory_mib
-            .or(img.memory_mib)
-            .or(img.min_memory_mib)
-            .unwrap_or(warren_core::vm::DEFAULT_MEMORY_MIB);
-        if !warren_core::vm::MEMORY_MIB_RANGE.contains(&memory) {
-            return Err(ApiError::invalid(format!(
-                "memory_mib must be within {:?}",
-                warren_core::vm::MEMORY_MIB_RANGE
-            )));
-        }
-        if let Some(min) = img.min_memory_mib {
-            if memory < min {
-                return Err(ApiError::invalid(format!(
-                    "image {name} needs at least {min} MiB of memory"
-                )));
-            }
-        }
+        let memory = checked_size(&name, &img, a.memory_mib, a.vcpus)?;
         if a.idle_seconds.is_some_and(|s| s > 604_800) {
             return Err(ApiError::invalid(
                 "idle_seconds must be at most 604800 (a week)",
             ));
-        }
-        if let Some(v) = a.vcpus {
-            if !warren_core::vm::VCPUS_RANGE.contains(&v) {
-                return Err(ApiError::invalid(format!(
-                    "vcpus must be within {:?}",
-                    warren_core::vm::VCPUS_RANGE
-                )));
-            }
         }
         let hash = args_hash(&a);
         let rid = a.request_id.as_str();
@@ -651,11 +672,7 @@ impl Service {
             workspace: p.workspace.clone(),
             request_id: Some(rid.to_string()),
             host_limits: self.cfg.host_limits(),
-            workspace_limits: Limits {
-                max_vms: p.policy.max_vms,
-                max_memory_mib: p.policy.max_memory_mib,
-                max_storage_mib: None,
-            },
+            workspace_limits: workspace_limits(p),
             idle_seconds: a.idle_seconds,
             idle_mode: a.idle_mode.map(|m| match m {
                 SuspendModeArg::Pause => warren_core::SuspendMode::Pause,
@@ -707,17 +724,7 @@ impl Service {
                 ApiError::forbidden(format!("host path {:?} is not available to you", a.repo))
             })?;
         let (name, img) = self.configured_image(p, a.image.as_deref())?;
-        let memory = a
-            .memory_mib
-            .or(img.memory_mib)
-            .or(img.min_memory_mib)
-            .unwrap_or(warren_core::vm::DEFAULT_MEMORY_MIB);
-        if img.min_memory_mib.is_some_and(|min| memory < min) {
-            return Err(ApiError::invalid(format!(
-                "image {name} needs at least {} MiB of memory",
-                img.min_memory_mib.unwrap_or_default()
-            )));
-        }
+        let memory = checked_size(&name, &img, a.memory_mib, a.vcpus)?;
         let req = warren_core::CreateSession {
             repo: host.path,
             name: a.name,
@@ -731,14 +738,7 @@ impl Service {
             },
             owner: (host.uid, gid),
             workspace: p.workspace.clone(),
-            limits: (
-                self.cfg.host_limits(),
-                Limits {
-                    max_vms: p.policy.max_vms,
-                    max_memory_mib: p.policy.max_memory_mib,
-                    max_storage_mib: None,
-                },
-            ),
+            limits: (self.cfg.host_limits(), workspace_limits(p)),
         };
         let (s, _vm) = self
             .warren

@@ -441,12 +441,6 @@ pub(crate) fn egress_file(path: &std::path::Path) -> Result<warren_core::Network
                         path.display()
                     );
                 }
-                if !r.command.first().is_some_and(|p| p.starts_with('/')) {
-                    bail!(
-                        "{}: an intercept command starts with an absolute program path",
-                        path.display()
-                    );
-                }
                 Ok(warren_vmm::NetIntercept {
                     host: r.host,
                     method: r.method,

@@ -38,16 +38,9 @@ fn devices(d: &DeviceArgs) -> Result<SessionDevices> {
     })
 }
 
+/// A session as JSON: the same shape as the service's `session_*` tools return.
 fn session_json(s: &SessionRecord) -> serde_json::Value {
-    serde_json::json!({
-        "session_id": s.id,
-        "name": s.name,
-        "source": s.source,
-        "direct": s.direct,
-        "workspace_dir": if s.direct { s.source.clone() } else { warren_session::workspace_dir(&s.dir) },
-        "vm_id": s.vm_id,
-        "created_unix": s.created_unix,
-    })
+    serde_json::to_value(warren_api::service::session_info(s)).unwrap_or_default()
 }
 
 fn warn(m: &str) {

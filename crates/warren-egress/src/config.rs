@@ -78,6 +78,8 @@ impl EgressConfig {
         for (index, r) in self.intercepts.iter().enumerate() {
             let reason = if r.command.is_empty() {
                 Some("empty command")
+            } else if !std::path::Path::new(&r.command[0]).is_absolute() {
+                Some("the program must be an absolute path")
             } else if r.method.is_empty() || !r.method.bytes().all(is_token_byte) {
                 Some("invalid method")
             } else if !r.path_prefix.starts_with('/') {
@@ -267,6 +269,28 @@ mod tests {
             hosts: vec!["api.test".parse().expect("pattern")],
             source,
         }
+    }
+
+    #[test]
+    fn rules_need_an_absolute_program() {
+        let mut cfg = EgressConfig::new("vm", "192.0.2.53:53".parse().expect("addr"));
+        let rule = |program: &str| InterceptRule {
+            host: "auth.test".parse().expect("pattern"),
+            method: "POST".into(),
+            path_prefix: "/token".into(),
+            command: vec![program.into()],
+            uid: 65534,
+            gid: 65534,
+            timeout: DEFAULT_RULE_TIMEOUT,
+            env: vec![],
+        };
+        cfg.intercepts = vec![rule("/bin/hook")];
+        assert!(cfg.validate().is_ok());
+        cfg.intercepts = vec![rule("hook")];
+        assert!(matches!(
+            cfg.validate(),
+            Err(ConfigError::Rule { index: 0, .. })
+        ));
     }
 
     #[test]
