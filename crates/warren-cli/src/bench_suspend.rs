@@ -9,7 +9,10 @@
 //!     exec result (target ratio <= 0.1);
 //! (j) host RSS of the VM's QEMU while paused; a hibernated VM has no process at all;
 //! (standby) the same VM created with `--ram-file`: hibernate (device state plus flushing the
-//!     RAM file) and resume to the first exec result.
+//!     RAM file) and resume to the first exec result;
+//! (share) a VM with a share at `/workspace` and a job working in it: resume from pause, and
+//!     resume from hibernation to the first exec result, which include the agent's share
+//!     revalidation (`warren-guest::coherence`).
 
 use std::time::Instant;
 
@@ -43,6 +46,8 @@ struct Report {
     standby_state_kib: f64,
     standby_resume_to_first_exec_ms_median: f64,
     standby_resume_vs_cold: f64,
+    share_resume_from_pause_ms_median: f64,
+    share_resume_to_first_exec_ms_median: f64,
 }
 
 fn ms(t: Instant) -> f64 {
@@ -102,6 +107,10 @@ pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
             r.standby_resume_to_first_exec_ms_median,
             r.standby_resume_vs_cold
         );
+        println!(
+            "(share) resume from pause {:.1} ms   resume from hibernation to first exec {:.0} ms",
+            r.share_resume_from_pause_ms_median, r.share_resume_to_first_exec_ms_median
+        );
     }
     Ok(0)
 }
@@ -138,6 +147,12 @@ async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
         (vec![], vec![], vec![], vec![], vec![], vec![]);
     let (mut size_idle, mut size_touched, mut rss) = (vec![], vec![], vec![]);
     let (mut sb_hib, mut sb_size, mut sb_resume) = (vec![], vec![], vec![]);
+    let (mut sh_unpause, mut sh_resume) = (vec![], vec![]);
+    let share_dir = crate::bench::tempfile_dir()?.join("suspend-share");
+    std::fs::create_dir_all(&share_dir)?;
+    for i in 0..64 {
+        std::fs::write(share_dir.join(format!("f{i}")), "x\n")?;
+    }
     let mut accel = String::new();
     for i in 0..cycles {
         eprintln!("cycle {}/{cycles}", i + 1);
@@ -195,7 +210,45 @@ async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
         first_exec(w, &sb.id).await?;
         sb_resume.push(ms(t));
         w.destroy_vm(&sb.id).await?;
+
+        // A share with a job that holds its directory and a file of it.
+        let uid = nix::unistd::getuid().as_raw();
+        let gid = nix::unistd::getgid().as_raw();
+        let sh = w
+            .create_vm(
+                &CreateVm {
+                    mounts: vec![warren_core::MountSpec {
+                        host: share_dir.canonicalize()?,
+                        guest: "/workspace".into(),
+                        read_only: false,
+                        owner: Some((uid, gid)),
+                    }],
+                    ..create.clone()
+                },
+                &mut |_| {},
+            )
+            .await?;
+        let mut job = exec_true();
+        job.argv = [
+            "sh",
+            "-c",
+            "exec 3</workspace/f0; ls /workspace >/dev/null; sleep 3600",
+        ]
+        .map(String::from)
+        .to_vec();
+        w.exec_start(&sh.id, job).await?;
+        first_exec(w, &sh.id).await?;
+        w.suspend_vm(&sh.id, SuspendMode::Pause, true).await?;
+        let t = Instant::now();
+        w.resume_vm(&sh.id).await?;
+        sh_unpause.push(ms(t));
+        hibernate(w, &sh.id).await?;
+        let t = Instant::now();
+        first_exec(w, &sh.id).await?;
+        sh_resume.push(ms(t));
+        w.destroy_vm(&sh.id).await?;
     }
+    let _ = std::fs::remove_dir_all(&share_dir);
     let (hi, ht) = (median(&mut hib_idle), median(&mut hib_touched));
     let (si, st) = (median(&mut size_idle), median(&mut size_touched));
     let gib = TOUCH_MIB as f64 / 1024.0;
@@ -220,5 +273,7 @@ async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
         standby_state_kib: median(&mut sb_size),
         standby_resume_to_first_exec_ms_median: median(&mut sb_resume),
         standby_resume_vs_cold: median(&mut sb_resume) / c,
+        share_resume_from_pause_ms_median: median(&mut sh_unpause),
+        share_resume_to_first_exec_ms_median: median(&mut sh_resume),
     })
 }

@@ -12,7 +12,7 @@ use std::process::{Command, Output, Stdio};
 use common::{ok, TestEnv};
 
 fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
+    Command::new("git")
         .args(["-c", "user.name=T", "-c", "user.email=t@example.com"])
         .args(args)
         .current_dir(dir)
@@ -293,4 +293,116 @@ fn test_run_shell_git_status_in_fresh_project_reuses_session() {
         ]),
         "delete",
     );
+}
+
+/// A hostile guest plants, in its session copy, every way it knows to make host git run its
+/// code: the security review's submodule with a filter driver, an fsmonitor, a filter and a
+/// textconv driver on the main repository, a relative `include.path`, and hooks. Host
+/// `session status`, `session export` and `session delete` then run, and the host marker
+/// never appears. Positive control: the host git invocation Warren used to make (`git status
+/// --ignore-submodules=none` in the copy) runs the guest's code.
+#[test]
+fn test_hostile_guest_git_config_never_runs_on_host() {
+    common::ensure_image("dev");
+    let env = TestEnv::new();
+    let src_dir = tempfile::tempdir().expect("tempdir");
+    let src = src_dir.path().canonicalize().unwrap();
+    git(&src, &["init", "-q", "-b", "main"]);
+    std::fs::write(src.join("a.txt"), "alpha\n").unwrap();
+    git(&src, &["add", "-A"]);
+    git(&src, &["commit", "-qm", "initial"]);
+    let mut sessions = Sessions {
+        env: &env,
+        names: vec![],
+    };
+    let s = sessions.create(&src, "hostile");
+    let vm = s["vm_id"].as_str().unwrap().to_string();
+    let ws = PathBuf::from(s["workspace_dir"].as_str().unwrap());
+    let marker = std::env::temp_dir().join(format!("warren-hostgit-marker-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    let m = marker.display();
+    let (code, _, err) = sh(
+        &env,
+        &vm,
+        &format!(
+            "set -e; cd /workspace; G='git -c user.name=G -c user.email=g@example.com'; \
+             mkdir sub && cd sub && git init -q && echo hello > f.txt && git add f.txt && \
+             $G commit -qm s && echo '* filter=x' > .gitattributes && \
+             git config filter.x.clean \"sh -c 'id > {m}'; cat\" && sleep 1 && touch f.txt && cd .. && \
+             git update-index --add --cacheinfo 160000,$(git -C sub rev-parse HEAD),sub && \
+             git config core.fsmonitor 'id > {m}; true' && \
+             echo '*.txt filter=y diff=y' > .gitattributes && \
+             git config filter.y.clean \"sh -c 'id > {m}'; cat\" && \
+             git config diff.y.textconv 'id > {m}; cat' && \
+             printf '[core]\\n\\tpager = id > {m}\\n' > .git/evil.cfg && \
+             git config include.path evil.cfg && \
+             mkdir -p .git/hooks && printf '#!/bin/sh\\nid > {m}\\n' > .git/hooks/post-index-change && \
+             chmod +x .git/hooks/post-index-change && \
+             echo changed > a.txt && $G commit -qam 'guest commit' --no-verify"
+        ),
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        !marker.exists(),
+        "the guest could write the host marker itself"
+    );
+
+    let st = ok(
+        env.run(&["session", "status", "hostile", "--json"]),
+        "status",
+    );
+    assert!(
+        st.contains("guest commit") || st.contains("unexported"),
+        "{st}"
+    );
+    assert!(
+        !marker.exists(),
+        "session status ran guest code on the host"
+    );
+    ok(
+        env.run(&["session", "export", "hostile", "--branch", "from-hostile"]),
+        "export",
+    );
+    assert!(
+        !marker.exists(),
+        "session export ran guest code on the host"
+    );
+    assert_eq!(
+        git(&src, &["log", "--format=%s", "-1", "from-hostile"]),
+        "guest commit\n"
+    );
+    let out = env.run(&["session", "delete", "hostile"]);
+    assert!(
+        !out.status.success(),
+        "uncommitted work must refuse the delete"
+    );
+    assert!(
+        !marker.exists(),
+        "session delete ran guest code on the host"
+    );
+
+    // Positive control: the old host invocation runs the guest's code (as this user).
+    Command::new("git")
+        .args([
+            "-c",
+            "safe.directory=*",
+            "status",
+            "--porcelain",
+            "--ignore-submodules=none",
+        ])
+        .current_dir(&ws)
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .output()
+        .expect("git");
+    let _ = out;
+    assert!(
+        marker.exists(),
+        "sanity: the planted attack does run under plain host git"
+    );
+    let _ = std::fs::remove_file(&marker);
+    ok(
+        env.run(&["session", "delete", "hostile", "--force"]),
+        "delete",
+    );
+    sessions.names.clear();
 }

@@ -109,3 +109,138 @@ fn test_shares_edit_both_ways_ownership_readonly_and_hibernate() {
     assert_eq!(st["state"], "running", "{st}");
     vm.destroy();
 }
+
+/// How long the guest kernel trusts a share's cached names and attributes: virtiofsd's
+/// `--cache=auto` answers every lookup with a 1 s entry and attribute timeout
+/// (`warren_vmm::qemu::virtiofs`).
+const SHARE_CACHE_TIMEOUT_S: f64 = 1.0;
+
+/// Every host change made while the VM was suspended (a deletion of a file a guest process
+/// holds open, a rename, a replacement, a new file) is what the guest sees at its first access
+/// after the resume, although its cache of those names was primed right before the suspension
+/// and has not timed out in guest time. Both suspension modes, each on its own names.
+///
+/// One guest job does the priming and the check, so that only the suspension itself lies
+/// between them: it looks every name up once (new names, so these are real lookups), reports
+/// on the share, then waits for a marker the host creates while the VM is suspended (absent
+/// names are never cached, so it sees the marker at its first look after the thaw) and checks
+/// every name. It reports the guest time between priming and check; an attempt where that
+/// reached the cache timeout proves nothing and is made again on new names.
+#[test]
+fn test_shares_coherent_after_pause_and_hibernate() {
+    common::ensure_image("minimal");
+    // What this test times is guest time, which a loaded host stretches: the VM's processes
+    // (supervisor, QEMU, virtiofsd; they inherit this thread's priority) run ahead of
+    // ordinary load, so the window between priming and check stays what the guest needs.
+    rustix::process::setpriority_process(None, -10).expect("raise priority");
+    let share = tempfile::tempdir().expect("tempdir");
+    let host = share.path();
+    let env = TestEnv::new();
+    let arg = format!("{}:/workspace", host.display());
+    let id = env.create_vm_with("minimal", &["--mount", &arg]);
+    let vm = TestVm::adopt(env, id);
+
+    for mode in ["pause", "hibernate"] {
+        let mut exercised = false;
+        for attempt in 0..3 {
+            let tag = format!("{mode}{attempt}");
+            let n = |name: &str| format!("{tag}-{name}");
+            let (held, from, to, repl, new) = (n("held"), n("from"), n("to"), n("repl"), n("new"));
+            std::fs::write(host.join(&held), "held open\n").expect("write");
+            std::fs::write(host.join(&from), "renamed\n").expect("write");
+            std::fs::write(host.join(&repl), "old content\n").expect("write");
+            let list = [&held, &from, &to, &repl, &new]
+                .iter()
+                .map(|p| format!("/workspace/{p}"))
+                .collect::<Vec<_>>()
+                .join(" ");
+            // bash builtins only between priming and check (`read -t` on a FIFO nobody writes
+            // is the sleep): no process starts in the window, so the check runs at the
+            // job's first instant after the thaw.
+            let script = format!(
+                "exec 3</workspace/{held}; W=/workspace; mkfifo /tmp/{tag}.fifo; exec 9<>/tmp/{tag}.fifo; \
+                 read -r t0 _ </proc/uptime; \
+                 for p in {list}; do [[ -e $p ]]; done; read -r old <$W/{repl}; \
+                 echo primed >$W/{tag}.primed; \
+                 until [[ -e $W/{tag}.marker ]]; do read -t 0.02 -u 9; done; \
+                 r=; for p in {list}; do \
+                   if [[ -e $p ]]; then r=\"$r ${{p##*/}}=1\"; else r=\"$r ${{p##*/}}=0\"; fi; \
+                 done; \
+                 read -r c1 <$W/{repl}; read -r c2 <$W/{new}; read -r c3 <$W/{to}; read -r h <&3; \
+                 read -r t1 _ </proc/uptime; \
+                 printf '%s %s\\n%s\\n%s\\n%s\\n%s\\n%s\\nend\\n' \"$t0\" \"$t1\" \"$r\" \"$c1\" \"$c2\" \"$c3\" \"$h\" \
+                   >$W/{tag}.result; read -u 9"
+            );
+            let out = vm.warren(&[
+                "vm", "exec", &vm.id, "--detach", "--", "bash", "-c", &script,
+            ]);
+            let job: serde_json::Value =
+                serde_json::from_str(&ok(out, "start the job")).expect("json");
+            let job = job["job_id"].as_u64().expect("job id");
+            // Poll tightly: guest time runs until the suspension stops it.
+            let primed = host.join(format!("{tag}.primed"));
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            while !primed.exists() {
+                assert!(std::time::Instant::now() < deadline, "the job never primed");
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            ok(
+                vm.warren(&["vm", "suspend", &vm.id, "--mode", mode, "--force"]),
+                mode,
+            );
+            let expected_state = if mode == "pause" {
+                "paused"
+            } else {
+                "hibernated"
+            };
+            assert_eq!(vm.state(), expected_state);
+
+            std::fs::remove_file(host.join(&held)).expect("rm");
+            std::fs::rename(host.join(&from), host.join(&to)).expect("rename");
+            let tmp = host.join(format!("{repl}.tmp"));
+            std::fs::write(&tmp, "new content\n").expect("write");
+            std::fs::rename(&tmp, host.join(&repl)).expect("replace");
+            std::fs::write(host.join(&new), "created\n").expect("write");
+            std::fs::write(host.join(format!("{tag}.marker")), "").expect("marker");
+
+            ok(vm.warren(&["vm", "resume", &vm.id]), "resume");
+            let result = host.join(format!("{tag}.result"));
+            let mut text = String::new();
+            common::wait_until("checked", 60, || {
+                text = std::fs::read_to_string(&result).unwrap_or_default();
+                text.ends_with("end\n")
+            });
+            let lines: Vec<&str> = text.lines().collect();
+            let times: Vec<f64> = lines[0]
+                .split(' ')
+                .map(|t| t.parse().expect("uptime"))
+                .collect();
+            let elapsed = times[1] - times[0];
+            let seen = format!(" {held}=0 {from}=0 {to}=1 {repl}=1 {new}=1");
+            assert_eq!(
+                &lines[1..5],
+                [seen.as_str(), "new content", "created", "renamed"],
+                "after {mode} (guest time from priming to check {elapsed:.2} s)"
+            );
+            if mode == "pause" {
+                // Held open across the pause: still readable through its descriptor.
+                assert_eq!(lines[5], "held open");
+            }
+            ok(
+                vm.warren(&["vm", "cancel", &vm.id, &job.to_string()]),
+                "cancel",
+            );
+            eprintln!("{mode} attempt {attempt}: guest time from priming to check {elapsed:.3} s");
+            if elapsed < SHARE_CACHE_TIMEOUT_S {
+                exercised = true;
+                break;
+            }
+        }
+        assert!(
+            exercised,
+            "after {mode}: every attempt took {SHARE_CACHE_TIMEOUT_S} s of guest time or more \
+             from priming to check, so none exercised the cache"
+        );
+    }
+    vm.destroy();
+}

@@ -104,7 +104,8 @@ fn session_error(e: warren_session::SessionError) -> CoreError {
         S::Unsaved { .. } | S::NotFastForward { .. } | S::BranchCheckedOut { .. } => {
             CoreError::Conflict(e.to_string())
         }
-        S::UnsafeConfig { .. } | S::UnsafeGitDir { .. } => CoreError::Conflict(e.to_string()),
+        S::UnsafeGitDir { .. } | S::TooLarge { .. } => CoreError::Conflict(e.to_string()),
+        S::GitTimeout { .. } => CoreError::Session(e.to_string()),
         S::Io { .. } | S::GitSpawn(_) | S::Git { .. } => CoreError::Session(e.to_string()),
         other => CoreError::InvalidArgument(other.to_string()),
     }

@@ -53,6 +53,8 @@ pub struct Booted {
     secret: Secret,
     /// Opened before switch-root, loaded once the agent serves.
     deferred_modules: Vec<(String, File)>,
+    /// Where the shares are mounted (for [`crate::coherence`] after a resume).
+    share_mounts: Vec<PathBuf>,
 }
 
 /// A failed boot step.
@@ -134,6 +136,7 @@ pub fn boot() -> Result<Booted, (&'static str, BootError)> {
         port,
         secret,
         deferred_modules: deferred,
+        share_mounts: shares.iter().map(|s| PathBuf::from(&s.path)).collect(),
     })
 }
 
@@ -567,6 +570,7 @@ pub async fn serve(booted: Booted) -> Result<(), (&'static str, Box<dyn Error>)>
         system: System {
             pid1: true,
             power_off_requested: AtomicBool::new(false),
+            shares: crate::coherence::Shares::new(booted.share_mounts, jobs_cgroup()),
         },
     });
     let reader = booted.port.try_clone().map_err(|e| ("port", e.into()))?;

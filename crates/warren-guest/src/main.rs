@@ -4,10 +4,12 @@
 //! serves the host over the virtio-serial port ([`channel`], [`session`]) with jobs
 //! ([`jobs`] on pipes or pseudo-terminals ([`pty`]), exec retries deduplicated by
 //! [`request_keys`]) and file operations ([`files`], plus the versioned, atomic and search
-//! operations of [`workspace_ops`]). All `unsafe` code is in [`sys`].
+//! operations of [`workspace_ops`]); after a resume [`coherence`] brings the shares' cached names up to
+//! date. All `unsafe` code is in [`sys`].
 
 mod boot;
 mod channel;
+mod coherence;
 mod console;
 mod files;
 mod jobs;

@@ -53,6 +53,8 @@ pub struct System {
     pub pid1: bool,
     /// A `PowerOff` was requested (what tests observe instead of a power-off).
     pub power_off_requested: AtomicBool,
+    /// The virtio-fs shares, revalidated on every `Thaw` ([`crate::coherence`]).
+    pub shares: crate::coherence::Shares,
 }
 
 /// Delay between answering `PowerOff` and powering off, so the reply reaches the host.
@@ -371,6 +373,43 @@ fn agent_info() -> AgentInfo {
 /// Largest `Source` payload that still fits one message (tags and length prefix included).
 const SOURCE_MAX: usize = MAX_MESSAGE_BYTES - 16;
 
+/// The `Freeze` half of [`crate::coherence`], off the runtime thread and under a deadline.
+/// A failure is logged on the console; the `Thaw` half then does the whole pass.
+async fn prepare_shares(shares: &crate::coherence::Shares) {
+    if shares.is_empty() {
+        return;
+    }
+    let shares = shares.clone();
+    let work = tokio::task::spawn_blocking(move || shares.before_suspend());
+    match tokio::time::timeout(crate::coherence::DEADLINE * 2, work).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => crate::console::log(format_args!("share preparation failed: {e}")),
+        Ok(Err(e)) => crate::console::log(format_args!("share preparation panicked: {e}")),
+        Err(_) => crate::console::log(format_args!("share preparation timed out")),
+    }
+}
+
+/// Brings every share's cached view up to date before the jobs thaw ([`crate::coherence`]),
+/// off the runtime thread and under a deadline. A failure is logged on the console and the
+/// jobs thaw regardless: they ran against the same share before the suspension.
+async fn revalidate_shares(shares: &crate::coherence::Shares) {
+    if shares.is_empty() {
+        return;
+    }
+    let shares = shares.clone();
+    let work = tokio::task::spawn_blocking(move || shares.after_resume());
+    match tokio::time::timeout(crate::coherence::DEADLINE * 2, work).await {
+        Ok(Ok(Ok(r))) if r.truncated => crate::console::log(format_args!(
+            "share revalidation stopped at a limit after {} paths",
+            r.revalidated
+        )),
+        Ok(Ok(Ok(_))) => {}
+        Ok(Ok(Err(e))) => crate::console::log(format_args!("share revalidation failed: {e}")),
+        Ok(Err(e)) => crate::console::log(format_args!("share revalidation panicked: {e}")),
+        Err(_) => crate::console::log(format_args!("share revalidation timed out")),
+    }
+}
+
 async fn serve_request(agent: &Arc<Agent>, req: HostRequest) -> Response {
     match req {
         HostRequest::Hello(_) | HostRequest::Auth(_) => Err(GuestError::new(
@@ -379,11 +418,18 @@ async fn serve_request(agent: &Arc<Agent>, req: HostRequest) -> Response {
         )),
         HostRequest::Ping => Ok(GuestResponse::Pong),
         HostRequest::JobList => Ok(GuestResponse::Jobs(agent.jobs.list())),
-        HostRequest::Freeze => agent.jobs.freeze().map(GuestResponse::Frozen),
+        HostRequest::Freeze => {
+            let frozen = agent.jobs.freeze();
+            if frozen.is_ok() && agent.system.pid1 {
+                prepare_shares(&agent.system.shares).await;
+            }
+            frozen.map(GuestResponse::Frozen)
+        }
         HostRequest::Thaw(t) => {
             if agent.system.pid1 {
                 set_clock(t.unix_time_ns);
                 add_entropy(&t.entropy);
+                revalidate_shares(&agent.system.shares).await;
             }
             agent.jobs.thaw().map(|()| GuestResponse::Thawed)
         }

@@ -62,6 +62,7 @@ async fn start_agent() -> Wire {
         system: System {
             pid1: false,
             power_off_requested: AtomicBool::new(false),
+            shares: crate::coherence::Shares::default(),
         },
     });
     let (guest, host) = StdUnixStream::pair().expect("socketpair");

@@ -43,10 +43,12 @@ pub enum SessionError {
     /// symlink, a `commondir`, changed alternates, ...). The guest controls it.
     #[error("session git directory {path} is unsafe for host git: {reason}")]
     UnsafeGitDir { path: PathBuf, reason: String },
-    /// The session's git config has a key outside the allowlist; host git would run or trust
-    /// what the guest wrote. `key` is the first offending key, lowercased as git prints it.
-    #[error("session git config has `{key}`, which host git refuses to read")]
-    UnsafeConfig { key: String },
+    /// What host git would have to copy out of a session exceeds a limit.
+    #[error("{what} exceeds the limit of {limit} for host-side inspection")]
+    TooLarge { what: String, limit: String },
+    /// A git command ran past its deadline and was killed.
+    #[error("git {args} did not finish within {secs} s and was stopped")]
+    GitTimeout { args: String, secs: u64 },
     /// The branch name is not a valid git branch name.
     #[error("invalid branch name {0:?}")]
     InvalidBranch(String),

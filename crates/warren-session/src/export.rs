@@ -1,14 +1,17 @@
 //! Bringing a session's commits into the source repository as a branch.
 //!
 //! Steps, in order:
-//! 1. Check the session repository ([`crate::guard`]) and the branch name.
+//! 1. Check the session directory ([`crate::guard`]) and the branch name, and build the
+//!    host-owned scratch git directory host git reads the session through
+//!    ([`crate::scratch`]).
 //! 2. Resolve the session's HEAD commit and check that `source_git` is the repository the
 //!    session was made from (same object directory).
 //! 3. Refuse a branch checked out in any working tree of the source, and an existing branch
 //!    that is not an ancestor of the commit (fast-forward only).
 //! 4. Pack the objects reachable from the commit and from no source ref
-//!    (`pack-objects --revs` in the session, which also reads the source store) and index the
-//!    pack into the source (`index-pack --stdin --strict`, which verifies every object).
+//!    (`pack-objects --revs` over the scratch directory, which also reads the source store)
+//!    and index the pack into the source (`index-pack --stdin --strict`, which verifies every
+//!    object).
 //! 5. Move the branch with a compare-and-swap `update-ref` (old value: what step 3 saw).
 
 use std::path::{Path, PathBuf};
@@ -16,6 +19,7 @@ use std::path::{Path, PathBuf};
 use crate::git::{text, Git, Repo};
 use crate::guard::{self, SessionPaths};
 use crate::retention::source_tips;
+use crate::scratch::Scratch;
 use crate::{Owner, SessionError};
 
 /// What [`export`] did.
@@ -43,9 +47,10 @@ pub fn export(
 ) -> Result<Exported, SessionError> {
     let git = Git::new(owner)?;
     let paths = SessionPaths::new(session_dir);
-    guard::check(&paths, &git)?;
+    guard::check(&paths)?;
     let refname = branch_ref(&git, branch)?;
-    let repo = paths.repo();
+    let scratch = Scratch::build(&paths, &git)?;
+    let repo = scratch.repo();
 
     let head = git.output(
         repo,

@@ -3,14 +3,18 @@
 //! Every invocation gets a scrubbed environment (no system or global config, no user
 //! attributes or excludes, `HOME` pointing nowhere, C locale), command-line overrides that
 //! disable hooks, fsmonitor, pagers and every transport, and runs as the session's [`Owner`]
-//! when one is given and the process is root. Repository-local config is still read by git:
-//! for the session repository, [`crate::guard`] checks it before each use.
+//! when one is given and the process is root, in a process group of its own that is killed
+//! when the command outlives its deadline ([`DEADLINE`]; [`PIPE_DEADLINE`] for a pack moved
+//! between two gits). Repository-local config is still read by git, so git only ever runs on
+//! the user's own repositories and on host-owned directories: a session is read through
+//! [`crate::scratch`], never through the guest's git directory.
 
 use std::ffi::{OsStr, OsString};
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use crate::SessionError;
 
@@ -48,6 +52,11 @@ const OVERRIDES: &[&str] = &[
     "gc.auto=0",
     "maintenance.auto=false",
 ];
+
+/// Longest a git command may run.
+pub(crate) const DEADLINE: Duration = Duration::from_secs(120);
+/// Longest a `pack-objects | index-pack` pipe may run.
+pub(crate) const PIPE_DEADLINE: Duration = Duration::from_secs(600);
 
 /// Runs git for one [`Owner`] (or the current user).
 #[derive(Debug, Clone, Copy)]
@@ -107,6 +116,8 @@ impl Git {
             Repo::None => {}
         }
         cmd.args(args);
+        // Its own process group, so a deadline kills whatever it started too.
+        cmd.process_group(0);
         if let Some(o) = self.run_as {
             // std drops supplementary groups itself when a root parent sets a uid.
             cmd.uid(o.uid).gid(o.gid);
@@ -124,20 +135,32 @@ impl Git {
         let mut cmd = self.command(repo, args);
         tracing::trace!(?cmd, "git");
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-        let Some(input) = stdin else {
-            cmd.stdin(Stdio::null());
-            return cmd.output().map_err(SessionError::GitSpawn);
-        };
-        cmd.stdin(Stdio::piped());
+        cmd.stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        });
         let mut child = cmd.spawn().map_err(SessionError::GitSpawn)?;
-        let mut pipe = child.stdin.take().expect("invariant: stdin is piped");
         // Feed stdin from a thread: git may fill its stdout pipe before reading all input.
-        let input = input.to_vec();
-        let writer = std::thread::spawn(move || pipe.write_all(&input));
-        let out = child.wait_with_output().map_err(SessionError::GitSpawn)?;
+        let writer = match (stdin, child.stdin.take()) {
+            (Some(input), Some(mut pipe)) => {
+                let input = input.to_vec();
+                Some(std::thread::spawn(move || pipe.write_all(&input)))
+            }
+            _ => None,
+        };
+        let stdout = drain(child.stdout.take());
+        let stderr = drain(child.stderr.take());
+        let status = wait_until(&mut child, DEADLINE, Instant::now() + DEADLINE, args)?;
         // A git that exits early closes the pipe; its exit status reports why.
-        let _ = writer.join();
-        Ok(out)
+        if let Some(w) = writer {
+            let _ = w.join();
+        }
+        Ok(Output {
+            status,
+            stdout: stdout.join().unwrap_or_default(),
+            stderr: stderr.join().unwrap_or_default(),
+        })
     }
 
     /// Runs git, requires success, returns stdout.
@@ -193,14 +216,39 @@ impl Git {
             .stdin(Stdio::from(stream))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        let second = second.spawn();
+        let mut second = match second.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                kill_group(&mut first);
+                return Err(SessionError::GitSpawn(e));
+            }
+        };
         let mut pipe = first.stdin.take().expect("invariant: stdin is piped");
         let input = input.to_vec();
         let writer = std::thread::spawn(move || pipe.write_all(&input));
-        let second_out = second.and_then(|c| c.wait_with_output());
-        let first_out = first.wait_with_output().map_err(SessionError::GitSpawn)?;
+        let first_err = drain(first.stderr.take());
+        let second_out = drain(second.stdout.take());
+        let second_err = drain(second.stderr.take());
+        let deadline = Instant::now() + PIPE_DEADLINE;
+        let second_status = match wait_until(&mut second, PIPE_DEADLINE, deadline, consumer.1) {
+            Ok(s) => s,
+            Err(e) => {
+                kill_group(&mut first);
+                return Err(e);
+            }
+        };
+        let first_status = wait_until(&mut first, PIPE_DEADLINE, deadline, producer.1)?;
         let _ = writer.join();
-        let second_out = second_out.map_err(SessionError::GitSpawn)?;
+        let first_out = Output {
+            status: first_status,
+            stdout: Vec::new(),
+            stderr: first_err.join().unwrap_or_default(),
+        };
+        let second_out = Output {
+            status: second_status,
+            stdout: second_out.join().unwrap_or_default(),
+            stderr: second_err.join().unwrap_or_default(),
+        };
         if !first_out.status.success() {
             return Err(failed(producer.1, &first_out));
         }
@@ -209,6 +257,59 @@ impl Git {
         }
         Ok(second_out.stdout)
     }
+}
+
+/// Reads a child's pipe to the end on a thread of its own.
+fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        if let Some(mut p) = pipe {
+            let _ = p.read_to_end(&mut buf);
+        }
+        buf
+    })
+}
+
+/// Waits for `child` until `deadline`; past it, kills its process group and fails.
+fn wait_until<S: AsRef<OsStr>>(
+    child: &mut Child,
+    limit: Duration,
+    deadline: Instant,
+    args: &[S],
+) -> Result<ExitStatus, SessionError> {
+    let mut pause = Duration::from_millis(1);
+    loop {
+        if let Some(status) = child.try_wait().map_err(SessionError::GitSpawn)? {
+            return Ok(status);
+        }
+        if Instant::now() >= deadline {
+            kill_group(child);
+            return Err(SessionError::GitTimeout {
+                args: joined(args),
+                secs: limit.as_secs(),
+            });
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}
+
+/// Kills `child`'s process group (it leads one, see `Git::command`) and reaps it.
+fn kill_group(child: &mut Child) {
+    if let Ok(pid) = i32::try_from(child.id()) {
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    let _ = child.wait();
+}
+
+fn joined<S: AsRef<OsStr>>(args: &[S]) -> String {
+    args.iter()
+        .map(|a| a.as_ref().to_string_lossy())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// `owner` as it will be applied: `None` when no switch is needed (no owner, or the owner is
@@ -234,11 +335,7 @@ fn dashdash(opt: &str, path: &Path) -> OsString {
 
 fn failed<S: AsRef<OsStr>>(args: &[S], out: &Output) -> SessionError {
     SessionError::Git {
-        args: args
-            .iter()
-            .map(|a| a.as_ref().to_string_lossy())
-            .collect::<Vec<_>>()
-            .join(" "),
+        args: joined(args),
         status: out.status.to_string(),
         stderr: text(&out.stderr),
     }

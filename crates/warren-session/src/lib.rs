@@ -36,6 +36,7 @@ mod git;
 pub mod guard;
 mod prepare;
 mod retention;
+mod scratch;
 
 use std::path::{Path, PathBuf};
 

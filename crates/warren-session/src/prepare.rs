@@ -387,7 +387,7 @@ fn build(git: &Git, src: &Source, paths: &SessionPaths) -> Result<Prepared, Sess
         }
     }
     git.run(repo, &["update-index", "-q", "--refresh"])?;
-    guard::check(paths, git)?;
+    guard::check(paths)?;
 
     let mut skipped = src.skipped.clone();
     skipped.extend(stats.skipped);

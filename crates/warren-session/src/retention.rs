@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 
 use crate::git::{nul_fields, Git, Repo};
 use crate::guard::{self, SessionPaths};
+use crate::scratch::Scratch;
 use crate::{Owner, SessionError};
 
 /// Work in a session that deleting it would lose.
@@ -24,13 +25,16 @@ impl Retention {
     }
 }
 
-/// Reports the session's uncommitted paths and unexported commits. Runs host git in the
-/// session repository after [`crate::guard`] checks it.
+/// Reports the session's uncommitted paths and unexported commits. Host git reads the
+/// session through a host-owned scratch git directory ([`crate::scratch`]), never the
+/// guest's, and ignores submodules entirely (`--ignore-submodules=all`: nothing under a
+/// gitlink is opened; commits that change a gitlink still count as unexported).
 pub fn status(session_dir: &Path, owner: Option<Owner>) -> Result<Retention, SessionError> {
     let git = Git::new(owner)?;
     let paths = SessionPaths::new(session_dir);
-    guard::check(&paths, &git)?;
-    let repo = paths.repo();
+    guard::check(&paths)?;
+    let scratch = Scratch::build(&paths, &git)?;
+    let repo = scratch.repo();
     let porcelain = git.run(
         repo,
         &[
@@ -38,7 +42,7 @@ pub fn status(session_dir: &Path, owner: Option<Owner>) -> Result<Retention, Ses
             "--porcelain=v1",
             "-z",
             "--untracked-files=all",
-            "--ignore-submodules=none",
+            "--ignore-submodules=all",
         ],
     )?;
     let mut uncommitted = Vec::new();
@@ -53,7 +57,7 @@ pub fn status(session_dir: &Path, owner: Option<Owner>) -> Result<Retention, Ses
             fields.next();
         }
     }
-    let unexported = unexported(&git, &paths)?;
+    let unexported = unexported(&git, &paths, repo)?;
     Ok(Retention {
         uncommitted,
         unexported,
@@ -85,8 +89,11 @@ pub(crate) fn source_tips(git: &Git, source_git: &Path) -> Result<Vec<String>, S
         .collect())
 }
 
-fn unexported(git: &Git, paths: &SessionPaths) -> Result<Vec<String>, SessionError> {
-    let repo = paths.repo();
+fn unexported(
+    git: &Git,
+    paths: &SessionPaths,
+    repo: Repo<'_>,
+) -> Result<Vec<String>, SessionError> {
     let head = git.output(
         repo,
         &["rev-parse", "--verify", "-q", "HEAD^{commit}"],

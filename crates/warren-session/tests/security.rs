@@ -13,13 +13,6 @@ fn guest_config(s: &Path, key: &str, value: &str) {
     git(&ws(s), &["config", key, value]);
 }
 
-fn assert_unsafe_config(r: Result<impl std::fmt::Debug, SessionError>, key: &str) {
-    match r {
-        Err(SessionError::UnsafeConfig { key: k }) => assert_eq!(k, key),
-        other => panic!("expected UnsafeConfig({key}), got {other:?}"),
-    }
-}
-
 /// A hook script that creates `marker` when run.
 fn hook(dir: &Path, name: &str, marker: &Path) {
     std::fs::create_dir_all(dir).unwrap();
@@ -28,124 +21,309 @@ fn hook(dir: &Path, name: &str, marker: &Path) {
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
 
-#[test]
-fn test_guest_fsmonitor_refused_without_running() {
-    let f = Fixture::committed();
-    let (s, _) = f.prepare("s");
-    let marker = f.tmp.path().join("pwned");
-    guest_config(&s, "core.fsmonitor", &format!("touch {}", marker.display()));
-    write(&ws(&s), "a.txt", "changed\n");
-    assert_unsafe_config(status(&s, None), "core.fsmonitor");
-    assert_unsafe_config(export(&s, &f.src, "x", None), "core.fsmonitor");
-    assert_unsafe_config(remove(&s, false, None), "core.fsmonitor");
-    assert!(!marker.exists(), "the guest's fsmonitor ran on the host");
-    assert!(s.exists());
-    remove(&s, true, None).unwrap();
+/// A command line that creates `marker` when a shell runs it.
+fn touch(marker: &Path) -> String {
+    format!("touch {}; true", marker.display())
+}
+
+/// Runs every host operation on the session (status, export, remove without force) and
+/// asserts none of them ran the guest's program: `marker` never appears, and the operations
+/// answer from the session's own state (the guest's config, drivers and redirects are
+/// ignored, not obeyed).
+fn assert_host_git_ignores_guest(f: &Fixture, s: &Path, marker: &Path) {
+    let r = status(s, None).expect("status");
+    assert!(!marker.exists(), "status ran the guest's program");
+    let _ = export(s, &f.src, "attack-probe", None);
+    assert!(!marker.exists(), "export ran the guest's program");
+    if r.is_clean() {
+        remove(s, false, None).expect("remove a clean session");
+    } else {
+        assert!(matches!(
+            remove(s, false, None),
+            Err(SessionError::Unsaved { .. })
+        ));
+        remove(s, true, None).expect("forced remove");
+    }
+    assert!(!marker.exists(), "remove ran the guest's program");
     assert!(!s.exists());
 }
 
+/// The reproduction from the security review: a submodule made in the guest, with its own
+/// git directory, config and attributes naming a filter. Host `git status` used to recurse
+/// into it (`--ignore-submodules=none`) and run the filter as the session owner.
 #[test]
-fn test_guest_filter_driver_refused_without_running() {
+fn test_guest_submodule_filter_never_runs_on_host() {
+    let f = Fixture::committed();
+    let (s, _) = f.prepare("s");
+    let w = ws(&s);
+    let marker = f.tmp.path().join("pwned");
+    let sub = w.join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    git(&sub, &["init", "-q"]);
+    write(&sub, "f.txt", "hello\n");
+    git(&sub, &["add", "f.txt"]);
+    git(&sub, &["commit", "-qm", "s"]);
+    write(&sub, ".gitattributes", "* filter=x\n");
+    git(
+        &sub,
+        &[
+            "config",
+            "filter.x.clean",
+            &format!("sh -c '{}'; cat", touch(&marker)),
+        ],
+    );
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    write(&sub, "f.txt", "hello\n");
+    let head = git(&sub, &["rev-parse", "HEAD"]);
+    git(
+        &w,
+        &[
+            "update-index",
+            "--add",
+            "--cacheinfo",
+            &format!("160000,{},sub", head.trim()),
+        ],
+    );
+    // The attack is real: the guest's git (or an unguarded host git) runs the filter.
+    let out = git_cmd(&w, &["status", "--porcelain", "--ignore-submodules=none"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(
+        marker.exists(),
+        "sanity: an unguarded git status runs the submodule's filter"
+    );
+    std::fs::remove_file(&marker).unwrap();
+    assert_host_git_ignores_guest(&f, &s, &marker);
+}
+
+#[test]
+fn test_guest_fsmonitor_never_runs_on_host() {
+    let f = Fixture::committed();
+    let (s, _) = f.prepare("s");
+    let marker = f.tmp.path().join("pwned");
+    guest_config(&s, "core.fsmonitor", &touch(&marker));
+    write(&ws(&s), "a.txt", "changed\n");
+    git_out(&ws(&s), &["status"]);
+    assert!(
+        marker.exists(),
+        "sanity: an unguarded git runs the fsmonitor"
+    );
+    std::fs::remove_file(&marker).unwrap();
+    assert_eq!(status(&s, None).unwrap().uncommitted, ["a.txt"]);
+    assert_host_git_ignores_guest(&f, &s, &marker);
+}
+
+#[test]
+fn test_guest_filter_driver_never_runs_on_host() {
     let f = Fixture::committed();
     let (s, _) = f.prepare("s");
     let w = ws(&s);
     let marker = f.tmp.path().join("pwned");
     write(&w, ".gitattributes", "* filter=x\n");
-    guest_config(
-        &s,
-        "filter.x.clean",
-        &format!("touch {}; cat", marker.display()),
-    );
+    guest_config(&s, "filter.x.clean", &format!("{}; cat", touch(&marker)));
+    guest_config(&s, "filter.x.process", &touch(&marker));
     write(&w, "a.txt", "changed, same size?\n");
-    assert_unsafe_config(status(&s, None), "filter.x.clean");
-    assert!(!marker.exists(), "the guest's filter ran on the host");
-    // The attack is real: plain git in that repository runs it.
-    git(&w, &["add", "a.txt"]);
+    assert_host_git_ignores_guest(&f, &s, &marker);
+    // The attack is real: plain git in such a repository runs it.
+    let (s2, _) = f.prepare("s2");
+    write(&ws(&s2), ".gitattributes", "* filter=x\n");
+    guest_config(&s2, "filter.x.clean", &format!("{}; cat", touch(&marker)));
+    write(&ws(&s2), "a.txt", "changed\n");
+    git(&ws(&s2), &["add", "a.txt"]);
     assert!(marker.exists(), "sanity: an unguarded git runs the filter");
 }
 
 #[test]
-fn test_guest_config_keys_refused_by_name() {
+fn test_guest_textconv_and_diff_drivers_never_run_on_host() {
     let f = Fixture::committed();
     let (s, _) = f.prepare("s");
-    let cfg = ws(&s).join(".git/config");
-    let clean = std::fs::read_to_string(&cfg).unwrap();
-    for (key, value) in [
-        ("include.path", "/etc/gitconfig"),
-        ("includeIf.gitdir:/.path", "/x"),
-        ("alias.st", "!touch /tmp/x"),
-        ("core.pager", "touch /tmp/x"),
-        ("core.sshCommand", "touch /tmp/x"),
-        ("core.hooksPath", "/tmp"),
-        ("core.worktree", "/"),
-        ("diff.x.textconv", "touch /tmp/x"),
-        ("extensions.worktreeConfig", "true"),
-        ("remote.origin.url", "ext::sh -c touch% /tmp/x"),
-    ] {
-        std::fs::write(&cfg, &clean).unwrap();
-        guest_config(&s, key, value);
-        // git prints section and name lowercased, the subsection as written.
-        let printed = match key.split_once('.') {
-            Some((sec, rest)) => match rest.rsplit_once('.') {
-                Some((sub, name)) => {
-                    format!("{}.{sub}.{}", sec.to_lowercase(), name.to_lowercase())
-                }
-                None => format!("{}.{}", sec.to_lowercase(), rest.to_lowercase()),
-            },
-            None => key.to_string(),
-        };
-        assert_unsafe_config(status(&s, None), &printed);
-    }
-    std::fs::write(&cfg, &clean).unwrap();
-    // Harmless guest settings are fine.
-    guest_config(&s, "user.name", "Guest");
-    guest_config(&s, "branch.main.description", "x");
-    status(&s, None).unwrap();
+    let w = ws(&s);
+    let marker = f.tmp.path().join("pwned");
+    write(&w, ".gitattributes", "* diff=x merge=x\n");
+    guest_config(&s, "diff.x.textconv", &touch(&marker));
+    guest_config(&s, "diff.x.command", &touch(&marker));
+    guest_config(&s, "diff.external", &touch(&marker));
+    guest_config(&s, "merge.x.driver", &touch(&marker));
+    write(&w, "a.txt", "changed\n");
+    git_out(&w, &["diff"]);
+    assert!(
+        marker.exists(),
+        "sanity: an unguarded git diff runs the driver"
+    );
+    std::fs::remove_file(&marker).unwrap();
+    assert_host_git_ignores_guest(&f, &s, &marker);
 }
 
 #[test]
-fn test_guest_git_dir_redirects_refused() {
+fn test_guest_includes_never_reach_host_git() {
+    let f = Fixture::committed();
+    let (s, _) = f.prepare("s");
+    let marker = f.tmp.path().join("pwned");
+    let included = f.tmp.path().join("included.cfg");
+    std::fs::write(
+        &included,
+        format!("[core]\n\tfsmonitor = {}\n", touch(&marker)),
+    )
+    .unwrap();
+    guest_config(&s, "include.path", included.to_str().unwrap());
+    guest_config(
+        &s,
+        &format!("includeIf.gitdir:{}/.path", ws(&s).display()),
+        included.to_str().unwrap(),
+    );
+    write(&ws(&s), "a.txt", "changed\n");
+    git_out(&ws(&s), &["status"]);
+    assert!(
+        marker.exists(),
+        "sanity: an unguarded git follows the include"
+    );
+    std::fs::remove_file(&marker).unwrap();
+    assert_host_git_ignores_guest(&f, &s, &marker);
+}
+
+#[test]
+fn test_guest_core_programs_and_hooks_path_never_run_on_host() {
+    let f = Fixture::committed();
+    let (s, _) = f.prepare("s");
+    let marker = f.tmp.path().join("pwned");
+    let hooks = f.tmp.path().join("guest-hooks");
+    for name in ["post-index-change", "reference-transaction", "pre-auto-gc"] {
+        hook(&hooks, name, &marker);
+    }
+    for (key, value) in [
+        ("core.hooksPath", hooks.to_str().unwrap().to_string()),
+        ("core.pager", touch(&marker)),
+        ("core.editor", touch(&marker)),
+        ("core.sshCommand", touch(&marker)),
+        ("core.askPass", touch(&marker)),
+        ("core.alternateRefsCommand", touch(&marker)),
+        ("core.worktree", "/".to_string()),
+        ("gpg.program", touch(&marker)),
+        ("credential.helper", format!("!{}", touch(&marker))),
+        ("alias.status", format!("!{}", touch(&marker))),
+        (
+            "remote.origin.url",
+            format!("ext::sh -c {}", touch(&marker)),
+        ),
+        ("gc.auto", "1".to_string()),
+    ] {
+        guest_config(&s, key, &value);
+    }
+    write(&ws(&s), "a.txt", "changed\n");
+    // The attack is real: a plain `git status` refreshes the index and runs the hook.
+    let w = ws(&s);
+    let mut plain = std::process::Command::new("git");
+    plain
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", "/nonexistent")
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .arg("--git-dir")
+        .arg(w.join(".git"))
+        .arg("--work-tree")
+        .arg(&w)
+        .arg("status");
+    let _ = plain.output().unwrap();
+    assert!(
+        marker.exists(),
+        "sanity: an unguarded git runs the guest's hook"
+    );
+    std::fs::remove_file(&marker).unwrap();
+    assert_host_git_ignores_guest(&f, &s, &marker);
+}
+
+#[test]
+fn test_guest_git_dir_redirects_ignored_or_refused() {
     let f = Fixture::committed();
     let evil = Fixture::committed();
     let marker = f.tmp.path().join("pwned");
-    git(
-        &evil.src,
-        &[
-            "config",
-            "core.fsmonitor",
-            &format!("touch {}", marker.display()),
-        ],
-    );
+    git(&evil.src, &["config", "core.fsmonitor", &touch(&marker)]);
+    write(&evil.src, "evil-only.txt", "x\n");
 
+    // Alternates and commondir in the guest's git directory are never followed.
     let (s, _) = f.prepare("s");
     let alt = ws(&s).join(".git/objects/info/alternates");
-    std::fs::write(&alt, "/etc\n").unwrap();
-    assert!(matches!(
-        status(&s, None),
-        Err(SessionError::UnsafeGitDir { .. })
-    ));
     std::fs::write(
         &alt,
-        format!("{}\n/etc\n", warren_session::ALTERNATES_ENTRY),
+        format!("/etc\n{}\n", evil.src.join(".git/objects").display()),
     )
     .unwrap();
-    assert!(matches!(
-        status(&s, None),
-        Err(SessionError::UnsafeGitDir { .. })
-    ));
-    std::fs::write(&alt, format!("{}\n", warren_session::ALTERNATES_ENTRY)).unwrap();
-    status(&s, None).unwrap();
-
     std::fs::write(
         ws(&s).join(".git/commondir"),
         evil.src.join(".git").to_str().unwrap(),
     )
     .unwrap();
+    let r = status(&s, None).unwrap();
+    assert!(r.is_clean(), "{r:?}");
+    assert!(!marker.exists());
+
+    // A symlinked object directory or pack is refused, not read.
+    std::os::unix::fs::symlink(
+        evil.src.join(".git/objects/pack"),
+        ws(&s).join(".git/objects/xx"),
+    )
+    .unwrap();
+    status(&s, None).unwrap();
+    let objects = ws(&s).join(".git/objects");
+    std::fs::remove_file(objects.join("xx")).unwrap();
+    let first = std::fs::read_dir(evil.src.join(".git/objects"))
+        .unwrap()
+        .filter_map(Result::ok)
+        .find(|e| e.file_name().len() == 2)
+        .unwrap()
+        .file_name();
+    std::os::unix::fs::symlink(
+        evil.src.join(".git/objects").join(&first),
+        objects.join(&first),
+    )
+    .unwrap();
     assert!(matches!(
         status(&s, None),
         Err(SessionError::UnsafeGitDir { .. })
     ));
+    std::fs::remove_file(objects.join(&first)).unwrap();
+    status(&s, None).unwrap();
 
+    // HEAD, refs and the index must be plain files: a symlink or a FIFO is refused at once.
+    for name in ["HEAD", "index", "refs/heads/main"] {
+        let p = ws(&s).join(".git").join(name);
+        let saved = std::fs::read(&p).unwrap();
+        std::fs::remove_file(&p).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", &p).unwrap();
+        assert!(
+            matches!(status(&s, None), Err(SessionError::UnsafeGitDir { .. })),
+            "{name}"
+        );
+        std::fs::remove_file(&p).unwrap();
+        nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let t = std::time::Instant::now();
+        assert!(
+            matches!(status(&s, None), Err(SessionError::UnsafeGitDir { .. })),
+            "{name}"
+        );
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "{name}: blocked"
+        );
+        std::fs::remove_file(&p).unwrap();
+        std::fs::write(&p, saved).unwrap();
+    }
+    // A HEAD naming something that is not a branch is refused.
+    std::fs::write(
+        ws(&s).join(".git/HEAD"),
+        "ref: refs/heads/../../../../etc/passwd\n",
+    )
+    .unwrap();
+    assert!(matches!(
+        status(&s, None),
+        Err(SessionError::UnsafeGitDir { .. })
+    ));
+    std::fs::write(ws(&s).join(".git/HEAD"), "ref: refs/heads/main\n").unwrap();
+    status(&s, None).unwrap();
+
+    // `.git` as a `gitdir:` file or as a symlink is refused.
     let (s2, _) = f.prepare("s2");
     let g = ws(&s2).join(".git");
     std::fs::rename(&g, f.tmp.path().join("moved-git")).unwrap();

@@ -1,6 +1,7 @@
 //! Every `unsafe` operation of the agent lives here, each with its safety argument:
-//! the vfork-style job spawn ([`spawn`]), the `RNDADDENTROPY` and `RNDRESEEDCRNG` ioctls and
-//! the registration of a descriptor with tokio ([`register_fd`]). Everything else uses the safe `nix`/`rustix` APIs.
+//! the vfork-style job spawn ([`spawn`]), the `RNDADDENTROPY` and `RNDRESEEDCRNG` ioctls,
+//! the registration of a descriptor with tokio ([`register_fd`]) and the read-only mount
+//! clone of [`readonly_clone`]. Everything else uses the safe `nix`/`rustix` APIs.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::fs::File;
@@ -87,4 +88,47 @@ pub fn add_entropy(urandom: &File, bytes: &[u8; 32]) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// A private, detached, read-only clone of the mount at `path` (`open_tree(OPEN_TREE_CLONE)`
+/// then `mount_setattr(MOUNT_ATTR_RDONLY)`): nothing else sees it, and it goes away with the
+/// descriptor. rustix has `open_tree` but no `mount_setattr`, so both are raw syscalls here.
+pub fn readonly_clone(path: &std::path::Path) -> io::Result<OwnedFd> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let flags = libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC;
+    // SAFETY: open_tree reads the NUL-terminated path, which lives until the call returns,
+    // and takes no other pointer.
+    let fd = unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, c_path.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+    // SAFETY: a non-negative open_tree result is a new descriptor owned by nobody else.
+    let tree = unsafe { OwnedFd::from_raw_fd(fd) };
+    let attr = libc::mount_attr {
+        attr_set: libc::MOUNT_ATTR_RDONLY,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    let empty = c"";
+    // SAFETY: the descriptor is open, the empty path and the attribute struct outlive the
+    // call, and the size passed is that struct's.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH,
+            std::ptr::addr_of!(attr),
+            std::mem::size_of::<libc::mount_attr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(tree)
 }

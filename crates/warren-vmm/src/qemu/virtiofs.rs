@@ -54,7 +54,8 @@ pub fn virtiofsd_args(share: &Share) -> Vec<String> {
         format!("--shared-dir={}", share.host_dir.display()),
         // Its own mount namespace with the shared directory as root, plus seccomp.
         "--sandbox=namespace".into(),
-        // Coherent with host-side edits: attributes and pages are revalidated.
+        // Names and attributes are trusted for 1 s of guest time, file pages are dropped at
+        // each open; the guest agent revalidates what a suspension left cached.
         "--cache=auto".into(),
         // Restoring a hibernated VM after host-side deletions must not fail: the affected
         // files return errors in the guest instead (PLATFORM.md, QEMU 10).

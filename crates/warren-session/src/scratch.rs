@@ -1,0 +1,600 @@
+//! The host-owned git directory host git reads a session copy through.
+//!
+//! Everything under `S/workspace/.git` belongs to the guest, so host git never opens it as a
+//! repository: git always reads `$GIT_DIR/config` (and from there includes, drivers, hooks
+//! paths, fsmonitor and other programs), follows `commondir` and alternates, and recurses into
+//! submodules. For each operation, [`Scratch::build`] makes a fresh git directory that Warren
+//! owns instead, in the system temp directory (0700, the session owner's):
+//!
+//! - `config`: written here (format version, object format from the *source* repository,
+//!   nothing that names a program);
+//! - `info/attributes`: every conversion and driver attribute unspecified, so in-tree
+//!   `.gitattributes` select nothing (this file takes precedence over the tree's);
+//! - `HEAD`, `index`, `info/exclude`, `packed-refs` (branches only) and `refs/heads/**`:
+//!   copies of the session's, each opened beneath the session git directory without following
+//!   a symlink or crossing a mount (`openat2`), non-blocking, regular files only, size-capped;
+//!   HEAD and every ref are checked to be a commit id or a branch;
+//! - `objects/`: copies of the session's own loose objects and packs (same rules; the
+//!   session's `objects/info` is ignored), and `objects/info/alternates` naming the source's
+//!   object directory through the host-owned `S/.warren-source-objects` link;
+//! - the source's `shallow` file, if the source has one.
+//!
+//! Host git then runs with `--git-dir=<scratch> --work-tree=S/workspace`: the guest's files
+//! are data (index, refs, objects, patterns), parsed by git, never configuration or code. What
+//! a guest can still do is lie about its own session (a wrong index or refs); it cannot make
+//! the host run anything or read outside the session and the source's objects.
+
+use std::ffi::OsStr;
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+use nix::sys::stat::{Mode, SFlag};
+
+use crate::copy::as_owner;
+use crate::git::{Git, Repo};
+use crate::guard::SessionPaths;
+use crate::SessionError;
+
+/// Largest `HEAD`, loose ref or `info/exclude` copied.
+const MAX_SMALL_FILE: u64 = 1 << 20;
+/// Largest `index` or `packed-refs` copied.
+const MAX_INDEX: u64 = 512 << 20;
+/// Most bytes of session objects copied per operation.
+const MAX_OBJECT_BYTES: u64 = 2 << 30;
+/// Most files copied per operation (loose objects, packs, refs).
+const MAX_FILES: usize = 200_000;
+/// Deepest branch name (`refs/heads/a/b/...`).
+const MAX_REF_DEPTH: usize = 16;
+
+/// Attributes that could change what git does with a path: unspecified for every path.
+const NEUTRAL_ATTRIBUTES: &str =
+    "* !text !eol !crlf !filter !diff !merge !ident !working-tree-encoding !binary\n";
+
+/// A scratch git directory; removed on drop.
+#[derive(Debug)]
+pub(crate) struct Scratch {
+    dir: PathBuf,
+    work_tree: PathBuf,
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        // Our own directory, 0700: nothing in it is a symlink we did not make.
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Scratch {
+    /// Builds the scratch directory for the session at `paths` (checked by the caller with
+    /// [`crate::guard::check`]), acting as `git`'s owner.
+    pub(crate) fn build(paths: &SessionPaths, git: &Git) -> Result<Scratch, SessionError> {
+        let source_objects = paths.source_objects()?;
+        let source_git = source_objects
+            .parent()
+            .ok_or_else(|| SessionError::NotASession {
+                path: paths.root.clone(),
+                reason: "the source objects link has no parent directory".into(),
+            })?
+            .to_path_buf();
+        let sha256 = git.line(
+            Repo::GitDir(&source_git),
+            &["rev-parse", "--show-object-format"],
+        )? == "sha256";
+        let shallow = read_source_shallow(&source_git)?;
+        let session_git = paths.git_dir.clone();
+        let work_tree = paths.workspace.clone();
+        let owner = git.run_as();
+        let dir = as_owner(owner, || {
+            let dir = make_private_dir()?;
+            let filled = fill(
+                &dir,
+                &session_git,
+                &source_objects,
+                sha256,
+                shallow.as_deref(),
+            );
+            if filled.is_err() {
+                let _ = fs::remove_dir_all(&dir);
+            }
+            filled.map(|()| dir)
+        })?;
+        Ok(Scratch { dir, work_tree })
+    }
+
+    /// Where host git runs: the scratch git directory over the session's working tree.
+    pub(crate) fn repo(&self) -> Repo<'_> {
+        Repo::Session {
+            git_dir: &self.dir,
+            work_tree: &self.work_tree,
+        }
+    }
+}
+
+fn unsafe_dir(path: &Path, reason: impl Into<String>) -> SessionError {
+    SessionError::UnsafeGitDir {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// A new 0700 directory under the temp directory (mkdir never follows a planted link).
+fn make_private_dir() -> Result<PathBuf, SessionError> {
+    let base = std::env::temp_dir();
+    for _ in 0..16 {
+        let mut nonce = [0u8; 8];
+        fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut nonce))
+            .map_err(SessionError::io("read", "/dev/urandom"))?;
+        let dir = base.join(format!(
+            "warren-hostgit-{}",
+            nonce.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        ));
+        match fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(SessionError::io("create", &dir)(e)),
+        }
+    }
+    Err(SessionError::io("create", base)(io::Error::from(
+        io::ErrorKind::AlreadyExists,
+    )))
+}
+
+fn fill(
+    dir: &Path,
+    session_git: &Path,
+    source_objects: &Path,
+    sha256: bool,
+    shallow: Option<&[u8]>,
+) -> Result<(), SessionError> {
+    let git_fd = open_session_git(session_git)?;
+    let mut budget = Budget::default();
+    for sub in [
+        "info",
+        "objects",
+        "objects/info",
+        "objects/pack",
+        "refs",
+        "refs/heads",
+    ] {
+        mkdir(&dir.join(sub))?;
+    }
+    let mut config = String::from("[core]\n\trepositoryformatversion = ");
+    config.push_str(if sha256 { "1\n" } else { "0\n" });
+    config.push_str("\tbare = false\n\tfilemode = true\n\tsymlinks = true\n");
+    config.push_str("\tlogallrefupdates = false\n");
+    if sha256 {
+        config.push_str("[extensions]\n\tobjectformat = sha256\n");
+    }
+    create(&dir.join("config"), config.as_bytes())?;
+    create(&dir.join("info/attributes"), NEUTRAL_ATTRIBUTES.as_bytes())?;
+    let mut alternates = source_objects.as_os_str().as_bytes().to_vec();
+    alternates.push(b'\n');
+    create(&dir.join("objects/info/alternates"), &alternates)?;
+    if let Some(s) = shallow {
+        create(&dir.join("shallow"), s)?;
+    }
+
+    let head = read_beneath(&git_fd, session_git, "HEAD", MAX_SMALL_FILE)?
+        .ok_or_else(|| unsafe_dir(session_git, "HEAD is missing"))?;
+    if !valid_ref_value(&head, sha256) {
+        return Err(unsafe_dir(
+            session_git,
+            "HEAD is neither a commit id nor a branch",
+        ));
+    }
+    create(&dir.join("HEAD"), &head)?;
+    for (name, cap) in [("index", MAX_INDEX), ("info/exclude", MAX_SMALL_FILE)] {
+        if let Some(bytes) = read_beneath(&git_fd, session_git, name, cap)? {
+            create(&dir.join(name), &bytes)?;
+        }
+    }
+    if let Some(packed) = read_beneath(&git_fd, session_git, "packed-refs", MAX_INDEX)? {
+        create(&dir.join("packed-refs"), &packed_branches(&packed, sha256))?;
+    }
+    copy_refs(&git_fd, session_git, dir, sha256, &mut budget)?;
+    copy_objects(&git_fd, session_git, dir, &mut budget)
+}
+
+/// What one build has copied so far.
+#[derive(Default)]
+struct Budget {
+    files: usize,
+    bytes: u64,
+}
+
+impl Budget {
+    fn take(&mut self, bytes: u64, session_git: &Path) -> Result<(), SessionError> {
+        self.files += 1;
+        self.bytes += bytes;
+        if self.files > MAX_FILES || self.bytes > MAX_OBJECT_BYTES {
+            return Err(SessionError::TooLarge {
+                what: format!("{}'s objects and refs", session_git.display()),
+                limit: format!("{MAX_FILES} files and {} GiB", MAX_OBJECT_BYTES >> 30),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn how(flags: OFlag) -> OpenHow {
+    OpenHow::new()
+        .flags(flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
+        .resolve(
+            ResolveFlag::RESOLVE_BENEATH
+                | ResolveFlag::RESOLVE_NO_SYMLINKS
+                | ResolveFlag::RESOLVE_NO_XDEV,
+        )
+}
+
+/// `S/workspace/.git` as a directory descriptor: a `.git` file, a symlink or anything but a
+/// real directory is refused.
+fn open_session_git(session_git: &Path) -> Result<OwnedFd, SessionError> {
+    let workspace = session_git
+        .parent()
+        .ok_or_else(|| unsafe_dir(session_git, "no working tree"))?;
+    let ws = nix::fcntl::open(
+        workspace,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+        Mode::empty(),
+    )
+    .map_err(|e| SessionError::io("open", workspace)(e.into()))?;
+    nix::fcntl::openat2(&ws, ".git", how(OFlag::O_PATH | OFlag::O_DIRECTORY))
+        .map_err(|_| unsafe_dir(session_git, ".git is not a directory"))
+}
+
+/// Reads `rel` beneath `dir`: `None` if it does not exist; refused if it is a symlink, leads
+/// out, is no regular file, or is larger than `cap`.
+fn read_beneath(
+    dir: &OwnedFd,
+    session_git: &Path,
+    rel: &str,
+    cap: u64,
+) -> Result<Option<Vec<u8>>, SessionError> {
+    let Some(file) = open_file_beneath(dir, session_git, rel)? else {
+        return Ok(None);
+    };
+    let mut buf = Vec::new();
+    fs::File::from(file)
+        .take(cap + 1)
+        .read_to_end(&mut buf)
+        .map_err(SessionError::io("read", session_git.join(rel)))?;
+    if buf.len() as u64 > cap {
+        return Err(SessionError::TooLarge {
+            what: session_git.join(rel).display().to_string(),
+            limit: format!("{cap} bytes"),
+        });
+    }
+    Ok(Some(buf))
+}
+
+/// Opens a regular file beneath `dir` for reading (see [`read_beneath`]).
+fn open_file_beneath(
+    dir: &OwnedFd,
+    session_git: &Path,
+    rel: impl AsRef<Path>,
+) -> Result<Option<OwnedFd>, SessionError> {
+    let rel = rel.as_ref();
+    let fd = match nix::fcntl::openat2(dir, rel, how(OFlag::O_RDONLY | OFlag::O_NONBLOCK)) {
+        Ok(fd) => fd,
+        Err(nix::errno::Errno::ENOENT) => return Ok(None),
+        Err(e) => {
+            return Err(unsafe_dir(
+                &session_git.join(rel),
+                format!("cannot be opened safely ({e})"),
+            ))
+        }
+    };
+    let st = nix::sys::stat::fstat(&fd).map_err(|e| SessionError::io("stat", rel)(e.into()))?;
+    if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
+        return Err(unsafe_dir(&session_git.join(rel), "not a regular file"));
+    }
+    Ok(Some(fd))
+}
+
+/// Opens a directory beneath `dir`; `None` if it does not exist.
+fn open_dir_beneath(
+    dir: &OwnedFd,
+    session_git: &Path,
+    rel: &Path,
+) -> Result<Option<OwnedFd>, SessionError> {
+    match nix::fcntl::openat2(dir, rel, how(OFlag::O_RDONLY | OFlag::O_DIRECTORY)) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(nix::errno::Errno::ENOENT) => Ok(None),
+        Err(e) => Err(unsafe_dir(
+            &session_git.join(rel),
+            format!("is not a plain directory ({e})"),
+        )),
+    }
+}
+
+/// The names in a directory descriptor, with whether each is a directory (by `d_type`;
+/// anything else is opened as a file and checked there).
+fn entries(dir: OwnedFd, at: &Path) -> Result<Vec<(Vec<u8>, bool)>, SessionError> {
+    let mut d = nix::dir::Dir::from_fd(dir).map_err(|e| SessionError::io("list", at)(e.into()))?;
+    let mut out = Vec::new();
+    for e in d.iter() {
+        let e = e.map_err(|e| SessionError::io("list", at)(e.into()))?;
+        let name = e.file_name().to_bytes();
+        if name == b"." || name == b".." {
+            continue;
+        }
+        let is_dir = matches!(e.file_type(), Some(nix::dir::Type::Directory));
+        out.push((name.to_vec(), is_dir));
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn copy_refs(
+    git_fd: &OwnedFd,
+    session_git: &Path,
+    dir: &Path,
+    sha256: bool,
+    budget: &mut Budget,
+) -> Result<(), SessionError> {
+    let mut stack = vec![(PathBuf::from("refs/heads"), 0usize)];
+    while let Some((rel, depth)) = stack.pop() {
+        let Some(fd) = open_dir_beneath(git_fd, session_git, &rel)? else {
+            continue;
+        };
+        for (name, is_dir) in entries(fd, &session_git.join(&rel))? {
+            if !valid_ref_component(&name) {
+                // A name git would not accept as a branch: not a branch host git sees.
+                continue;
+            }
+            let child = rel.join(OsStr::from_bytes(&name));
+            if is_dir {
+                if depth >= MAX_REF_DEPTH {
+                    return Err(unsafe_dir(session_git, "branch names nest too deep"));
+                }
+                mkdir(&dir.join(&child))?;
+                stack.push((child, depth + 1));
+                continue;
+            }
+            let Some(value) = read_beneath(
+                git_fd,
+                session_git,
+                &child.to_string_lossy(),
+                MAX_SMALL_FILE,
+            )?
+            else {
+                continue;
+            };
+            budget.take(value.len() as u64, session_git)?;
+            if name.ends_with(b".lock") || !valid_ref_value(&value, sha256) {
+                continue;
+            }
+            create(&dir.join(&child), &value)?;
+        }
+    }
+    Ok(())
+}
+
+fn copy_objects(
+    git_fd: &OwnedFd,
+    session_git: &Path,
+    dir: &Path,
+    budget: &mut Budget,
+) -> Result<(), SessionError> {
+    let objects = Path::new("objects");
+    let Some(fd) = open_dir_beneath(git_fd, session_git, objects)? else {
+        return Ok(());
+    };
+    for (name, is_dir) in entries(fd, &session_git.join(objects))? {
+        let loose = name.len() == 2 && name.iter().all(u8::is_ascii_hexdigit);
+        if !(loose || name == b"pack") {
+            // `info` (alternates, packs lists) and anything unexpected is not used.
+            continue;
+        }
+        if !is_dir {
+            return Err(unsafe_dir(
+                &session_git.join(objects).join(OsStr::from_bytes(&name)),
+                "is not a plain directory",
+            ));
+        }
+        let sub = objects.join(OsStr::from_bytes(&name));
+        let Some(sub_fd) = open_dir_beneath(git_fd, session_git, &sub)? else {
+            continue;
+        };
+        if loose {
+            mkdir(&dir.join(&sub))?;
+        }
+        for (file, _) in entries(sub_fd, &session_git.join(&sub))? {
+            let wanted = if loose {
+                file.len() >= 38 && file.iter().all(u8::is_ascii_hexdigit)
+            } else {
+                file.starts_with(b"pack-")
+                    && [&b".pack"[..], b".idx", b".rev"]
+                        .iter()
+                        .any(|ext| file.ends_with(ext))
+                    && file
+                        .iter()
+                        .all(|b| b.is_ascii_alphanumeric() || b"-.".contains(b))
+            };
+            if !wanted {
+                continue;
+            }
+            let rel = sub.join(OsStr::from_bytes(&file));
+            let Some(src) = open_file_beneath(git_fd, session_git, &rel)? else {
+                continue;
+            };
+            copy_fd(
+                src,
+                &dir.join(&rel),
+                &session_git.join(&rel),
+                budget,
+                session_git,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn copy_fd(
+    src: OwnedFd,
+    to: &Path,
+    from: &Path,
+    budget: &mut Budget,
+    session_git: &Path,
+) -> Result<(), SessionError> {
+    let len = nix::sys::stat::fstat(src.as_fd())
+        .map_err(|e| SessionError::io("stat", from)(e.into()))?
+        .st_size as u64;
+    budget.take(len, session_git)?;
+    let mut src = fs::File::from(src);
+    let mut dst = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o400)
+        .custom_flags(libc_nofollow())
+        .open(to)
+        .map_err(SessionError::io("create", to))?;
+    // The file may grow while it is copied; never copy more than its size said.
+    io::copy(&mut (&mut src).take(len), &mut dst).map_err(SessionError::io("copy", from))?;
+    Ok(())
+}
+
+fn libc_nofollow() -> i32 {
+    OFlag::O_NOFOLLOW.bits()
+}
+
+fn mkdir(p: &Path) -> Result<(), SessionError> {
+    match fs::DirBuilder::new().mode(0o700).create(p) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(SessionError::io("create", p)(e)),
+    }
+}
+
+fn create(p: &Path, bytes: &[u8]) -> Result<(), SessionError> {
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc_nofollow())
+        .open(p)
+        .map_err(SessionError::io("create", p))?;
+    f.write_all(bytes).map_err(SessionError::io("write", p))
+}
+
+/// The source's `shallow` file (the user's own repository), if any.
+fn read_source_shallow(source_git: &Path) -> Result<Option<Vec<u8>>, SessionError> {
+    let p = source_git.join("shallow");
+    match fs::read(&p) {
+        Ok(b) => Ok(Some(b)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(SessionError::io("read", p)(e)),
+    }
+}
+
+fn is_oid(b: &[u8], sha256: bool) -> bool {
+    b.len() == if sha256 { 64 } else { 40 }
+        && b.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// A `HEAD` or loose ref: a commit id, or `ref: refs/heads/<branch>` (one line).
+pub(crate) fn valid_ref_value(v: &[u8], sha256: bool) -> bool {
+    let line = v.strip_suffix(b"\n").unwrap_or(v);
+    if is_oid(line, sha256) {
+        return true;
+    }
+    line.strip_prefix(b"ref: refs/heads/")
+        .is_some_and(|name| !name.is_empty() && name.split(|&b| b == b'/').all(valid_ref_component))
+}
+
+/// One component of a branch name, conservatively: what git accepts and nothing that could
+/// mean something else to a file system or an argument parser.
+pub(crate) fn valid_ref_component(c: &[u8]) -> bool {
+    !c.is_empty()
+        && c.len() <= 255
+        && !c.starts_with(b".")
+        && !c.starts_with(b"-")
+        && !c.ends_with(b".lock")
+        && !c.windows(2).any(|w| w == b"..")
+        && c.iter()
+            .all(|&b| b.is_ascii_alphanumeric() || b"._-+=,@".contains(&b))
+        && !c.windows(2).any(|w| w == b"@{")
+}
+
+/// The branch lines of a `packed-refs` file (with their peeled lines), everything else
+/// dropped.
+pub(crate) fn packed_branches(packed: &[u8], sha256: bool) -> Vec<u8> {
+    let mut out = b"# pack-refs with: peeled sorted \n".to_vec();
+    let mut keep_peel = false;
+    for line in packed.split(|&b| b == b'\n') {
+        if let Some(peeled) = line.strip_prefix(b"^") {
+            if keep_peel && is_oid(peeled, sha256) {
+                out.extend_from_slice(line);
+                out.push(b'\n');
+            }
+            keep_peel = false;
+            continue;
+        }
+        keep_peel = false;
+        let Some(sp) = line.iter().position(|&b| b == b' ') else {
+            continue;
+        };
+        let (oid, name) = (&line[..sp], &line[sp + 1..]);
+        let branch = name
+            .strip_prefix(b"refs/heads/")
+            .is_some_and(|n| !n.is_empty() && n.split(|&b| b == b'/').all(valid_ref_component));
+        if is_oid(oid, sha256) && branch {
+            out.extend_from_slice(line);
+            out.push(b'\n');
+            keep_peel = true;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: &str = "0123456789abcdef0123456789abcdef01234567";
+
+    #[test]
+    fn test_ref_values_are_ids_or_branches() {
+        assert!(valid_ref_value(format!("{A}\n").as_bytes(), false));
+        assert!(valid_ref_value(b"ref: refs/heads/main\n", false));
+        assert!(valid_ref_value(b"ref: refs/heads/feature/x-1\n", false));
+        for bad in [
+            &b"ref: refs/remotes/x"[..],
+            b"ref: refs/heads/../../config",
+            b"ref: refs/heads/.hidden",
+            b"ref: refs/heads/-x",
+            b"ref: refs/heads/",
+            b"ref: refs/heads/a b",
+            b"0123",
+            b"",
+        ] {
+            assert!(
+                !valid_ref_value(bad, false),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        assert!(!valid_ref_value(format!("{A}\n").as_bytes(), true));
+    }
+
+    #[test]
+    fn test_packed_refs_keep_branches_only() {
+        let packed = format!(
+            "# pack-refs with: peeled fully-peeled sorted \n{A} refs/heads/main\n^{A}\n\
+             {A} refs/tags/v1\n^{A}\n{A} refs/heads/../x\nnot a line\n{A} refs/heads/dev\n"
+        );
+        let out = String::from_utf8(packed_branches(packed.as_bytes(), false)).unwrap();
+        assert_eq!(
+            out,
+            format!(
+                "# pack-refs with: peeled sorted \n{A} refs/heads/main\n^{A}\n{A} refs/heads/dev\n"
+            )
+        );
+    }
+}
