@@ -12,7 +12,7 @@ use std::process::{Command, Output, Stdio};
 use common::{ok, TestEnv};
 
 fn git(dir: &Path, args: &[&str]) -> String {
-    Command::new("git")
+    let out = Command::new("git")
         .args(["-c", "user.name=T", "-c", "user.email=t@example.com"])
         .args(args)
         .current_dir(dir)
