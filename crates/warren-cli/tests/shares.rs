@@ -244,3 +244,70 @@ fn test_shares_coherent_after_pause_and_hibernate() {
     }
     vm.destroy();
 }
+
+/// A share owned by root (root's `--mount`, as the README's set-up runs Warren): the guest
+/// user acts as root on it, yet cannot leave a set-user-ID or set-group-ID file, a device node
+/// or a file capability on the host. Positive control: the same commands on the guest's own
+/// tmpfs do set the bits.
+#[test]
+fn test_shares_refuse_set_id_files_and_devices_for_a_root_owner() {
+    common::ensure_image("minimal");
+    let share = tempfile::tempdir().expect("tempdir");
+    let host = share.path();
+    assert_eq!(
+        std::fs::metadata(host).expect("stat").uid(),
+        0,
+        "run as root"
+    );
+    let env = TestEnv::new();
+    let arg = format!("{}:/workspace", host.display());
+    let id = env.create_vm_with("minimal", &["--mount", &arg]);
+    let vm = TestVm::adopt(env, id);
+    let r = vm.sh(
+        "cd /workspace; cp /bin/sh sh; chmod u+s sh; echo suid=$?; chmod g+s sh; echo sgid=$?; \
+         install -m 4755 /bin/true t 2>/dev/null; echo install=$?; mkdir -m 2755 d 2>/dev/null; \
+         echo mkdir=$?; touch f; chmod 6755 f; echo both=$?; mknod c c 1 3 2>/dev/null; \
+         echo mknod=$?; mkfifo p; echo fifo=$?; chmod 755 f; echo plain=$?; \
+         cp /bin/sh /tmp/sh && chmod 6755 /tmp/sh && stat -c control=%a /tmp/sh",
+    );
+    let out = r.stdout.clone();
+    for refused in ["suid", "sgid", "install", "mkdir", "both", "mknod"] {
+        assert!(
+            !out.contains(&format!("{refused}=0")),
+            "{refused} succeeded through the share: {out}{}",
+            r.stderr
+        );
+    }
+    assert!(
+        out.contains("fifo=0") && out.contains("plain=0"),
+        "{out}{}",
+        r.stderr
+    );
+    assert!(out.contains("control=6755"), "the guest's own tmpfs: {out}");
+    let mut stack = vec![host.to_path_buf()];
+    let mut seen = 0;
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).expect("ls").flatten() {
+            let m = std::fs::symlink_metadata(e.path()).expect("stat");
+            seen += 1;
+            assert_eq!(
+                m.mode() & 0o6000,
+                0,
+                "set-ID bit on the host: {:?}",
+                e.path()
+            );
+            use std::os::unix::fs::FileTypeExt;
+            let t = m.file_type();
+            assert!(
+                !t.is_char_device() && !t.is_block_device(),
+                "device node on the host: {:?}",
+                e.path()
+            );
+            if t.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    assert!(seen >= 3, "the guest's files are on the host ({seen})");
+    vm.destroy();
+}

@@ -10,7 +10,7 @@
 //! ```text
 //! S/                          0711, the caller's
 //! S/workspace/                the working tree, shared into the guest at /workspace
-//! S/workspace/.git/           its own git directory (no hooks, allowlisted config)
+//! S/workspace/.git/           its own git directory (the guest's; host git never opens it)
 //! S/workspace/.git/objects/info/alternates  = "../../../.warren-source-objects"
 //! S/.warren-source-objects -> <source common git dir>/objects   (mounted read-only in the
 //!                                                                guest at /.warren-source-objects)
@@ -25,8 +25,9 @@
 //! - [`export`]: the session's HEAD as a branch of the source repository.
 //! - [`remove`]: delete a session, refusing while it holds work unless forced.
 //!
-//! Every host git command runs with a scrubbed environment and, for the session repository,
-//! only after [`guard`] has checked what the guest could have changed.
+//! Every host git command runs with a scrubbed environment, as the owner, under a deadline;
+//! a session is read only through a host-owned scratch git directory (`scratch`), never
+//! through the guest's git directory.
 #![forbid(unsafe_code)]
 
 mod copy;

@@ -18,6 +18,8 @@ pub enum VmmError {
     VirtiofsdMissing,
     #[error("invalid share: {0}")]
     BadShare(String),
+    #[error("building virtiofsd's seccomp filter failed: {0}")]
+    Seccomp(String),
     #[error("accelerator {0} is not supported on this host")]
     AccelUnsupported(String),
     #[error("unknown accelerator {0:?} (expected kvm, hvf, tcg or auto)")]

@@ -61,6 +61,9 @@ pub fn virtiofsd_args(share: &Share) -> Vec<String> {
         // files return errors in the guest instead (PLATFORM.md, QEMU 10).
         "--migration-on-error=guest-error".into(),
         "--log-level=error".into(),
+        // The kernel clears set-ID bits on writes and refuses device nodes and file
+        // capabilities; Warren's seccomp filters refuse setting them (`sys::share_seccomp`).
+        "--modcaps=-mknod:-fsetid:-setfcap".into(),
     ];
     if share.read_only {
         a.push("--readonly".into());
@@ -91,6 +94,7 @@ pub fn spawn_all(spec: &LaunchSpec) -> Result<Vec<tokio::process::Child>, VmmErr
     }
     validate(&spec.shares)?;
     let bin = spec.virtiofsd.as_ref().ok_or(VmmError::VirtiofsdMissing)?;
+    let filters = crate::sys::share_seccomp::share_filters()?;
     let mut children = Vec::new();
     for share in &spec.shares {
         let sock = socket_path(&spec.run_dir, &share.tag);
@@ -117,6 +121,7 @@ pub fn spawn_all(spec: &LaunchSpec) -> Result<Vec<tokio::process::Child>, VmmErr
         // virtiofsd needs root for its namespace sandbox and to act as the owner; it is not
         // run as the VMM's uid.
         crate::sys::process::confine(&mut cmd, None);
+        crate::sys::share_seccomp::install_in_child(&mut cmd, filters.clone());
         crate::sys::process::pass_fd(&mut cmd, listener.as_raw_fd());
         let child = tokio::process::Command::from(cmd)
             .kill_on_drop(false)

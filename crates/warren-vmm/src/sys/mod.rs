@@ -1,6 +1,7 @@
 //! Host specifics: cgroups and process confinement. The only place in this crate with
-//! `unsafe` (in `process`, for `pre_exec`).
+//! `unsafe` (in `process` and `share_seccomp`, for `pre_exec`).
 
 pub mod cgroup;
 pub mod process;
+pub mod share_seccomp;
 pub mod tap;
