@@ -3,7 +3,7 @@
 //! Steps, in order:
 //! 1. Check the session directory ([`crate::guard`]) and the branch name, and build the
 //!    host-owned scratch git directory host git reads the session through
-//!    ([`crate::scratch`]).
+//!    (`scratch`).
 //! 2. Resolve the session's HEAD commit and check that `source_git` is the repository the
 //!    session was made from (same object directory).
 //! 3. Refuse a branch checked out in any working tree of the source, and an existing branch

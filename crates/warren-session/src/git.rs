@@ -7,7 +7,7 @@
 //! when the command outlives its deadline ([`DEADLINE`]; [`PIPE_DEADLINE`] for a pack moved
 //! between two gits). Repository-local config is still read by git, so git only ever runs on
 //! the user's own repositories and on host-owned directories: a session is read through
-//! [`crate::scratch`], never through the guest's git directory.
+//! `scratch`, never through the guest's git directory.
 
 use std::ffi::{OsStr, OsString};
 use std::io::{Read, Write};

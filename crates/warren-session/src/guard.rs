@@ -2,7 +2,7 @@
 //!
 //! The guest owns everything under `S/workspace`, including `.git`, so host git never uses
 //! that directory as a repository: it reads the session through a host-owned scratch git
-//! directory ([`crate::scratch`]) built from copies of what it needs. [`check`] only verifies
+//! directory (`scratch`) built from copies of what it needs. `check` only verifies
 //! what Warren itself made is in place (`S`, the host-owned objects link, the working tree, a
 //! real `.git` directory); the guest's config, hooks, attributes, alternates, `commondir` and
 //! submodules are never read by host git at all, whatever they say.

@@ -26,7 +26,7 @@ impl Retention {
 }
 
 /// Reports the session's uncommitted paths and unexported commits. Host git reads the
-/// session through a host-owned scratch git directory ([`crate::scratch`]), never the
+/// session through a host-owned scratch git directory (`scratch.rs`), never the
 /// guest's, and ignores submodules entirely (`--ignore-submodules=all`: nothing under a
 /// gitlink is opened; commits that change a gitlink still count as unexported).
 pub fn status(session_dir: &Path, owner: Option<Owner>) -> Result<Retention, SessionError> {
