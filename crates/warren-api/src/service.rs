@@ -735,6 +735,7 @@ impl Service {
                 vcpus: a.vcpus,
                 mounts: vec![],
                 network: None,
+                source_identity: None,
             },
             owner: (host.uid, gid),
             workspace: p.workspace.clone(),

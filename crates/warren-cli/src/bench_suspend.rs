@@ -222,6 +222,7 @@ async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
                         guest: "/workspace".into(),
                         read_only: false,
                         owner: Some((uid, gid)),
+                        identity: None,
                     }],
                     ..create.clone()
                 },

@@ -35,6 +35,7 @@ fn devices(d: &DeviceArgs) -> Result<SessionDevices> {
             .map(|m| warren_core::vm::parse_mount(m, owner))
             .collect::<Result<Vec<_>, _>>()?,
         network: None,
+        source_identity: None,
     })
 }
 

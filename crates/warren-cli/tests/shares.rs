@@ -311,3 +311,73 @@ fn test_shares_refuse_set_id_files_and_devices_for_a_root_owner() {
     assert!(seen >= 3, "the guest's files are on the host ({seen})");
     vm.destroy();
 }
+
+/// A share is the directory that was checked when it was made: while a direct session's VM
+/// is hibernated, its directory is replaced by a symlink to `/` (then by another directory);
+/// each resume is refused with `conflict`, the VM stays hibernated, and nothing of the host's
+/// `/` reaches the guest. Put back, the same VM resumes.
+#[test]
+fn test_shares_refuse_a_directory_replaced_while_hibernated() {
+    common::ensure_image("minimal");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().join("project");
+    std::fs::create_dir(&dir).expect("mkdir");
+    std::fs::write(dir.join("mine.txt"), "mine\n").expect("write");
+    let env = TestEnv::new();
+    let out = env.run(&[
+        "session",
+        "create",
+        "--repo",
+        &dir.display().to_string(),
+        "--direct",
+        "--name",
+        "swap",
+        "--image",
+        &common::image_id("minimal"),
+        "--json",
+    ]);
+    let s: serde_json::Value = serde_json::from_str(&ok(out, "session create")).expect("json");
+    let vm = TestVm::adopt(env, s["vm_id"].as_str().expect("vm id").to_string());
+    assert_eq!(vm.sh("cat /workspace/mine.txt").stdout, "mine\n");
+    let aside = tmp.path().join("project.aside");
+    for replacement in ["symlink to /", "another directory"] {
+        ok(
+            vm.warren(&["vm", "suspend", &vm.id, "--mode", "hibernate"]),
+            "hibernate",
+        );
+        std::fs::rename(&dir, &aside).expect("move aside");
+        if replacement == "symlink to /" {
+            std::os::unix::fs::symlink("/", &dir).expect("symlink");
+        } else {
+            std::fs::create_dir(&dir).expect("mkdir");
+        }
+        let out = vm.warren(&["vm", "resume", &vm.id]);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "{replacement}: resumed");
+        assert!(err.contains("error[conflict]"), "{replacement}: {err}");
+        assert!(err.contains("not the directory that was checked"), "{err}");
+        assert_eq!(vm.state(), "hibernated", "{replacement}: {err}");
+        // An exec (which wakes a VM) is refused the same way.
+        let r = vm.sh("ls /workspace");
+        assert_ne!(r.code, 0, "{replacement}: {}", r.stdout);
+        assert!(
+            !r.stdout.contains("etc"),
+            "the host's / reached the guest: {}",
+            r.stdout
+        );
+        if replacement == "symlink to /" {
+            std::fs::remove_file(&dir).expect("rm symlink");
+        } else {
+            std::fs::remove_dir(&dir).expect("rmdir");
+        }
+        std::fs::rename(&aside, &dir).expect("put back");
+        ok(
+            vm.warren(&["vm", "resume", &vm.id]),
+            "resume after putting it back",
+        );
+        assert_eq!(vm.sh("cat /workspace/mine.txt").stdout, "mine\n");
+    }
+    let env_cmd = vm.warren(&["session", "list", "--json"]);
+    assert!(env_cmd.status.success());
+    vm.destroy();
+}

@@ -33,6 +33,10 @@ pub struct SessionDevices {
     /// A NIC behind the egress with these settings (none: no NIC).
     #[serde(default)]
     pub network: Option<crate::vm::NetworkRequest>,
+    /// A direct session's directory as it was when the session was made (device, inode):
+    /// every VM the session boots later refuses a directory that is no longer that one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_identity: Option<(u64, u64)>,
 }
 
 impl SessionDevices {
@@ -175,8 +179,13 @@ impl Warren {
         let id = format!("ses-{}", hex::encode(idb));
         let (uid, gid) = req.owner;
         let owner = owner_of(uid, gid);
+        let mut devices = req.devices.clone();
         let (source, source_git, dir) = if req.direct {
             let d = warren_session::direct(&req.repo).map_err(session_error)?;
+            devices.source_identity = Some(
+                warren_vmm::qemu::virtiofs::identity_of(&d)
+                    .map_err(|e| CoreError::io("stat", &d, e))?,
+            );
             (d, None, PathBuf::new())
         } else {
             let parent = self.sessions_dir();
@@ -217,7 +226,7 @@ impl Warren {
             direct: req.direct,
             vm_id: None,
             created_unix: now_unix(),
-            devices: serde_json::to_value(&req.devices).expect("invariant: devices serialise"),
+            devices: serde_json::to_value(&devices).expect("invariant: devices serialise"),
         };
         if let Err(e) = self.store().insert_session(&rec) {
             self.discard_copy(&rec.dir, rec.direct);
@@ -232,7 +241,7 @@ impl Warren {
             return Err(e.into());
         }
         match self
-            .start_session_vm(&rec, &req.devices, req.limits, warn)
+            .start_session_vm(&rec, &devices, req.limits, warn)
             .await
         {
             Ok((rec, vm)) => Ok((rec, vm)),
@@ -299,6 +308,7 @@ impl Warren {
                 guest: warren_session::GUEST_WORKSPACE.to_string(),
                 read_only: false,
                 owner,
+                identity: devices.source_identity,
             });
         } else {
             mounts.push(MountSpec {
@@ -306,6 +316,7 @@ impl Warren {
                 guest: warren_session::GUEST_WORKSPACE.to_string(),
                 read_only: false,
                 owner,
+                identity: None,
             });
             let objects = warren_session::source_objects_dir(&s.dir).map_err(session_error)?;
             mounts.push(MountSpec {
@@ -313,6 +324,7 @@ impl Warren {
                 guest: warren_session::GUEST_SOURCE_OBJECTS.to_string(),
                 read_only: true,
                 owner,
+                identity: None,
             });
         }
         let state = self.agent_state_dir(&s.workspace, &s.source);
@@ -328,6 +340,7 @@ impl Warren {
             guest: GUEST_AGENT_STATE.to_string(),
             read_only: false,
             owner,
+            identity: None,
         });
         mounts.extend(devices.mounts.iter().cloned());
         Ok(mounts)
@@ -520,6 +533,7 @@ fn merge_devices(have: &SessionDevices, want: &SessionDevices) -> SessionDevices
             want.mounts.clone()
         },
         network: want.network.clone().or_else(|| have.network.clone()),
+        source_identity: have.source_identity,
     }
 }
 
@@ -546,6 +560,7 @@ mod tests {
             vcpus: None,
             mounts: vec![],
             network: None,
+            source_identity: None,
         };
         assert!(have.differences(&SessionDevices::default()).is_empty());
         let networked = SessionDevices {

@@ -94,6 +94,10 @@ pub struct MountSpec {
     pub read_only: bool,
     /// The host uid/gid the guest user maps to (files the guest creates belong to it).
     pub owner: Option<(u32, u32)>,
+    /// The directory's (device, inode) when the mount was made: every later launch refuses
+    /// a host path that now leads elsewhere. `None` until first checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<(u64, u64)>,
 }
 
 /// What the VMs already admitted hold, summed over a set of them.

@@ -224,12 +224,34 @@ pub fn parse_mount(arg: &str, owner: (u32, u32)) -> Result<MountSpec, CoreError>
         return Err(bad());
     }
     let host = std::fs::canonicalize(host).map_err(|e| CoreError::io("resolve", host, e))?;
+    let identity = warren_vmm::qemu::virtiofs::identity_of(&host)
+        .map_err(|e| CoreError::io("stat", &host, e))?;
     Ok(MountSpec {
         host,
         guest: guest.to_owned(),
         read_only,
         owner: Some(owner),
+        identity: Some(identity),
     })
+}
+
+/// Identifies every mount: one identified when it was made must still be that directory
+/// (`conflict` otherwise); one that was not is identified now. Every later launch of the VM
+/// checks the identity again (`warren_vmm::qemu::virtiofs::validate`).
+fn identify_mounts(mounts: &mut [MountSpec]) -> Result<(), CoreError> {
+    for m in mounts.iter_mut() {
+        match m.identity {
+            Some(want) => warren_vmm::qemu::virtiofs::check_identity(&m.host, want)
+                .map_err(|e| CoreError::Conflict(e.to_string()))?,
+            None => {
+                m.identity = Some(
+                    warren_vmm::qemu::virtiofs::identity_of(&m.host)
+                        .map_err(|e| CoreError::io("stat", &m.host, e))?,
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The shares and kernel arguments for `mounts`: share `fsN` is mounted at its guest path
@@ -249,6 +271,7 @@ fn shares_of(mounts: &[MountSpec]) -> (Vec<warren_vmm::backend::Share>, Vec<Stri
             host_dir: m.host.clone(),
             read_only: m.read_only,
             owner: m.owner,
+            identity: m.identity,
         });
     }
     (shares, args)
@@ -467,7 +490,11 @@ impl Warren {
             uid: 0,
             created_unix: now_unix(),
             boot_ms: None,
-            mounts: req.mounts.clone(),
+            mounts: {
+                let mut m = req.mounts.clone();
+                identify_mounts(&mut m)?;
+                m
+            },
             ram_file: req.ram_file,
         };
         let add = Usage {
@@ -894,6 +921,10 @@ impl Warren {
                         .map_err(|e| CoreError::io("read", dir.config(), e))?,
                 )
                 .map_err(|e| CoreError::InvalidArgument(format!("supervisor config: {e}")))?;
+                // A share whose directory was replaced (or now leads elsewhere through a
+                // symlink) while the VM slept refuses the resume; the VM stays hibernated.
+                warren_vmm::qemu::virtiofs::validate(&cfg.launch.shares)
+                    .map_err(|e| CoreError::Conflict(e.to_string()))?;
                 cfg.restore = true;
                 cfg.launch.incoming = true;
                 let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");

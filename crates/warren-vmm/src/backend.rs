@@ -139,6 +139,10 @@ pub struct Share {
     /// Host uid/gid that the guest user (uid/gid 1000) maps to, both ways: files the guest
     /// creates belong to it, and its files appear as the guest user's.
     pub owner: Option<(u32, u32)>,
+    /// The directory's device and inode when it was checked: every launch refuses a
+    /// `host_dir` that no longer is that directory (`None`: records made before this check).
+    #[serde(default)]
+    pub identity: Option<(u64, u64)>,
 }
 
 /// Where a launched VM's endpoints are.

@@ -20,6 +20,11 @@ pub enum VmmError {
     BadShare(String),
     #[error("building virtiofsd's seccomp filter failed: {0}")]
     Seccomp(String),
+    #[error("share {} is not the directory that was checked when the VM was made: {why}; recreate the VM (or the session) to share what is there now", path.display())]
+    ShareChanged {
+        path: std::path::PathBuf,
+        why: String,
+    },
     #[error("accelerator {0} is not supported on this host")]
     AccelUnsupported(String),
     #[error("unknown accelerator {0:?} (expected kvm, hvf, tcg or auto)")]

@@ -43,8 +43,45 @@ pub fn validate(shares: &[Share]) -> Result<(), VmmError> {
                 s.host_dir.display()
             )));
         }
+        if let Some(want) = s.identity {
+            check_identity(&s.host_dir, want)?;
+        }
     }
     Ok(())
+}
+
+/// Refuses `dir` unless it still is the directory identified as `want` (device, inode) and
+/// its path has no symlink anywhere (it is its own canonical path).
+pub fn check_identity(dir: &Path, want: (u64, u64)) -> Result<(), VmmError> {
+    use std::os::unix::fs::MetadataExt;
+    let changed = |why: &str| VmmError::ShareChanged {
+        path: dir.to_path_buf(),
+        why: why.to_string(),
+    };
+    let meta = std::fs::symlink_metadata(dir).map_err(|_| changed("it no longer exists"))?;
+    if !meta.is_dir() {
+        return Err(changed("it is no longer a directory"));
+    }
+    if std::fs::canonicalize(dir).ok().as_deref() != Some(dir) {
+        return Err(changed("its path now goes through a symlink"));
+    }
+    if (meta.dev(), meta.ino()) != want {
+        return Err(changed("another directory is at its path"));
+    }
+    Ok(())
+}
+
+/// The (device, inode) of directory `dir`, not following a final symlink.
+pub fn identity_of(dir: &Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(dir)?;
+    if !m.is_dir() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a directory",
+        ));
+    }
+    Ok((m.dev(), m.ino()))
 }
 
 /// virtiofsd's arguments for `share`, listening on fd [`crate::sys::process::PASSED_FD`].
@@ -165,12 +202,36 @@ pub fn find_virtiofsd() -> Option<PathBuf> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn test_share_identity_refuses_replaced_or_redirected_directories() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path().canonicalize().expect("canonical").join("d");
+        std::fs::create_dir(&dir).expect("mkdir");
+        let id = identity_of(&dir).expect("identity");
+        check_identity(&dir, id).expect("unchanged");
+        let aside = dir.with_file_name("aside");
+        std::fs::rename(&dir, &aside).expect("rename");
+        assert!(check_identity(&dir, id).is_err(), "gone");
+        std::os::unix::fs::symlink(&aside, &dir).expect("symlink");
+        assert!(
+            check_identity(&dir, id).is_err(),
+            "a symlink to the same directory"
+        );
+        std::fs::remove_file(&dir).expect("rm");
+        std::fs::create_dir(&dir).expect("mkdir");
+        assert!(check_identity(&dir, id).is_err(), "another directory");
+        std::fs::remove_dir(&dir).expect("rmdir");
+        std::fs::rename(&aside, &dir).expect("put back");
+        check_identity(&dir, id).expect("the same directory again");
+    }
+
     fn share(tag: &str) -> Share {
         Share {
             tag: tag.into(),
             host_dir: PathBuf::from("/tmp"),
             read_only: true,
             owner: Some((1234, 1235)),
+            identity: None,
         }
     }
 
