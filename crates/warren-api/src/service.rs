@@ -736,6 +736,7 @@ impl Service {
                 mounts: vec![],
                 network: None,
                 source_identity: None,
+                objects_identity: None,
             },
             owner: (host.uid, gid),
             workspace: p.workspace.clone(),

@@ -36,6 +36,7 @@ fn devices(d: &DeviceArgs) -> Result<SessionDevices> {
             .collect::<Result<Vec<_>, _>>()?,
         network: None,
         source_identity: None,
+        objects_identity: None,
     })
 }
 

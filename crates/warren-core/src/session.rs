@@ -37,6 +37,10 @@ pub struct SessionDevices {
     /// every VM the session boots later refuses a directory that is no longer that one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_identity: Option<(u64, u64)>,
+    /// A copy's source object directory as it was when the session was made (device,
+    /// inode), checked the same way: it is shared into every VM of the session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objects_identity: Option<(u64, u64)>,
 }
 
 impl SessionDevices {
@@ -195,6 +199,13 @@ impl Warren {
             let _ = std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o711));
             let dir = parent.join(&id);
             let p = warren_session::prepare(&req.repo, &dir, owner).map_err(session_error)?;
+            match warren_vmm::qemu::virtiofs::identity_of(&p.source_objects) {
+                Ok(id) => devices.objects_identity = Some(id),
+                Err(e) => {
+                    self.discard_copy(&dir, false);
+                    return Err(CoreError::io("stat", &p.source_objects, e));
+                }
+            }
             for s in &p.skipped {
                 warn(&format!(
                     "not copied: {} ({:?})",
@@ -324,7 +335,7 @@ impl Warren {
                 guest: warren_session::GUEST_SOURCE_OBJECTS.to_string(),
                 read_only: true,
                 owner,
-                identity: None,
+                identity: devices.objects_identity,
             });
         }
         let state = self.agent_state_dir(&s.workspace, &s.source);
@@ -534,6 +545,7 @@ fn merge_devices(have: &SessionDevices, want: &SessionDevices) -> SessionDevices
         },
         network: want.network.clone().or_else(|| have.network.clone()),
         source_identity: have.source_identity,
+        objects_identity: have.objects_identity,
     }
 }
 
@@ -561,6 +573,7 @@ mod tests {
             mounts: vec![],
             network: None,
             source_identity: None,
+            objects_identity: None,
         };
         assert!(have.differences(&SessionDevices::default()).is_empty());
         let networked = SessionDevices {

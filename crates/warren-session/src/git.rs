@@ -51,6 +51,12 @@ const OVERRIDES: &[&str] = &[
     "protocol.allow=never",
     "gc.auto=0",
     "maintenance.auto=false",
+    // Bounded memory over objects a guest wrote (huge blobs, deep delta windows).
+    "core.bigFileThreshold=64m",
+    "core.packedGitLimit=512m",
+    "core.packedGitWindowSize=32m",
+    "pack.windowMemory=256m",
+    "pack.threads=1",
 ];
 
 /// Longest a git command may run.

@@ -71,10 +71,16 @@ pub fn source_objects_dir(session_dir: &Path) -> Result<PathBuf, SessionError> {
     let paths = guard::SessionPaths::new(session_dir);
     paths.check_session()?;
     let target = paths.source_objects()?;
-    if !target.is_dir() {
+    // The link's target was canonical when prepare made it: a symlink anywhere in it now
+    // (or a missing directory) means the path leads somewhere else.
+    let canonical = target.canonicalize().ok();
+    if canonical.as_deref() != Some(target.as_path()) || !target.is_dir() {
         return Err(SessionError::NotASession {
             path: session_dir.to_path_buf(),
-            reason: format!("source objects {} are gone", target.display()),
+            reason: format!(
+                "source objects {} are gone or now lead elsewhere",
+                target.display()
+            ),
         });
     }
     Ok(target)

@@ -103,7 +103,53 @@ impl Scratch {
             }
             filled.map(|()| dir)
         })?;
-        Ok(Scratch { dir, work_tree })
+        let scratch = Scratch { dir, work_tree };
+        scratch.sanitize_index(git, &session_git)?;
+        Ok(scratch)
+    }
+
+    /// Checks the copied index before any git reads the working tree through it: every path
+    /// must stay inside the working tree (no `..`, `.`, empty or `.git` component, nothing
+    /// absolute), and gitlinks are marked skip-worktree, so git never looks into a
+    /// submodule's directory (where a `.git` file could name any git directory, the session's
+    /// own guest-written one included). Runs git over an empty working tree of our own.
+    fn sanitize_index(&self, git: &Git, session_git: &Path) -> Result<(), SessionError> {
+        let empty = self.dir.join("empty-work-tree");
+        as_owner(git.run_as(), || mkdir(&empty))?;
+        let repo = Repo::Session {
+            git_dir: &self.dir,
+            work_tree: &empty,
+        };
+        let listing = git.run(repo, &["ls-files", "--stage", "-z"])?;
+        let mut gitlinks = Vec::new();
+        for rec in listing.split(|&b| b == 0).filter(|r| !r.is_empty()) {
+            // "<mode> <oid> <stage>\t<path>"
+            let Some(tab) = rec.iter().position(|&b| b == b'\t') else {
+                return Err(unsafe_dir(session_git, "the index cannot be listed"));
+            };
+            let (meta, path) = (&rec[..tab], &rec[tab + 1..]);
+            if !index_path_ok(path) {
+                return Err(unsafe_dir(
+                    session_git,
+                    format!(
+                        "the index names {:?}, outside the working tree",
+                        String::from_utf8_lossy(path)
+                    ),
+                ));
+            }
+            if meta.starts_with(b"160000 ") {
+                gitlinks.extend_from_slice(path);
+                gitlinks.push(0);
+            }
+        }
+        if !gitlinks.is_empty() {
+            git.run_with(
+                repo,
+                &["update-index", "--skip-worktree", "-z", "--stdin"],
+                Some(&gitlinks),
+            )?;
+        }
+        Ok(())
     }
 
     /// Where host git runs: the scratch git directory over the session's working tree.
@@ -344,6 +390,7 @@ fn copy_refs(
             continue;
         };
         for (name, is_dir) in entries(fd, &session_git.join(&rel))? {
+            budget.take(0, session_git)?;
             if !valid_ref_component(&name) {
                 // A name git would not accept as a branch: not a branch host git sees.
                 continue;
@@ -406,6 +453,7 @@ fn copy_objects(
             mkdir(&dir.join(&sub))?;
         }
         for (file, _) in entries(sub_fd, &session_git.join(&sub))? {
+            budget.take(0, session_git)?;
             let wanted = if loose {
                 file.len() >= 38 && file.iter().all(u8::is_ascii_hexdigit)
             } else {
@@ -443,9 +491,13 @@ fn copy_fd(
     budget: &mut Budget,
     session_git: &Path,
 ) -> Result<(), SessionError> {
-    let len = nix::sys::stat::fstat(src.as_fd())
-        .map_err(|e| SessionError::io("stat", from)(e.into()))?
-        .st_size as u64;
+    let st =
+        nix::sys::stat::fstat(src.as_fd()).map_err(|e| SessionError::io("stat", from)(e.into()))?;
+    let len = st.st_size as u64;
+    // Git never writes sparse objects; a sparse one would be copied as real data.
+    if len > 1 << 20 && (st.st_blocks as u64) * 512 < len / 2 {
+        return Err(unsafe_dir(from, "is a sparse file"));
+    }
     budget.take(len, session_git)?;
     let mut src = fs::File::from(src);
     let mut dst = fs::OpenOptions::new()
@@ -491,6 +543,15 @@ fn read_source_shallow(source_git: &Path) -> Result<Option<Vec<u8>>, SessionErro
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(SessionError::io("read", p)(e)),
     }
+}
+
+/// An index path git itself would accept (`verify_path`): relative, no empty, `.`, `..` or
+/// `.git` (any case) component.
+pub(crate) fn index_path_ok(p: &[u8]) -> bool {
+    !p.is_empty()
+        && !p.starts_with(b"/")
+        && p.split(|&b| b == b'/')
+            .all(|c| !c.is_empty() && c != b"." && c != b".." && !c.eq_ignore_ascii_case(b".git"))
 }
 
 fn is_oid(b: &[u8], sha256: bool) -> bool {
@@ -581,6 +642,32 @@ mod tests {
             );
         }
         assert!(!valid_ref_value(format!("{A}\n").as_bytes(), true));
+    }
+
+    #[test]
+    fn test_index_paths_stay_in_the_work_tree() {
+        for good in [
+            &b"a.txt"[..],
+            b"src/lib.rs",
+            b".gitignore",
+            b"a/.github/x",
+            b"sub",
+        ] {
+            assert!(index_path_ok(good), "{:?}", String::from_utf8_lossy(good));
+        }
+        for bad in [
+            &b"../outside"[..],
+            b"a/../../b",
+            b"/etc/hostname",
+            b"a//b",
+            b"./a",
+            b".git/config",
+            b"x/.GIT/hooks",
+            b"",
+            b"a/",
+        ] {
+            assert!(!index_path_ok(bad), "{:?}", String::from_utf8_lossy(bad));
+        }
     }
 
     #[test]

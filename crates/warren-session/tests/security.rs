@@ -529,3 +529,125 @@ fn test_owner_permissions_apply_to_the_copy() {
     }
     assert!(!s.exists(), "a failed prepare leaves nothing behind");
 }
+
+/// An index in git's v2 format holding `entries` (mode, object id, path), with its checksum.
+fn write_index(to: &Path, entries: &[(u32, &str, &str)]) {
+    let mut b = b"DIRC".to_vec();
+    b.extend_from_slice(&2u32.to_be_bytes());
+    b.extend_from_slice(&(entries.len() as u32).to_be_bytes());
+    for (mode, oid, path) in entries {
+        let start = b.len();
+        b.extend_from_slice(&[0u8; 24]); // ctime, mtime, dev, ino
+        b.extend_from_slice(&mode.to_be_bytes());
+        b.extend_from_slice(&[0u8; 12]); // uid, gid, size
+        for i in 0..20 {
+            b.push(u8::from_str_radix(&oid[2 * i..2 * i + 2], 16).unwrap());
+        }
+        b.extend_from_slice(&(path.len() as u16).to_be_bytes());
+        b.extend_from_slice(path.as_bytes());
+        let len = b.len() - start;
+        let padded = (len + 8) / 8 * 8;
+        b.resize(start + padded, 0);
+    }
+    let tmp = to.with_extension("body");
+    std::fs::write(&tmp, &b).unwrap();
+    let sum = std::process::Command::new("sha1sum")
+        .arg(&tmp)
+        .output()
+        .unwrap();
+    let hex = String::from_utf8(sum.stdout).unwrap();
+    for i in 0..20 {
+        b.push(u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap());
+    }
+    std::fs::remove_file(&tmp).unwrap();
+    std::fs::write(to, b).unwrap();
+}
+
+/// A guest-written index naming paths outside the working tree (`../`, absolute, `.git`)
+/// would make host git stat and hash host files (an oracle for their existence and
+/// content): refused before host git looks at the working tree.
+#[test]
+fn test_guest_index_paths_outside_the_work_tree_refused() {
+    let f = Fixture::committed();
+    let (s, _) = f.prepare("s");
+    let w = ws(&s);
+    let blob = git(&w, &["hash-object", "-w", "a.txt"]);
+    let blob = blob.trim();
+    let index = w.join(".git/index");
+    let saved = std::fs::read(&index).unwrap();
+    for bad in ["../../outside.txt", "/etc/hostname", ".git/config", "a/./b"] {
+        write_index(&index, &[(0o100644, blob, "a.txt"), (0o100644, blob, bad)]);
+        // Sanity: git itself reads such an index.
+        assert!(git_out(&w, &["ls-files"]).status.success(), "{bad}");
+        match status(&s, None) {
+            Err(SessionError::UnsafeGitDir { reason, .. }) => {
+                assert!(reason.contains("outside the working tree"), "{reason}")
+            }
+            other => panic!("{bad}: {other:?}"),
+        }
+    }
+    std::fs::write(&index, saved).unwrap();
+    assert!(status(&s, None).unwrap().is_clean());
+}
+
+/// A gitlink whose directory holds a `.git` file naming the session's own (guest-written)
+/// git directory made host git open that directory as a submodule repository and read its
+/// config, includes and all. The scratch index marks gitlinks skip-worktree, so nothing under
+/// them is opened. Positive control: a plain copy of the index does read it.
+#[test]
+fn test_guest_gitlink_gitfile_never_reads_guest_config() {
+    let f = Fixture::committed();
+    let (s, _) = f.prepare("s");
+    let w = ws(&s);
+    let head = git(&w, &["rev-parse", "HEAD"]);
+    git(
+        &w,
+        &[
+            "update-index",
+            "--add",
+            "--cacheinfo",
+            &format!("160000,{},sub", head.trim()),
+        ],
+    );
+    std::fs::create_dir(w.join("sub")).unwrap();
+    std::fs::write(w.join("sub/.git"), "gitdir: ../.git\n").unwrap();
+    let bad = f.tmp.path().join("not-a-config");
+    std::fs::write(&bad, "this line is no config\n").unwrap();
+    let cfg = w.join(".git/config");
+    let clean_cfg = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(
+        &cfg,
+        format!("{clean_cfg}[include]\n\tpath = {}\n", bad.display()),
+    )
+    .unwrap();
+
+    // Positive control: host git over a clean copy of the git directory still opens the
+    // guest's config through the gitlink and fails on the included file.
+    let copy = f.tmp.path().join("copy.git");
+    let st = std::process::Command::new("cp")
+        .args(["-r"])
+        .arg(w.join(".git"))
+        .arg(&copy)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    std::fs::write(copy.join("config"), &clean_cfg).unwrap();
+    let out = std::process::Command::new("git")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .arg("--git-dir")
+        .arg(&copy)
+        .arg("--work-tree")
+        .arg(&w)
+        .args(["status", "--porcelain", "--ignore-submodules=all"])
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("not-a-config"),
+        "sanity: the gitlink path reads the guest's config: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    status(&s, None).expect("status never reads the guest's config");
+    let _ = export(&s, &f.src, "gitlink-probe", None);
+    remove(&s, true, None).unwrap();
+}
