@@ -190,3 +190,63 @@ fn test_lifecycle_image_rm_refused_while_in_use() {
     let list = env.run(&["image", "list", "--json"]);
     assert!(!String::from_utf8_lossy(&list.stdout).contains(&image));
 }
+
+/// Another local user who can traverse the state directory (and the 0711 VM directory)
+/// still cannot read the database, its WAL, or any of the VM's logs: they are its owner's
+/// only. Positive control: a 0644 file in the same VM directory is readable by that user.
+#[test]
+fn test_lifecycle_database_wal_and_vm_logs_are_owner_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let vm = TestVm::boot();
+    let state = vm.env.state.path().to_path_buf();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o711)).expect("chmod");
+    let dir = vm.env.vm_dir(&vm.id);
+    let probe = dir.join("probe-readable");
+    std::fs::write(&probe, "x\n").expect("write");
+    std::fs::set_permissions(&probe, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let as_other = |path: &std::path::Path| {
+        std::process::Command::new("setpriv")
+            .args([
+                "--reuid",
+                "4242",
+                "--regid",
+                "4242",
+                "--clear-groups",
+                "cat",
+            ])
+            .arg(path)
+            .output()
+            .expect("setpriv")
+    };
+    assert!(
+        as_other(&probe).status.success(),
+        "control: the VM directory is traversable"
+    );
+    // The WAL and shared-memory files exist while a process (here: this test, as the service
+    // would) has the database open; SQLite gives them the database file's mode.
+    let db = rusqlite::Connection::open(state.join("warren.db")).expect("open db");
+    let n: i64 = db
+        .query_row("SELECT count(*) FROM vms", [], |r| r.get(0))
+        .expect("query");
+    assert_eq!(n, 1);
+    let private = [
+        state.join("warren.db"),
+        state.join("warren.db-wal"),
+        state.join("warren.db-shm"),
+        dir.join("console.log"),
+        dir.join("supervisor.log"),
+        dir.join("qemu.stderr"),
+    ];
+    for p in &private {
+        let mode = std::fs::metadata(p)
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "{}", p.display());
+        let out = as_other(p);
+        assert!(!out.status.success(), "uid 4242 read {}", p.display());
+    }
+    drop(db);
+    std::fs::remove_file(&probe).expect("rm");
+    vm.destroy();
+}

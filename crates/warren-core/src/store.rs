@@ -184,7 +184,22 @@ const ADDED_COLUMNS: &[(&str, &str)] = &[
 ];
 
 impl Store {
+    /// Opens (or creates) the database at `path`, readable by its owner only: the file is
+    /// made 0600 before SQLite opens it, and SQLite gives its WAL and shared-memory files the
+    /// database file's mode.
     pub fn open(path: &Path) -> Result<Store, rusqlite::Error> {
+        let private = |e: std::io::Error| {
+            rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CANTOPEN),
+                Some(format!("{}: {e}", path.display())),
+            )
+        };
+        drop(warren_vmm::sys::private_file::create(path, true).map_err(private)?);
+        for suffix in ["-wal", "-shm"] {
+            let mut p = path.as_os_str().to_owned();
+            p.push(suffix);
+            warren_vmm::sys::private_file::restrict(Path::new(&p)).map_err(private)?;
+        }
         let conn = Connection::open(path)?;
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
         conn.pragma_update(None, "journal_mode", "WAL")?;

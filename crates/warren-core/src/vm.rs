@@ -654,7 +654,7 @@ impl Warren {
 
     fn spawn_supervisor(&self, dir: &VmDir) -> Result<(), CoreError> {
         use std::os::unix::process::CommandExt;
-        let log = std::fs::File::create(dir.supervisor_log())
+        let log = warren_vmm::sys::private_file::create(&dir.supervisor_log(), false)
             .map_err(|e| CoreError::io("create", dir.supervisor_log(), e))?;
         let log2 = log
             .try_clone()

@@ -91,10 +91,7 @@ pub async fn pump(mut stream: UnixStream, dir: VmDir, tail: ConsoleTail) {
 }
 
 fn open_log(dir: &VmDir) -> Option<std::fs::File> {
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(dir.console_log())
+    warren_vmm::sys::private_file::create(&dir.console_log(), true)
         .map_err(|e| tracing::warn!(error = %e, "console log unavailable"))
         .ok()
 }

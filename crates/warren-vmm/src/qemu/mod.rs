@@ -84,7 +84,7 @@ impl VmBackend for QemuBackend {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(
-                std::fs::File::create(&spec.stderr_log)
+                crate::sys::private_file::create(&spec.stderr_log, false)
                     .map_err(|e| VmmError::io("create", &spec.stderr_log, e))?,
             ))
             .kill_on_drop(false);

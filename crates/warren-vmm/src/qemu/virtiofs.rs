@@ -153,7 +153,8 @@ pub fn spawn_all(spec: &LaunchSpec) -> Result<Vec<tokio::process::Child>, VmmErr
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(
-                std::fs::File::create(&log).map_err(|e| VmmError::io("create", &log, e))?,
+                crate::sys::private_file::create(&log, false)
+                    .map_err(|e| VmmError::io("create", &log, e))?,
             ));
         // virtiofsd needs root for its namespace sandbox and to act as the owner; it is not
         // run as the VMM's uid.
