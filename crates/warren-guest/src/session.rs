@@ -373,40 +373,43 @@ fn agent_info() -> AgentInfo {
 /// Largest `Source` payload that still fits one message (tags and length prefix included).
 const SOURCE_MAX: usize = MAX_MESSAGE_BYTES - 16;
 
-/// The `Freeze` half of [`crate::coherence`], off the runtime thread and under a deadline.
-/// A failure is logged on the console; the `Thaw` half then does the whole pass.
+/// The `Freeze` half of [`crate::coherence`]. A failure is logged on the console; the `Thaw`
+/// half then does the whole pass.
 async fn prepare_shares(shares: &crate::coherence::Shares) {
-    if shares.is_empty() {
-        return;
-    }
-    let shares = shares.clone();
-    let work = tokio::task::spawn_blocking(move || shares.before_suspend());
-    match tokio::time::timeout(crate::coherence::DEADLINE * 2, work).await {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(e))) => crate::console::log(format_args!("share preparation failed: {e}")),
-        Ok(Err(e)) => crate::console::log(format_args!("share preparation panicked: {e}")),
-        Err(_) => crate::console::log(format_args!("share preparation timed out")),
-    }
+    share_pass(shares, "preparation", |s| {
+        s.before_suspend().map(|()| false)
+    })
+    .await;
 }
 
-/// Brings every share's cached view up to date before the jobs thaw ([`crate::coherence`]),
-/// off the runtime thread and under a deadline. A failure is logged on the console and the
-/// jobs thaw regardless: they ran against the same share before the suspension.
+/// The `Thaw` half: brings every share's cached view up to date before the jobs thaw. A
+/// failure is logged on the console and the jobs thaw regardless: they ran against the same
+/// share before the suspension.
 async fn revalidate_shares(shares: &crate::coherence::Shares) {
+    share_pass(shares, "revalidation", |s| {
+        s.after_resume().map(|r| r.truncated)
+    })
+    .await;
+}
+
+/// Runs one half of [`crate::coherence`] off the runtime thread, under a deadline; `pass`
+/// answers whether it stopped at a limit.
+async fn share_pass(
+    shares: &crate::coherence::Shares,
+    what: &'static str,
+    pass: fn(&crate::coherence::Shares) -> std::io::Result<bool>,
+) {
     if shares.is_empty() {
         return;
     }
     let shares = shares.clone();
-    let work = tokio::task::spawn_blocking(move || shares.after_resume());
+    let work = tokio::task::spawn_blocking(move || pass(&shares));
     match tokio::time::timeout(crate::coherence::DEADLINE * 2, work).await {
-        Ok(Ok(Ok(r))) if r.truncated => crate::console::log(format_args!(
-            "share revalidation stopped at a limit after {} paths",
-            r.revalidated
-        )),
-        Ok(Ok(Ok(_))) => {}
-        Ok(Ok(Err(e))) => crate::console::log(format_args!("share revalidation failed: {e}")),
-        Ok(Err(e)) => crate::console::log(format_args!("share revalidation panicked: {e}")),
-        Err(_) => crate::console::log(format_args!("share revalidation timed out")),
+        Ok(Ok(Ok(false))) => {}
+        Ok(Ok(Ok(true))) => crate::console::log(format_args!("share {what} stopped at a limit")),
+        Ok(Ok(Err(e))) => crate::console::log(format_args!("share {what} failed: {e}")),
+        Ok(Err(e)) => crate::console::log(format_args!("share {what} panicked: {e}")),
+        Err(_) => crate::console::log(format_args!("share {what} timed out")),
     }
 }
 

@@ -48,6 +48,14 @@ fn assert_host_git_ignores_guest(f: &Fixture, s: &Path, marker: &Path) {
     assert!(!s.exists());
 }
 
+/// Asserts the planted attack is real (an unguarded git just ran it: `marker` exists, the
+/// positive control), then that Warren's host git ignores it.
+fn real_attack_ignored_by_host_git(f: &Fixture, s: &Path, marker: &Path, control: &str) {
+    assert!(marker.exists(), "{control}");
+    std::fs::remove_file(marker).unwrap();
+    assert_host_git_ignores_guest(f, s, marker);
+}
+
 /// The reproduction from the security review: a submodule made in the guest, with its own
 /// git directory, config and attributes naming a filter. Host `git status` used to recurse
 /// into it (`--ignore-submodules=none`) and run the filter as the session owner.
@@ -89,12 +97,12 @@ fn test_guest_submodule_filter_never_runs_on_host() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    assert!(
-        marker.exists(),
-        "sanity: an unguarded git status runs the submodule's filter"
+    real_attack_ignored_by_host_git(
+        &f,
+        &s,
+        &marker,
+        "sanity: an unguarded git status runs the submodule's filter",
     );
-    std::fs::remove_file(&marker).unwrap();
-    assert_host_git_ignores_guest(&f, &s, &marker);
 }
 
 #[test]
@@ -147,12 +155,12 @@ fn test_guest_textconv_and_diff_drivers_never_run_on_host() {
     guest_config(&s, "merge.x.driver", &touch(&marker));
     write(&w, "a.txt", "changed\n");
     git_out(&w, &["diff"]);
-    assert!(
-        marker.exists(),
-        "sanity: an unguarded git diff runs the driver"
+    real_attack_ignored_by_host_git(
+        &f,
+        &s,
+        &marker,
+        "sanity: an unguarded git diff runs the driver",
     );
-    std::fs::remove_file(&marker).unwrap();
-    assert_host_git_ignores_guest(&f, &s, &marker);
 }
 
 #[test]
@@ -174,12 +182,12 @@ fn test_guest_includes_never_reach_host_git() {
     );
     write(&ws(&s), "a.txt", "changed\n");
     git_out(&ws(&s), &["status"]);
-    assert!(
-        marker.exists(),
-        "sanity: an unguarded git follows the include"
+    real_attack_ignored_by_host_git(
+        &f,
+        &s,
+        &marker,
+        "sanity: an unguarded git follows the include",
     );
-    std::fs::remove_file(&marker).unwrap();
-    assert_host_git_ignores_guest(&f, &s, &marker);
 }
 
 #[test]
@@ -226,12 +234,12 @@ fn test_guest_core_programs_and_hooks_path_never_run_on_host() {
         .arg(&w)
         .arg("status");
     let _ = plain.output().unwrap();
-    assert!(
-        marker.exists(),
-        "sanity: an unguarded git runs the guest's hook"
+    real_attack_ignored_by_host_git(
+        &f,
+        &s,
+        &marker,
+        "sanity: an unguarded git runs the guest's hook",
     );
-    std::fs::remove_file(&marker).unwrap();
-    assert_host_git_ignores_guest(&f, &s, &marker);
 }
 
 #[test]
