@@ -471,10 +471,10 @@ fn owners_under(root: &Path) -> Vec<(PathBuf, u32, u32)> {
 
 #[test]
 fn test_owner_owns_the_copy_and_runs_git() {
-    if !is_root() {
-        eprintln!("skipped: needs root to act as nobody");
-        return;
-    }
+    assert!(
+        is_root(),
+        "this test acts as nobody and needs root, as .ci/run runs the suite"
+    );
     let f = owned_fixture();
     let s = f.session("s");
     let p = warren_session::prepare(&f.src, &s, Some(NOBODY)).unwrap();
@@ -517,10 +517,10 @@ fn test_owner_owns_the_copy_and_runs_git() {
 
 #[test]
 fn test_owner_permissions_apply_to_the_copy() {
-    if !is_root() {
-        eprintln!("skipped: needs root to act as nobody");
-        return;
-    }
+    assert!(
+        is_root(),
+        "this test acts as nobody and needs root, as .ci/run runs the suite"
+    );
     let f = owned_fixture();
     // A file in the owner's checkout that the owner cannot read (root's, 0600).
     write(&f.src, "d/root-only.txt", "secret\n");
