@@ -369,7 +369,8 @@ async fn raw_boot(vm_dir: &std::path::Path, accel: warren_vmm::Accel) -> Result<
     };
     let backend = QemuBackend::new(warren_vmm::accel::find_qemu()?)?;
     let ep = QemuBackend::endpoints(&run_dir);
-    let args = warren_vmm::qemu::qemu_args(&spec, &ep, backend.tsc_khz);
+    let args =
+        warren_vmm::qemu::qemu_args(&spec, warren_vmm::qemu::Attach::Paths(&ep), backend.tsc_khz);
     let t = Instant::now();
     let mut child = tokio::process::Command::new(&backend.qemu)
         .args(&args)

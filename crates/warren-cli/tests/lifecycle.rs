@@ -250,3 +250,159 @@ fn test_lifecycle_database_wal_and_vm_logs_are_owner_only() {
     std::fs::remove_file(&probe).expect("rm");
     vm.destroy();
 }
+
+/// What a process's network namespace holds, as `ip -o link` lines seen from inside it.
+fn links_in_netns_of(pid: &str) -> Vec<String> {
+    let out = std::process::Command::new("nsenter")
+        .args([
+            &format!("--net=/proc/{pid}/ns/net"),
+            "ip",
+            "-o",
+            "link",
+            "show",
+        ])
+        .output()
+        .expect("nsenter ip link");
+    assert!(out.status.success(), "nsenter: {out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+fn only_a_down_lo(links: &[String]) -> bool {
+    links.len() == 1 && links[0].contains(": lo:") && !links[0].contains("UP")
+}
+
+/// Sockets directly in `dir`.
+fn sockets_in(dir: &std::path::Path) -> Vec<String> {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::read_dir(dir)
+        .expect("read dir")
+        .flatten()
+        .filter(|e| e.file_type().map(|t| t.is_socket()).unwrap_or(false))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// A VMM escape gets no network and no path to steer the supervisor: QEMU and virtiofsd of a
+/// networked VM with a share sit in network namespaces holding only a down `lo` (while the
+/// guest's NIC works, through the TAP descriptor); the VMM's writable `run/` holds no socket
+/// (the supervisor's endpoints are owner-only sockets in the root-owned VM directory); and a
+/// FIFO or a symlink the VMM plants where the supervisor opens its files (the standby RAM
+/// file, flushed at hibernation) is refused without blocking, the VM continuing.
+#[test]
+fn test_lifecycle_vmm_has_no_network_no_run_sockets_and_planted_files_are_refused() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    common::ensure_image("minimal");
+    let share = tempfile::tempdir().expect("tempdir");
+    let env = TestEnv::new();
+    let mount = format!("{}:/workspace", share.path().display());
+    let id = env.create_vm_with("minimal", &["--network", "--ram-file", "--mount", &mount]);
+    let vm = TestVm::adopt(env, id);
+    assert_eq!(
+        vm.sh("cat /sys/class/net/eth0/operstate").stdout.trim(),
+        "up",
+        "the guest's NIC works through the passed TAP descriptor"
+    );
+
+    // Every process of the VM (QEMU, each virtiofsd) is in a namespace of its own.
+    let cg = vm.cgroup_dir().expect("the VM's cgroup");
+    let procs = std::fs::read_to_string(cg.join("cgroup.procs")).expect("cgroup.procs");
+    let pids: Vec<&str> = procs.split_whitespace().collect();
+    let comm = |p: &str| {
+        std::fs::read_link(format!("/proc/{p}/exe"))
+            .map(|e| {
+                e.file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .unwrap_or_default()
+    };
+    assert!(
+        pids.iter().any(|p| comm(p).starts_with("qemu-system")),
+        "{pids:?}"
+    );
+    assert!(pids.iter().any(|p| comm(p) == "virtiofsd"), "{pids:?}");
+    let host_ns = std::fs::read_link("/proc/self/ns/net").expect("own netns");
+    // Positive control: the host's namespace is seen to have more than a down lo.
+    assert!(!only_a_down_lo(&links_in_netns_of("self")));
+    for p in &pids {
+        let ns = std::fs::read_link(format!("/proc/{p}/ns/net")).expect("netns");
+        assert_ne!(ns, host_ns, "{} ({p}) is in the host's namespace", comm(p));
+        let links = links_in_netns_of(p);
+        assert!(only_a_down_lo(&links), "{} ({p}): {links:?}", comm(p));
+    }
+
+    // No socket in `run/`; the endpoints are root's, owner-only, in a root-owned directory.
+    let dir = vm.env.vm_dir(&vm.id);
+    let run = dir.join("run");
+    assert_eq!(sockets_in(&run), Vec::<String>::new(), "sockets in run/");
+    let mut endpoints = sockets_in(&dir);
+    endpoints.sort();
+    assert_eq!(
+        endpoints,
+        [
+            "supervisor.sock",
+            "vmm-channel.sock",
+            "vmm-console.sock",
+            "vmm-qmp.sock"
+        ],
+        "positive control: the sockets check sees sockets"
+    );
+    let me = nix::unistd::geteuid().as_raw();
+    assert_eq!(std::fs::metadata(&dir).expect("vm dir").uid(), me);
+    assert_ne!(
+        std::fs::metadata(&run).expect("run").uid(),
+        me,
+        "run/ is the VMM's"
+    );
+    for e in &endpoints[1..] {
+        let m = std::fs::metadata(dir.join(e)).expect("endpoint");
+        assert_eq!(
+            (m.uid(), m.permissions().mode() & 0o777),
+            (me, 0o600),
+            "{e}"
+        );
+    }
+
+    // The VMM plants a FIFO, then a symlink to a host file, as its RAM file.
+    let ram = run.join("guest.ram");
+    let aside = run.join("guest.ram.aside");
+    std::fs::rename(&ram, &aside).expect("move the RAM file aside");
+    let secret = tempfile::NamedTempFile::new().expect("host file");
+    for planted in ["fifo", "symlink"] {
+        if planted == "fifo" {
+            nix::unistd::mkfifo(&ram, nix::sys::stat::Mode::from_bits_truncate(0o666))
+                .expect("mkfifo");
+        } else {
+            std::os::unix::fs::symlink(secret.path(), &ram).expect("symlink");
+        }
+        let t = std::time::Instant::now();
+        let out = vm.warren(&["vm", "suspend", &vm.id, "--mode", "hibernate", "--force"]);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "{planted}: hibernated");
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(120),
+            "{planted}: blocked"
+        );
+        let why = if planted == "fifo" {
+            "not a regular file"
+        } else {
+            "symlink"
+        };
+        assert!(err.contains(why), "{planted}: {err}");
+        assert_eq!(vm.state(), "running", "{planted}: {err}");
+        assert_eq!(vm.sh("echo alive").stdout, "alive\n", "{planted}");
+        std::fs::remove_file(&ram).expect("remove the planted file");
+    }
+    // Positive control: with the real RAM file back, the same hibernation goes through.
+    std::fs::rename(&aside, &ram).expect("put the RAM file back");
+    ok(
+        vm.warren(&["vm", "suspend", &vm.id, "--mode", "hibernate", "--force"]),
+        "standby",
+    );
+    ok(vm.warren(&["vm", "resume", &vm.id]), "resume");
+    assert_eq!(vm.sh("echo back").stdout, "back\n");
+}

@@ -12,6 +12,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{watch, Notify};
 use warren_protocol::HostRequest;
 use warren_vmm::qemu::QemuBackend;
+use warren_vmm::sys::vmm_file::sync_regular;
 use warren_vmm::{sys::cgroup, VmBackend};
 
 use crate::channel::GuestChannel;
@@ -711,7 +712,7 @@ async fn hibernate(shared: &Shared) -> Reply {
     };
     let mut q = qmp(&shared.control).await?;
     let state = shared.dir.checkpoint_state();
-    let saved: Result<(), String> = async {
+    let saved: Result<u64, String> = async {
         if !was_paused {
             q.pause().await.map_err(|e| error_chain(&e))?;
         }
@@ -737,30 +738,30 @@ async fn hibernate(shared: &Shared) -> Reply {
         if injected("hibernate:fail-save") {
             return Err("injected save failure".to_string());
         }
-        std::fs::File::open(&state)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| format!("fsync {}: {e}", state.display()))?;
+        // Written by the VMM in its own directory: opened without following links or
+        // blocking on FIFOs, and only as a regular file.
+        let size = sync_regular(&state).map_err(|e| format!("fsync {}: {e}", state.display()))?;
         if let Some(ram) = &shared.ram_file {
             // Standby releases memory only once the RAM file is on disk.
-            std::fs::File::open(ram)
-                .and_then(|f| f.sync_all())
-                .map_err(|e| format!("fsync {}: {e}", ram.display()))?;
+            sync_regular(ram).map_err(|e| format!("fsync {}: {e}", ram.display()))?;
         }
-        Ok(())
+        Ok(size)
     }
     .await;
-    if let Err(e) = saved {
-        // Nothing is lost: the VM continues where it was.
-        let _ = q.execute("migrate_cancel", None).await;
-        let _ = std::fs::remove_file(&state);
-        if let Some(ch) = &ch {
-            let _ = q.resume().await;
-            let _ = thaw(ch).await;
+    let size = match saved {
+        Ok(size) => size,
+        Err(e) => {
+            // Nothing is lost: the VM continues where it was.
+            let _ = q.execute("migrate_cancel", None).await;
+            let _ = std::fs::remove_file(&state);
+            if let Some(ch) = &ch {
+                let _ = q.resume().await;
+                let _ = thaw(ch).await;
+            }
+            return Err(refused("hibernate failed; the VM continues", e));
         }
-        return Err(refused("hibernate failed; the VM continues", e));
-    }
+    };
     crash_point("hibernate:after-save");
-    let size = std::fs::metadata(&state).map(|m| m.len()).unwrap_or(0);
     let (qemu_sha256, firmware_sha256) = vmm_digests();
     let info = CheckpointInfo {
         size,

@@ -6,6 +6,25 @@ use crate::backend::{LaunchSpec, VmEndpoints};
 pub const TAP_NAME: &str = "tap0";
 /// The descriptor number the TAP device gets in the VMM.
 pub const TAP_FD: i32 = 3;
+/// Listening sockets Warren binds outside the VMM's reach and passes to it: serial console,
+/// agent channel, QMP.
+pub const CONSOLE_FD: i32 = 4;
+pub const CHANNEL_FD: i32 = 5;
+pub const QMP_FD: i32 = 6;
+/// Share `i` (in `LaunchSpec::shares` order) is a vhost-user connection already made to its
+/// virtiofsd, at descriptor `SHARE_FD_BASE + i`.
+pub const SHARE_FD_BASE: i32 = 7;
+
+/// How the VMM reaches its endpoints.
+#[derive(Debug, Clone, Copy)]
+pub enum Attach<'a> {
+    /// Descriptors passed at launch ([`CONSOLE_FD`], [`CHANNEL_FD`], [`QMP_FD`],
+    /// [`SHARE_FD_BASE`]): what Warren's backend does, so nothing the supervisor connects to
+    /// lives in a directory the VMM can write.
+    Fds,
+    /// Sockets QEMU itself creates at these paths (the raw-QEMU baseline of `warren bench`).
+    Paths(&'a VmEndpoints),
+}
 
 /// Kernel arguments measured in PLATFORM.md: quiet console, no crypto self-tests, trusted TSC
 /// and CPU RNG, one UART, no legacy keyboard probing, and always `tsc_early_khz`.
@@ -26,7 +45,12 @@ pub fn kernel_cmdline(tsc_khz: u64, extra: &[String]) -> String {
 }
 
 /// The full QEMU argument list for `spec`.
-pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<String> {
+pub fn qemu_args(spec: &LaunchSpec, attach: Attach<'_>, tsc_khz: u64) -> Vec<String> {
+    // The chardev backend of each endpoint: `fd=` (Warren's listening socket) or `path=`.
+    let server = |fd: i32, path: fn(&VmEndpoints) -> &std::path::Path| match attach {
+        Attach::Fds => format!("fd={fd}"),
+        Attach::Paths(ep) => format!("path={}", path(ep).display()),
+    };
     let mut a: Vec<String> = Vec::new();
     let mut push = |xs: &[&str]| a.extend(xs.iter().map(|s| s.to_string()));
     push(&[
@@ -92,8 +116,8 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
     push(&[
         "-chardev",
         &format!(
-            "socket,id=con,path={},server=on,wait=on",
-            ep.console.display()
+            "socket,id=con,{},server=on,wait=on",
+            server(CONSOLE_FD, |e| &e.console)
         ),
         "-serial",
         "chardev:con",
@@ -103,8 +127,8 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
         "virtio-serial-device",
         "-chardev",
         &format!(
-            "socket,id=agent,path={},server=on,wait=off",
-            ep.channel.display()
+            "socket,id=agent,{},server=on,wait=off",
+            server(CHANNEL_FD, |e| &e.channel)
         ),
         "-device",
         "virtserialport,chardev=agent,name=org.warren.agent.0",
@@ -118,14 +142,18 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
         "-device",
         "virtio-blk-device,drive=root",
     ]);
-    for share in &spec.shares {
+    for (i, share) in spec.shares.iter().enumerate() {
         let id = format!("fs-{}", share.tag);
-        push(&[
-            "-chardev",
-            &format!(
-                "socket,id={id},path={}",
+        let conn = match attach {
+            Attach::Fds => format!("fd={}", SHARE_FD_BASE + i as i32),
+            Attach::Paths(_) => format!(
+                "path={}",
                 super::virtiofs::socket_path(&spec.run_dir, &share.tag).display()
             ),
+        };
+        push(&[
+            "-chardev",
+            &format!("socket,id={id},{conn}"),
             "-device",
             &format!("vhost-user-fs-device,chardev={id},tag={}", share.tag),
         ]);
@@ -139,8 +167,13 @@ pub fn qemu_args(spec: &LaunchSpec, ep: &VmEndpoints, tsc_khz: u64) -> Vec<Strin
         ]);
     }
     push(&[
-        "-qmp",
-        &format!("unix:{},server=on,wait=off", ep.control.display()),
+        "-chardev",
+        &format!(
+            "socket,id=qmp,{},server=on,wait=off",
+            server(QMP_FD, |e| &e.control)
+        ),
+        "-mon",
+        "chardev=qmp,mode=control",
     ]);
     if spec.incoming {
         push(&["-incoming", "defer"]);
@@ -197,11 +230,7 @@ mod tests {
 
     #[test]
     fn test_qemu_args_tcg_fast_boot_recipe() {
-        let a = qemu_args(
-            &spec(),
-            &crate::qemu::QemuBackend::endpoints(&PathBuf::from("/r")),
-            2445406,
-        );
+        let a = qemu_args(&spec(), Attach::Fds, 2445406);
         let s = a.join(" ");
         assert!(s.contains("-M microvm,acpi=on"));
         assert!(s.contains("-bios /usr/share/qemu/qboot.rom"));
@@ -217,14 +246,28 @@ mod tests {
         // checkpoints still load.
         let mut legacy = spec();
         legacy.cpu = None;
-        let old = qemu_args(
-            &legacy,
-            &crate::qemu::QemuBackend::endpoints(&legacy.run_dir),
-            2_000_000,
-        )
-        .join(" ");
+        let old = qemu_args(&legacy, Attach::Fds, 2_000_000).join(" ");
         assert!(!old.contains("-cpu"), "{old}");
         assert!(!s.contains("-netdev"), "no NIC without network");
+    }
+
+    #[test]
+    fn test_qemu_args_endpoints_are_passed_descriptors() {
+        let mut sp = spec();
+        sp.shares = vec![crate::backend::Share {
+            tag: "ws0".into(),
+            host_dir: PathBuf::from("/tmp"),
+            read_only: false,
+            owner: None,
+            identity: None,
+        }];
+        let s = qemu_args(&sp, Attach::Fds, 1).join(" ");
+        assert!(s.contains("socket,id=con,fd=4,server=on,wait=on"), "{s}");
+        assert!(s.contains("socket,id=agent,fd=5,server=on,wait=off"), "{s}");
+        assert!(s.contains("socket,id=qmp,fd=6,server=on,wait=off"), "{s}");
+        assert!(s.contains("socket,id=fs-ws0,fd=7"), "{s}");
+        assert!(!s.contains("path="), "no endpoint by path: {s}");
+        assert!(!s.contains("-qmp"), "{s}");
     }
 
     #[test]
@@ -241,12 +284,7 @@ mod tests {
             upstream_roots: None,
             intercepts: vec![],
         });
-        let s = qemu_args(
-            &sp,
-            &crate::qemu::QemuBackend::endpoints(&PathBuf::from("/r")),
-            1,
-        )
-        .join(" ");
+        let s = qemu_args(&sp, Attach::Fds, 1).join(" ");
         assert!(s.contains("-netdev tap,id=net0,fd=3,vhost=off"));
         assert!(s.contains("virtio-net-device,netdev=net0,mac=52:54:00:12:34:56"));
     }

@@ -1,9 +1,13 @@
 //! The QEMU backend: `-M microvm`, PVH direct boot of an ELF `vmlinux` through qboot,
 //! virtio-mmio devices, no default devices (PLATFORM.md's fastest recipe).
 //!
-//! Endpoints are UNIX sockets in the VM's run directory, all served by QEMU:
-//! `console.sock` (serial; QEMU waits for the supervisor to connect before the guest runs, so
-//! no console byte is lost), `channel.sock` (the agent's virtio-serial port) and `qmp.sock`.
+//! Endpoints are listening UNIX sockets the backend binds in the VM directory (the parent of
+//! the run directory, which the VMM cannot write) and passes to QEMU as descriptors, so a
+//! compromised VMM can neither replace them nor point the supervisor at another socket:
+//! `vmm-console.sock` (serial; QEMU waits for the supervisor to connect before the guest runs,
+//! so no console byte is lost), `vmm-channel.sock` (the agent's virtio-serial port) and
+//! `vmm-qmp.sock`. Each is owner-only. QEMU and its virtiofsd run in network namespaces of
+//! their own with no interface but a down `lo` (`sys::process::confine`).
 
 mod cmdline;
 pub mod qmp;
@@ -13,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-pub use cmdline::{default_cpu, kernel_cmdline, qemu_args};
+pub use cmdline::{default_cpu, kernel_cmdline, qemu_args, Attach};
 use tokio::io::AsyncReadExt;
 
 use crate::accel::{Accel, ProbeVerdict};
@@ -39,11 +43,13 @@ impl QemuBackend {
         })
     }
 
+    /// Where the backend binds a VM's endpoints: beside `run_dir`, in its parent.
     pub fn endpoints(run_dir: &Path) -> VmEndpoints {
+        let dir = run_dir.parent().unwrap_or(run_dir);
         VmEndpoints {
-            console: run_dir.join("console.sock"),
-            channel: run_dir.join("channel.sock"),
-            control: run_dir.join("qmp.sock"),
+            console: dir.join("vmm-console.sock"),
+            channel: dir.join("vmm-channel.sock"),
+            control: dir.join("vmm-qmp.sock"),
         }
     }
 }
@@ -59,14 +65,12 @@ impl VmBackend for QemuBackend {
 
     fn launch(&self, spec: &LaunchSpec) -> Result<LaunchedVm, VmmError> {
         let endpoints = Self::endpoints(&spec.run_dir);
-        for p in [&endpoints.console, &endpoints.channel, &endpoints.control] {
-            match std::fs::remove_file(p) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(VmmError::io("remove", p, e)),
-            }
-        }
-        let helpers = virtiofs::spawn_all(spec)?;
+        let listeners = [
+            (bind_endpoint(&endpoints.console)?, cmdline::CONSOLE_FD),
+            (bind_endpoint(&endpoints.channel)?, cmdline::CHANNEL_FD),
+            (bind_endpoint(&endpoints.control)?, cmdline::QMP_FD),
+        ];
+        let (helpers, share_conns) = virtiofs::spawn_all(spec)?;
         // The NIC: the namespace's TAP device, opened here and kept open until spawn returns.
         let tap = match &spec.network {
             Some(net) => {
@@ -78,7 +82,7 @@ impl VmBackend for QemuBackend {
             }
             None => None,
         };
-        let args = qemu_args(spec, &endpoints, self.tsc_khz);
+        let args = qemu_args(spec, Attach::Fds, self.tsc_khz);
         let mut cmd = tokio::process::Command::new(&self.qemu);
         cmd.args(&args)
             .stdin(Stdio::null())
@@ -89,15 +93,27 @@ impl VmBackend for QemuBackend {
             ))
             .kill_on_drop(false);
         crate::sys::process::confine(cmd.as_std_mut(), spec.run_as);
-        if let Some(tap) = &tap {
+        let mut fds: Vec<(std::os::fd::RawFd, i32)> = Vec::new();
+        {
             use std::os::fd::AsRawFd;
-            crate::sys::process::pass_fd_as(cmd.as_std_mut(), tap.as_raw_fd(), cmdline::TAP_FD);
+            if let Some(tap) = &tap {
+                fds.push((tap.as_raw_fd(), cmdline::TAP_FD));
+            }
+            fds.extend(listeners.iter().map(|(l, n)| (l.as_raw_fd(), *n)));
+            fds.extend(
+                share_conns
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| (c.as_raw_fd(), cmdline::SHARE_FD_BASE + i as i32)),
+            );
         }
+        crate::sys::process::pass_fds(cmd.as_std_mut(), &fds);
         let child = cmd.spawn().map_err(|source| VmmError::Spawn {
             program: self.qemu.display().to_string(),
             source,
         })?;
-        drop(tap);
+        // QEMU holds its own copies now; the supervisor keeps only the paths to connect to.
+        drop((tap, listeners, share_conns));
         if let (Some(cg), Some(pid)) = (&spec.cgroup, child.id()) {
             crate::sys::cgroup::add_pid(cg, pid)?;
         }
@@ -117,6 +133,21 @@ impl VmBackend for QemuBackend {
             Ok(Box::new(q) as Box<dyn VmControl>)
         })
     }
+}
+
+/// Binds the listening socket of one endpoint at `path` (replacing a stale one), owner-only.
+fn bind_endpoint(path: &Path) -> Result<std::os::unix::net::UnixListener, VmmError> {
+    use std::os::unix::fs::PermissionsExt;
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(VmmError::io("remove", path, e)),
+    }
+    let l =
+        std::os::unix::net::UnixListener::bind(path).map_err(|e| VmmError::io("bind", path, e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| VmmError::io("chmod", path, e))?;
+    Ok(l)
 }
 
 /// Host TSC frequency from `/proc/cpuinfo` (`cpu MHz` × 1000).

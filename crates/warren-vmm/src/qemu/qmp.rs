@@ -4,12 +4,15 @@
 use std::path::Path;
 
 use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 
 use crate::backend::{BoxFuture, VmControl};
 use crate::error::VmmError;
+
+/// The longest QMP message accepted: the VMM may be compromised, so its output is bounded.
+pub const MAX_LINE: u64 = 1 << 20;
 
 pub struct Qmp {
     reader: BufReader<OwnedReadHalf>,
@@ -41,13 +44,18 @@ impl Qmp {
 
     async fn read_msg(&mut self) -> Result<Value, VmmError> {
         let mut line = String::new();
-        let n = self
-            .reader
+        let n = (&mut self.reader)
+            .take(MAX_LINE)
             .read_line(&mut line)
             .await
             .map_err(VmmError::QmpIo)?;
         if n == 0 {
             return Err(VmmError::QmpIo(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        if !line.ends_with('\n') {
+            return Err(VmmError::QmpProtocol(format!(
+                "a message longer than {MAX_LINE} bytes"
+            )));
         }
         serde_json::from_str(&line).map_err(|e| VmmError::QmpProtocol(e.to_string()))
     }

@@ -1,8 +1,9 @@
 //! virtio-fs shares: one sandboxed virtiofsd per shared directory, started before QEMU on a
-//! listening socket Warren creates (so QEMU, running as the VM's uid, can connect without a
-//! wait for the daemon to create its own socket).
+//! listening socket Warren creates. Warren connects to it itself and removes its name before
+//! either process runs, so the vhost-user connection reaches QEMU as a descriptor and no
+//! socket of a share is left in any directory.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -13,7 +14,8 @@ use crate::error::VmmError;
 /// The guest user's uid and gid (the image recipe's `user`).
 const GUEST_USER: u32 = 1000;
 
-/// The vhost-user socket of share `tag` in the VM's run directory.
+/// The vhost-user socket of share `tag` in `run_dir` (the raw-QEMU bench only; Warren's
+/// backend passes connections, see [`spawn_all`]).
 pub fn socket_path(run_dir: &Path, tag: &str) -> PathBuf {
     run_dir.join(format!("fs-{tag}.sock"))
 }
@@ -71,6 +73,40 @@ pub fn check_identity(dir: &Path, want: (u64, u64)) -> Result<(), VmmError> {
     Ok(())
 }
 
+/// Opens the share's directory from `/` without following any symlink on the way, and, when
+/// the share was identified at creation, refuses it unless the descriptor is that directory.
+/// Checking the descriptor (not the path) leaves no instant in which a swapped path is served.
+pub fn open_checked(share: &Share) -> Result<std::os::fd::OwnedFd, VmmError> {
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+    use std::os::unix::fs::MetadataExt;
+    let changed = |why: &str| VmmError::ShareChanged {
+        path: share.host_dir.clone(),
+        why: why.to_string(),
+    };
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let fd =
+        nix::fcntl::openat2(nix::fcntl::AT_FDCWD, &share.host_dir, how).map_err(|e| match e {
+            nix::errno::Errno::ELOOP => changed("its path now goes through a symlink"),
+            nix::errno::Errno::ENOTDIR => changed("it is no longer a directory"),
+            nix::errno::Errno::ENOENT => changed("it no longer exists"),
+            e => VmmError::io("open", &share.host_dir, e.into()),
+        })?;
+    if let Some(want) = share.identity {
+        let meta = std::fs::File::from(
+            fd.try_clone()
+                .map_err(|e| VmmError::io("duplicate the descriptor of", &share.host_dir, e))?,
+        )
+        .metadata()
+        .map_err(|e| VmmError::io("stat", &share.host_dir, e))?;
+        if (meta.dev(), meta.ino()) != want {
+            return Err(changed("another directory is at its path"));
+        }
+    }
+    Ok(fd)
+}
+
 /// The (device, inode) of directory `dir`, not following a final symlink.
 pub fn identity_of(dir: &Path) -> std::io::Result<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
@@ -123,33 +159,49 @@ pub fn virtiofsd_args(share: &Share) -> Vec<String> {
     a
 }
 
-/// Starts one virtiofsd per share. Each gets a listening socket created here (owned by the
-/// VMM's uid) as fd 3, joins the VM's cgroup, and dies with the supervisor.
-pub fn spawn_all(spec: &LaunchSpec) -> Result<Vec<tokio::process::Child>, VmmError> {
+/// A started virtiofsd per share, and the vhost-user connection to each (in share order) for
+/// the VMM.
+pub type Started = (
+    Vec<tokio::process::Child>,
+    Vec<std::os::unix::net::UnixStream>,
+);
+
+/// Starts one virtiofsd per share. Each gets a listening socket created here as fd 3, with
+/// the VMM's connection already queued on it, joins the VM's cgroup, and dies with the
+/// supervisor.
+pub fn spawn_all(spec: &LaunchSpec) -> Result<Started, VmmError> {
     if spec.shares.is_empty() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new()));
     }
     validate(&spec.shares)?;
     let bin = spec.virtiofsd.as_ref().ok_or(VmmError::VirtiofsdMissing)?;
     let filters = crate::sys::share_seccomp::share_filters()?;
     let mut children = Vec::new();
+    let mut conns = Vec::new();
+    // Named only for the instant it takes to connect, beside the VM's other endpoints (a
+    // directory the VMM cannot write).
+    let dir = spec.run_dir.parent().unwrap_or(&spec.run_dir);
     for share in &spec.shares {
-        let sock = socket_path(&spec.run_dir, &share.tag);
-        match std::fs::remove_file(&sock) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(VmmError::io("remove", &sock, e)),
-        }
-        let listener = UnixListener::bind(&sock).map_err(|e| VmmError::io("bind", &sock, e))?;
-        if let Some((uid, gid)) = spec.run_as {
-            std::os::unix::fs::chown(&sock, Some(uid), Some(gid))
-                .map_err(|e| VmmError::io("chown", &sock, e))?;
-        }
+        let (listener, conn) = connected_pair(&dir.join(format!("vmm-fs-{}.sock", share.tag)))?;
+        conns.push(conn);
         let log = spec
             .stderr_log
             .with_file_name(format!("virtiofsd-{}.log", share.tag));
+        // The checked directory, held: virtiofsd serves what this descriptor is, whatever
+        // happens to the share's path from now on.
+        let held = open_checked(share)?;
+        let tree = crate::sys::process::clone_tree(held.as_fd()).map_err(|e| {
+            VmmError::BadShare(format!(
+                "cannot hold {} for virtiofsd (shares need Warren to run as root): {e}",
+                share.host_dir.display()
+            ))
+        })?;
+        let mountpoint = dir.join("shares").join(&share.tag);
+        std::fs::create_dir_all(&mountpoint).map_err(|e| VmmError::io("create", &mountpoint, e))?;
+        let mut served = share.clone();
+        served.host_dir = mountpoint.clone();
         let mut cmd = std::process::Command::new(bin);
-        cmd.args(virtiofsd_args(share))
+        cmd.args(virtiofsd_args(&served))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(
@@ -159,6 +211,8 @@ pub fn spawn_all(spec: &LaunchSpec) -> Result<Vec<tokio::process::Child>, VmmErr
         // virtiofsd needs root for its namespace sandbox and to act as the owner; it is not
         // run as the VMM's uid.
         crate::sys::process::confine(&mut cmd, None);
+        crate::sys::process::mount_held_dir(&mut cmd, tree.as_raw_fd(), &mountpoint)
+            .map_err(|e| VmmError::io("prepare the mount of", &mountpoint, e))?;
         crate::sys::share_seccomp::install_in_child(&mut cmd, filters.clone());
         crate::sys::process::pass_fd(&mut cmd, listener.as_raw_fd());
         let child = tokio::process::Command::from(cmd)
@@ -168,13 +222,29 @@ pub fn spawn_all(spec: &LaunchSpec) -> Result<Vec<tokio::process::Child>, VmmErr
                 program: bin.display().to_string(),
                 source,
             })?;
-        drop(listener);
+        drop((listener, held, tree));
         if let (Some(cg), Some(pid)) = (&spec.cgroup, child.id()) {
             crate::sys::cgroup::add_pid(cg, pid)?;
         }
         children.push(child);
     }
-    Ok(children)
+    Ok((children, conns))
+}
+
+/// A listening socket with one connection queued on it, and that connection; the name
+/// `path` exists only while they are made.
+fn connected_pair(path: &Path) -> Result<(UnixListener, std::os::unix::net::UnixStream), VmmError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(VmmError::io("remove", path, e)),
+    }
+    let listener = UnixListener::bind(path).map_err(|e| VmmError::io("bind", path, e))?;
+    let conn = std::os::unix::net::UnixStream::connect(path);
+    let removed = std::fs::remove_file(path);
+    let conn = conn.map_err(|e| VmmError::io("connect", path, e))?;
+    removed.map_err(|e| VmmError::io("remove", path, e))?;
+    Ok((listener, conn))
 }
 
 /// Finds virtiofsd: `$WARREN_VIRTIOFSD`, then `PATH`, then where `cargo install` and Debian's
@@ -224,6 +294,52 @@ mod tests {
         std::fs::remove_dir(&dir).expect("rmdir");
         std::fs::rename(&aside, &dir).expect("put back");
         check_identity(&dir, id).expect("the same directory again");
+    }
+
+    /// The instant between the check and virtiofsd's own lookup: the directory is checked
+    /// and held, then its path is swapped for a symlink to `/`; the child still sees the held
+    /// directory at its mountpoint. Positive control: by name, the same child sees `/`.
+    /// Needs root (a mount namespace), as every share test does.
+    #[test]
+    fn test_held_share_survives_a_swap_of_its_path_after_the_check() {
+        assert!(nix::unistd::geteuid().is_root(), "this test needs root");
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let base = tmp.path().canonicalize().expect("canonical");
+        let dir = base.join("project");
+        std::fs::create_dir(&dir).expect("mkdir");
+        std::fs::write(dir.join("mine.txt"), "mine").expect("write");
+        let mut sh = share("ws0");
+        sh.host_dir = dir.clone();
+        sh.identity = Some(identity_of(&dir).expect("identity"));
+        let held = open_checked(&sh).expect("checked");
+        std::fs::rename(&dir, base.join("aside")).expect("move aside");
+        std::os::unix::fs::symlink("/", &dir).expect("swap in a symlink to /");
+        assert!(open_checked(&sh).is_err(), "the swapped path is refused");
+        let mountpoint = base.join("mnt");
+        std::fs::create_dir(&mountpoint).expect("mountpoint");
+        let list = |path: &Path, held: Option<&std::os::fd::OwnedFd>| {
+            let mut cmd = std::process::Command::new("ls");
+            cmd.arg(path);
+            let tree = held.map(|h| crate::sys::process::clone_tree(h.as_fd()).expect("clone"));
+            if let Some(t) = &tree {
+                crate::sys::process::mount_held_dir(&mut cmd, t.as_raw_fd(), path).expect("mount");
+            }
+            let out = cmd.output().expect("ls");
+            assert!(out.status.success(), "{out:?}");
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        let seen = list(&mountpoint, Some(&held));
+        assert_eq!(seen.trim(), "mine.txt", "the held directory is served");
+        let by_name = list(&dir.join(""), None);
+        assert!(
+            by_name.contains("etc"),
+            "control: by name it is /: {by_name}"
+        );
+        assert_eq!(
+            std::fs::read_dir(&mountpoint).expect("mnt").count(),
+            0,
+            "the bind exists only in the child's namespace"
+        );
     }
 
     fn share(tag: &str) -> Share {

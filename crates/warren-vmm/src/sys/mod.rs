@@ -6,3 +6,4 @@ pub mod private_file;
 pub mod process;
 pub mod share_seccomp;
 pub mod tap;
+pub mod vmm_file;

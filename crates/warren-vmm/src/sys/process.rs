@@ -2,21 +2,49 @@
 
 use std::os::unix::process::CommandExt;
 
-/// Makes `cmd` run as `run_as` (uid, gid) with no supplementary groups, and die with SIGKILL
-/// when the process that spawned it (the supervisor) dies, so no VMM is ever orphaned.
+/// Makes `cmd` run in a network namespace of its own (only a down `lo`: a VMM escape reaches
+/// no network; a VM's NIC arrives as a TAP descriptor opened in the VM's namespace), as
+/// `run_as` (uid, gid) with no supplementary groups, and die with SIGKILL when the process
+/// that spawned it (the supervisor) dies, so no VMM is ever orphaned.
+///
+/// As root the namespace is a plain `CLONE_NEWNET`; an unprivileged caller gets it inside a
+/// user namespace that maps only its own uid and gid (so files the VMM creates keep their
+/// owner). If the namespace cannot be made the spawn fails: a VMM never runs networked.
 ///
 /// The supervisor must spawn from a thread that lives as long as it does (the parent-death
 /// signal fires when the spawning *thread* exits): it runs a current-thread runtime.
 pub fn confine(cmd: &mut std::process::Command, run_as: Option<(u32, u32)>) {
-    if let Some((uid, gid)) = run_as {
-        // std drops supplementary groups itself when a root parent sets a uid.
-        cmd.uid(uid).gid(gid);
-    }
-    // SAFETY: the closure runs in the forked child before exec and only makes async-signal-safe
-    // syscalls (prctl, getppid, kill); std applies uid/gid before it, and credential changes
-    // clear the parent-death signal, so setting it here is what makes it stick.
+    let euid = nix::unistd::geteuid();
+    let egid = nix::unistd::getegid();
+    // Formatted before the fork: the child may not allocate.
+    let maps = (!euid.is_root()).then(|| {
+        (
+            format!("{euid} {euid} 1\n").into_bytes(),
+            format!("{egid} {egid} 1\n").into_bytes(),
+        )
+    });
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // async-signal-safe syscalls (unshare, open, write, close, setgroups, setgid, setuid,
+    // prctl, getppid) on buffers allocated before the fork. Credentials are changed here,
+    // after the namespace (which needs them), and the parent-death signal is set last because
+    // credential changes clear it.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
+            use nix::sched::{unshare, CloneFlags};
+            match &maps {
+                None => unshare(CloneFlags::CLONE_NEWNET)?,
+                Some((uid_map, gid_map)) => {
+                    unshare(CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNET)?;
+                    write_proc(c"/proc/self/setgroups", b"deny")?;
+                    write_proc(c"/proc/self/uid_map", uid_map)?;
+                    write_proc(c"/proc/self/gid_map", gid_map)?;
+                }
+            }
+            if let Some((uid, gid)) = run_as {
+                nix::unistd::setgroups(&[])?;
+                nix::unistd::setgid(nix::unistd::Gid::from_raw(gid))?;
+                nix::unistd::setuid(nix::unistd::Uid::from_raw(uid))?;
+            }
             nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
                 .map_err(std::io::Error::from)?;
             // The parent may have died between fork and prctl.
@@ -28,6 +56,81 @@ pub fn confine(cmd: &mut std::process::Command, run_as: Option<(u32, u32)>) {
     }
 }
 
+/// Writes `data` to a `/proc/self` file in one `write` (what the kernel requires of id maps).
+/// Async-signal-safe: raw syscalls only.
+fn write_proc(path: &std::ffi::CStr, data: &[u8]) -> std::io::Result<()> {
+    // SAFETY: `path` is NUL-terminated; the descriptor is closed before returning.
+    let fd = unsafe { nix::libc::open(path.as_ptr(), nix::libc::O_WRONLY | nix::libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `data` is a live buffer of `data.len()` bytes.
+    let n = unsafe { nix::libc::write(fd, data.as_ptr().cast(), data.len()) };
+    let err = std::io::Error::last_os_error();
+    // SAFETY: `fd` is ours and open.
+    unsafe { nix::libc::close(fd) };
+    if n != data.len() as isize {
+        return Err(err);
+    }
+    Ok(())
+}
+
+/// A detached copy of the mount tree at directory `held` (an `O_PATH` descriptor), for
+/// [`mount_held_dir`]. Needs root (`CAP_SYS_ADMIN`).
+pub fn clone_tree(held: std::os::fd::BorrowedFd<'_>) -> std::io::Result<std::os::fd::OwnedFd> {
+    use rustix::mount::{open_tree, OpenTreeFlags};
+    Ok(open_tree(
+        held,
+        c"",
+        OpenTreeFlags::OPEN_TREE_CLONE
+            | OpenTreeFlags::OPEN_TREE_CLOEXEC
+            | OpenTreeFlags::AT_RECURSIVE
+            | OpenTreeFlags::AT_EMPTY_PATH,
+    )?)
+}
+
+/// Makes the child see `tree` (from [`clone_tree`], kept open by the caller until spawn
+/// returns) at `mountpoint`, in a mount namespace of its own: the child is given the
+/// mountpoint's path, never the original one, so a rename or symlink swap of the original
+/// path after it was checked changes nothing. Registered after [`confine`] (the namespace
+/// needs its privileges) and before any seccomp filter.
+pub fn mount_held_dir(
+    cmd: &mut std::process::Command,
+    tree: std::os::fd::RawFd,
+    mountpoint: &std::path::Path,
+) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    // Formatted before the fork: the child may not allocate.
+    let target = std::ffi::CString::new(mountpoint.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::other("NUL in a mount path"))?;
+    // SAFETY: runs in the forked child before exec; unshare, mount and move_mount are
+    // async-signal-safe raw syscalls on a descriptor the caller keeps open and a
+    // NUL-terminated buffer made before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            use rustix::mount::{move_mount, MoveMountFlags};
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)?;
+            nix::mount::mount(
+                None::<&str>,
+                "/",
+                None::<&str>,
+                nix::mount::MsFlags::MS_SLAVE | nix::mount::MsFlags::MS_REC,
+                None::<&str>,
+            )?;
+            let tree = std::os::fd::BorrowedFd::borrow_raw(tree);
+            move_mount(
+                tree,
+                c"",
+                rustix::fs::CWD,
+                target.as_c_str(),
+                MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+            )?;
+            Ok(())
+        });
+    }
+    Ok(())
+}
+
 /// The fd number a passed listening socket gets in the child.
 pub const PASSED_FD: i32 = 3;
 
@@ -35,6 +138,36 @@ pub const PASSED_FD: i32 = 3;
 /// [`PASSED_FD`], without close-on-exec.
 pub fn pass_fd(cmd: &mut std::process::Command, fd: std::os::fd::RawFd) {
     pass_fd_as(cmd, fd, PASSED_FD);
+}
+
+/// Makes each `(fd, target)`'s `fd` (kept open by the caller until spawn returns) the
+/// child's fd `target`, without close-on-exec. Sources are first moved above every target, so
+/// a source whose number is another's target is never overwritten.
+pub fn pass_fds(cmd: &mut std::process::Command, fds: &[(std::os::fd::RawFd, i32)]) {
+    let pairs: Vec<(i32, i32)> = fds.to_vec();
+    let floor = pairs.iter().map(|&(_, t)| t).max().unwrap_or(2) + 1;
+    let mut moved: Vec<i32> = vec![-1; pairs.len()];
+    // SAFETY: runs in the forked child before exec; fcntl, dup2 and close are
+    // async-signal-safe, touch only the child's descriptor table, and write into a buffer
+    // sized before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            for (i, &(fd, _)) in pairs.iter().enumerate() {
+                let m = nix::libc::fcntl(fd, nix::libc::F_DUPFD_CLOEXEC, floor);
+                if m < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                moved[i] = m;
+            }
+            for (i, &(_, target)) in pairs.iter().enumerate() {
+                if nix::libc::dup2(moved[i], target) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                nix::libc::close(moved[i]);
+            }
+            Ok(())
+        });
+    }
 }
 
 /// Makes `fd` (kept open by the caller until spawn returns) the child's fd `target`, without
