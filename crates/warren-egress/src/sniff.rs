@@ -1,5 +1,5 @@
 //! Classifying a connection from its first bytes: a TLS ClientHello (and its SNI), an HTTP/1
-//! request (and its Host), or something else. Parsers are total over arbitrary input: they
+//! request (and the host it names), the HTTP/2 preface, or something else. Parsers are total over arbitrary input: they
 //! return `NeedMore` until they can decide, and never panic.
 
 /// Most bytes read before deciding; a ClientHello or a request head larger than this is
@@ -13,8 +13,11 @@ pub(crate) enum Sniffed {
     NeedMore,
     /// A TLS ClientHello; the SNI host name if present (raw, not yet normalised).
     Tls(Option<String>),
-    /// An HTTP/1 request head; the Host header without port (raw), if any.
+    /// An HTTP/1 request head; the host it names (normalised, see
+    /// [`crate::request::request_host`]), `None` when it names none (no `Host`, an IP).
     Http(Option<String>),
+    /// The HTTP/2 connection preface (prior knowledge): refused, its requests are not read.
+    Http2,
     /// Starts like TLS or HTTP but does not parse.
     Malformed,
     /// Any other protocol.
@@ -26,8 +29,7 @@ pub(crate) fn sniff(buf: &[u8]) -> Sniffed {
     match buf.first() {
         None => Sniffed::NeedMore,
         Some(0x16) => sniff_tls(buf),
-        Some(b) if b.is_ascii_uppercase() => sniff_http(buf),
-        Some(_) => Sniffed::Other,
+        Some(_) => sniff_text(buf),
     }
 }
 
@@ -118,42 +120,75 @@ fn client_hello_sni(body: &[u8]) -> Option<Option<String>> {
     Some(None)
 }
 
-fn sniff_http(buf: &[u8]) -> Sniffed {
-    // The method: uppercase letters then a space, within 16 bytes.
-    let method_end = buf.iter().take(17).position(|&b| b == b' ');
-    match method_end {
-        None if buf.len() < 17 && buf.iter().all(|b| b.is_ascii_uppercase()) => {
-            return Sniffed::NeedMore
-        }
-        None => return Sniffed::Other,
-        Some(n) if !buf[..n].iter().all(|b| b.is_ascii_uppercase()) => return Sniffed::Other,
-        Some(_) => {}
+/// Whether `hay` contains `needle`, ASCII case-insensitively.
+fn contains_ci(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len())
+        .any(|w| w.eq_ignore_ascii_case(needle))
+}
+
+/// Anything that starts with text. An HTTP/1 request is recognised the way a lenient server
+/// would recognise it, so that no request an upstream would serve is relayed undecided:
+/// empty lines (and other whitespace) before the request line are looked past (RFC 9112
+/// section 2.2 lets servers skip them), the method is any token (not only uppercase), and a
+/// first line that mentions `HTTP` must parse as an HTTP/1 request or is refused.
+fn sniff_text(buf: &[u8]) -> Sniffed {
+    let Some(start) = buf.iter().position(|b| !b" \t\r\n".contains(b)) else {
+        return Sniffed::NeedMore;
+    };
+    let text = &buf[start..];
+    let method_len = text
+        .iter()
+        .position(|&b| !crate::config::is_token_byte(b))
+        .unwrap_or(text.len());
+    if method_len == 0 {
+        return Sniffed::Other;
+    }
+    // Only a token so far: it may still become a request line with any method (an unknown
+    // method is still HTTP), so it is held; a client that sends a bare word and waits is
+    // refused after `SNIFF_TIMEOUT`, one that sends more than `MAX_SNIFF` of it at once too.
+    if method_len == text.len() {
+        return Sniffed::NeedMore;
+    }
+    if !matches!(text[method_len], b' ' | b'\t') {
+        return Sniffed::Other;
+    }
+    let line_end = text.iter().position(|&b| b == b'\n');
+    let line = &text[..line_end.unwrap_or(text.len())];
+    if line
+        .iter()
+        .any(|&b| (b < 0x20 && b != b'\t' && b != b'\r') || b == 0x7f)
+    {
+        return Sniffed::Other;
+    }
+    if line_end.is_none() {
+        return Sniffed::NeedMore;
+    }
+    // No version: an HTTP/0.9-style line or another text protocol; nothing names a host.
+    if !contains_ci(line, b"http") {
+        return Sniffed::Other;
+    }
+    if line.starts_with(b"PRI * HTTP/2") {
+        return Sniffed::Http2;
+    }
+    // Spaces or tabs before the request line: not HTTP, but a lenient server might take it.
+    if buf[..start].iter().any(|&b| b == b' ' || b == b'\t') {
+        return Sniffed::Malformed;
     }
     let mut headers = [httparse::EMPTY_HEADER; 100];
     let mut req = httparse::Request::new(&mut headers);
-    match req.parse(buf) {
+    match req.parse(text) {
         Ok(httparse::Status::Partial) => Sniffed::NeedMore,
         Ok(httparse::Status::Complete(_)) => {
-            let host = req
-                .headers
-                .iter()
-                .find(|h| h.name.eq_ignore_ascii_case("host"))
-                .and_then(|h| std::str::from_utf8(h.value).ok())
-                .map(|v| strip_port(v.trim()).to_string());
-            Sniffed::Http(host)
+            let named = crate::request::request_host(
+                req.path.unwrap_or(""),
+                req.headers.iter().map(|h| (h.name, h.value)),
+            );
+            match named {
+                Ok(host) => Sniffed::Http(host),
+                Err(_) => Sniffed::Malformed,
+            }
         }
         Err(_) => Sniffed::Malformed,
-    }
-}
-
-/// `host:port` -> `host` (IPv6 literals in brackets are kept whole).
-pub(crate) fn strip_port(host: &str) -> &str {
-    if host.starts_with('[') {
-        return host;
-    }
-    match host.rsplit_once(':') {
-        Some((h, p)) if p.bytes().all(|b| b.is_ascii_digit()) => h,
-        _ => host,
     }
 }
 
@@ -218,13 +253,57 @@ mod tests {
     #[test]
     fn test_sniff_http_host_without_port() {
         let req = b"GET / HTTP/1.1\r\nHost: Example.com:8080\r\n\r\n";
-        assert_eq!(sniff(req), Sniffed::Http(Some("Example.com".into())));
+        assert_eq!(sniff(req), Sniffed::Http(Some("example.com".into())));
         assert_eq!(sniff(&req[..20]), Sniffed::NeedMore);
+    }
+
+    #[test]
+    fn test_sniff_http_disguised_request_lines_found() {
+        let named = Sniffed::Http(Some("b.example".into()));
+        for req in [
+            &b"\r\n\r\nGET / HTTP/1.1\r\nHost: b.example\r\n\r\n"[..],
+            b"\nGET / HTTP/1.1\nHost: b.example\n\n",
+            b"get / HTTP/1.1\r\nHost: b.example\r\n\r\n",
+            b"GET http://b.example/ HTTP/1.1\r\n\r\n",
+        ] {
+            assert_eq!(sniff(req), named, "{:?}", String::from_utf8_lossy(req));
+        }
+        assert_eq!(sniff(b"\r\n\r\n"), Sniffed::NeedMore);
+        assert_eq!(sniff(b" GET / HTTP/1.1\r\n\r\n"), Sniffed::Malformed);
+        assert_eq!(sniff(b"GET / HTTP/3.0\r\n\r\n"), Sniffed::Malformed);
+        assert_eq!(
+            sniff(b"GET / HTTP/1.1\r\nHost: a.example\r\nHost: b.example\r\n\r\n"),
+            Sniffed::Malformed
+        );
+        assert_eq!(
+            sniff(b"GET http://b.example/ HTTP/1.1\r\nHost: a.example\r\n\r\n"),
+            Sniffed::Malformed
+        );
+        assert_eq!(
+            sniff(b"CONNECT b.example:443 HTTP/1.1\r\nHost: b.example\r\n\r\n"),
+            Sniffed::Malformed
+        );
+    }
+
+    #[test]
+    fn test_sniff_http2_preface_recognised() {
+        assert_eq!(sniff(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"), Sniffed::Http2);
+        assert_eq!(sniff(b"PRI * HTTP/2.0\r\n"), Sniffed::Http2);
+        assert_eq!(sniff(b"PRI * HT"), Sniffed::NeedMore);
     }
 
     #[test]
     fn test_sniff_other_protocols() {
         assert_eq!(sniff(b"SSH-2.0-OpenSSH_9.2\r\n"), Sniffed::Other);
         assert_eq!(sniff(b"\x00\x01binary"), Sniffed::Other);
+        assert_eq!(sniff(b"*1\r\n$4\r\nPING\r\n"), Sniffed::Other);
+        assert_eq!(sniff(b"EHLO mail.example\r\n"), Sniffed::Other);
+        assert_eq!(sniff(b"get key\x00\x01"), Sniffed::Other);
+        assert_eq!(sniff(b"ping\n"), Sniffed::Other);
+        assert_eq!(
+            sniff(b"ping"),
+            Sniffed::NeedMore,
+            "may become `ping / HTTP/1.1`"
+        );
     }
 }
