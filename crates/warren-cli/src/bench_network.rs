@@ -251,7 +251,7 @@ fn vm_network(topo: &Topology, files: &NetFiles) -> NetworkRequest {
         upstream_dns: Some(SocketAddr::V4(SocketAddrV4::new(DNS, 53))),
         outbound_netns: Some(topo.world.path()),
         upstream_roots: Some(files.roots.clone()),
-        intercepts: vec![],
+        ..Default::default()
     }
 }
 

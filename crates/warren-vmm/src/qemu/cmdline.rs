@@ -240,6 +240,8 @@ mod tests {
             secrets: vec![],
             upstream_roots: None,
             intercepts: vec![],
+            blocked_cidrs: vec![],
+            intercept_all_tls: false,
         });
         let s = qemu_args(
             &sp,
