@@ -97,6 +97,7 @@ fn client_hello_sni(body: &[u8]) -> Option<Option<String>> {
     }
     let ext_len = c.u16()?;
     let mut exts = Cursor(c.take(ext_len)?);
+    let mut sni = None;
     while !exts.0.is_empty() {
         let ty = exts.u16()?;
         let len = exts.u16()?;
@@ -104,20 +105,24 @@ fn client_hello_sni(body: &[u8]) -> Option<Option<String>> {
         if ty != 0 {
             continue;
         }
+        // Exactly one server_name extension holding exactly one host_name: a server that
+        // read another entry (or the second extension) than Warren would be steered past
+        // the decision.
+        if sni.is_some() {
+            return None;
+        }
         let mut sn = Cursor(data);
         let list_len = sn.u16()?;
         let mut list = Cursor(sn.take(list_len)?);
-        while !list.0.is_empty() {
-            let name_type = list.u8()?;
-            let name_len = list.u16()?;
-            let name = list.take(name_len)?;
-            if name_type == 0 {
-                return std::str::from_utf8(name).ok().map(|s| Some(s.to_string()));
-            }
+        let name_type = list.u8()?;
+        let name_len = list.u16()?;
+        let name = list.take(name_len)?;
+        if name_type != 0 || !list.0.is_empty() || !sn.0.is_empty() {
+            return None;
         }
-        return Some(None);
+        sni = Some(std::str::from_utf8(name).ok()?.to_string());
     }
-    Some(None)
+    Some(sni)
 }
 
 /// Whether `hay` contains `needle`, ASCII case-insensitively.
@@ -152,17 +157,12 @@ fn sniff_text(buf: &[u8]) -> Sniffed {
     if !matches!(text[method_len], b' ' | b'\t') {
         return Sniffed::Other;
     }
-    let line_end = text.iter().position(|&b| b == b'\n');
-    let line = &text[..line_end.unwrap_or(text.len())];
-    if line
-        .iter()
-        .any(|&b| (b < 0x20 && b != b'\t' && b != b'\r') || b == 0x7f)
-    {
-        return Sniffed::Other;
-    }
-    if line_end.is_none() {
+    // A token and a space: decided only once the whole first line is in (whatever bytes it
+    // holds, since what a lenient server accepts in a request line is not ours to guess).
+    let Some(line_end) = text.iter().position(|&b| b == b'\n') else {
         return Sniffed::NeedMore;
-    }
+    };
+    let line = &text[..line_end];
     // No version: an HTTP/0.9-style line or another text protocol; nothing names a host.
     if !contains_ci(line, b"http") {
         return Sniffed::Other;
@@ -196,14 +196,18 @@ fn sniff_text(buf: &[u8]) -> Sniffed {
 mod tests {
     use super::*;
 
-    /// A minimal ClientHello record with the given SNI.
-    fn client_hello(sni: Option<&str>) -> Vec<u8> {
+    /// A minimal ClientHello record with one server_name extension per entry of `exts`, each
+    /// listing those host names.
+    fn client_hello_exts(exts_names: &[&[&str]]) -> Vec<u8> {
         let mut exts = Vec::new();
-        if let Some(name) = sni {
-            let n = name.as_bytes();
-            let mut list = vec![0u8];
-            list.extend_from_slice(&(n.len() as u16).to_be_bytes());
-            list.extend_from_slice(n);
+        for names in exts_names {
+            let mut list = Vec::new();
+            for name in *names {
+                let n = name.as_bytes();
+                list.push(0u8);
+                list.extend_from_slice(&(n.len() as u16).to_be_bytes());
+                list.extend_from_slice(n);
+            }
             let mut data = (list.len() as u16).to_be_bytes().to_vec();
             data.extend_from_slice(&list);
             exts.extend_from_slice(&0u16.to_be_bytes());
@@ -226,11 +230,30 @@ mod tests {
         rec
     }
 
+    /// A minimal ClientHello record with the given SNI.
+    fn client_hello(sni: Option<&str>) -> Vec<u8> {
+        match sni {
+            Some(name) => client_hello_exts(&[&[name]]),
+            None => client_hello_exts(&[]),
+        }
+    }
+
     #[test]
     fn test_sniff_tls_sni_extracted() {
         let hello = client_hello(Some("api.example.com"));
         assert_eq!(sniff(&hello), Sniffed::Tls(Some("api.example.com".into())));
         assert_eq!(sniff(&hello[..hello.len() - 1]), Sniffed::NeedMore);
+    }
+
+    #[test]
+    fn test_sniff_tls_two_names_malformed() {
+        let two_in_one = client_hello_exts(&[&["a.example", "b.example"]]);
+        assert_eq!(sniff(&two_in_one), Sniffed::Malformed);
+        let two_exts = client_hello_exts(&[&["a.example"], &["b.example"]]);
+        assert_eq!(sniff(&two_exts), Sniffed::Malformed);
+        // Positive control: the same builder with one name parses.
+        let one = client_hello_exts(&[&["a.example"]]);
+        assert_eq!(sniff(&one), Sniffed::Tls(Some("a.example".into())));
     }
 
     #[test]
@@ -298,7 +321,13 @@ mod tests {
         assert_eq!(sniff(b"\x00\x01binary"), Sniffed::Other);
         assert_eq!(sniff(b"*1\r\n$4\r\nPING\r\n"), Sniffed::Other);
         assert_eq!(sniff(b"EHLO mail.example\r\n"), Sniffed::Other);
-        assert_eq!(sniff(b"get key\x00\x01"), Sniffed::Other);
+        assert_eq!(sniff(b"get key\r\n"), Sniffed::Other);
+        assert_eq!(
+            sniff(b"get key\x00\x01"),
+            Sniffed::NeedMore,
+            "a line may follow"
+        );
+        assert_eq!(sniff(b"GET /\x0b HTTP/1.1\r\n\r\n"), Sniffed::Malformed);
         assert_eq!(sniff(b"ping\n"), Sniffed::Other);
         assert_eq!(
             sniff(b"ping"),
