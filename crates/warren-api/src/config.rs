@@ -56,6 +56,39 @@ pub struct ServiceConfig {
     /// (for example an OAuth token refresh).
     #[serde(default)]
     pub intercepts: Vec<InterceptConfig>,
+    /// The operator's egress address policy for every networked VM.
+    #[serde(default)]
+    pub egress: EgressSettings,
+}
+
+/// `[egress]`: what only the operator decides about the network of every VM the service
+/// creates. Token holders choose names freely (with the network grant) but CIDRs only inside
+/// their workspace's grant; the egress refuses always-denied ranges, `blocked_cidrs` and the
+/// host's own addresses whatever any list says.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressSettings {
+    /// IPv4 CIDRs (or addresses) no VM may reach, added to the always-denied ranges.
+    #[serde(default)]
+    pub blocked_cidrs: Vec<String>,
+    /// Terminate every allowed TLS connection with the VM's CA, so each request's `Host` is
+    /// held to its SNI (closes domain fronting to a co-hosted name; HTTP/1.1 only inside TLS,
+    /// other protocols over TLS fail).
+    #[serde(default)]
+    pub intercept_all_tls: bool,
+    /// Per workspace (`name = ["CIDR", ...]`), the ranges its callers may name in
+    /// `egress.allow`. A workspace without an entry may allow no CIDR at all.
+    #[serde(default)]
+    pub cidr_grants: BTreeMap<String, Vec<String>>,
+}
+
+/// An IPv4 CIDR, or an address as a /32: the same reading as the egress's allow lists.
+pub fn parse_cidr(s: &str) -> Option<ipnet::Ipv4Net> {
+    s.parse::<ipnet::Ipv4Net>().ok().or_else(|| {
+        s.parse::<std::net::Ipv4Addr>()
+            .ok()
+            .map(ipnet::Ipv4Net::from)
+    })
 }
 
 /// One `[[intercepts]]` entry.
@@ -273,6 +306,25 @@ impl ServiceConfig {
                 return Err(format!("intercepts[{i}].timeout_secs must be positive"));
             }
         }
+        for c in &self.egress.blocked_cidrs {
+            if parse_cidr(c).is_none() {
+                return Err(format!(
+                    "egress.blocked_cidrs: {c:?} is not an IPv4 CIDR or address"
+                ));
+            }
+        }
+        for (workspace, cidrs) in &self.egress.cidr_grants {
+            if crate::auth::validate_workspace(workspace).is_err() {
+                return Err(format!(
+                    "egress.cidr_grants: {workspace:?} is not a workspace name"
+                ));
+            }
+            if let Some(c) = cidrs.iter().find(|c| parse_cidr(c).is_none()) {
+                return Err(format!(
+                    "egress.cidr_grants.{workspace}: {c:?} is not an IPv4 CIDR or address"
+                ));
+            }
+        }
         if self.limits.max_vms == Some(0) {
             return Err("limits.max_vms = 0 would refuse every VM".into());
         }
@@ -420,5 +472,39 @@ mod tests {
         ))
         .expect("JSON-field secret");
         assert_eq!(c.secrets[0].json_pointer.as_deref(), Some("/t"));
+    }
+
+    #[test]
+    fn test_egress_settings_parsed_and_checked() {
+        let base = format!("state_dir = \"/s\"\n[images.dev]\nid = \"{ID}\"\n");
+        let c = parse(&format!(
+            "{base}[egress]\nblocked_cidrs = [\"198.51.100.0/24\", \"192.0.2.1\"]\n\
+             intercept_all_tls = true\n[egress.cidr_grants]\nci = [\"203.0.113.0/24\"]\n"
+        ))
+        .expect("egress settings");
+        assert_eq!(c.egress.blocked_cidrs, ["198.51.100.0/24", "192.0.2.1"]);
+        assert!(c.egress.intercept_all_tls);
+        assert_eq!(c.egress.cidr_grants["ci"], ["203.0.113.0/24"]);
+        let none = parse(&base).expect("defaults");
+        assert!(none.egress.blocked_cidrs.is_empty() && none.egress.cidr_grants.is_empty());
+        for (bad, word) in [
+            (
+                "[egress]\nblocked_cidrs = [\"example.com\"]\n",
+                "blocked_cidrs",
+            ),
+            (
+                "[egress]\nblocked_cidrs = [\"10.0.0.0/33\"]\n",
+                "blocked_cidrs",
+            ),
+            ("[egress.cidr_grants]\nci = [\"nope\"]\n", "cidr_grants.ci"),
+            (
+                "[egress.cidr_grants]\n\"Bad Name\" = []\n",
+                "workspace name",
+            ),
+            ("[egress]\nallow_cidrs = []\n", "allow_cidrs"),
+        ] {
+            let e = parse(&format!("{base}{bad}")).expect_err(bad);
+            assert!(e.to_string().contains(word), "{bad}: {e}");
+        }
     }
 }

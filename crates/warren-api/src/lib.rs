@@ -9,6 +9,7 @@
 
 pub mod auth;
 pub mod config;
+mod egress;
 pub mod error;
 pub mod hostpath;
 pub mod http;

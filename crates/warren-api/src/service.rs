@@ -609,43 +609,14 @@ impl Service {
         if a.egress.is_some() && a.network != Some(Network::On) {
             return Err(ApiError::invalid("egress needs network \"on\""));
         }
-        let network = (a.network == Some(Network::On)).then(|| {
-            let egress = a.egress.clone().unwrap_or_default();
-            warren_core::NetworkRequest {
-                allow: egress.allow,
-                deny: egress.deny,
-                secrets: self
-                    .cfg
-                    .secrets
-                    .iter()
-                    .filter(|s| s.workspace == p.workspace)
-                    .map(|s| warren_vmm::NetSecret {
-                        name: s.name.clone(),
-                        placeholder: s.placeholder.clone(),
-                        hosts: s.hosts.clone(),
-                        file: s.file.clone(),
-                        json_pointer: s.json_pointer.clone(),
-                    })
-                    .collect(),
-                intercepts: self
-                    .cfg
-                    .intercepts
-                    .iter()
-                    .filter(|r| r.workspace == p.workspace)
-                    .map(|r| warren_vmm::NetIntercept {
-                        host: r.host.clone(),
-                        method: r.method.clone(),
-                        path_prefix: r.path_prefix.clone(),
-                        command: r.command.clone(),
-                        uid: r.uid,
-                        gid: r.gid,
-                        timeout_ms: r.timeout_secs.saturating_mul(1000),
-                        env: vec![],
-                    })
-                    .collect(),
-                ..Default::default()
-            }
-        });
+        let network = match a.network {
+            Some(Network::On) => Some(crate::egress::network_request(
+                &self.cfg,
+                p,
+                a.egress.clone(),
+            )?),
+            _ => None,
+        };
         let memory = checked_size(&name, &img, a.memory_mib, a.vcpus)?;
         if a.idle_seconds.is_some_and(|s| s > 604_800) {
             return Err(ApiError::invalid(

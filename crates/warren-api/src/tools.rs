@@ -20,8 +20,10 @@ pub enum Network {
     On,
 }
 
-/// Allow and deny lists: domain names (`*.example.com` wildcards) and IPv4 CIDRs. Private,
-/// loopback, link-local and metadata addresses are always denied.
+/// Allow and deny lists: domain names (`*.example.com` wildcards) and IPv4 CIDRs; `allow` may
+/// name CIDRs only inside the operator's grant for the workspace (else `forbidden`). Private,
+/// loopback, link-local and metadata addresses, the operator's blocked ranges and the host's
+/// own addresses are always denied.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EgressArgs {

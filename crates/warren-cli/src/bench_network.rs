@@ -17,10 +17,11 @@
 //! - guest: a VM of `--image` (needs python3: use `dev`) with a NIC behind its egress;
 //! - host via proxy: the host, in the client namespace of an egress [`Topology`] with an
 //!   egress of the same configuration running in this process: the proxy's cost without TCG;
-//! - host direct: the host, in the stand-ins' namespace, no proxy and no VM (the baseline).
+//! - host direct: the host, in the namespace the egress connects out from (the topology's
+//!   world), no proxy and no VM (the baseline).
 //!
-//! The stand-ins (HTTP/HTTPS/DNS) live in the topology's world namespace; the VM's egress
-//! connects out from there, so no packet leaves this machine.
+//! The stand-ins (HTTP/HTTPS/DNS) live in the topology's remote namespace, routed from its
+//! world namespace; the VM's egress connects out from world, so no packet leaves this machine.
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, SocketAddrV4};
@@ -250,7 +251,7 @@ fn vm_network(topo: &Topology, files: &NetFiles) -> NetworkRequest {
         upstream_dns: Some(SocketAddr::V4(SocketAddrV4::new(DNS, 53))),
         outbound_netns: Some(topo.world.path()),
         upstream_roots: Some(files.roots.clone()),
-        intercepts: vec![],
+        ..Default::default()
     }
 }
 

@@ -323,6 +323,8 @@ fn print_vms(w: &Warren, list: &[VmRecord], json: bool) -> Result<()> {
                 Some(n) => serde_json::json!({
                     "allow": n.allow,
                     "deny": n.deny,
+                    "blocked_cidrs": n.blocked_cidrs,
+                    "intercept_all_tls": n.intercept_all_tls,
                     "secrets": n.secrets.iter().map(|s| &s.name).collect::<Vec<_>>(),
                     "intercepts": n.intercepts.iter().map(|i| format!("{} {} {}", i.method, i.host, i.path_prefix)).collect::<Vec<_>>(),
                 }),
@@ -356,106 +358,6 @@ fn print_vms(w: &Warren, list: &[VmRecord], json: bool) -> Result<()> {
     Ok(())
 }
 
-/// The `--egress` file of `warren vm create`.
-#[derive(Debug, Default, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EgressFile {
-    #[serde(default)]
-    allow: Vec<String>,
-    #[serde(default)]
-    deny: Vec<String>,
-    upstream_dns: Option<std::net::SocketAddr>,
-    outbound_netns: Option<std::path::PathBuf>,
-    upstream_roots: Option<std::path::PathBuf>,
-    #[serde(default)]
-    secrets: Vec<EgressSecret>,
-    #[serde(default)]
-    intercepts: Vec<EgressIntercept>,
-}
-
-/// An `[[intercepts]]` entry: the command runs as `uid`/`gid` (default: the caller, and
-/// never root).
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EgressIntercept {
-    host: String,
-    method: String,
-    path_prefix: String,
-    command: Vec<String>,
-    uid: Option<u32>,
-    gid: Option<u32>,
-    #[serde(default = "default_intercept_timeout")]
-    timeout_secs: u64,
-}
-
-fn default_intercept_timeout() -> u64 {
-    60
-}
-
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EgressSecret {
-    name: String,
-    placeholder: String,
-    hosts: Vec<String>,
-    file: std::path::PathBuf,
-    json_pointer: Option<String>,
-}
-
-pub(crate) fn egress_file(path: &std::path::Path) -> Result<warren_core::NetworkRequest> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let f: EgressFile =
-        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    let abs = |p: std::path::PathBuf| -> Result<std::path::PathBuf> {
-        std::fs::canonicalize(&p).with_context(|| format!("resolving {}", p.display()))
-    };
-    Ok(warren_core::NetworkRequest {
-        allow: f.allow,
-        deny: f.deny,
-        upstream_dns: f.upstream_dns,
-        outbound_netns: f.outbound_netns,
-        upstream_roots: f.upstream_roots.map(abs).transpose()?,
-        secrets: f
-            .secrets
-            .into_iter()
-            .map(|s| {
-                Ok(warren_vmm::NetSecret {
-                    name: s.name,
-                    placeholder: s.placeholder,
-                    hosts: s.hosts,
-                    file: abs(s.file)?,
-                    json_pointer: s.json_pointer,
-                })
-            })
-            .collect::<Result<_>>()?,
-        intercepts: f
-            .intercepts
-            .into_iter()
-            .map(|r| {
-                let uid = r.uid.unwrap_or_else(|| nix::unistd::getuid().as_raw());
-                let gid = r.gid.unwrap_or_else(|| nix::unistd::getgid().as_raw());
-                if uid == 0 || gid == 0 {
-                    bail!(
-                        "{}: intercept commands never run as root; set uid and gid",
-                        path.display()
-                    );
-                }
-                Ok(warren_vmm::NetIntercept {
-                    host: r.host,
-                    method: r.method,
-                    path_prefix: r.path_prefix,
-                    command: r.command,
-                    uid,
-                    gid,
-                    timeout_ms: r.timeout_secs.saturating_mul(1000),
-                    env: vec![],
-                })
-            })
-            .collect::<Result<_>>()?,
-    })
-}
-
 async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
     match cmd {
         VmCmd::Create {
@@ -472,7 +374,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             json,
         } => {
             let network = match (egress, network) {
-                (Some(path), _) => Some(egress_file(path)?),
+                (Some(path), _) => Some(crate::egress_file::load(path)?),
                 (None, true) => Some(warren_core::NetworkRequest::default()),
                 (None, false) => None,
             };

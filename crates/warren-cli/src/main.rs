@@ -12,6 +12,7 @@ mod bench_workspace;
 mod cli;
 mod client;
 mod commands;
+mod egress_file;
 mod session_cmd;
 
 use clap::Parser;

@@ -402,7 +402,7 @@ fn wire_credentials(
     let home = caller_home()?;
     let mut wiring = crate::agents::wire(&providers, &home, caller(), &mounted, &mut |m| warn(m))?;
     if let Some(file) = &args.egress {
-        let mut net = crate::commands::egress_file(file)?;
+        let mut net = crate::egress_file::load(file)?;
         net.allow.append(&mut wiring.network.allow);
         net.secrets.append(&mut wiring.network.secrets);
         net.intercepts.append(&mut wiring.network.intercepts);

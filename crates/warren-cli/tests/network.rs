@@ -1,7 +1,8 @@
 //! Guest networking on real VMs: no NIC by default; with `--network`, a NIC in the VM's own
 //! namespace whose traffic all ends at Warren's egress. Stand-in external hosts live in a
-//! world namespace created by the test (the egress crate's fixtures); the egress connects out
-//! from there and asks its DNS server, so no packet leaves this machine.
+//! remote namespace created by the test (the egress crate's fixtures); the egress connects out
+//! from the fixtures' world namespace, routed to them, and asks their DNS server, so no packet
+//! leaves this machine.
 
 mod common;
 #[path = "../../warren-egress/tests/common/mod.rs"]
@@ -334,7 +335,7 @@ async fn test_network_egress_policy_secrets_and_teardown() {
     // Mismatches, shared addresses, private ranges, foreign DNS, UDP, bodies, JSON-held
     // secrets and an interception rule, from one guest process.
     let udp = warren_egress::bind_udp_in(
-        &topo.world.path(),
+        &topo.remote.path(),
         "203.0.113.10:9999".parse().expect("addr"),
     )
     .expect("world UDP listener");

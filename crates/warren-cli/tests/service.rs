@@ -342,6 +342,58 @@ fn test_service_workspace_isolation_tokens_and_local_socket() {
     assert_eq!(r.body["stdout"], "still\n", "{}", r.text);
 }
 
+/// Issue 13 item 7: a token holder could once allow any CIDR (a host's public address, a
+/// management network, `0.0.0.0/0`); now CIDRs need the operator's grant for the workspace,
+/// and every networked VM carries the operator's `blocked_cidrs` and `intercept_all_tls`.
+#[test]
+fn test_service_egress_cidrs_need_operator_grant() {
+    let d = Daemon::start(
+        "[egress]\nblocked_cidrs = [\"198.51.100.0/24\"]\nintercept_all_tls = true\n\
+         [egress.cidr_grants]\ncarol = [\"203.0.113.0/24\"]\n",
+    );
+    let carol = d.token("carol", &["--allow-network"]);
+    let dave = d.token("dave", &["--allow-network"]);
+    let c = Conformance::fetch(&d, &carol);
+    let args = |rid: &str, allow: Value| json!({"request_id": rid, "network": "on", "egress": {"allow": allow}});
+    for (token, rid, allow) in [
+        (&dave, "d1", json!(["203.0.113.5"])),
+        (&dave, "d2", json!(["0.0.0.0/0"])),
+        (&carol, "c1", json!(["198.51.100.0/24"])),
+        (&carol, "c2", json!(["203.0.112.0/23"])),
+    ] {
+        let r = c.call(&d, token, "vm_create", args(rid, allow.clone()));
+        assert_eq!(
+            (r.status, r.code()),
+            (403, "forbidden"),
+            "{allow}: {}",
+            r.text
+        );
+    }
+    // A local caller's workspace (local-0) has no grant either.
+    let r = d.local_call("vm_create", args("l1", json!(["203.0.113.5"])), &[]);
+    assert_eq!((r.status, r.code()), (403, "forbidden"), "{}", r.text);
+    assert!(d.all_vms().is_empty(), "a refused create made a VM");
+
+    // Positive control: inside the grant (and a name) is created, with the operator's settings.
+    let r = c.call(
+        &d,
+        &carol,
+        "vm_create",
+        args("c3", json!(["203.0.113.0/25", "api.example.com"])),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let vms = d.all_vms();
+    assert_eq!(vms.len(), 1);
+    let net = &vms[0]["network"];
+    assert_eq!(
+        net["allow"],
+        json!(["203.0.113.0/25", "api.example.com"]),
+        "{net}"
+    );
+    assert_eq!(net["blocked_cidrs"], json!(["198.51.100.0/24"]), "{net}");
+    assert_eq!(net["intercept_all_tls"], json!(true), "{net}");
+}
+
 impl Conformance {
     fn ok_create(&self, d: &Daemon, token: &str, rid: &str) -> String {
         let r = self.call(d, token, "vm_create", json!({"request_id": rid}));

@@ -104,6 +104,13 @@ pub struct NetworkRequest {
     /// Requests answered by a host command instead of the upstream (OAuth refresh).
     #[serde(default)]
     pub intercepts: Vec<warren_vmm::NetIntercept>,
+    /// The operator's blocked IPv4 CIDRs (or addresses): refused whatever `allow` says.
+    #[serde(default)]
+    pub blocked_cidrs: Vec<String>,
+    /// Terminate every allowed TLS connection so each request's `Host` is held to its SNI
+    /// (closes domain fronting; HTTP/1.1 only inside TLS).
+    #[serde(default)]
+    pub intercept_all_tls: bool,
 }
 
 /// The launch description of `net` for VM `id`, checked.
@@ -128,6 +135,8 @@ fn net_spec(id: &str, net: &NetworkRequest) -> Result<warren_vmm::NetSpec, CoreE
         secrets: net.secrets.clone(),
         upstream_roots: net.upstream_roots.clone(),
         intercepts: net.intercepts.clone(),
+        blocked_cidrs: net.blocked_cidrs.clone(),
+        intercept_all_tls: net.intercept_all_tls,
     };
     warren_supervisor::network::validate(&spec)
         .map_err(|e| CoreError::InvalidArgument(format!("network: {}", error_text(&e))))?;

@@ -30,6 +30,12 @@ pub struct EgressConfig {
     pub secret_headers: Vec<String>,
     /// Requests answered by a host command instead of the upstream.
     pub intercepts: Vec<InterceptRule>,
+    /// Terminate every allowed TLS connection that has an SNI (not only those of hosts with
+    /// secrets or rules), so that each request's `Host` is checked against the SNI: closes
+    /// domain fronting to a co-hosted name inside passed-through TLS, at the cost of HTTP/1.1
+    /// only (no HTTP/2) and no non-HTTP protocols over TLS; TLS without SNI is then refused
+    /// unless its destination is in `allow_cidrs`.
+    pub intercept_all_tls: bool,
     /// Roots that upstream TLS certificates are verified against on intercepted connections.
     pub upstream_roots: UpstreamRoots,
     /// The VM's interception CA; `None` generates a new one (persist [`crate::Egress::ca`] to
@@ -51,6 +57,7 @@ impl EgressConfig {
             secrets: Vec::new(),
             secret_headers: Vec::new(),
             intercepts: Vec::new(),
+            intercept_all_tls: false,
             upstream_roots: UpstreamRoots::WebPki,
             ca: None,
             log_burst: 50,

@@ -32,18 +32,16 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
-    /// Whether connections to `host` are TLS-terminated (it has secrets or rules).
+    /// Whether TLS connections to `host` are terminated (it has secrets or rules, or every
+    /// TLS connection is).
     pub(crate) fn intercepts(&self, host: &str) -> bool {
-        self.cfg
-            .secrets
-            .iter()
-            .any(|s| crate::policy::any_matches(&s.hosts, host))
+        self.cfg.intercept_all_tls
+            || self
+                .cfg
+                .secrets
+                .iter()
+                .any(|s| crate::policy::any_matches(&s.hosts, host))
             || self.rules.iter().any(|r| r.rule.host.matches(host))
-    }
-
-    /// Whether plain HTTP must be inspected (the VM has secrets or rules at all).
-    pub(crate) fn inspects_http(&self) -> bool {
-        !self.cfg.secrets.is_empty() || !self.rules.is_empty()
     }
 }
 

@@ -1,14 +1,19 @@
-//! The HTTP/1.1 relay used on inspected connections (TLS terminated by Warren, or plain HTTP
-//! when the VM has secrets or rules).
+//! The HTTP/1.1 relay used on every cleartext HTTP connection and on TLS connections Warren
+//! terminated.
 //!
-//! One request at a time: read the request head from the guest, check it for placeholders,
-//! either answer it with an interception rule or forward the (possibly substituted) head and
-//! the body unchanged, then relay exactly one response (head and body unchanged) back, and
-//! loop for the next request on the keep-alive connection. Bodies are framed by
-//! `Content-Length` or `chunked` and copied byte for byte; responses without framing run to
-//! EOF and end the connection. A `101 Switching Protocols` answer turns the connection into a
-//! plain two-way relay. Placeholders are substituted in `Authorization` and the configured
-//! headers only, never in request targets, bodies or responses.
+//! One request at a time: read the request head from the guest; refuse it (`421`, connection
+//! closed) unless the host it names ([`crate::request::request_host`]) is the one the
+//! connection was decided for (its first request's host, or its SNI), so no later request
+//! and no absolute-form target reaches another name on the same address; check it for
+//! placeholders; either answer it with an interception rule or forward the re-serialised
+//! (possibly substituted) head and the body, then relay exactly one response (head and body
+//! unchanged) back, and loop for the next request on the keep-alive connection. Request
+//! bodies are framed by `Content-Length` (digits only) or `chunked` (re-encoded canonically,
+//! trailers dropped), so the upstream frames them exactly as Warren did; responses without
+//! framing run to EOF and end the connection. An `h2c` upgrade is never offered upstream; a
+//! `101 Switching Protocols` answer to a requested upgrade turns the connection into a plain
+//! two-way relay. Placeholders are substituted in `Authorization` and the configured headers
+//! only, never in request targets, bodies or responses.
 
 use std::collections::HashMap;
 
@@ -21,8 +26,10 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWrite
 use tokio::net::TcpStream;
 
 use crate::config::SecretValue;
+use crate::decision_log::Kind;
 use crate::egress::Inner;
 use crate::error::ConnError;
+use crate::policy::DenyReason;
 
 /// Largest request or response head accepted.
 pub const MAX_HEAD: usize = 64 * 1024;
@@ -59,12 +66,12 @@ async fn connect(inner: &Inner, up: &mut Upstream) -> Result<Box<dyn Io>, ConnEr
     match up {
         Upstream::Plain(addr, pre) => Ok(Box::new(match pre.take() {
             Some(s) => s,
-            None => inner.outbound.tcp_connect(*addr).await?,
+            None => inner.outbound.tcp_connect_remote(*addr).await?,
         })),
         Upstream::Tls(addr, pre, name) => {
             let tcp = match pre.take() {
                 Some(s) => s,
-                None => inner.outbound.tcp_connect(*addr).await?,
+                None => inner.outbound.tcp_connect_remote(*addr).await?,
             };
             let tls = &inner.tls;
             let server_name =
@@ -134,8 +141,12 @@ fn framing(headers: &[(String, Vec<u8>)], default: Framing) -> Result<Framing, C
     for v in cl {
         let s = std::str::from_utf8(v).map_err(|_| ConnError::Framing("bad Content-Length"))?;
         for part in s.split(',') {
+            let part = part.trim_matches(|c| c == ' ' || c == '\t');
+            // Digits only: `+5` or `0x5` would parse here and mean something else upstream.
+            if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(ConnError::Framing("bad Content-Length"));
+            }
             let n: u64 = part
-                .trim()
                 .parse()
                 .map_err(|_| ConnError::Framing("bad Content-Length"))?;
             if len.is_some_and(|l| l != n) {
@@ -212,6 +223,31 @@ impl Sink<'_> {
     }
 }
 
+/// The size of a chunk-size line (`1a;ext=x\r\n`): 1-16 hex digits, optional whitespace and
+/// extensions. Anything else (a sign, `0x`, junk) is refused.
+fn chunk_size(line: &[u8]) -> Result<u64, ConnError> {
+    let bad = ConnError::Framing("bad chunk size");
+    let line = line
+        .strip_suffix(b"\n")
+        .ok_or(ConnError::Framing("bad chunk size"))?;
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let digits = line
+        .iter()
+        .position(|b| !b.is_ascii_hexdigit())
+        .unwrap_or(line.len());
+    let rest = &line[digits..];
+    let rest_ok = rest
+        .iter()
+        .position(|b| !matches!(b, b' ' | b'\t'))
+        .is_none_or(|i| rest[i] == b';');
+    if digits == 0 || digits > 16 || !rest_ok {
+        return Err(bad);
+    }
+    let text =
+        std::str::from_utf8(&line[..digits]).map_err(|_| ConnError::Framing("bad chunk size"))?;
+    u64::from_str_radix(text, 16).map_err(|_| bad)
+}
+
 async fn copy_exact<R: AsyncBufReadExt + Unpin>(
     r: &mut R,
     sink: &mut Sink<'_>,
@@ -228,6 +264,36 @@ async fn copy_exact<R: AsyncBufReadExt + Unpin>(
         n -= take as u64;
     }
     Ok(())
+}
+
+/// Copies a chunked request body re-encoded: canonical size lines without extensions, no
+/// trailers (a trailer could carry a second `Host` to a server that merges them).
+async fn copy_chunked_canonical<R: AsyncBufReadExt + Unpin>(
+    r: &mut R,
+    sink: &mut Sink<'_>,
+) -> Result<(), ConnError> {
+    loop {
+        let mut line = Vec::new();
+        read_line(r, &mut line).await?;
+        let size = chunk_size(&line)?;
+        sink.put(format!("{size:x}\r\n").as_bytes()).await?;
+        if size == 0 {
+            loop {
+                let mut trailer = Vec::new();
+                read_line(r, &mut trailer).await?;
+                if trailer == b"\r\n" || trailer == b"\n" {
+                    return sink.put(b"\r\n").await;
+                }
+            }
+        }
+        copy_exact(r, sink, size).await?;
+        let mut crlf = Vec::new();
+        read_line(r, &mut crlf).await?;
+        if crlf != b"\r\n" && crlf != b"\n" {
+            return Err(ConnError::Framing("missing CRLF after chunk"));
+        }
+        sink.put(b"\r\n").await?;
+    }
 }
 
 async fn copy_body<R: AsyncBufReadExt + Unpin>(
@@ -251,11 +317,7 @@ async fn copy_body<R: AsyncBufReadExt + Unpin>(
             let mut line = Vec::new();
             read_line(r, &mut line).await?;
             sink.put(&line).await?;
-            let text =
-                std::str::from_utf8(&line).map_err(|_| ConnError::Framing("bad chunk size"))?;
-            let size_text = text.split(';').next().unwrap_or("").trim();
-            let size = u64::from_str_radix(size_text, 16)
-                .map_err(|_| ConnError::Framing("bad chunk size"))?;
+            let size = chunk_size(&line)?;
             if size == 0 {
                 loop {
                     let mut trailer = Vec::new();
@@ -325,11 +387,14 @@ fn replace(hay: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {
 /// Per-connection relay state.
 pub(crate) struct Session {
     pub(crate) inner: Arc<Inner>,
-    /// The normalised name the connection was allowed for (SNI or Host).
-    pub(crate) host: String,
+    /// The normalised name the connection was allowed for (SNI, or the first request's host);
+    /// `None` for a cleartext connection decided by address. Every request must name it.
+    pub(crate) host: Option<String>,
     /// Whether placeholders are substituted (only on TLS connections Warren terminated).
     pub(crate) substitute: bool,
     pub(crate) upstream: Upstream,
+    /// The connection's original destination, for the decision log.
+    dst: SocketAddrV4,
     /// Values read for this connection (indexes into the VM's secrets). Files are read at
     /// most once per connection, so a rotated file takes effect on the next connection.
     values: HashMap<usize, SecretValue>,
@@ -343,15 +408,17 @@ enum Next {
 impl Session {
     pub(crate) fn new(
         inner: Arc<Inner>,
-        host: String,
+        host: Option<String>,
         substitute: bool,
         upstream: Upstream,
+        dst: SocketAddrV4,
     ) -> Self {
         Session {
             inner,
             host,
             substitute,
             upstream,
+            dst,
             values: HashMap::new(),
         }
     }
@@ -417,23 +484,62 @@ impl Session {
         let Ok(req_framing) = framing(&req.headers, Framing::None) else {
             return Self::refuse(guest, 400, "Bad Request").await;
         };
-
-        // Placeholders: any placeholder bound for another host, anywhere in the head, blocks.
         let inner = self.inner.clone();
         let secrets = &inner.cfg.secrets;
-        let mut used = Vec::new();
-        for (i, s) in secrets.iter().enumerate() {
-            let p = s.placeholder.as_bytes();
-            let present = contains(req.path.as_bytes(), p)
+        let present = |p: &[u8]| {
+            contains(req.path.as_bytes(), p)
                 || req
                     .headers
                     .iter()
-                    .any(|(n, v)| contains(n.as_bytes(), p) || contains(v, p));
-            if !present {
+                    .any(|(n, v)| contains(n.as_bytes(), p) || contains(v, p))
+        };
+
+        // The request must name the host the connection was decided for: a second request,
+        // an absolute-form target or an inner Host that differs is refused, and with it any
+        // placeholder it carries (logged by secret name).
+        let named = crate::request::request_host(
+            &req.path,
+            req.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())),
+        );
+        let named = match named {
+            Ok(n) => n,
+            Err(_) => {
+                let shown = self.host.as_deref();
+                inner.log.record(
+                    Kind::Http,
+                    shown,
+                    Some(self.dst),
+                    Err(DenyReason::Malformed),
+                );
+                return Self::refuse(guest, 400, "Bad Request").await;
+            }
+        };
+        if named != self.host {
+            let shown = named.as_deref().unwrap_or("-");
+            for s in secrets.iter().filter(|s| present(s.placeholder.as_bytes())) {
+                inner.log.secret_blocked(&s.name, shown);
+            }
+            inner.log.record(
+                Kind::Http,
+                Some(shown),
+                Some(self.dst),
+                Err(DenyReason::HostMismatch),
+            );
+            return Self::refuse(guest, 421, "Misdirected Request").await;
+        }
+        let host = self.host.clone().unwrap_or_default();
+        let named = self.host.is_some();
+
+        // Placeholders: any placeholder bound for another host, anywhere in the head, blocks.
+        let mut used = Vec::new();
+        for (i, s) in secrets.iter().enumerate() {
+            if !present(s.placeholder.as_bytes()) {
                 continue;
             }
-            if !crate::policy::any_matches(&s.hosts, &self.host) {
-                inner.log.secret_blocked(&s.name, &self.host);
+            if !named || !crate::policy::any_matches(&s.hosts, &host) {
+                inner
+                    .log
+                    .secret_blocked(&s.name, if named { &host } else { "-" });
                 return Self::refuse(guest, 403, "Forbidden").await;
             }
             used.push(i);
@@ -443,7 +549,7 @@ impl Session {
         if let Some(rule) = inner
             .rules
             .iter()
-            .find(|r| r.matches(&self.host, &req.method, &req.path))
+            .find(|r| named && r.matches(&host, &req.method, &req.path))
         {
             let mut request = head.clone();
             let cap = MAX_INTERCEPT_REQUEST;
@@ -459,7 +565,7 @@ impl Session {
                 Err(e) => return Err(e),
             }
             let answer = rule
-                .answer(&inner.cfg.vm, &self.host, &req.method, &req.path, request)
+                .answer(&inner.cfg.vm, &host, &req.method, &req.path, request)
                 .await;
             guest.get_mut().write_all(&answer).await?;
             guest.get_mut().flush().await?;
@@ -469,9 +575,28 @@ impl Session {
         // Substitution in Authorization and the configured headers only.
         let mut out_headers = Vec::with_capacity(req.headers.len());
         let mut expect_continue = false;
+        let mut upgrade = false;
         for (name, value) in &req.headers {
             if name.eq_ignore_ascii_case("expect") && value.eq_ignore_ascii_case(b"100-continue") {
                 expect_continue = true;
+                continue;
+            }
+            // An h2c upgrade would turn the connection into HTTP/2, whose requests may carry
+            // any :authority: never offered upstream (the client carries on in HTTP/1.1).
+            if name.eq_ignore_ascii_case("http2-settings") {
+                continue;
+            }
+            if name.eq_ignore_ascii_case("upgrade") {
+                let text = String::from_utf8_lossy(value);
+                let kept: Vec<&str> = text
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|t| !t.is_empty() && !t.eq_ignore_ascii_case("h2c"))
+                    .collect();
+                if !kept.is_empty() {
+                    upgrade = true;
+                    out_headers.push((name.as_str(), kept.join(", ").into_bytes()));
+                }
                 continue;
             }
             let substitutable = name.eq_ignore_ascii_case("authorization")
@@ -493,7 +618,7 @@ impl Session {
                                 slot.insert(v);
                             }
                             Err(e) => {
-                                tracing::error!(vm = %inner.cfg.vm, host = %self.host, error = %e, "secret unavailable");
+                                tracing::error!(vm = %inner.cfg.vm, host = %host, error = %e, "secret unavailable");
                                 return Self::refuse(guest, 502, "Bad Gateway").await;
                             }
                         }
@@ -518,7 +643,7 @@ impl Session {
             match connect(&inner, &mut self.upstream).await {
                 Ok(s) => *up = Some(BufReader::new(s)),
                 Err(e) => {
-                    tracing::debug!(vm = %inner.cfg.vm, host = %self.host, error = %e, "upstream connect failed");
+                    tracing::debug!(vm = %inner.cfg.vm, host = %host, error = %e, "upstream connect failed");
                     return Self::refuse(guest, 502, "Bad Gateway").await;
                 }
             }
@@ -534,12 +659,11 @@ impl Session {
             guest.get_mut().flush().await?;
         }
         upstream.get_mut().write_all(&out).await?;
-        copy_body(
-            guest,
-            &mut Sink::Write(upstream.get_mut().as_mut()),
-            req_framing,
-        )
-        .await?;
+        let mut sink = Sink::Write(upstream.get_mut().as_mut());
+        match req_framing {
+            Framing::Chunked => copy_chunked_canonical(guest, &mut sink).await?,
+            other => copy_body(guest, &mut sink, other).await?,
+        }
         upstream.get_mut().flush().await?;
 
         let mut close = (req.minor == 0 && !has_token(&req.headers, "connection", "keep-alive"))
@@ -560,6 +684,10 @@ impl Session {
                 .map(|h| (h.name.to_string(), h.value.to_vec()))
                 .collect();
             let minor = resp.version.unwrap_or(1);
+            // Switching protocols only to an upgrade the guest asked for (never h2c).
+            if code == 101 && (!upgrade || has_token(&resp_headers, "upgrade", "h2c")) {
+                return Self::refuse(guest, 502, "Bad Gateway").await;
+            }
             guest.get_mut().write_all(&resp_head).await?;
             if code == 101 {
                 guest.get_mut().flush().await?;
@@ -612,6 +740,12 @@ mod tests {
             framing(&h(&[("Content-Length", "5, 5")]), Framing::None).ok(),
             Some(Framing::Length(5))
         );
+        for bad in ["+5", "0x5", "5 5", "", "-1"] {
+            assert!(
+                framing(&h(&[("Content-Length", bad)]), Framing::None).is_err(),
+                "{bad}"
+            );
+        }
         assert_eq!(
             framing(&h(&[]), Framing::UntilClose).ok(),
             Some(Framing::UntilClose)
@@ -627,6 +761,30 @@ mod tests {
             .await
             .expect("chunked");
         assert_eq!(out, &body[..body.len() - 4]);
+    }
+
+    #[test]
+    fn test_chunk_size_strict() {
+        assert_eq!(chunk_size(b"1a\r\n").ok(), Some(26));
+        assert_eq!(chunk_size(b"1A ;ext=1\n").ok(), Some(26));
+        for bad in [&b"+5\r\n"[..], b"0x5\r\n", b"\r\n", b"5 x\r\n", b"5"] {
+            assert!(
+                chunk_size(bad).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn test_chunked_request_reencoded_without_extensions_or_trailers() {
+        let body = b"4;ext=1\r\nWiki\n5 \r\npedia\r\n0\r\nHost: other.example\r\n\r\nNEXT";
+        let mut r = BufReader::new(&body[..]);
+        let mut out = Vec::new();
+        copy_chunked_canonical(&mut r, &mut Sink::Buffer(&mut out, 1024))
+            .await
+            .expect("chunked");
+        assert_eq!(out, b"4\r\nWiki\r\n5\r\npedia\r\n0\r\n\r\n");
     }
 
     #[test]

@@ -20,6 +20,7 @@ mod intercept;
 mod outbound;
 mod policy;
 mod proxy;
+mod request;
 mod resolver;
 mod sniff;
 pub mod standin;

@@ -1,6 +1,7 @@
 //! How the egress reaches the outside: from the current network namespace, or from another
-//! one (the host's, or a test namespace holding stand-in hosts) through a worker thread that
-//! lives in it and creates sockets there.
+//! one (the host's, or a test namespace standing in for it) through a worker thread that
+//! lives in it and creates sockets there. Destinations a guest chose are never addresses of
+//! that namespace itself ([`Outbound::is_own_address`], [`Outbound::tcp_connect_remote`]).
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
@@ -51,21 +52,42 @@ impl Outbound {
         }
     }
 
-    /// Connects to `addr` over TCP, with [`CONNECT_TIMEOUT`]. Must be called inside a tokio
-    /// runtime.
-    pub async fn tcp_connect(&self, addr: SocketAddrV4) -> io::Result<TcpStream> {
-        let socket = match self {
+    async fn tcp_socket(&self) -> io::Result<TcpSocket> {
+        Ok(match self {
             Outbound::Current => TcpSocket::new_v4()?,
             Outbound::Netns(w) => {
                 let fd = w.0.socket(SocketKind::Tcp).await?;
                 TcpSocket::from_std_stream(std::net::TcpStream::from(fd))
             }
-        };
-        let stream = tokio::time::timeout(CONNECT_TIMEOUT, socket.connect(SocketAddr::V4(addr)))
-            .await
-            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
-        stream.set_nodelay(true)?;
-        Ok(stream)
+        })
+    }
+
+    /// Whether `ip` is an address of this namespace itself: on any of its interfaces, in any
+    /// range, or in a `local` route. The kernel answers: a bind to it succeeds exactly then.
+    /// (With `net.ipv4.ip_nonlocal_bind` set every bind succeeds, so every address counts as
+    /// local and is refused: fail closed.)
+    pub async fn is_own_address(&self, ip: Ipv4Addr) -> io::Result<bool> {
+        own_address(&self.tcp_socket().await?, ip)
+    }
+
+    /// Connects to `addr` over TCP, with [`CONNECT_TIMEOUT`]. Must be called inside a tokio
+    /// runtime.
+    pub async fn tcp_connect(&self, addr: SocketAddrV4) -> io::Result<TcpStream> {
+        connect(self.tcp_socket().await?, addr).await
+    }
+
+    /// [`Outbound::tcp_connect`] for a destination a guest chose: refused
+    /// (`PermissionDenied`) when it is an address of this namespace
+    /// ([`Outbound::is_own_address`]), checked on the connecting socket itself.
+    pub async fn tcp_connect_remote(&self, addr: SocketAddrV4) -> io::Result<TcpStream> {
+        let socket = self.tcp_socket().await?;
+        if own_address(&socket, *addr.ip())? {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "destination is an address of the outbound namespace",
+            ));
+        }
+        connect(socket, addr).await
     }
 
     /// A UDP socket bound to an ephemeral port on all addresses.
@@ -79,4 +101,21 @@ impl Outbound {
             }
         }
     }
+}
+
+/// See [`Outbound::is_own_address`]. Leaves `socket` unbound unless the address is local.
+fn own_address(socket: &TcpSocket, ip: Ipv4Addr) -> io::Result<bool> {
+    match socket.bind(SocketAddr::V4(SocketAddrV4::new(ip, 0))) {
+        Ok(()) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EADDRNOTAVAIL) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+async fn connect(socket: TcpSocket, addr: SocketAddrV4) -> io::Result<TcpStream> {
+    let stream = tokio::time::timeout(CONNECT_TIMEOUT, socket.connect(SocketAddr::V4(addr)))
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
+    stream.set_nodelay(true)?;
+    Ok(stream)
 }

@@ -117,6 +117,8 @@ pub struct EgressPolicy {
     /// Destination ranges never reachable; wins over everything.
     pub deny_cidrs: Vec<Ipv4Net>,
     /// Operator ranges (for example public management networks) added to [`ALWAYS_DENIED`].
+    /// The addresses of the namespace the egress connects out from are refused too, by the
+    /// proxy (they can only be known there).
     pub blocked_cidrs: Vec<Ipv4Net>,
 }
 
@@ -145,6 +147,15 @@ pub enum DenyReason {
     SecretOutOfScope,
     /// Warren's own resolution of the name failed.
     ResolveFailed,
+    /// An address of the namespace the egress connects out from (the host itself).
+    HostAddress,
+    /// A request on a connection names another host than the one the connection was
+    /// decided for (its first request's host, or its SNI).
+    HostMismatch,
+    /// A protocol Warren refuses rather than relay undecided (HTTP/2 with prior knowledge).
+    UnsupportedProtocol,
+    /// TLS without SNI while every TLS connection must be intercepted (`intercept_all_tls`).
+    MissingSni,
 }
 
 impl DenyReason {
@@ -162,6 +173,10 @@ impl DenyReason {
             DenyReason::Malformed => "malformed",
             DenyReason::SecretOutOfScope => "secret_out_of_scope",
             DenyReason::ResolveFailed => "resolve_failed",
+            DenyReason::HostAddress => "host_address",
+            DenyReason::HostMismatch => "host_mismatch",
+            DenyReason::UnsupportedProtocol => "unsupported_protocol",
+            DenyReason::MissingSni => "missing_sni",
         }
     }
 }

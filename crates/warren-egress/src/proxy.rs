@@ -3,16 +3,22 @@
 //! Per accepted connection (one task each):
 //! 1. the original destination from `SO_ORIGINAL_DST` (nftables `redirect` rewrote it);
 //! 2. the first client bytes are read (up to [`FIRST_BYTES_WAIT`]) and classified: a TLS
-//!    ClientHello is decided by SNI, an HTTP request by Host, anything else by address;
+//!    ClientHello is decided by SNI, an HTTP request by the host it names, the HTTP/2 preface
+//!    is refused, anything else is decided by address;
 //! 3. a client that stays silent (server-speaks-first protocols) is decided by address, the
 //!    upstream connected, and if the client then speaks TLS or HTTP first, its name is checked
 //!    before a single byte is forwarded;
-//! 4. allowed connections are relayed untouched (the read bytes first, then a two-way copy),
-//!    or, for hosts with secrets or rules, TLS is terminated with the VM CA and the requests go
-//!    through [`crate::http1`]; denied connections are closed.
+//! 4. every decision refuses always-denied and blocked ranges and every address of the
+//!    namespace the egress connects out from (checked again on the connecting socket);
+//! 5. cleartext HTTP always goes through [`crate::http1`], which holds every request of the
+//!    connection to the host the connection was decided for; TLS to hosts with secrets or
+//!    rules (every TLS connection with `intercept_all_tls`) is terminated with the VM CA and
+//!    its requests go through [`crate::http1`] too, each held to the SNI; other allowed
+//!    connections are relayed untouched (the read bytes first, then a two-way copy); denied
+//!    connections are closed.
 
 use std::io;
-use std::net::SocketAddrV4;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -116,11 +122,11 @@ async fn handle(
         Some((sniffed, prefix)) => dispatch(inner, conn, dst, sniffed, prefix, None).await,
         None => {
             // Silent client: decide by address, connect, and see who speaks first.
-            if let Err(reason) = decide_addr(inner, dst) {
+            if let Err(reason) = decide_addr(inner, dst).await {
                 inner.log.record(Kind::Tcp, None, Some(dst), Err(reason));
                 return Ok(());
             }
-            let upstream = inner.outbound.tcp_connect(dst).await?;
+            let upstream = inner.outbound.tcp_connect_remote(dst).await?;
             tokio::select! {
                 r = conn.readable() => {
                     r?;
@@ -139,13 +145,24 @@ async fn handle(
     }
 }
 
-/// Address-only decision: blocked ranges, allowed CIDRs, or an address Warren's resolver
-/// returned for a name that is still allowed.
-fn decide_addr(inner: &Inner, dst: SocketAddrV4) -> Result<(), DenyReason> {
-    let policy = &inner.cfg.policy;
-    if let Some(reason) = policy.address_block(*dst.ip()) {
+/// The refusals that apply to an address whatever the name: always-denied and blocked ranges,
+/// `deny_cidrs`, and the addresses of the outbound namespace itself (an error asking the
+/// kernel refuses too).
+async fn address_checks(inner: &Inner, ip: Ipv4Addr) -> Result<(), DenyReason> {
+    if let Some(reason) = inner.cfg.policy.address_block(ip) {
         return Err(reason);
     }
+    match inner.outbound.is_own_address(ip).await {
+        Ok(false) => Ok(()),
+        Ok(true) | Err(_) => Err(DenyReason::HostAddress),
+    }
+}
+
+/// Address-only decision: blocked ranges and host addresses, allowed CIDRs, or an address
+/// Warren's resolver returned for a name that is still allowed.
+async fn decide_addr(inner: &Inner, dst: SocketAddrV4) -> Result<(), DenyReason> {
+    let policy = &inner.cfg.policy;
+    address_checks(inner, *dst.ip()).await?;
     if policy.cidr_allows(*dst.ip()) {
         return Ok(());
     }
@@ -163,9 +180,7 @@ fn decide_addr(inner: &Inner, dst: SocketAddrV4) -> Result<(), DenyReason> {
 async fn decide_name(inner: &Inner, raw: &str, dst: SocketAddrV4) -> Result<String, DenyReason> {
     let name = normalize_name(raw).ok_or(DenyReason::InvalidName)?;
     let policy = &inner.cfg.policy;
-    if let Some(reason) = policy.address_block(*dst.ip()) {
-        return Err(reason);
-    }
+    address_checks(inner, *dst.ip()).await?;
     match policy.name_verdict(&name) {
         Err(DenyReason::NameNotAllowed) if policy.cidr_allows(*dst.ip()) => Ok(name),
         Err(reason) => Err(reason),
@@ -187,12 +202,18 @@ async fn dispatch(
 ) -> Result<(), ConnError> {
     let (kind, raw_name) = match &sniffed {
         Sniffed::Tls(sni) => (Kind::Tls, sni.clone()),
-        // A Host that is an IP literal carries no name: decided by address.
-        Sniffed::Http(host) => (
-            Kind::Http,
-            host.clone().filter(|h| normalize_name(h).is_some()),
-        ),
+        // Already normalised; an IP literal or no Host carries no name: decided by address.
+        Sniffed::Http(host) => (Kind::Http, host.clone()),
         Sniffed::Other | Sniffed::NeedMore => (Kind::Tcp, None),
+        Sniffed::Http2 => {
+            inner.log.record(
+                Kind::Http,
+                None,
+                Some(dst),
+                Err(DenyReason::UnsupportedProtocol),
+            );
+            return Ok(());
+        }
         Sniffed::Malformed => {
             inner
                 .log
@@ -200,17 +221,37 @@ async fn dispatch(
             return Ok(());
         }
     };
+    let guest = Prefixed {
+        prefix,
+        pos: 0,
+        inner: conn,
+    };
     let Some(raw) = raw_name else {
-        let verdict = decide_addr(inner, dst);
+        let mut verdict = decide_addr(inner, dst).await;
+        // Interception of every TLS connection needs a name to mint and verify for; only an
+        // address the policy grants outright may be reached by TLS without SNI.
+        if verdict.is_ok()
+            && matches!(sniffed, Sniffed::Tls(None))
+            && inner.cfg.intercept_all_tls
+            && !inner.cfg.policy.cidr_allows(*dst.ip())
+        {
+            verdict = Err(DenyReason::MissingSni);
+        }
         inner.log.record(kind, None, Some(dst), verdict);
         if verdict.is_err() {
             return Ok(());
         }
+        if let Sniffed::Http(None) = sniffed {
+            let upstream = Upstream::Plain(dst, pre);
+            return Session::new(inner.clone(), None, false, upstream, dst)
+                .run(Box::new(guest))
+                .await;
+        }
         let upstream = match pre {
             Some(s) => s,
-            None => inner.outbound.tcp_connect(dst).await?,
+            None => inner.outbound.tcp_connect_remote(dst).await?,
         };
-        return relay(conn, upstream, &prefix).await;
+        return relay(guest.inner, upstream, &guest.prefix).await;
     };
     let name = match decide_name(inner, &raw, dst).await {
         Ok(n) => n,
@@ -223,30 +264,26 @@ async fn dispatch(
         }
     };
     inner.log.record(kind, Some(&name), Some(dst), Ok(()));
-    let guest = Prefixed {
-        prefix,
-        pos: 0,
-        inner: conn,
-    };
     match sniffed {
         Sniffed::Tls(_) if inner.intercepts(&name) => {
             let acceptor = tokio_rustls::TlsAcceptor::from(inner.tls.server.clone());
             let tls = acceptor.accept(guest).await?;
             let upstream = Upstream::Tls(dst, pre, name.clone());
-            Session::new(inner.clone(), name, true, upstream)
+            Session::new(inner.clone(), Some(name), true, upstream, dst)
                 .run(Box::new(tls))
                 .await
         }
-        Sniffed::Http(_) if inner.inspects_http() => {
+        // Cleartext HTTP is always relayed request by request, each held to this name.
+        Sniffed::Http(_) => {
             let upstream = Upstream::Plain(dst, pre);
-            Session::new(inner.clone(), name, false, upstream)
+            Session::new(inner.clone(), Some(name), false, upstream, dst)
                 .run(Box::new(guest))
                 .await
         }
         _ => {
             let upstream = match pre {
                 Some(s) => s,
-                None => inner.outbound.tcp_connect(dst).await?,
+                None => inner.outbound.tcp_connect_remote(dst).await?,
             };
             relay(guest.inner, upstream, &guest.prefix).await
         }

@@ -3,9 +3,9 @@
 //! Serves the guest over UDP and TCP (sockets bound by the caller inside the VM's namespace).
 //! In allow-list mode only `A` queries for allowed names are forwarded, one name at a time, to
 //! the configured upstream resolver (reached through the [`Outbound`] strategy); the answer
-//! is rewritten to plain `A` records for the queried name, minus always-denied and denied
-//! addresses. `AAAA` and every other type of an allowed name get an empty answer (no IPv6,
-//! nothing else to carry data); denied names get REFUSED. Returned addresses are recorded in
+//! is rewritten to plain `A` records for the queried name, minus always-denied, blocked and
+//! denied addresses and the outbound namespace's own addresses. `AAAA` and every other type
+//! of an allowed name get an empty answer (no IPv6, nothing else to carry data); denied names get REFUSED. Returned addresses are recorded in
 //! [`ResolvedNames`] so the proxy can accept TCP to them (by address) and check that a
 //! SNI/Host name really resolves to the connection's destination.
 
@@ -175,7 +175,10 @@ pub(crate) async fn lookup(inner: &Inner, name: &str) -> Result<Lookup, ResolveE
     let mut ttl = MAX_TTL;
     for r in &resp.answers {
         if let RData::A(a) = &r.data {
-            if policy.address_block(a.0).is_none() {
+            // Never hand out (or accept by) an address the proxy would refuse: blocked ranges
+            // and the outbound namespace's own addresses (an error asking counts as own).
+            let own = || async { inner.outbound.is_own_address(a.0).await.unwrap_or(true) };
+            if policy.address_block(a.0).is_none() && !own().await {
                 ips.push(a.0);
                 ttl = ttl.min(r.ttl);
             }

@@ -1,5 +1,5 @@
 //! Classifying a connection from its first bytes: a TLS ClientHello (and its SNI), an HTTP/1
-//! request (and its Host), or something else. Parsers are total over arbitrary input: they
+//! request (and the host it names), the HTTP/2 preface, or something else. Parsers are total over arbitrary input: they
 //! return `NeedMore` until they can decide, and never panic.
 
 /// Most bytes read before deciding; a ClientHello or a request head larger than this is
@@ -13,8 +13,11 @@ pub(crate) enum Sniffed {
     NeedMore,
     /// A TLS ClientHello; the SNI host name if present (raw, not yet normalised).
     Tls(Option<String>),
-    /// An HTTP/1 request head; the Host header without port (raw), if any.
+    /// An HTTP/1 request head; the host it names (normalised, see
+    /// [`crate::request::request_host`]), `None` when it names none (no `Host`, an IP).
     Http(Option<String>),
+    /// The HTTP/2 connection preface (prior knowledge): refused, its requests are not read.
+    Http2,
     /// Starts like TLS or HTTP but does not parse.
     Malformed,
     /// Any other protocol.
@@ -26,8 +29,7 @@ pub(crate) fn sniff(buf: &[u8]) -> Sniffed {
     match buf.first() {
         None => Sniffed::NeedMore,
         Some(0x16) => sniff_tls(buf),
-        Some(b) if b.is_ascii_uppercase() => sniff_http(buf),
-        Some(_) => Sniffed::Other,
+        Some(_) => sniff_text(buf),
     }
 }
 
@@ -95,6 +97,7 @@ fn client_hello_sni(body: &[u8]) -> Option<Option<String>> {
     }
     let ext_len = c.u16()?;
     let mut exts = Cursor(c.take(ext_len)?);
+    let mut sni = None;
     while !exts.0.is_empty() {
         let ty = exts.u16()?;
         let len = exts.u16()?;
@@ -102,58 +105,90 @@ fn client_hello_sni(body: &[u8]) -> Option<Option<String>> {
         if ty != 0 {
             continue;
         }
+        // Exactly one server_name extension holding exactly one host_name: a server that
+        // read another entry (or the second extension) than Warren would be steered past
+        // the decision.
+        if sni.is_some() {
+            return None;
+        }
         let mut sn = Cursor(data);
         let list_len = sn.u16()?;
         let mut list = Cursor(sn.take(list_len)?);
-        while !list.0.is_empty() {
-            let name_type = list.u8()?;
-            let name_len = list.u16()?;
-            let name = list.take(name_len)?;
-            if name_type == 0 {
-                return std::str::from_utf8(name).ok().map(|s| Some(s.to_string()));
-            }
+        let name_type = list.u8()?;
+        let name_len = list.u16()?;
+        let name = list.take(name_len)?;
+        if name_type != 0 || !list.0.is_empty() || !sn.0.is_empty() {
+            return None;
         }
-        return Some(None);
+        sni = Some(std::str::from_utf8(name).ok()?.to_string());
     }
-    Some(None)
+    Some(sni)
 }
 
-fn sniff_http(buf: &[u8]) -> Sniffed {
-    // The method: uppercase letters then a space, within 16 bytes.
-    let method_end = buf.iter().take(17).position(|&b| b == b' ');
-    match method_end {
-        None if buf.len() < 17 && buf.iter().all(|b| b.is_ascii_uppercase()) => {
-            return Sniffed::NeedMore
-        }
-        None => return Sniffed::Other,
-        Some(n) if !buf[..n].iter().all(|b| b.is_ascii_uppercase()) => return Sniffed::Other,
-        Some(_) => {}
+/// Whether `hay` contains `needle`, ASCII case-insensitively.
+fn contains_ci(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len())
+        .any(|w| w.eq_ignore_ascii_case(needle))
+}
+
+/// Anything that starts with text. An HTTP/1 request is recognised the way a lenient server
+/// would recognise it, so that no request an upstream would serve is relayed undecided:
+/// empty lines (and other whitespace) before the request line are looked past (RFC 9112
+/// section 2.2 lets servers skip them), the method is any token (not only uppercase), and a
+/// first line that mentions `HTTP` must parse as an HTTP/1 request or is refused.
+fn sniff_text(buf: &[u8]) -> Sniffed {
+    let Some(start) = buf.iter().position(|b| !b" \t\r\n".contains(b)) else {
+        return Sniffed::NeedMore;
+    };
+    let text = &buf[start..];
+    let method_len = text
+        .iter()
+        .position(|&b| !crate::config::is_token_byte(b))
+        .unwrap_or(text.len());
+    if method_len == 0 {
+        return Sniffed::Other;
+    }
+    // Only a token so far: it may still become a request line with any method (an unknown
+    // method is still HTTP), so it is held; a client that sends a bare word and waits is
+    // refused after `SNIFF_TIMEOUT`, one that sends more than `MAX_SNIFF` of it at once too.
+    if method_len == text.len() {
+        return Sniffed::NeedMore;
+    }
+    if !matches!(text[method_len], b' ' | b'\t') {
+        return Sniffed::Other;
+    }
+    // A token and a space: decided only once the whole first line is in (whatever bytes it
+    // holds, since what a lenient server accepts in a request line is not ours to guess).
+    let Some(line_end) = text.iter().position(|&b| b == b'\n') else {
+        return Sniffed::NeedMore;
+    };
+    let line = &text[..line_end];
+    // No version: an HTTP/0.9-style line or another text protocol; nothing names a host.
+    if !contains_ci(line, b"http") {
+        return Sniffed::Other;
+    }
+    if line.starts_with(b"PRI * HTTP/2") {
+        return Sniffed::Http2;
+    }
+    // Spaces or tabs before the request line: not HTTP, but a lenient server might take it.
+    if buf[..start].iter().any(|&b| b == b' ' || b == b'\t') {
+        return Sniffed::Malformed;
     }
     let mut headers = [httparse::EMPTY_HEADER; 100];
     let mut req = httparse::Request::new(&mut headers);
-    match req.parse(buf) {
+    match req.parse(text) {
         Ok(httparse::Status::Partial) => Sniffed::NeedMore,
         Ok(httparse::Status::Complete(_)) => {
-            let host = req
-                .headers
-                .iter()
-                .find(|h| h.name.eq_ignore_ascii_case("host"))
-                .and_then(|h| std::str::from_utf8(h.value).ok())
-                .map(|v| strip_port(v.trim()).to_string());
-            Sniffed::Http(host)
+            let named = crate::request::request_host(
+                req.path.unwrap_or(""),
+                req.headers.iter().map(|h| (h.name, h.value)),
+            );
+            match named {
+                Ok(host) => Sniffed::Http(host),
+                Err(_) => Sniffed::Malformed,
+            }
         }
         Err(_) => Sniffed::Malformed,
-    }
-}
-
-/// `host:port` -> `host` (IPv6 literals in brackets are kept whole).
-pub(crate) fn strip_port(host: &str) -> &str {
-    if host.starts_with('[') {
-        return host;
-    }
-    match host.rsplit_once(':') {
-        Some((h, p)) if p.bytes().all(|b| b.is_ascii_digit()) => h,
-        _ => host,
     }
 }
 
@@ -161,14 +196,18 @@ pub(crate) fn strip_port(host: &str) -> &str {
 mod tests {
     use super::*;
 
-    /// A minimal ClientHello record with the given SNI.
-    fn client_hello(sni: Option<&str>) -> Vec<u8> {
+    /// A minimal ClientHello record with one server_name extension per entry of `exts`, each
+    /// listing those host names.
+    fn client_hello_exts(exts_names: &[&[&str]]) -> Vec<u8> {
         let mut exts = Vec::new();
-        if let Some(name) = sni {
-            let n = name.as_bytes();
-            let mut list = vec![0u8];
-            list.extend_from_slice(&(n.len() as u16).to_be_bytes());
-            list.extend_from_slice(n);
+        for names in exts_names {
+            let mut list = Vec::new();
+            for name in *names {
+                let n = name.as_bytes();
+                list.push(0u8);
+                list.extend_from_slice(&(n.len() as u16).to_be_bytes());
+                list.extend_from_slice(n);
+            }
             let mut data = (list.len() as u16).to_be_bytes().to_vec();
             data.extend_from_slice(&list);
             exts.extend_from_slice(&0u16.to_be_bytes());
@@ -191,11 +230,30 @@ mod tests {
         rec
     }
 
+    /// A minimal ClientHello record with the given SNI.
+    fn client_hello(sni: Option<&str>) -> Vec<u8> {
+        match sni {
+            Some(name) => client_hello_exts(&[&[name]]),
+            None => client_hello_exts(&[]),
+        }
+    }
+
     #[test]
     fn test_sniff_tls_sni_extracted() {
         let hello = client_hello(Some("api.example.com"));
         assert_eq!(sniff(&hello), Sniffed::Tls(Some("api.example.com".into())));
         assert_eq!(sniff(&hello[..hello.len() - 1]), Sniffed::NeedMore);
+    }
+
+    #[test]
+    fn test_sniff_tls_two_names_malformed() {
+        let two_in_one = client_hello_exts(&[&["a.example", "b.example"]]);
+        assert_eq!(sniff(&two_in_one), Sniffed::Malformed);
+        let two_exts = client_hello_exts(&[&["a.example"], &["b.example"]]);
+        assert_eq!(sniff(&two_exts), Sniffed::Malformed);
+        // Positive control: the same builder with one name parses.
+        let one = client_hello_exts(&[&["a.example"]]);
+        assert_eq!(sniff(&one), Sniffed::Tls(Some("a.example".into())));
     }
 
     #[test]
@@ -218,13 +276,63 @@ mod tests {
     #[test]
     fn test_sniff_http_host_without_port() {
         let req = b"GET / HTTP/1.1\r\nHost: Example.com:8080\r\n\r\n";
-        assert_eq!(sniff(req), Sniffed::Http(Some("Example.com".into())));
+        assert_eq!(sniff(req), Sniffed::Http(Some("example.com".into())));
         assert_eq!(sniff(&req[..20]), Sniffed::NeedMore);
+    }
+
+    #[test]
+    fn test_sniff_http_disguised_request_lines_found() {
+        let named = Sniffed::Http(Some("b.example".into()));
+        for req in [
+            &b"\r\n\r\nGET / HTTP/1.1\r\nHost: b.example\r\n\r\n"[..],
+            b"\nGET / HTTP/1.1\nHost: b.example\n\n",
+            b"get / HTTP/1.1\r\nHost: b.example\r\n\r\n",
+            b"GET http://b.example/ HTTP/1.1\r\n\r\n",
+        ] {
+            assert_eq!(sniff(req), named, "{:?}", String::from_utf8_lossy(req));
+        }
+        assert_eq!(sniff(b"\r\n\r\n"), Sniffed::NeedMore);
+        assert_eq!(sniff(b" GET / HTTP/1.1\r\n\r\n"), Sniffed::Malformed);
+        assert_eq!(sniff(b"GET / HTTP/3.0\r\n\r\n"), Sniffed::Malformed);
+        assert_eq!(
+            sniff(b"GET / HTTP/1.1\r\nHost: a.example\r\nHost: b.example\r\n\r\n"),
+            Sniffed::Malformed
+        );
+        assert_eq!(
+            sniff(b"GET http://b.example/ HTTP/1.1\r\nHost: a.example\r\n\r\n"),
+            Sniffed::Malformed
+        );
+        assert_eq!(
+            sniff(b"CONNECT b.example:443 HTTP/1.1\r\nHost: b.example\r\n\r\n"),
+            Sniffed::Malformed
+        );
+    }
+
+    #[test]
+    fn test_sniff_http2_preface_recognised() {
+        assert_eq!(sniff(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"), Sniffed::Http2);
+        assert_eq!(sniff(b"PRI * HTTP/2.0\r\n"), Sniffed::Http2);
+        assert_eq!(sniff(b"PRI * HT"), Sniffed::NeedMore);
     }
 
     #[test]
     fn test_sniff_other_protocols() {
         assert_eq!(sniff(b"SSH-2.0-OpenSSH_9.2\r\n"), Sniffed::Other);
         assert_eq!(sniff(b"\x00\x01binary"), Sniffed::Other);
+        assert_eq!(sniff(b"*1\r\n$4\r\nPING\r\n"), Sniffed::Other);
+        assert_eq!(sniff(b"EHLO mail.example\r\n"), Sniffed::Other);
+        assert_eq!(sniff(b"get key\r\n"), Sniffed::Other);
+        assert_eq!(
+            sniff(b"get key\x00\x01"),
+            Sniffed::NeedMore,
+            "a line may follow"
+        );
+        assert_eq!(sniff(b"GET /\x0b HTTP/1.1\r\n\r\n"), Sniffed::Malformed);
+        assert_eq!(sniff(b"ping\n"), Sniffed::Other);
+        assert_eq!(
+            sniff(b"ping"),
+            Sniffed::NeedMore,
+            "may become `ping / HTTP/1.1`"
+        );
     }
 }

@@ -1,16 +1,22 @@
 //! Stand-in external hosts and a test topology, for the egress tests, the real-VM network
 //! tests and `warren bench --suite network`. Nothing here is used by a running VM.
 //!
-//! [`Topology::new`] creates three network namespaces (removed in `Drop`, even on failure):
+//! [`Topology::new`] creates four network namespaces (removed in `Drop`, even on failure):
 //! - `guest`: a client standing in for the VM, 192.0.2.2/24 on a veth, default route to `vm`;
 //! - `vm`: the VM's namespace: the veth peer 192.0.2.1/24, nftables redirecting all guest TCP
 //!   to the proxy and guest DNS to the resolver (both listening in this namespace, bound via
 //!   `bind_tcp_in`/`bind_udp_in`), nothing routed;
-//! - `world`: stand-in external hosts on TEST-NET addresses (plus 169.254.169.254 and
+//! - `world`: stands in for the host's namespace, the one the egress connects out from (an
+//!   egress's `Outbound` creates its sockets here; a real VM's egress does too when given it
+//!   as `outbound_netns`). Its only link is a veth to `remote`, [`UPLINK`]/30, with routes to
+//!   the stand-ins' addresses through it. Its own addresses are not stand-ins: the egress
+//!   refuses every address of the namespace it connects out from;
+//! - `remote`: stand-in external hosts on TEST-NET addresses (plus 169.254.169.254 and
 //!   10.1.2.3 to prove blocked ranges are refused by policy, not by reachability), all on its
 //!   loopback device: HTTP echo on :80, HTTPS echo on :443 (certificates of a CA generated
-//!   per topology), TCP echo on :7, DNS on 203.0.113.53:53. An egress's `Outbound` creates
-//!   its sockets here; a real VM's egress does too when given it as `outbound_netns`.
+//!   per topology), TCP echo on :7, DNS on 203.0.113.53:53. Every request head the HTTP and
+//!   HTTPS stand-ins receive is recorded ([`Topology::seen`]), so a test can assert what
+//!   reached a host, not only what came back.
 //!
 //! The servers are tasks on the caller's tokio runtime. No packet leaves these namespaces.
 //! Needs root, `ip` and `nft`.
@@ -54,6 +60,18 @@ pub const META: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
 pub const PRIVATE: Ipv4Addr = Ipv4Addr::new(10, 1, 2, 3);
 /// What the stand-in HTTPS server returns on `/leak` (to show responses are not rewritten).
 pub const LEAK_MARK: &str = "upstream-says:";
+/// The `world` namespace's own address on its link to `remote` (outside the always-denied
+/// ranges, so only the host-address rule refuses it); `remote` is [`UPLINK_PEER`].
+pub const UPLINK: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
+/// The `remote` end of the uplink.
+pub const UPLINK_PEER: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
+/// The ranges `world` routes to `remote`: every stand-in address.
+const REMOTE_ROUTES: &[&str] = &[
+    "203.0.113.0/24",
+    "198.51.100.0/24",
+    "169.254.169.254/32",
+    "10.1.2.3/32",
+];
 
 /// Setting up or using the topology failed.
 #[derive(Debug, thiserror::Error)]
@@ -225,14 +243,22 @@ pub fn client_config(ca_pem: &str) -> Result<rustls::ClientConfig, StandinError>
     .with_no_client_auth())
 }
 
+/// Request heads received by the HTTP and HTTPS stand-ins, in arrival order. The mutex guards
+/// the list only.
+pub type Seen = Arc<std::sync::Mutex<Vec<String>>>;
+
 /// One running topology.
 pub struct Topology {
     /// The client namespace standing in for a VM.
     pub guest: NetNs,
     /// The VM's namespace (the proxy and resolver listen here).
     pub vm: NetNs,
-    /// The stand-in hosts' namespace.
+    /// The namespace the egress connects out from (standing in for the host's).
     pub world: NetNs,
+    /// The stand-in hosts' namespace, reached from `world` over the uplink.
+    pub remote: NetNs,
+    /// Every request head the HTTP(S) stand-ins received.
+    pub seen: Seen,
     /// The stand-ins' certificates.
     pub pki: StandinPki,
     /// Outbound strategy for the egress (sockets in `world`).
@@ -255,6 +281,7 @@ impl Topology {
         let guest = NetNs::new(format!("wegr-{id}-g"))?;
         let vm = NetNs::new(format!("wegr-{id}-v"))?;
         let world = NetNs::new(format!("wegr-{id}-w"))?;
+        let remote = NetNs::new(format!("wegr-{id}-r"))?;
         guest.ip(&[
             "link", "add", "vg0", "type", "veth", "peer", "name", "vv0", "netns", &vm.name,
         ])?;
@@ -279,8 +306,28 @@ impl Topology {
                chain forward {{ type filter hook forward priority filter; policy drop; }}
              }}"
         ))?;
+        world.ip(&[
+            "link",
+            "add",
+            "wu0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "ru0",
+            "netns",
+            &remote.name,
+        ])?;
+        world.ip(&["addr", "add", &format!("{UPLINK}/30"), "dev", "wu0"])?;
+        world.ip(&["link", "set", "wu0", "up"])?;
+        remote.ip(&["addr", "add", &format!("{UPLINK_PEER}/30"), "dev", "ru0"])?;
+        remote.ip(&["link", "set", "ru0", "up"])?;
+        remote.ip(&["route", "add", "default", "via", &UPLINK.to_string()])?;
+        for net in REMOTE_ROUTES {
+            world.ip(&["route", "add", net, "via", &UPLINK_PEER.to_string()])?;
+        }
         for a in [API, OTHER, OAUTH, DNS, ECHO, META, PRIVATE] {
-            world.ip(&["addr", "add", &format!("{a}/32"), "dev", "lo"])?;
+            remote.ip(&["addr", "add", &format!("{a}/32"), "dev", "lo"])?;
         }
         let pki = standin_pki()?;
         let topo = Topology {
@@ -289,6 +336,8 @@ impl Topology {
             guest,
             vm,
             world,
+            remote,
+            seen: Seen::default(),
             pki,
         };
         topo.start_world(leak_value.to_string())?;
@@ -305,8 +354,13 @@ impl Topology {
         })
     }
 
+    /// The request heads the HTTP(S) stand-ins have received so far.
+    pub fn seen(&self) -> Vec<String> {
+        self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     fn start_world(&self, leak: String) -> Result<(), StandinError> {
-        let path = self.world.path();
+        let path = self.remote.path();
         let key = PrivateKeyDer::try_from(self.pki.server_key.clone())
             .map_err(|e| StandinError::Invalid(format!("server key: {e}")))?;
         let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
@@ -322,21 +376,21 @@ impl Topology {
             let http = tokio::net::TcpListener::from_std(nb(bind_tcp_in(&path, at(80))?)?)?;
             let https = tokio::net::TcpListener::from_std(nb(bind_tcp_in(&path, at(443))?)?)?;
             let echo = tokio::net::TcpListener::from_std(nb(bind_tcp_in(&path, at(7))?)?)?;
-            let leak2 = leak.clone();
+            let (leak2, seen) = (leak.clone(), self.seen.clone());
             tokio::spawn(async move {
                 while let Ok((s, _)) = http.accept().await {
                     let _ = s.set_nodelay(true);
-                    tokio::spawn(echo_http(s, leak2.clone()));
+                    tokio::spawn(echo_http(s, leak2.clone(), seen.clone()));
                 }
             });
-            let (acceptor, leak) = (acceptor.clone(), leak.clone());
+            let (acceptor, leak, seen) = (acceptor.clone(), leak.clone(), self.seen.clone());
             tokio::spawn(async move {
                 while let Ok((s, _)) = https.accept().await {
                     let _ = s.set_nodelay(true);
-                    let (acceptor, leak) = (acceptor.clone(), leak.clone());
+                    let (acceptor, leak, seen) = (acceptor.clone(), leak.clone(), seen.clone());
                     tokio::spawn(async move {
                         if let Ok(tls) = acceptor.accept(s).await {
-                            echo_http(tls, leak).await;
+                            echo_http(tls, leak, seen).await;
                         }
                     });
                 }
@@ -459,8 +513,10 @@ async fn serve_dns(dns: tokio::net::UdpSocket) {
 }
 
 /// Stand-in HTTP/1.1 server: echoes the request head and body; `/leak` returns `leak`;
-/// `/bytes/N` returns N bytes.
-async fn echo_http<S: AsyncRead + AsyncWrite + Unpin>(s: S, leak: String) {
+/// `/bytes/N` returns N bytes. Like common servers, it skips empty lines before a request
+/// line and serves every request of a keep-alive connection whatever its `Host`; each head
+/// is recorded in `seen`.
+async fn echo_http<S: AsyncRead + AsyncWrite + Unpin>(s: S, leak: String, seen: Seen) {
     let mut s = BufReader::new(s);
     loop {
         let mut head = Vec::new();
@@ -471,9 +527,16 @@ async fn echo_http<S: AsyncRead + AsyncWrite + Unpin>(s: S, leak: String) {
                 Ok(_) => {}
             }
             if &head[start..] == b"\r\n" {
+                if start == 0 {
+                    head.clear();
+                    continue;
+                }
                 break;
             }
         }
+        seen.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(String::from_utf8_lossy(&head).into_owned());
         let mut hs = [httparse::EMPTY_HEADER; 64];
         let mut req = httparse::Request::new(&mut hs);
         if req.parse(&head).is_err() {

@@ -130,8 +130,8 @@ async fn test_disallowed_name_refused_dns_http_tls() -> Result<()> {
 async fn test_direct_ip_tcp_refused_until_allowed_name_resolves() -> Result<()> {
     let (topo, _e, _h) = up(base_config).await?;
     let mut s = topo.guest_tcp(ECHO, 7).await?;
-    let _ = s.write_all(b"ping").await;
-    let mut buf = [0u8; 4];
+    let _ = s.write_all(b"ping\r\n").await;
+    let mut buf = [0u8; 6];
     let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
         .await?
         .unwrap_or(0);
@@ -140,9 +140,9 @@ async fn test_direct_ip_tcp_refused_until_allowed_name_resolves() -> Result<()> 
     let answer = topo.guest_dns("echo.allowed.test", RecordType::A).await?;
     assert_eq!(a_records(&answer), vec![ECHO]);
     let mut s = topo.guest_tcp(ECHO, 7).await?;
-    s.write_all(b"ping").await?;
+    s.write_all(b"ping\r\n").await?;
     s.read_exact(&mut buf).await?;
-    assert_eq!(&buf, b"ping");
+    assert_eq!(&buf, b"ping\r\n");
     Ok(())
 }
 
@@ -218,8 +218,8 @@ async fn test_metadata_and_private_ranges_blocked_even_if_dns_says_so() -> Resul
             "{ip}"
         );
         let mut s = topo.guest_tcp(ip, 7).await?;
-        let _ = s.write_all(b"ping").await;
-        let mut buf = [0u8; 4];
+        let _ = s.write_all(b"ping\r\n").await;
+        let mut buf = [0u8; 6];
         let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
             .await?
             .unwrap_or(0);

@@ -229,6 +229,14 @@ fn egress_config(
     cfg.policy.allow_domains = allow_domains;
     cfg.policy.deny_cidrs = deny_cidrs;
     cfg.policy.deny_domains = deny_domains;
+    let (blocked, names) = split_entries(&spec.blocked_cidrs)?;
+    if let Some(name) = names.first() {
+        return Err(NetError::Setting(format!(
+            "blocked_cidrs takes IPv4 CIDRs or addresses, not {name}"
+        )));
+    }
+    cfg.policy.blocked_cidrs = blocked;
+    cfg.intercept_all_tls = spec.intercept_all_tls;
     for s in &spec.secrets {
         let hosts = s
             .hosts
@@ -396,6 +404,47 @@ mod tests {
         assert!(split_entries(&["bad name!".into()]).is_err());
     }
 
+    fn spec() -> NetSpec {
+        NetSpec {
+            netns: "warren-x".into(),
+            mac: "52:54:00:00:00:01".into(),
+            upstream_dns: "203.0.113.53:53".parse().expect("addr"),
+            outbound_netns: None,
+            allow: vec!["198.51.100.0/24".into()],
+            deny: vec![],
+            secrets: vec![],
+            upstream_roots: None,
+            intercepts: vec![],
+            blocked_cidrs: vec![],
+            intercept_all_tls: false,
+        }
+    }
+
+    #[test]
+    fn test_egress_config_carries_blocked_cidrs_and_intercept_all_tls() {
+        let mut s = spec();
+        s.blocked_cidrs = vec!["198.51.100.16/28".into(), "192.0.2.7".into()];
+        s.intercept_all_tls = true;
+        let cfg = egress_config("x", &s, None).expect("config");
+        assert_eq!(
+            cfg.policy.blocked_cidrs,
+            vec![
+                "198.51.100.16/28".parse::<ipnet::Ipv4Net>().expect("net"),
+                "192.0.2.7/32".parse().expect("net"),
+            ]
+        );
+        assert!(cfg.intercept_all_tls);
+        // Blocked wins over the allowed range that contains it.
+        let ip = "198.51.100.20".parse().expect("ip");
+        assert!(!cfg.policy.cidr_allows(ip));
+        assert!(cfg.policy.cidr_allows("198.51.100.1".parse().expect("ip")));
+        s.blocked_cidrs = vec!["example.com".into()];
+        assert!(matches!(
+            egress_config("x", &s, None),
+            Err(NetError::Setting(_))
+        ));
+    }
+
     #[test]
     fn test_setup_refuses_foreign_namespace_names() {
         let spec = NetSpec {
@@ -408,6 +457,8 @@ mod tests {
             secrets: vec![],
             upstream_roots: None,
             intercepts: vec![],
+            blocked_cidrs: vec![],
+            intercept_all_tls: false,
         };
         assert!(matches!(
             setup("x", Path::new("/nonexistent"), &spec),

@@ -88,6 +88,13 @@ pub struct NetSpec {
     /// Requests answered by a host command instead of the upstream (OAuth refresh).
     #[serde(default)]
     pub intercepts: Vec<NetIntercept>,
+    /// The operator's blocked CIDRs (IPv4 CIDRs or addresses): never reachable, whatever
+    /// `allow` says.
+    #[serde(default)]
+    pub blocked_cidrs: Vec<String>,
+    /// Terminate every allowed TLS connection, so each request's `Host` is held to its SNI.
+    #[serde(default)]
+    pub intercept_all_tls: bool,
 }
 
 /// A request (host, method, path prefix) answered on the host by a command instead of the

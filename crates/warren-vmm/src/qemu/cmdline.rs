@@ -283,6 +283,8 @@ mod tests {
             secrets: vec![],
             upstream_roots: None,
             intercepts: vec![],
+            blocked_cidrs: vec![],
+            intercept_all_tls: false,
         });
         let s = qemu_args(&sp, Attach::Fds, 1).join(" ");
         assert!(s.contains("-netdev tap,id=net0,fd=3,vhost=off"));
