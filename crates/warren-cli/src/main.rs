@@ -15,24 +15,33 @@ mod commands;
 mod session_cmd;
 
 use clap::Parser;
+use tracing_subscriber::filter::{self, FilterExt};
+use tracing_subscriber::prelude::*;
+
+/// Whether a span or event comes from rmcp, whose log lines are never shown: its spans, its
+/// info lines and its error messages carry MCP session ids, which are bearer capabilities
+/// for a session's stream. Warren logs MCP refusals itself, without them.
+fn from_rmcp(target: &str) -> bool {
+    target == "rmcp" || target.starts_with("rmcp::")
+}
 
 fn main() {
     let args = cli::Cli::parse();
-    let filter = match args.verbose {
-        // rmcp logs every MCP session (and the client's details) at info.
-        0 if matches!(args.command, cli::Command::Serve { .. }) => "info,rmcp=warn",
+    let level = match args.verbose {
+        0 if matches!(args.command, cli::Command::Serve { .. }) => "info",
         0 => "warn",
         1 => "info",
         _ => "debug",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter)),
-        )
+    let env = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    // RUST_LOG cannot lift this: the rmcp filter comes first and drops whatever it names.
+    let not_rmcp = filter::filter_fn(|m| !from_rmcp(m.target()));
+    let log = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+        .with_filter(not_rmcp.and(env));
+    tracing_subscriber::registry().with(log).init();
     let code = match commands::run(args) {
         Ok(code) => code,
         Err(e) => {
