@@ -1,7 +1,8 @@
 //! `warren`: parse arguments, set up logging, run the command, map errors to exit codes.
 //!
 //! Exit codes: `vm exec` exits with the command's code (128+N for signal N, 124 on timeout);
-//! every Warren error exits 125 and prints `error[<code>]: <message chain>`.
+//! every Warren error exits 125 and prints `error[<code>]: <message chain>`, its control
+//! characters escaped unless `--raw` (`term`).
 
 mod agents;
 mod bench;
@@ -13,6 +14,7 @@ mod cli;
 mod client;
 mod commands;
 mod session_cmd;
+mod term;
 
 use clap::Parser;
 use tracing_subscriber::filter::{self, FilterExt};
@@ -42,6 +44,8 @@ fn main() {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_filter(not_rmcp.and(env));
     tracing_subscriber::registry().with(log).init();
+    // Error messages can carry guest text (failure reasons, guest errors, file names).
+    let term = term::Term::new(args.raw);
     let code = match commands::run(args) {
         Ok(code) => code,
         Err(e) => {
@@ -58,7 +62,7 @@ fn main() {
                         .map(|_| "invalid_argument")
                 })
                 .unwrap_or("error");
-            eprintln!("error[{code}]: {e:#}");
+            eprintln!("error[{code}]: {}", term.text(&format!("{e:#}")));
             commands::EXIT_WARREN_ERROR
         }
     };
