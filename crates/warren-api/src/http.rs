@@ -47,7 +47,8 @@ impl Connected<axum::serve::IncomingStream<'_, UnixListener>> for PeerUid {
     }
 }
 
-fn error_response(e: &ApiError) -> Response {
+/// `e` as a response: its status and JSON body, plus `WWW-Authenticate` for `401`.
+pub(crate) fn error_response(e: &ApiError) -> Response {
     let mut r = (e.status(), Json(e.body())).into_response();
     if e.code == "unauthenticated" {
         r.headers_mut().insert(

@@ -16,15 +16,19 @@
 //! Sessions (the pre-2026-07-28 protocol; newer clients are served statelessly) live in rmcp's
 //! in-memory [`LocalSessionManager`], one `WarrenMcp` per session. Invariants:
 //! - a session ends after [`SESSION_IDLE_TIMEOUT`] without traffic, on `DELETE`, or at shutdown;
-//! - a session belongs to the workspace that initialized it: calls from another are refused;
+//! - a session belongs to the workspace and credential that initialized it: every request
+//!   naming it (POST, the GET stream, DELETE) from anyone else is refused before rmcp sees it
+//!   (`sessions::bind`), and each tool call checks the owner again;
 //! - a workspace holds at most [`MAX_SESSIONS_PER_WORKSPACE`] sessions at once, counted by
-//!   `SessionSlot`s that live exactly as long as their session's handler.
+//!   `SessionSlot`s that live exactly as long as their session's handler;
+//! - session ids are never logged (`sessions`).
 //!
 //! rmcp's own DNS-rebinding checks (`Host`/`Origin` allow-lists) are turned off: the guard in
 //! [`crate::http`] is the single place that decides, for MCP and JSON alike.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+mod sessions;
+
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use axum::Router;
@@ -39,6 +43,7 @@ use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, Stream
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
 use serde_json::Value;
 
+use self::sessions::{unauthenticated, Bindings, Owner, SessionCounts, SessionSlot};
 use crate::auth::Principal;
 use crate::error::ApiError;
 use crate::service::{Service, ToolDef};
@@ -72,10 +77,11 @@ pub fn router<S>(service: Arc<Service>) -> Router<S>
 where
     S: Clone + Send + Sync + 'static,
 {
-    routes(service, Arc::new(SessionCounts::default()))
+    routes(service, Arc::new(SessionCounts::default())).0
 }
 
-fn routes<S>(service: Arc<Service>, sessions: Arc<SessionCounts>) -> Router<S>
+/// The routes, and the session bindings their middleware keeps (for tests).
+fn routes<S>(service: Arc<Service>, sessions: Arc<SessionCounts>) -> (Router<S>, Arc<Bindings>)
 where
     S: Clone + Send + Sync + 'static,
 {
@@ -85,6 +91,8 @@ where
 
     let mut manager = LocalSessionManager::default();
     manager.session_config.keep_alive = Some(SESSION_IDLE_TIMEOUT);
+    let manager = Arc::new(manager);
+    let bindings = Arc::new(Bindings::new(manager.clone()));
 
     let config = StreamableHttpServerConfig::default()
         // Our guard enforces the Host allowlist and refuses any Origin (see module docs).
@@ -102,10 +110,17 @@ where
                 slot: OnceLock::new(),
             })
         },
-        Arc::new(manager),
+        manager,
         config,
     );
-    Router::new().route_service(PATH, mcp)
+    let router =
+        Router::new()
+            .route_service(PATH, mcp)
+            .route_layer(axum::middleware::from_fn_with_state(
+                bindings.clone(),
+                sessions::bind,
+            ));
+    (router, bindings)
 }
 
 /// A [`ToolDef`] as MCP lists it.
@@ -127,80 +142,12 @@ fn principal(extensions: &Extensions) -> Option<&Principal> {
         .get::<Principal>()
 }
 
-fn unauthenticated() -> ApiError {
-    ApiError::new(
-        "unauthenticated",
-        "the request carried no authenticated principal",
-    )
-}
-
 /// A tool result: the value as structured content and as compact JSON text (for clients that
 /// only show text). Errors carry `{"error":{"code","message"}}` the same way, flagged `isError`.
 fn tool_result(result: Result<Value, ApiError>) -> CallToolResult {
     match result {
         Ok(v) => CallToolResult::structured(v),
         Err(e) => CallToolResult::structured_error(e.body()),
-    }
-}
-
-/// Live sessions per workspace.
-#[derive(Debug, Default)]
-struct SessionCounts {
-    /// Workspace -> sessions it holds; entries at zero are removed. Guards only this map;
-    /// never held across an await.
-    per_workspace: Mutex<HashMap<String, usize>>,
-}
-
-impl SessionCounts {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
-        // The map stays consistent even if a holder panicked: every update is one statement.
-        self.per_workspace.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Counts one more session for `workspace`, unless it already holds the maximum.
-    fn claim(self: &Arc<Self>, workspace: &str) -> Result<SessionSlot, ApiError> {
-        let mut map = self.lock();
-        let n = map.entry(workspace.to_string()).or_insert(0);
-        if *n >= MAX_SESSIONS_PER_WORKSPACE {
-            return Err(ApiError::new(
-                "quota_exceeded",
-                format!(
-                    "workspace {workspace} already holds {MAX_SESSIONS_PER_WORKSPACE} MCP sessions; \
-                     close some (HTTP DELETE) or let them expire"
-                ),
-            ));
-        }
-        *n += 1;
-        Ok(SessionSlot {
-            counts: self.clone(),
-            workspace: workspace.to_string(),
-        })
-    }
-
-    #[cfg(test)]
-    fn held(&self, workspace: &str) -> usize {
-        self.lock().get(workspace).copied().unwrap_or(0)
-    }
-}
-
-/// One session's place in [`SessionCounts`], released when the session's handler is dropped
-/// (rmcp drops it when the session ends, however it ends).
-#[derive(Debug)]
-struct SessionSlot {
-    counts: Arc<SessionCounts>,
-    /// The workspace that initialized the session and alone may use it.
-    workspace: String,
-}
-
-impl Drop for SessionSlot {
-    fn drop(&mut self) {
-        let mut map = self.counts.lock();
-        if let Some(n) = map.get_mut(&self.workspace) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                map.remove(&self.workspace);
-            }
-        }
     }
 }
 
@@ -214,35 +161,36 @@ struct WarrenMcp {
 }
 
 impl WarrenMcp {
-    /// Binds the session to the initializing workspace and counts it.
+    /// Binds the session to the initializing owner and counts it.
     fn open_session(&self, principal: Option<&Principal>) -> Result<(), ApiError> {
-        let p = principal.ok_or_else(unauthenticated)?;
+        let owner = Owner::of(principal.ok_or_else(unauthenticated)?);
         if let Some(slot) = self.slot.get() {
             // A repeated `initialize` in the same session: allowed only for its owner.
-            return if slot.workspace == p.workspace {
+            return if slot.owner == owner {
                 Ok(())
             } else {
                 Err(session_not_yours())
             };
         }
-        let slot = self.sessions.claim(&p.workspace)?;
+        let slot = self.sessions.claim(owner)?;
         // Two concurrent `initialize`s of one session: the loser's slot drops here, uncounted.
         let _ = self.slot.set(slot);
         Ok(())
     }
 
-    /// The caller of one tool call, checked against the session's owner.
+    /// The caller of one tool call, checked against the session's owner (again: the
+    /// middleware already refused requests naming a session the caller does not hold).
     fn caller<'a>(&self, extensions: &'a Extensions) -> Result<&'a Principal, ApiError> {
         let p = principal(extensions).ok_or_else(unauthenticated)?;
         match self.slot.get() {
-            Some(slot) if slot.workspace != p.workspace => Err(session_not_yours()),
+            Some(slot) if slot.owner != Owner::of(p) => Err(session_not_yours()),
             _ => Ok(p),
         }
     }
 }
 
 fn session_not_yours() -> ApiError {
-    ApiError::forbidden("this MCP session belongs to another workspace")
+    ApiError::forbidden("this MCP session belongs to another caller")
 }
 
 impl ServerHandler for WarrenMcp {
@@ -353,25 +301,32 @@ mod tests {
     use axum::body::Body;
     use axum::extract::Request;
     use axum::middleware::{self, Next};
+    use http::{Method, StatusCode};
     use tower::ServiceExt;
 
     /// Test-only stand-in for `crate::http`'s authentication: the workspace named by this
-    /// header becomes the principal; without it no principal is attached.
+    /// header becomes the principal, authenticated by the token named by [`TEST_TOKEN`]
+    /// (default `t`); without it no principal is attached.
     const TEST_WORKSPACE: &str = "x-test-workspace";
+    const TEST_TOKEN: &str = "x-test-token";
     const LEGACY_VERSION: &str = "2025-06-18";
 
     async fn attach_principal(mut req: Request, next: Next) -> axum::response::Response {
-        let ws = req
-            .headers()
-            .get(TEST_WORKSPACE)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+        let header = |h: &http::HeaderMap, name: &str| {
+            h.get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let (ws, token) = (
+            header(req.headers(), TEST_WORKSPACE),
+            header(req.headers(), TEST_TOKEN),
+        );
         if let Some(workspace) = ws {
             req.extensions_mut().insert(Principal {
                 workspace,
                 policy: crate::auth::Policy::default(),
                 via: crate::auth::Via::Token {
-                    token_id: "t".into(),
+                    token_id: token.unwrap_or_else(|| "t".into()),
                 },
             });
         }
@@ -382,60 +337,71 @@ mod tests {
         _dir: tempfile::TempDir,
         app: Router,
         sessions: Arc<SessionCounts>,
+        bindings: Arc<Bindings>,
     }
 
-    fn fixture() -> Fixture {
-        let dir = tempfile::tempdir().expect("tempdir");
+    /// A service on a fresh state directory in `dir` (no VM is ever started).
+    fn test_service(dir: &std::path::Path) -> Arc<Service> {
         let text = format!(
             "state_dir = {:?}\naccel = \"tcg\"\n[images.dev]\nid = \"{}\"\n",
-            dir.path().join("state"),
+            dir.join("state"),
             "0".repeat(64)
         );
         let cfg = crate::config::ServiceConfig::parse(std::path::Path::new("t.toml"), &text)
             .expect("config");
-        let service =
-            Service::open(cfg, dir.path().join("no-supervisor")).expect("open the service");
+        Arc::new(Service::open(cfg, dir.join("no-supervisor")).expect("open the service"))
+    }
+
+    fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().expect("tempdir");
         let sessions = Arc::new(SessionCounts::default());
-        let app = routes(Arc::new(service), sessions.clone())
-            .layer(middleware::from_fn(attach_principal));
+        let (app, bindings) = routes(test_service(dir.path()), sessions.clone());
+        let app = app.layer(middleware::from_fn(attach_principal));
         Fixture {
             _dir: dir,
             app,
             sessions,
+            bindings,
         }
     }
 
-    /// POSTs one JSON-RPC message; returns the session id header and the JSON-RPC reply
-    /// (the last `data:` of the SSE body), if any.
-    async fn post(
+    /// Who sends a request: a workspace and the token it authenticates with.
+    #[derive(Clone, Copy)]
+    struct As<'a>(&'a str, &'a str);
+    const A: As = As("ws-a", "t");
+
+    /// One request to `/mcp`; returns the response with its body unread (a GET's stream
+    /// never ends).
+    async fn send(
         app: &Router,
-        workspace: Option<&str>,
+        method: Method,
+        who: Option<As<'_>>,
         session: Option<&str>,
-        msg: Value,
-    ) -> (Option<String>, Option<Value>) {
-        let mut req = http::Request::post(PATH)
+        msg: Option<Value>,
+    ) -> axum::response::Response {
+        let mut req = http::Request::builder()
+            .method(method)
+            .uri(PATH)
             .header(http::header::HOST, "localhost")
             .header(http::header::CONTENT_TYPE, "application/json")
             .header(http::header::ACCEPT, "application/json, text/event-stream");
-        if let Some(ws) = workspace {
-            req = req.header(TEST_WORKSPACE, ws);
+        if let Some(As(ws, token)) = who {
+            req = req.header(TEST_WORKSPACE, ws).header(TEST_TOKEN, token);
         }
         if let Some(id) = session {
             req = req
                 .header("mcp-session-id", id)
                 .header("mcp-protocol-version", LEGACY_VERSION);
         }
-        let req = req.body(Body::from(msg.to_string())).expect("request");
-        let resp = tokio::time::timeout(Duration::from_secs(20), app.clone().oneshot(req))
+        let body = msg.map(|m| Body::from(m.to_string())).unwrap_or_default();
+        let req = req.body(body).expect("request");
+        tokio::time::timeout(Duration::from_secs(20), app.clone().oneshot(req))
             .await
             .expect("response in time")
-            .expect("infallible");
-        let status = resp.status();
-        let sid = resp
-            .headers()
-            .get("mcp-session-id")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+            .expect("infallible")
+    }
+
+    async fn body_text(resp: axum::response::Response) -> String {
         let body = tokio::time::timeout(
             Duration::from_secs(20),
             axum::body::to_bytes(resp.into_body(), 1 << 20),
@@ -443,7 +409,34 @@ mod tests {
         .await
         .expect("body in time")
         .expect("body");
-        let text = String::from_utf8_lossy(&body);
+        String::from_utf8_lossy(&body).into_owned()
+    }
+
+    /// A refusal by the session middleware: its status and stable code.
+    async fn refusal(resp: axum::response::Response) -> (StatusCode, String) {
+        let status = resp.status();
+        let text = body_text(resp).await;
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{status}: {text}"));
+        let code = v["error"]["code"].as_str().unwrap_or_default().to_string();
+        (status, code)
+    }
+
+    /// POSTs one JSON-RPC message that must succeed; returns the session id header and the
+    /// JSON-RPC reply (the last `data:` of the SSE body), if any.
+    async fn post(
+        app: &Router,
+        who: As<'_>,
+        session: Option<&str>,
+        msg: Value,
+    ) -> (Option<String>, Option<Value>) {
+        let resp = send(app, Method::POST, Some(who), session, Some(msg)).await;
+        let status = resp.status();
+        let sid = resp
+            .headers()
+            .get("mcp-session-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let text = body_text(resp).await;
         assert!(status.is_success(), "{status}: {text}");
         let reply = text
             .lines()
@@ -455,16 +448,19 @@ mod tests {
         (sid, reply)
     }
 
-    async fn open_session(app: &Router, workspace: &str) -> String {
-        let init = serde_json::json!({
+    fn initialize() -> Value {
+        serde_json::json!({
             "jsonrpc": "2.0", "id": 1, "method": "initialize",
             "params": {
                 "protocolVersion": LEGACY_VERSION,
                 "capabilities": {},
                 "clientInfo": {"name": "test", "version": "0"}
             }
-        });
-        let (sid, reply) = post(app, Some(workspace), None, init).await;
+        })
+    }
+
+    async fn open_session(app: &Router, who: As<'_>) -> String {
+        let (sid, reply) = post(app, who, None, initialize()).await;
         let reply = reply.expect("initialize reply");
         assert_eq!(reply["result"]["serverInfo"]["name"], "warren", "{reply}");
         assert!(
@@ -473,7 +469,7 @@ mod tests {
         );
         let sid = sid.expect("a session id");
         let note = serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
-        post(app, Some(workspace), Some(&sid), note).await;
+        post(app, who, Some(&sid), note).await;
         sid
     }
 
@@ -484,12 +480,29 @@ mod tests {
         })
     }
 
+    /// `vm_list` in the session must answer as the session's workspace.
+    async fn assert_session_works(app: &Router, who: As<'_>, sid: &str) {
+        let (_, ok) = post(
+            app,
+            who,
+            Some(sid),
+            call(9, "vm_list", serde_json::json!({})),
+        )
+        .await;
+        let ok = ok.expect("reply");
+        assert_eq!(ok["result"]["isError"], false, "{ok}");
+        assert_eq!(
+            ok["result"]["structuredContent"],
+            serde_json::json!({"vms": []})
+        );
+    }
+
     #[tokio::test]
     async fn test_router_session_lists_tools_with_schemas() {
         let f = fixture();
-        let sid = open_session(&f.app, "ws-a").await;
+        let sid = open_session(&f.app, A).await;
         let list = serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"});
-        let (_, reply) = post(&f.app, Some("ws-a"), Some(&sid), list).await;
+        let (_, reply) = post(&f.app, A, Some(&sid), list).await;
         let reply = reply.expect("tools/list reply");
         let tools = reply["result"]["tools"].as_array().expect("tools");
         let create = tools
@@ -500,62 +513,94 @@ mod tests {
         assert!(create["outputSchema"].is_object(), "{create}");
     }
 
+    /// Attack: every way to use another caller's session id (another workspace, another
+    /// token of the same workspace, no principal) on each method, then the owner's session
+    /// must still work; control: the owner's own GET stream and DELETE do take effect.
     #[tokio::test]
-    async fn test_router_call_uses_principal_of_each_request() {
+    async fn test_router_session_bound_to_its_owner_on_get_post_delete() {
         let f = fixture();
-        let sid = open_session(&f.app, "ws-a").await;
-
-        let (_, ok) = post(
-            &f.app,
-            Some("ws-a"),
-            Some(&sid),
-            call(2, "vm_list", serde_json::json!({})),
-        )
-        .await;
-        let ok = ok.expect("reply");
-        assert_eq!(ok["result"]["isError"], false, "{ok}");
+        let sid = open_session(&f.app, A).await;
+        let others = [As("ws-b", "t"), As("ws-a", "t2")];
+        for who in others {
+            for method in [Method::GET, Method::DELETE, Method::POST] {
+                let msg =
+                    (method == Method::POST).then(|| call(3, "vm_list", serde_json::json!({})));
+                let resp = send(&f.app, method.clone(), Some(who), Some(&sid), msg).await;
+                assert_eq!(
+                    refusal(resp).await,
+                    (StatusCode::NOT_FOUND, "not_found".to_string()),
+                    "{method} by {}/{}",
+                    who.0,
+                    who.1
+                );
+            }
+        }
+        let resp = send(&f.app, Method::GET, None, Some(&sid), None).await;
         assert_eq!(
-            ok["result"]["structuredContent"],
-            serde_json::json!({"vms": []})
+            refusal(resp).await,
+            (StatusCode::UNAUTHORIZED, "unauthenticated".to_string())
+        );
+        // The same answer as for an id nobody holds.
+        let resp = send(&f.app, Method::GET, Some(A), Some("no-such-session"), None).await;
+        assert_eq!(
+            refusal(resp).await,
+            (StatusCode::NOT_FOUND, "not_found".to_string())
         );
 
-        // The same session, but a request without a principal: refused, not served as ws-a.
-        let (_, none) = post(
-            &f.app,
-            None,
-            Some(&sid),
-            call(3, "vm_list", serde_json::json!({})),
-        )
-        .await;
-        let none = none.expect("reply");
-        assert_eq!(none["result"]["isError"], true, "{none}");
-        assert_eq!(
-            none["result"]["structuredContent"]["error"]["code"],
-            "unauthenticated"
-        );
+        // Nothing changed for the owner.
+        assert_session_works(&f.app, A, &sid).await;
+        assert_eq!(f.sessions.held("ws-a"), 1);
 
-        // Another workspace presenting ws-a's session id.
-        let (_, other) = post(
+        // Control: the owner's stream opens, and its DELETE ends the session.
+        let stream = send(&f.app, Method::GET, Some(A), Some(&sid), None).await;
+        assert_eq!(stream.status(), StatusCode::OK);
+        let ct = stream.headers().get(http::header::CONTENT_TYPE).cloned();
+        assert_eq!(
+            ct.as_ref().and_then(|v| v.to_str().ok()),
+            Some("text/event-stream")
+        );
+        drop(stream);
+        let del = send(&f.app, Method::DELETE, Some(A), Some(&sid), None).await;
+        assert!(del.status().is_success(), "{}", del.status());
+        assert_eq!(f.bindings.len(), 0, "the DELETE dropped the binding");
+        let after = send(
             &f.app,
-            Some("ws-b"),
+            Method::POST,
+            Some(A),
             Some(&sid),
-            call(4, "vm_list", serde_json::json!({})),
+            Some(call(4, "vm_list", serde_json::json!({}))),
         )
         .await;
-        let other = other.expect("reply");
+        assert_eq!(after.status(), StatusCode::NOT_FOUND);
+    }
+
+    #[tokio::test]
+    async fn test_router_two_session_ids_refused() {
+        let f = fixture();
+        let sid = open_session(&f.app, A).await;
+        let req = http::Request::get(PATH)
+            .header(http::header::HOST, "localhost")
+            .header(http::header::ACCEPT, "text/event-stream")
+            .header(TEST_WORKSPACE, "ws-a")
+            .header("mcp-session-id", &sid)
+            .header("mcp-session-id", &sid)
+            .header("mcp-protocol-version", LEGACY_VERSION)
+            .body(Body::empty())
+            .expect("request");
+        let resp = f.app.clone().oneshot(req).await.expect("infallible");
         assert_eq!(
-            other["result"]["structuredContent"]["error"]["code"], "forbidden",
-            "{other}"
+            refusal(resp).await,
+            (StatusCode::BAD_REQUEST, "invalid_argument".to_string())
         );
     }
 
     #[tokio::test]
     async fn test_router_unknown_tool_is_a_tool_error_with_code_in_text() {
         let f = fixture();
-        let sid = open_session(&f.app, "ws-a").await;
+        let sid = open_session(&f.app, A).await;
         let (_, r) = post(
             &f.app,
-            Some("ws-a"),
+            A,
             Some(&sid),
             call(2, "no_such_tool", serde_json::json!({})),
         )
@@ -575,16 +620,9 @@ mod tests {
     #[tokio::test]
     async fn test_router_session_delete_releases_its_slot() {
         let f = fixture();
-        let sid = open_session(&f.app, "ws-a").await;
+        let sid = open_session(&f.app, A).await;
         assert_eq!(f.sessions.held("ws-a"), 1);
-        let req = http::Request::delete(PATH)
-            .header(http::header::HOST, "localhost")
-            .header(TEST_WORKSPACE, "ws-a")
-            .header("mcp-session-id", &sid)
-            .header("mcp-protocol-version", LEGACY_VERSION)
-            .body(Body::empty())
-            .expect("request");
-        let resp = f.app.clone().oneshot(req).await.expect("infallible");
+        let resp = send(&f.app, Method::DELETE, Some(A), Some(&sid), None).await;
         assert!(resp.status().is_success(), "{}", resp.status());
         // The session's handler is dropped by its worker task, just after the DELETE returns.
         for _ in 0..100 {
@@ -599,36 +637,44 @@ mod tests {
     #[tokio::test]
     async fn test_router_initialize_without_principal_refused() {
         let f = fixture();
-        let init = serde_json::json!({
-            "jsonrpc": "2.0", "id": 1, "method": "initialize",
-            "params": {
-                "protocolVersion": LEGACY_VERSION,
-                "capabilities": {},
-                "clientInfo": {"name": "test", "version": "0"}
-            }
-        });
-        let (_, reply) = post(&f.app, None, None, init).await;
-        let reply = reply.expect("reply");
+        let resp = send(&f.app, Method::POST, None, None, Some(initialize())).await;
+        assert!(resp.headers().get("mcp-session-id").is_none());
         assert_eq!(
-            reply["error"]["data"]["error"]["code"], "unauthenticated",
-            "{reply}"
+            refusal(resp).await,
+            (StatusCode::UNAUTHORIZED, "unauthenticated".to_string())
         );
+        assert_eq!(f.bindings.len(), 0);
     }
 
+    /// Defence in depth behind the middleware: the handler itself serves a session's tool
+    /// calls only to the session's owner.
     #[test]
-    fn test_session_counts_over_limit_refused_and_released_on_drop() {
-        let counts = Arc::new(SessionCounts::default());
-        let slots: Vec<_> = (0..MAX_SESSIONS_PER_WORKSPACE)
-            .map(|_| counts.claim("ws-a").expect("under the limit"))
-            .collect();
-        let refused = counts.claim("ws-a").expect_err("at the limit");
-        assert_eq!(refused.code, "quota_exceeded");
-        // Other workspaces are unaffected.
-        let other = counts.claim("ws-b").expect("another workspace");
-        drop(slots);
-        assert_eq!(counts.held("ws-a"), 0);
-        assert_eq!(counts.held("ws-b"), 1);
-        drop(other);
-        assert!(counts.lock().is_empty());
+    fn test_handler_serves_only_the_session_owner() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sessions = Arc::new(SessionCounts::default());
+        let mcp = WarrenMcp {
+            service: test_service(dir.path()),
+            tools: Arc::from(Vec::new()),
+            sessions: sessions.clone(),
+            slot: OnceLock::new(),
+        };
+        let token = |ws: &str, t: &str| Principal {
+            workspace: ws.into(),
+            policy: crate::auth::Policy::default(),
+            via: crate::auth::Via::Token { token_id: t.into() },
+        };
+        mcp.open_session(Some(&token("ws-a", "t"))).expect("open");
+        assert!(mcp.caller(&parts_with(Some(token("ws-a", "t")))).is_ok());
+        for other in [token("ws-b", "t"), token("ws-a", "t2")] {
+            let e = mcp
+                .caller(&parts_with(Some(other.clone())))
+                .expect_err("not the owner");
+            assert_eq!(e.code, "forbidden");
+            let e = mcp.open_session(Some(&other)).expect_err("not the owner");
+            assert_eq!(e.code, "forbidden");
+        }
+        let e = mcp.caller(&parts_with(None)).expect_err("no principal");
+        assert_eq!(e.code, "unauthenticated");
+        assert_eq!(sessions.held("ws-a"), 1);
     }
 }

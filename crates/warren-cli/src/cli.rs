@@ -25,6 +25,12 @@ pub struct Cli {
     /// More logging (-v info, -vv debug); RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
+    /// Print guest-controlled text (file names, console logs, failure reasons, error
+    /// messages, path lists) as it is. By default its control characters are escaped
+    /// (`\u{1b}`) so a guest cannot drive your terminal. `vm exec`, `vm read` and `vm output`
+    /// are always raw; `--json` output is always JSON-escaped.
+    #[arg(long, global = true)]
+    pub raw: bool,
     #[command(subcommand)]
     pub command: Command,
 }

@@ -15,6 +15,7 @@ use warren_protocol::{
 use warren_vmm::AccelChoice;
 
 use crate::cli::{Cli, Command, ImageCmd, TokenCmd, VmCmd};
+use crate::term::Term;
 
 /// Exit code for any Warren error (as opposed to the command's own code).
 pub const EXIT_WARREN_ERROR: i32 = 125;
@@ -108,6 +109,7 @@ async fn serve(config: &std::path::Path) -> Result<i32> {
 
 async fn shutdown(cli: &Cli) -> Result<i32> {
     let w = open(cli, None)?;
+    let t = Term::new(cli.raw);
     let mut failed = 0;
     for vm in w.list_vms()? {
         if !matches!(
@@ -123,7 +125,12 @@ async fn shutdown(cli: &Cli) -> Result<i32> {
             Ok(r) => eprintln!("{} {}", r.id, r.state.as_str()),
             Err(e) => {
                 failed += 1;
-                eprintln!("{}: error[{}]: {e:#}", vm.id, e.code());
+                eprintln!(
+                    "{}: error[{}]: {}",
+                    vm.id,
+                    e.code(),
+                    t.text(&format!("{e:#}"))
+                );
             }
         }
     }
@@ -313,7 +320,7 @@ fn network_summary(net: Option<&warren_vmm::NetSpec>) -> String {
     }
 }
 
-fn print_vms(w: &Warren, list: &[VmRecord], json: bool) -> Result<()> {
+fn print_vms(w: &Warren, t: Term, list: &[VmRecord], json: bool) -> Result<()> {
     if json {
         let mut v = serde_json::to_value(list)?;
         for (item, r) in v.as_array_mut().into_iter().flatten().zip(list) {
@@ -347,18 +354,22 @@ fn print_vms(w: &Warren, list: &[VmRecord], json: bool) -> Result<()> {
             r.vcpus,
             &r.image_id[..r.image_id.len().min(12)],
             network_summary(w.vm_network(&r.id).as_ref()),
-            r.reason
-                .as_deref()
-                .unwrap_or("")
-                .lines()
-                .next()
-                .unwrap_or("")
+            // The failure reason can quote the guest's console.
+            t.field(
+                r.reason
+                    .as_deref()
+                    .unwrap_or("")
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+            )
         );
     }
     Ok(())
 }
 
 async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
+    let t = Term::new(cli.raw);
     match cmd {
         VmCmd::Create {
             image,
@@ -400,9 +411,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                     .and_then(warren_core::SuspendMode::parse),
                 ..Default::default()
             };
-            let rec = w
-                .create_vm(&req, &mut |m| eprintln!("warning: {m}"))
-                .await?;
+            let rec = w.create_vm(&req, &mut |m| t.warn(m)).await?;
             if *json {
                 println!(
                     "{}",
@@ -415,7 +424,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
         }
         VmCmd::List { json } => {
             let w = open(cli, None)?;
-            print_vms(&w, &w.list_vms()?, *json)?;
+            print_vms(&w, t, &w.list_vms()?, *json)?;
             Ok(0)
         }
         VmCmd::Exec {
@@ -625,7 +634,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                 .await?;
             let mut out = std::io::stdout().lock();
             for p in &r.paths {
-                writeln!(out, "{p}")?;
+                writeln!(out, "{}", t.field(p))?;
             }
             out.flush()?;
             if r.truncated {
@@ -656,7 +665,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                 .await?;
             let mut out = std::io::stdout().lock();
             for m in &r.matches {
-                writeln!(out, "{}:{}:{}", m.path, m.line, m.text)?;
+                writeln!(out, "{}:{}:{}", t.field(&m.path), m.line, t.line(&m.text))?;
             }
             out.flush()?;
             if r.truncated {
@@ -666,7 +675,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
         }
         VmCmd::Logs { vm } => {
             let w = open(cli, None)?;
-            print!("{}", w.logs(vm)?);
+            print!("{}", t.text(&w.logs(vm)?));
             Ok(0)
         }
         VmCmd::Suspend { vm, mode, force } => {

@@ -1,7 +1,8 @@
 //! `warren`: parse arguments, set up logging, run the command, map errors to exit codes.
 //!
 //! Exit codes: `vm exec` exits with the command's code (128+N for signal N, 124 on timeout);
-//! every Warren error exits 125 and prints `error[<code>]: <message chain>`.
+//! every Warren error exits 125 and prints `error[<code>]: <message chain>`, its control
+//! characters escaped unless `--raw` (`term`).
 
 mod agents;
 mod bench;
@@ -14,26 +15,38 @@ mod client;
 mod commands;
 mod egress_file;
 mod session_cmd;
+mod term;
 
 use clap::Parser;
+use tracing_subscriber::filter::{self, FilterExt};
+use tracing_subscriber::prelude::*;
+
+/// Whether a span or event comes from rmcp, whose log lines are never shown: its spans, its
+/// info lines and its error messages carry MCP session ids, which are bearer capabilities
+/// for a session's stream. Warren logs MCP refusals itself, without them.
+fn from_rmcp(target: &str) -> bool {
+    target == "rmcp" || target.starts_with("rmcp::")
+}
 
 fn main() {
     let args = cli::Cli::parse();
-    let filter = match args.verbose {
-        // rmcp logs every MCP session (and the client's details) at info.
-        0 if matches!(args.command, cli::Command::Serve { .. }) => "info,rmcp=warn",
+    let level = match args.verbose {
+        0 if matches!(args.command, cli::Command::Serve { .. }) => "info",
         0 => "warn",
         1 => "info",
         _ => "debug",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter)),
-        )
+    let env = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    // RUST_LOG cannot lift this: the rmcp filter comes first and drops whatever it names.
+    let not_rmcp = filter::filter_fn(|m| !from_rmcp(m.target()));
+    let log = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+        .with_filter(not_rmcp.and(env));
+    tracing_subscriber::registry().with(log).init();
+    // Error messages can carry guest text (failure reasons, guest errors, file names).
+    let term = term::Term::new(args.raw);
     let code = match commands::run(args) {
         Ok(code) => code,
         Err(e) => {
@@ -50,7 +63,7 @@ fn main() {
                         .map(|_| "invalid_argument")
                 })
                 .unwrap_or("error");
-            eprintln!("error[{code}]: {e:#}");
+            eprintln!("error[{code}]: {}", term.text(&format!("{e:#}")));
             commands::EXIT_WARREN_ERROR
         }
     };

@@ -11,6 +11,7 @@ use warren_core::{local_workspace, CreateSession, SessionDevices, SessionRecord,
 use crate::cli::{Cli, DeviceArgs, RunArgs, SessionCmd};
 use crate::client::Conn;
 use crate::commands::open;
+use crate::term::Term;
 
 fn caller() -> (u32, u32) {
     (
@@ -45,10 +46,6 @@ fn session_json(s: &SessionRecord) -> serde_json::Value {
     serde_json::to_value(warren_api::service::session_info(s)).unwrap_or_default()
 }
 
-fn warn(m: &str) {
-    eprintln!("warning: {m}");
-}
-
 /// The service to send session commands to: `--socket`, else the state directory's
 /// socket when a service answers there.
 async fn service_conn(cli: &Cli) -> Result<Option<Conn<tokio::net::UnixStream>>> {
@@ -63,7 +60,11 @@ async fn service_conn(cli: &Cli) -> Result<Option<Conn<tokio::net::UnixStream>>>
 }
 
 /// `warren session ...` through the service (the same output as the direct path).
-async fn session_via_service(mut c: Conn<tokio::net::UnixStream>, cmd: &SessionCmd) -> Result<i32> {
+async fn session_via_service(
+    mut c: Conn<tokio::net::UnixStream>,
+    t: Term,
+    cmd: &SessionCmd,
+) -> Result<i32> {
     use serde_json::json;
     match cmd {
         SessionCmd::Create {
@@ -96,7 +97,7 @@ async fn session_via_service(mut c: Conn<tokio::net::UnixStream>, cmd: &SessionC
                 println!(
                     "{} {} {}",
                     s["session_id"].as_str().unwrap_or_default(),
-                    s["name"].as_str().unwrap_or_default(),
+                    t.field(s["name"].as_str().unwrap_or_default()),
                     s["vm_id"].as_str().unwrap_or("-")
                 );
             }
@@ -106,7 +107,8 @@ async fn session_via_service(mut c: Conn<tokio::net::UnixStream>, cmd: &SessionC
             if *json {
                 println!("{}", v["sessions"]);
             } else {
-                print_session_table(v["sessions"].as_array().map(Vec::as_slice).unwrap_or(&[]));
+                let list = v["sessions"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+                print_session_table(t, list);
             }
         }
         SessionCmd::Status { session, json } => {
@@ -120,7 +122,7 @@ async fn session_via_service(mut c: Conn<tokio::net::UnixStream>, cmd: &SessionC
                     .filter_map(|x| x.as_str().map(str::to_string))
                     .collect()
             };
-            print_retention(&list("uncommitted"), &list("unexported"), *json);
+            print_retention(t, &list("uncommitted"), &list("unexported"), *json);
         }
         SessionCmd::Export { session, branch } => {
             let mut args = json!({"session": session});
@@ -130,7 +132,7 @@ async fn session_via_service(mut c: Conn<tokio::net::UnixStream>, cmd: &SessionC
             let v = c.post("session_export", &args).await?;
             println!(
                 "{} -> {} ({} new commit(s))",
-                v["refname"].as_str().unwrap_or_default(),
+                t.field(v["refname"].as_str().unwrap_or_default()),
                 v["commit"].as_str().unwrap_or_default(),
                 v["new_commits"]
             );
@@ -148,15 +150,15 @@ async fn session_via_service(mut c: Conn<tokio::net::UnixStream>, cmd: &SessionC
     Ok(0)
 }
 
-fn print_session_table(sessions: &[serde_json::Value]) {
+fn print_session_table(t: Term, sessions: &[serde_json::Value]) {
     println!("{:<18} {:<20} {:<17} SOURCE", "SESSION", "NAME", "VM");
     for s in sessions {
         println!(
             "{:<18} {:<20} {:<17} {}{}",
             s["session_id"].as_str().unwrap_or_default(),
-            s["name"].as_str().unwrap_or_default(),
+            t.field(s["name"].as_str().unwrap_or_default()),
             s["vm_id"].as_str().unwrap_or("-"),
-            s["source"].as_str().unwrap_or_default(),
+            t.field(s["source"].as_str().unwrap_or_default()),
             if s["direct"].as_bool() == Some(true) {
                 " (direct)"
             } else {
@@ -166,7 +168,9 @@ fn print_session_table(sessions: &[serde_json::Value]) {
     }
 }
 
-fn print_retention(uncommitted: &[String], unexported: &[String], json: bool) {
+/// The paths are the guest's file names and the commits carry the guest's subjects: each
+/// is printed as one escaped line.
+fn print_retention(t: Term, uncommitted: &[String], unexported: &[String], json: bool) {
     if json {
         println!(
             "{}",
@@ -176,17 +180,18 @@ fn print_retention(uncommitted: &[String], unexported: &[String], json: bool) {
     }
     println!("uncommitted paths: {}", uncommitted.len());
     for p in uncommitted {
-        println!("  {p}");
+        println!("  {}", t.field(p));
     }
     println!("unexported commits: {}", unexported.len());
     for c in unexported {
-        println!("  {c}");
+        println!("  {}", t.field(c));
     }
 }
 
 pub async fn session(cli: &Cli, cmd: &SessionCmd) -> Result<i32> {
+    let t = Term::new(cli.raw);
     if let Some(conn) = service_conn(cli).await? {
-        return session_via_service(conn, cmd).await;
+        return session_via_service(conn, t, cmd).await;
     }
     let w = open(cli, None)?;
     let ws = my_workspace();
@@ -207,13 +212,13 @@ pub async fn session(cli: &Cli, cmd: &SessionCmd) -> Result<i32> {
                 workspace: ws,
                 limits: Default::default(),
             };
-            let (s, vm) = w.create_session(&req, &mut |m| warn(m)).await?;
+            let (s, vm) = w.create_session(&req, &mut |m| t.warn(m)).await?;
             if *json {
                 let mut v = session_json(&s);
                 v["boot_ms"] = serde_json::json!(vm.boot_ms);
                 println!("{v}");
             } else {
-                println!("{} {} {}", s.id, s.name, vm.id);
+                println!("{} {} {}", s.id, t.field(&s.name), vm.id);
             }
             Ok(0)
         }
@@ -223,14 +228,14 @@ pub async fn session(cli: &Cli, cmd: &SessionCmd) -> Result<i32> {
             if *json {
                 println!("{}", serde_json::Value::Array(v));
             } else {
-                print_session_table(&v);
+                print_session_table(t, &v);
             }
             Ok(0)
         }
         SessionCmd::Status { session, json } => {
             let s = w.session(&ws, session)?;
             let r = w.session_retention(&s).await?;
-            print_retention(&r.uncommitted, &r.unexported, *json);
+            print_retention(t, &r.uncommitted, &r.unexported, *json);
             Ok(0)
         }
         SessionCmd::Export { session, branch } => {
@@ -238,14 +243,16 @@ pub async fn session(cli: &Cli, cmd: &SessionCmd) -> Result<i32> {
             let e = w.export_session(&s, branch.as_deref()).await?;
             println!(
                 "{} -> {} ({} new commit(s))",
-                e.refname, e.commit, e.new_commits
+                t.field(&e.refname),
+                e.commit,
+                e.new_commits
             );
             Ok(0)
         }
         SessionCmd::Delete { session, force } => {
             let s = w.session(&ws, session)?;
             w.delete_session(&s, *force).await?;
-            println!("deleted {} ({})", s.id, s.name);
+            println!("deleted {} ({})", s.id, t.field(&s.name));
             Ok(0)
         }
     }
@@ -315,6 +322,7 @@ fn agent_env() -> Vec<(String, String)> {
 }
 
 pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
+    let t = Term::new(cli.raw);
     let w = open(cli, None)?;
     let ws = my_workspace();
     let cwd = std::env::current_dir().context("current directory")?;
@@ -322,13 +330,13 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
     let project = project_of(&cwd)?;
     let mut want = devices(&args.devices)?;
     let agent = args.agent.as_deref().unwrap_or("shell");
-    let wiring = wire_credentials(args, agent, &project, &want)?;
+    let wiring = wire_credentials(t, args, agent, &project, &want)?;
     if let Some(wired) = &wiring {
         want.network = Some(wired.network.clone());
     }
     let (s, vm) = match w.project_session(&ws, &project)? {
         Some(s) => {
-            w.session_vm(&s, &want, args.recreate, &mut |m| warn(m))
+            w.session_vm(&s, &want, args.recreate, &mut |m| t.warn(m))
                 .await?
         }
         None => {
@@ -345,8 +353,13 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
                 workspace: ws,
                 limits: Default::default(),
             };
-            let (s, vm) = w.create_session(&req, &mut |m| warn(m)).await?;
-            eprintln!("warren: session {} ({}) in VM {}", s.name, s.id, vm.id);
+            let (s, vm) = w.create_session(&req, &mut |m| t.warn(m)).await?;
+            eprintln!(
+                "warren: session {} ({}) in VM {}",
+                t.field(&s.name),
+                s.id,
+                vm.id
+            );
             (s, vm)
         }
     };
@@ -369,6 +382,7 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
 /// credentials are wired, its provider hosts, file-backed secrets and refresh rules. `None`
 /// when the run asks for no network.
 fn wire_credentials(
+    t: Term,
     args: &RunArgs,
     agent: &str,
     project: &Path,
@@ -400,7 +414,8 @@ fn wire_credentials(
         mounted.push(project.to_path_buf());
     }
     let home = caller_home()?;
-    let mut wiring = crate::agents::wire(&providers, &home, caller(), &mounted, &mut |m| warn(m))?;
+    let mut wiring =
+        crate::agents::wire(&providers, &home, caller(), &mounted, &mut |m| t.warn(m))?;
     if let Some(file) = &args.egress {
         let mut net = crate::egress_file::load(file)?;
         net.allow.append(&mut wiring.network.allow);

@@ -33,6 +33,9 @@ pub struct Daemon {
     pub config: PathBuf,
     pub addr: String,
     pub socket: PathBuf,
+    /// Where the service's stderr goes, at the most verbose logging (`None`: inherited, at
+    /// info).
+    log: Option<PathBuf>,
     child: Option<Child>,
 }
 
@@ -60,6 +63,15 @@ impl Resp {
 impl Daemon {
     /// Starts a service; `extra` is appended to the generated TOML (e.g. `[limits]`).
     pub fn start(extra: &str) -> Daemon {
+        Self::start_with(extra, None)
+    }
+
+    /// Starts a service logging everything it can (`-vv`, `RUST_LOG=trace`) into `log`.
+    pub fn start_logging(extra: &str, log: PathBuf) -> Daemon {
+        Self::start_with(extra, Some(log))
+    }
+
+    fn start_with(extra: &str, log: Option<PathBuf>) -> Daemon {
         let env = TestEnv::new();
         let minimal = image_id(&env, "minimal");
         let dev = image_id(&env, "dev");
@@ -80,6 +92,7 @@ impl Daemon {
             config,
             addr: String::new(),
             socket: PathBuf::new(),
+            log,
             child: None,
         };
         d.spawn();
@@ -88,13 +101,23 @@ impl Daemon {
 
     /// (Re)starts the process on the same state directory.
     pub fn spawn(&mut self) {
-        let mut child = Command::new(WARREN)
-            .arg("serve")
-            .arg("--config")
-            .arg(&self.config)
-            .env("RUST_LOG", "info")
+        let mut cmd = Command::new(WARREN);
+        cmd.arg("serve").arg("--config").arg(&self.config);
+        match &self.log {
+            Some(path) => {
+                let f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .expect("open the service log");
+                cmd.arg("-vv").env("RUST_LOG", "trace").stderr(f);
+            }
+            None => {
+                cmd.env("RUST_LOG", "info").stderr(Stdio::inherit());
+            }
+        }
+        let mut child = cmd
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn warren serve");
         let out = child.stdout.take().expect("stdout");
@@ -116,6 +139,17 @@ impl Daemon {
                 .expect("socket path in ready line"),
         );
         self.child = Some(child);
+    }
+
+    /// Stops the service as its unit would (SIGTERM), waiting for it to exit.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(c.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+            let _ = c.wait();
+        }
     }
 
     /// Kills the service abruptly (SIGKILL), as a crash would.
@@ -189,6 +223,30 @@ impl Daemon {
         exchange(&mut s, method, path, host.as_deref(), headers, body)
     }
 
+    /// A request over TCP whose response body may never end (an SSE stream): returns the
+    /// status and headers, leaving the body unread (`text` empty), and closes the connection.
+    pub fn request_head(&self, method: &str, path: &str, headers: &[(&str, &str)]) -> Resp {
+        let mut s = std::net::TcpStream::connect(&self.addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(120))).ok();
+        let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {}\r\n", self.addr);
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+        req.push_str("Content-Length: 0\r\n\r\n");
+        s.write_all(req.as_bytes()).expect("write request");
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match s.read(&mut byte) {
+                Ok(1) => head.push(byte[0]),
+                _ => break,
+            }
+        }
+        let mut r = parse_response(&head);
+        r.text.clear();
+        r
+    }
+
     /// A tool call over the local socket as the calling process (root).
     pub fn local_call(&self, tool: &str, args: Value, headers: &[(&str, &str)]) -> Resp {
         let mut s = std::os::unix::net::UnixStream::connect(&self.socket).expect("connect socket");
@@ -242,14 +300,8 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // A graceful stop leaves VMs running: destroy them through the CLI afterwards.
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(c.id() as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            );
-            let _ = c.wait();
-        }
+        // A graceful stop leaves VMs running: destroy them through the CLI afterwards.
+        self.stop();
         for vm in self.all_vms() {
             if let Some(id) = vm["id"].as_str() {
                 if std::thread::panicking() {

@@ -1,0 +1,262 @@
+//! MCP sessions: who owns each one, and how many each workspace holds.
+//!
+//! rmcp's session manager knows a session only by its id, and serves any request that names
+//! a live one. [`bind`], a middleware in front of rmcp on every `/mcp` request, binds each id
+//! to the [`Owner`] (workspace and credential) whose `initialize` opened it:
+//! 1. a request without `Mcp-Session-Id` goes through; when its response opens a session
+//!    (rmcp answers an `initialize` with the header), the new id is bound to the request's
+//!    owner before the response leaves, so no client can name the id before it is bound;
+//! 2. a request naming a session (POST, the GET stream, DELETE) goes through only when the
+//!    id is bound to the caller's own owner. Anything else (another workspace's or another
+//!    token's session, an unknown or malformed id, several ids) is answered here, `404
+//!    not_found` or `400 invalid_argument`, and never reaches rmcp, so the session is left as
+//!    it was: the same answer for another owner's session as for one that does not exist;
+//! 3. a DELETE that rmcp accepted drops the binding; the bindings of sessions that ended
+//!    otherwise (idle timeout, shutdown) are pruned whenever a new session is bound.
+//!
+//! Session ids are bearer capabilities for the session's stream: nothing here logs them, and
+//! the `warren` binary drops rmcp's own log events, which carry them (`docs/logging.md`).
+//!
+//! Per workspace, [`SessionCounts`] caps how many sessions exist at once; a [`SessionSlot`]
+//! lives exactly as long as its session's handler.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::Response;
+use rmcp::transport::common::http_header::HEADER_SESSION_ID;
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+
+use super::MAX_SESSIONS_PER_WORKSPACE;
+use crate::auth::{Principal, Via};
+use crate::error::ApiError;
+
+/// Who opened a session: its workspace and the credential that authenticated the
+/// `initialize` (a token, or a local uid). Another token of the same workspace is another
+/// owner: a leaked session id is no use without the token that opened it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Owner {
+    pub(super) workspace: String,
+    via: Via,
+}
+
+impl Owner {
+    pub(super) fn of(p: &Principal) -> Owner {
+        Owner {
+            workspace: p.workspace.clone(),
+            via: p.via.clone(),
+        }
+    }
+}
+
+pub(super) fn unauthenticated() -> ApiError {
+    ApiError::new(
+        "unauthenticated",
+        "the request carried no authenticated principal",
+    )
+}
+
+/// The answer to a request naming a session the caller does not hold, whether it belongs to
+/// someone else or does not exist.
+fn no_session() -> ApiError {
+    ApiError::new(
+        "not_found",
+        "no such MCP session for this caller; initialize a new one",
+    )
+}
+
+/// Session id -> owner, for the sessions rmcp's manager holds.
+#[derive(Debug)]
+pub(super) struct Bindings {
+    /// rmcp's session store, consulted only to prune the bindings of ended sessions.
+    manager: Arc<LocalSessionManager>,
+    /// Guards only this map; never held across an await.
+    owners: Mutex<HashMap<String, Owner>>,
+}
+
+impl Bindings {
+    pub(super) fn new(manager: Arc<LocalSessionManager>) -> Bindings {
+        Bindings {
+            manager,
+            owners: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Owner>> {
+        // Every update is one statement: the map stays consistent even after a panic.
+        self.owners.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Binds a session rmcp just opened, dropping the bindings of sessions it no longer has.
+    async fn bind(&self, id: String, owner: Owner) {
+        let live = self.manager.sessions.read().await;
+        let mut owners = self.lock();
+        owners.retain(|k, _| live.contains_key(k.as_str()));
+        owners.insert(id, owner);
+    }
+
+    fn holds(&self, id: &str, owner: &Owner) -> bool {
+        self.lock().get(id) == Some(owner)
+    }
+
+    fn unbind(&self, id: &str) {
+        self.lock().remove(id);
+    }
+
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+/// The middleware: see the module docs. Needs the [`Principal`] that [`crate::http`]'s
+/// authentication attached; a request without one is refused `401`.
+pub(super) async fn bind(State(b): State<Arc<Bindings>>, req: Request, next: Next) -> Response {
+    let Some(owner) = req.extensions().get::<Principal>().map(Owner::of) else {
+        return crate::http::error_response(&unauthenticated());
+    };
+    let mut named = req.headers().get_all(HEADER_SESSION_ID).iter();
+    let (first, more) = (named.next(), named.next().is_some());
+    let Some(value) = first else {
+        let resp = next.run(req).await;
+        let opened = resp
+            .headers()
+            .get(HEADER_SESSION_ID)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        if let Some(id) = opened {
+            b.bind(id, owner).await;
+        }
+        return resp;
+    };
+    if more {
+        return crate::http::error_response(&ApiError::invalid(
+            "a request names at most one Mcp-Session-Id",
+        ));
+    }
+    let id = value.to_str().ok().map(str::to_string);
+    let Some(id) = id.filter(|id| b.holds(id, &owner)) else {
+        tracing::info!(
+            workspace = %owner.workspace,
+            method = %req.method(),
+            "MCP request naming a session the caller does not hold refused"
+        );
+        return crate::http::error_response(&no_session());
+    };
+    let delete = req.method() == http::Method::DELETE;
+    let resp = next.run(req).await;
+    if delete && resp.status().is_success() {
+        b.unbind(&id);
+    }
+    resp
+}
+
+/// Live sessions per workspace.
+#[derive(Debug, Default)]
+pub(super) struct SessionCounts {
+    /// Workspace -> sessions it holds; entries at zero are removed. Guards only this map;
+    /// never held across an await.
+    per_workspace: Mutex<HashMap<String, usize>>,
+}
+
+impl SessionCounts {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
+        // The map stays consistent even if a holder panicked: every update is one statement.
+        self.per_workspace.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts one more session for `owner`'s workspace, unless it already holds the maximum.
+    pub(super) fn claim(self: &Arc<Self>, owner: Owner) -> Result<SessionSlot, ApiError> {
+        let mut map = self.lock();
+        let workspace = &owner.workspace;
+        let n = map.entry(workspace.clone()).or_insert(0);
+        if *n >= MAX_SESSIONS_PER_WORKSPACE {
+            return Err(ApiError::new(
+                "quota_exceeded",
+                format!(
+                    "workspace {workspace} already holds {MAX_SESSIONS_PER_WORKSPACE} MCP sessions; \
+                     close some (HTTP DELETE) or let them expire"
+                ),
+            ));
+        }
+        *n += 1;
+        Ok(SessionSlot {
+            counts: self.clone(),
+            owner,
+        })
+    }
+
+    #[cfg(test)]
+    pub(super) fn held(&self, workspace: &str) -> usize {
+        self.lock().get(workspace).copied().unwrap_or(0)
+    }
+}
+
+/// One session's place in [`SessionCounts`], released when the session's handler is dropped
+/// (rmcp drops it when the session ends, however it ends).
+#[derive(Debug)]
+pub(super) struct SessionSlot {
+    counts: Arc<SessionCounts>,
+    /// Who initialized the session and alone may use it.
+    pub(super) owner: Owner,
+}
+
+impl Drop for SessionSlot {
+    fn drop(&mut self) {
+        let mut map = self.counts.lock();
+        if let Some(n) = map.get_mut(&self.owner.workspace) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                map.remove(&self.owner.workspace);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owner(workspace: &str, token: &str) -> Owner {
+        Owner {
+            workspace: workspace.into(),
+            via: Via::Token {
+                token_id: token.into(),
+            },
+        }
+    }
+
+    #[test]
+    fn test_owner_differs_by_workspace_and_by_credential() {
+        let a = owner("ws-a", "t1");
+        assert_eq!(a, owner("ws-a", "t1"));
+        assert_ne!(a, owner("ws-b", "t1"));
+        assert_ne!(a, owner("ws-a", "t2"));
+        let local = Owner {
+            workspace: "ws-a".into(),
+            via: Via::Local { uid: 0 },
+        };
+        assert_ne!(a, local);
+    }
+
+    #[test]
+    fn test_session_counts_over_limit_refused_and_released_on_drop() {
+        let counts = Arc::new(SessionCounts::default());
+        let slots: Vec<_> = (0..MAX_SESSIONS_PER_WORKSPACE)
+            .map(|_| counts.claim(owner("ws-a", "t")).expect("under the limit"))
+            .collect();
+        let refused = counts
+            .claim(owner("ws-a", "another token"))
+            .expect_err("at the limit, whichever token asks");
+        assert_eq!(refused.code, "quota_exceeded");
+        // Other workspaces are unaffected.
+        let other = counts.claim(owner("ws-b", "t")).expect("another workspace");
+        drop(slots);
+        assert_eq!(counts.held("ws-a"), 0);
+        assert_eq!(counts.held("ws-b"), 1);
+        drop(other);
+        assert!(counts.lock().is_empty());
+    }
+}

@@ -1,0 +1,155 @@
+//! Guest-controlled text on its way to a terminal.
+//!
+//! A guest controls file names, its console output, what ends up in failure reasons and in
+//! many error messages. Printed as is, such text can drive the user's terminal: ESC and CSI
+//! start sequences that move the cursor, rewrite or hide what is on screen, set the window
+//! title, or make some terminals answer back as if the user had typed. So every command
+//! prints that text through [`Term`], which escapes each control character (Unicode
+//! category Cc: C0, DEL, and C1 as the code points U+0080..U+009F) the way Rust's
+//! `char::escape_debug` spells it (`\u{1b}`, `\u{9b}`, `\r`, `\0`), keeping only what the
+//! text's [`Shape`] needs. `--raw` turns escaping off.
+//!
+//! Byte streams the user asked for (`vm exec`, `vm read`, `vm output`, `warren run`) never
+//! pass through here: they stay raw, as `ssh` leaves them. JSON output (`--json`) is escaped
+//! by serde instead.
+
+use std::borrow::Cow;
+
+/// How much line structure a piece of text keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// One item of a list or a table cell (a path, a name, a reason): every control character
+    /// is escaped, newline and tab included, so an item stays one item on one line.
+    Field,
+    /// One line (a `vm grep` match): tabs kept.
+    Line,
+    /// Lines of text (a console log, an error message): newlines and tabs kept, and a
+    /// carriage return right before a newline.
+    Text,
+}
+
+/// `s` with its control characters escaped for `shape`; borrowed when nothing changes.
+pub fn escape(s: &str, shape: Shape) -> Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c.is_control() && !kept(c, chars.peek().copied(), shape) {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Whether control character `c` (followed by `next`) stays as it is in `shape`.
+fn kept(c: char, next: Option<char>, shape: Shape) -> bool {
+    match (shape, c) {
+        (Shape::Line | Shape::Text, '\t') => true,
+        (Shape::Text, '\n') => true,
+        (Shape::Text, '\r') => next == Some('\n'),
+        _ => false,
+    }
+}
+
+/// How this invocation prints guest-controlled text: escaped, or raw with `--raw`.
+#[derive(Clone, Copy, Debug)]
+pub struct Term {
+    raw: bool,
+}
+
+impl Term {
+    pub fn new(raw: bool) -> Term {
+        Term { raw }
+    }
+
+    fn shaped<'a>(&self, s: &'a str, shape: Shape) -> Cow<'a, str> {
+        if self.raw {
+            Cow::Borrowed(s)
+        } else {
+            escape(s, shape)
+        }
+    }
+
+    /// A list item or table cell ([`Shape::Field`]).
+    pub fn field<'a>(&self, s: &'a str) -> Cow<'a, str> {
+        self.shaped(s, Shape::Field)
+    }
+
+    /// One line ([`Shape::Line`]).
+    pub fn line<'a>(&self, s: &'a str) -> Cow<'a, str> {
+        self.shaped(s, Shape::Line)
+    }
+
+    /// Lines of text ([`Shape::Text`]).
+    pub fn text<'a>(&self, s: &'a str) -> Cow<'a, str> {
+        self.shaped(s, Shape::Text)
+    }
+
+    /// Prints `warning: <m>` on stderr, `m` as text.
+    pub fn warn(&self, m: &str) {
+        eprintln!("warning: {}", self.text(m));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every control character, in each shape: C0, DEL and C1 escaped unless kept.
+    #[test]
+    fn test_escape_every_control_character_unless_kept() {
+        for shape in [Shape::Field, Shape::Line, Shape::Text] {
+            for c in (0u32..0x20).chain([0x7f]).chain(0x80..0xa0) {
+                let c = char::from_u32(c).expect("a scalar value");
+                let s = format!("a{c}b");
+                let out = escape(&s, shape);
+                if kept(c, Some('b'), shape) {
+                    assert_eq!(out, s, "{c:?} in {shape:?}");
+                } else {
+                    assert!(!out.contains(c), "{c:?} in {shape:?}: {out:?}");
+                    assert!(!out.chars().any(char::is_control), "{out:?}");
+                    assert_eq!(out, format!("a{}b", c.escape_debug()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn test_escape_spells_sequences_visibly() {
+        let s = "x\u{1b}[31mred\u{1b}]0;title\u{7}\u{9b}2J\u{7f}";
+        assert_eq!(
+            escape(s, Shape::Text),
+            r"x\u{1b}[31mred\u{1b}]0;title\u{7}\u{9b}2J\u{7f}"
+        );
+    }
+
+    #[test]
+    fn test_escape_shapes_keep_their_structure() {
+        let s = "a\tb\nc\r\nd\re\r";
+        assert_eq!(escape(s, Shape::Field), r"a\tb\nc\r\nd\re\r");
+        assert_eq!(escape(s, Shape::Line), "a\tb\\nc\\r\\nd\\re\\r");
+        assert_eq!(escape(s, Shape::Text), "a\tb\nc\r\nd\\re\\r");
+    }
+
+    #[test]
+    fn test_escape_plain_text_borrowed_and_unchanged() {
+        let s = "naïve café, 日本語, emoji 🦀, backslash \\ and quotes \"'";
+        assert!(matches!(escape(s, Shape::Field), Cow::Borrowed(x) if x == s));
+        // Printable characters right next to the C1 range stay.
+        assert_eq!(escape("\u{a0}\u{ff}", Shape::Field), "\u{a0}\u{ff}");
+    }
+
+    #[test]
+    fn test_term_raw_leaves_text_alone() {
+        let s = "e\u{1b}[2J\u{9b}\n";
+        assert_eq!(Term::new(true).field(s), s);
+        assert_eq!(Term::new(true).text(s), s);
+        assert_eq!(Term::new(false).field(s), r"e\u{1b}[2J\u{9b}\n");
+        assert_eq!(Term::new(false).line(s), r"e\u{1b}[2J\u{9b}\n");
+        assert_eq!(Term::new(false).text(s), "e\\u{1b}[2J\\u{9b}\n");
+    }
+}

@@ -1,0 +1,225 @@
+//! Issue 13, item 10: guest-controlled text reaches the user's terminal escaped. A hostile
+//! guest names files with ESC, CSI and other C0/C1 characters, and its console output and
+//! failure reason carry them too. Before the change, `vm glob`, `vm grep`, `vm logs`,
+//! `vm list`, `session status` and the errors of `session delete` and `vm exec` printed them
+//! raw, so the guest could drive the terminal (clear it, retitle it, hide lines). Every check
+//! runs on one session VM, and each has its control: with `--raw` the same bytes arrive raw.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::{ok, wait_until, TestEnv};
+
+fn git(dir: &Path, args: &[&str]) {
+    let out = Command::new("git")
+        .args(["-c", "user.name=T", "-c", "user.email=t@example.com"])
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("git");
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The file names the guest makes, as the CLI prints them escaped and as the guest wrote
+/// them (ESC + CSI; C1 CSI U+009B; BEL, DEL and a bare CR; a newline).
+const NAMES: [(&str, &str); 4] = [
+    (r"a\u{1b}[31mred", "a\u{1b}[31mred"),
+    (r"b\u{9b}2Jc1", "b\u{9b}2Jc1"),
+    (r"c\u{7}\u{7f}\rx", "c\u{7}\u{7f}\rx"),
+    (r"d\nline", "d\nline"),
+];
+
+/// The line inside `a\e[31mred` that `vm grep` finds: an OSC title change and a C1 CSI.
+const LINE: (&str, &str) = (
+    r"needle \u{1b}]0;pwned\u{7} \u{9b}2J",
+    "needle \u{1b}]0;pwned\u{7} \u{9b}2J",
+);
+
+/// Fails unless `text` carries no raw control character but newlines (and a carriage
+/// return right before one, where `crlf`).
+fn assert_no_raw_controls(text: &str, crlf: bool, what: &str) {
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        let allowed = c == '\n' || (crlf && c == '\r' && chars.peek() == Some(&'\n'));
+        assert!(!c.is_control() || allowed, "{what}: raw {c:?} in {text:?}");
+    }
+    assert!(!text.as_bytes().contains(&0x1b), "{what}: raw ESC");
+}
+
+struct Cli<'a> {
+    env: &'a TestEnv,
+}
+
+impl Cli<'_> {
+    /// Runs the command escaped and with `--raw`; returns both outputs.
+    fn both(&self, args: &[&str]) -> (Output, Output) {
+        let escaped = self.env.run(args);
+        let mut raw_args = vec!["--raw"];
+        raw_args.extend_from_slice(args);
+        (escaped, self.env.run(&raw_args))
+    }
+
+    /// `args` prints `want` escaped on stdout (or stderr) with no raw control character;
+    /// control: with `--raw` it prints `raw` instead.
+    fn check(&self, args: &[&str], stderr: bool, pairs: &[(&str, &str)]) -> String {
+        let (escaped, raw) = self.both(args);
+        assert_eq!(escaped.status.code(), raw.status.code(), "{args:?}");
+        let pick = |o: &Output| {
+            String::from_utf8(if stderr {
+                o.stderr.clone()
+            } else {
+                o.stdout.clone()
+            })
+            .expect("utf-8 output")
+        };
+        let (escaped, raw) = (pick(&escaped), pick(&raw));
+        let what = format!("{args:?}");
+        assert_no_raw_controls(&escaped, true, &what);
+        for (want, bytes) in pairs {
+            assert!(
+                escaped.contains(want),
+                "{what}: {want} missing from {escaped:?}"
+            );
+            assert!(!escaped.contains(bytes), "{what}");
+            assert!(
+                raw.contains(bytes),
+                "{what} --raw: {bytes:?} missing from {raw:?}"
+            );
+        }
+        escaped
+    }
+}
+
+#[test]
+fn test_guest_control_characters_reach_the_terminal_escaped() {
+    common::ensure_image("dev");
+    let env = TestEnv::new();
+    let cli = Cli { env: &env };
+    let src_dir = tempfile::tempdir().expect("tempdir");
+    let src = src_dir.path().canonicalize().expect("canonical");
+    git(&src, &["init", "-q", "-b", "main"]);
+    std::fs::write(src.join("README"), "hello\n").expect("write");
+    git(&src, &["add", "-A"]);
+    git(&src, &["commit", "-qm", "initial"]);
+    let dev = common::image_id("dev");
+    let s: serde_json::Value = serde_json::from_str(&ok(
+        env.run(&[
+            "session",
+            "create",
+            "--repo",
+            &src.display().to_string(),
+            "--name",
+            "esc",
+            "--image",
+            &dev,
+            "--json",
+        ]),
+        "session create",
+    ))
+    .expect("session json");
+    let vm = s["vm_id"].as_str().expect("vm_id").to_string();
+
+    // The guest user names files with control characters and writes the grep line.
+    let script = r#"cd /workspace &&
+        printf 'needle \033]0;pwned\007 \302\2332J\n' > "$(printf 'a\033[31mred')" &&
+        : > "$(printf 'b\302\2332Jc1')" &&
+        : > "$(printf 'c\007\177\015x')" &&
+        : > "$(printf 'd\nline')" &&
+        set -- *; echo $#"#;
+    let made = ok(
+        env.run(&["vm", "exec", &vm, "--", "sh", "-c", script]),
+        "make",
+    );
+    assert_eq!(made.trim(), "5", "README and the four names");
+
+    // File names in `vm glob`: each one line, escaped.
+    let glob = cli.check(&["vm", "glob", &vm, "*"], false, &NAMES);
+    assert_eq!(glob.lines().count(), 5, "{glob:?}");
+    // `vm grep`: the path as a field, the matching line with its sequences escaped.
+    let grep = cli.check(&["vm", "grep", &vm, "needle"], false, &[NAMES[0], LINE]);
+    assert_eq!(grep.trim_end(), format!("{}:1:{}", NAMES[0].0, LINE.0));
+    // `session status` lists the guest's names as uncommitted paths.
+    let status = cli.check(&["session", "status", "esc"], false, &NAMES);
+    assert!(status.contains("uncommitted paths: 4"), "{status}");
+    // `session delete` refuses, and its error names the same paths (an error message keeps
+    // its newlines, so the fourth name spans two lines there).
+    let refused = cli.check(&["session", "delete", "esc"], true, &NAMES[..3]);
+    assert!(refused.starts_with("error["), "{refused}");
+
+    // The console: a guest user cannot write to it (the console device is root's and the
+    // kernel prints nothing, loglevel=0), a guest root can. What it would print goes into the
+    // console log the supervisor keeps for `vm logs`.
+    let console = env.vm_dir(&vm).join("console.log");
+    let hostile = "boot \u{1b}[2J\u{1b}]0;owned\u{7} \u{9b}31m \u{90}dcs\u{9c}\r\n";
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&console)
+        .expect("console log");
+    std::io::Write::write_all(&mut f, hostile.as_bytes()).expect("append");
+    drop(f);
+    let logs_pairs = [
+        (
+            r"\u{1b}[2J\u{1b}]0;owned\u{7}",
+            "\u{1b}[2J\u{1b}]0;owned\u{7}",
+        ),
+        (r"\u{9b}31m \u{90}dcs\u{9c}", "\u{9b}31m \u{90}dcs\u{9c}"),
+    ];
+    cli.check(&["vm", "logs", &vm], false, &logs_pairs);
+
+    // A failure reason quoting a hostile console (and QEMU stderr line): the supervisor dies
+    // (QEMU with it) and the record it would have written names the guest's bytes.
+    let sup: i32 = std::fs::read_to_string(env.vm_dir(&vm).join("supervisor.lock"))
+        .expect("lock")
+        .trim()
+        .parse()
+        .expect("pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(sup),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill the supervisor");
+    wait_until("QEMU to die with its supervisor", 30, || {
+        common::pids_matching(&format!("process=warren-{vm}")).is_empty()
+    });
+    let reason = "the VMM exited unexpectedly (killed by SIGKILL): \u{1b}]0;qemu\u{7}\u{9b}K\n\
+                  console:\n\u{1b}[2Jguest \u{9b}31mred";
+    let record = serde_json::json!({"requested": false, "reason": reason, "unix_time": 0});
+    std::fs::write(env.vm_dir(&vm).join("exit.json"), record.to_string()).expect("exit.json");
+    let listed = cli.check(
+        &["vm", "list"],
+        false,
+        &[(r"\u{1b}]0;qemu\u{7}\u{9b}K", "\u{1b}]0;qemu\u{7}\u{9b}K")],
+    );
+    assert!(listed.contains("failed"), "{listed}");
+    // The whole reason, console tail included, in the error of a command on the failed VM.
+    let err = cli.check(
+        &["vm", "exec", &vm, "--", "true"],
+        true,
+        &[
+            (r"\u{1b}]0;qemu\u{7}\u{9b}K", "\u{1b}]0;qemu\u{7}\u{9b}K"),
+            (
+                r"\u{1b}[2Jguest \u{9b}31mred",
+                "\u{1b}[2Jguest \u{9b}31mred",
+            ),
+        ],
+    );
+    assert!(
+        err.contains("error[conflict]") && err.contains("\nconsole:\n"),
+        "{err}"
+    );
+    // JSON stays JSON: serde escapes C0 itself.
+    let json = ok(env.run(&["vm", "list", "--json"]), "vm list --json");
+    assert!(!json.as_bytes().contains(&0x1b), "{json}");
+    assert!(json.contains(r"\u001b]0;qemu"), "{json}");
+
+    ok(
+        env.run(&["session", "delete", "esc", "--force"]),
+        "session delete",
+    );
+}
