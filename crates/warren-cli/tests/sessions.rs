@@ -406,3 +406,97 @@ fn test_hostile_guest_git_config_never_runs_on_host() {
     );
     sessions.names.clear();
 }
+
+/// Issue 13, item 2: a hostile source repository whose `.git/info/exclude` links to a host
+/// secret (it would have been copied into the guest's git directory) or whose `.git/objects`
+/// links to `/` (the whole host would have been mounted read-only at
+/// `/.warren-source-objects`). `session create` refuses each with `invalid_argument` before
+/// anything is copied or a VM booted, and the secret reaches no guest. Positive control: the
+/// same repository without the links boots, its guest has the normal exclude (honoured) and the
+/// real object directory, and the canary is nowhere in the guest.
+#[test]
+fn test_hostile_source_links_never_reach_the_guest() {
+    common::ensure_image("dev");
+    let env = TestEnv::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path().canonicalize().unwrap();
+    let src = root.join("src");
+    std::fs::create_dir(&src).unwrap();
+    git(&src, &["init", "-q", "-b", "main"]);
+    std::fs::write(src.join("a.txt"), "alpha\n").unwrap();
+    git(&src, &["add", "-A"]);
+    git(&src, &["commit", "-qm", "initial"]);
+    std::fs::write(src.join("debug.log"), "ignored\n").unwrap();
+    let secret = root.join("host-secret");
+    std::fs::write(&secret, "HOST-SECRET-CANARY\n").unwrap();
+    let exclude = src.join(".git/info/exclude");
+    let objects = src.join(".git/objects");
+    let real_objects = root.join("objects-real");
+    let dev = common::image_id("dev");
+    let create = |name: &str| {
+        env.run(&[
+            "session",
+            "create",
+            "--repo",
+            src.to_str().unwrap(),
+            "--name",
+            name,
+            "--image",
+            &dev,
+            "--json",
+        ])
+    };
+    let refused = |out: Output, what: &str| {
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "{what}: created");
+        assert!(
+            err.contains("error[invalid_argument]") && err.contains("source repository refused"),
+            "{what}: {err}"
+        );
+        assert!(err.contains(what), "{what}: {err}");
+    };
+
+    std::fs::remove_file(&exclude).unwrap();
+    std::os::unix::fs::symlink(&secret, &exclude).unwrap();
+    refused(create("hostile-exclude"), ".git/info/exclude");
+    std::fs::remove_file(&exclude).unwrap();
+    std::fs::write(&exclude, "*.log\n").unwrap();
+
+    std::fs::rename(&objects, &real_objects).unwrap();
+    std::os::unix::fs::symlink("/", &objects).unwrap();
+    refused(create("hostile-objects"), ".git/objects");
+    std::fs::remove_file(&objects).unwrap();
+    std::fs::rename(&real_objects, &objects).unwrap();
+
+    let list = ok(env.run(&["session", "list", "--json"]), "list");
+    assert_eq!(list.trim(), "[]", "a refused create left a session: {list}");
+    let sessions_dir = env.state.path().join("sessions");
+    let left = std::fs::read_dir(&sessions_dir)
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert_eq!(left, 0, "a refused create left a copy");
+
+    // Positive control: the same repository without the links.
+    let mut sessions = Sessions {
+        env: &env,
+        names: vec![],
+    };
+    let s = sessions.create(&src, "clean-source");
+    let vm = s["vm_id"].as_str().unwrap().to_string();
+    let (code, out, err) = sh(
+        &env,
+        &vm,
+        "set -e; cat /workspace/.git/info/exclude; test ! -e /workspace/debug.log; \
+         ls /.warren-source-objects; git -C /workspace log --format=%s; \
+         if grep -rqs HOST-SECRET-CANARY /workspace /.warren-source-objects; then exit 3; fi; \
+         echo clean",
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("*.log\n"), "the normal exclude: {out}");
+    assert!(out.contains("info\n") && out.contains("initial\n"), "{out}");
+    assert!(
+        !out.contains("etc\n") && !out.contains("proc\n"),
+        "the host's root: {out}"
+    );
+    assert!(out.ends_with("clean\n"), "{out}");
+}

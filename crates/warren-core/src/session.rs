@@ -113,6 +113,8 @@ fn session_error(e: warren_session::SessionError) -> CoreError {
             CoreError::Conflict(e.to_string())
         }
         S::UnsafeGitDir { .. } | S::TooLarge { .. } => CoreError::Conflict(e.to_string()),
+        // The repository named leads outside itself: the request is refused as it stands.
+        S::UnsafeSource { .. } => CoreError::InvalidArgument(e.to_string()),
         S::GitTimeout { .. } => CoreError::Session(e.to_string()),
         S::Io { .. } | S::GitSpawn(_) | S::Git { .. } => CoreError::Session(e.to_string()),
         other => CoreError::InvalidArgument(other.to_string()),
@@ -199,13 +201,9 @@ impl Warren {
             let _ = std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o711));
             let dir = parent.join(&id);
             let p = warren_session::prepare(&req.repo, &dir, owner).map_err(session_error)?;
-            match warren_vmm::qemu::virtiofs::identity_of(&p.source_objects) {
-                Ok(id) => devices.objects_identity = Some(id),
-                Err(e) => {
-                    self.discard_copy(&dir, false);
-                    return Err(CoreError::io("stat", &p.source_objects, e));
-                }
-            }
+            // The identity of the object directory prepare checked (opened beneath the source's
+            // git directory, no symlink): every VM of the session must still mount that one.
+            devices.objects_identity = Some(p.source_objects_identity);
             for s in &p.skipped {
                 warn(&format!(
                     "not copied: {} ({:?})",
@@ -594,5 +592,23 @@ mod tests {
         let m = merge_devices(&have, &want);
         assert_eq!(m.memory_mib, Some(1024));
         assert_eq!(m.image.as_deref(), Some("dev"));
+    }
+
+    #[test]
+    fn test_session_error_source_refusals_are_invalid_argument() {
+        use warren_session::SessionError as S;
+        let unsafe_source = session_error(S::UnsafeSource {
+            path: "/r/.git/objects".into(),
+            reason: "is a symlink".into(),
+        });
+        assert_eq!(unsafe_source.code(), "invalid_argument");
+        assert!(
+            unsafe_source
+                .to_string()
+                .contains("source repository refused: /r/.git/objects"),
+            "{unsafe_source}"
+        );
+        let alternates = session_error(S::SourceHasAlternates("/r/.git/objects".into()));
+        assert_eq!(alternates.code(), "invalid_argument");
     }
 }

@@ -4,7 +4,9 @@
 //! from their target text and never followed, and only regular files, symlinks and the
 //! directories leading to them are created. Nothing is read through a symlinked directory:
 //! git itself treats a path under a symlink as deleted, and following one could leave the
-//! repository.
+//! repository. Every source path is opened beneath the canonical working tree with
+//! `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` (mounts inside a working tree are
+//! allowed), so a directory swapped for a symlink mid-copy is not followed either.
 //!
 //! When the session has an [`Owner`] and the process is root, the copy runs on a thread whose
 //! filesystem uid/gid are the owner's ([`as_owner`]): the kernel checks the owner's permissions
@@ -13,10 +15,13 @@
 use std::collections::HashSet;
 use std::fs::{self, OpenOptions, Permissions};
 use std::io;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
-use nix::fcntl::OFlag;
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag};
+use nix::sys::stat::{Mode, SFlag};
 use nix::unistd::{setfsgid, setfsuid, Gid, Uid};
 
 use crate::{Owner, SessionError};
@@ -90,10 +95,16 @@ pub(crate) fn copy_entries(
     dst: &Path,
     entries: &[Entry],
 ) -> Result<CopyStats, SessionError> {
+    let src_fd = nix::fcntl::open(
+        src,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+        Mode::empty(),
+    )
+    .map_err(|e| SessionError::io("open", src)(e.into()))?;
     let mut copier = Copier {
         src,
+        src_fd,
         dst,
-        src_dirs_ok: HashSet::new(),
         dst_dirs: HashSet::new(),
         stats: CopyStats::default(),
     };
@@ -105,9 +116,9 @@ pub(crate) fn copy_entries(
 
 struct Copier<'a> {
     src: &'a Path,
+    /// The working tree everything is opened beneath.
+    src_fd: OwnedFd,
     dst: &'a Path,
-    /// Source directories (relative) known to be real directories, not symlinks.
-    src_dirs_ok: HashSet<PathBuf>,
     /// Destination directories (relative) created or checked.
     dst_dirs: HashSet<PathBuf>,
     stats: CopyStats,
@@ -129,34 +140,43 @@ impl Copier<'_> {
         }
         // A path under a symlinked (or vanished) directory is deleted as far as git is
         // concerned: leave it out.
-        if !self.src_parents_are_dirs(&e.path)? {
+        let parent = e.path.parent().unwrap_or(Path::new(""));
+        let Some(dir) = self.src_dir(parent)? else {
             return Ok(());
-        }
-        let from = self.src.join(&e.path);
-        let meta = match fs::symlink_metadata(&from) {
-            Ok(m) => m,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()), // deleted
-            Err(err) => return Err(SessionError::io("stat", &from)(err)),
         };
-        let ft = meta.file_type();
+        let name = e
+            .path
+            .file_name()
+            .expect("invariant: normal components only");
+        let from = self.src.join(&e.path);
+        let st = match nix::sys::stat::fstatat(&dir, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::ENOENT) => return Ok(()), // deleted
+            Err(err) => return Err(SessionError::io("stat", &from)(err.into())),
+        };
+        let kind = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT;
         if e.gitlink {
-            if ft.is_dir() {
+            if kind == SFlag::S_IFDIR {
                 self.make_dirs(&e.path)?;
             }
             self.skip(&e.path, SkipReason::Submodule);
             return Ok(());
         }
         let to = self.dst.join(&e.path);
-        if ft.is_symlink() {
+        if kind == SFlag::S_IFLNK {
             self.make_parent(&e.path)?;
-            let target = fs::read_link(&from).map_err(SessionError::io("read link", &from))?;
+            let target = nix::fcntl::readlinkat(&dir, name)
+                .map_err(|err| SessionError::io("read link", &from)(err.into()))?;
             std::os::unix::fs::symlink(&target, &to).map_err(SessionError::io("symlink", &to))?;
             self.stats.symlinks += 1;
-        } else if ft.is_file() {
+        } else if kind == SFlag::S_IFREG {
             self.make_parent(&e.path)?;
-            self.stats.bytes += copy_file(&from, &to, meta.permissions().mode())?;
+            let input =
+                nix::fcntl::openat2(&dir, name, beneath(OFlag::O_RDONLY | OFlag::O_NONBLOCK))
+                    .map_err(|err| SessionError::io("open", &from)(err.into()))?;
+            self.stats.bytes += copy_file(input, &from, &to, st.st_mode)?;
             self.stats.files += 1;
-        } else if ft.is_dir() {
+        } else if kind == SFlag::S_IFDIR {
             // A tracked path that became a directory: its files are listed as untracked.
         } else {
             self.skip(&e.path, SkipReason::SpecialFile);
@@ -172,27 +192,24 @@ impl Copier<'_> {
         });
     }
 
-    fn src_parents_are_dirs(&mut self, rel: &Path) -> Result<bool, SessionError> {
-        let mut prefix = PathBuf::new();
-        let Some(parent) = rel.parent() else {
-            return Ok(true);
+    /// The source directory `rel` (relative, possibly empty), reached without a symlink:
+    /// `None` when it is missing, a symlink or no directory (git takes what is under it as
+    /// deleted).
+    fn src_dir(&self, rel: &Path) -> Result<Option<OwnedFd>, SessionError> {
+        let rel = if rel.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            rel
         };
-        for c in parent.components() {
-            prefix.push(c);
-            if self.src_dirs_ok.contains(&prefix) {
-                continue;
-            }
-            let full = self.src.join(&prefix);
-            match fs::symlink_metadata(&full) {
-                Ok(m) if m.is_dir() => {
-                    self.src_dirs_ok.insert(prefix.clone());
-                }
-                Ok(_) => return Ok(false),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-                Err(e) => return Err(SessionError::io("stat", &full)(e)),
-            }
+        match nix::fcntl::openat2(
+            &self.src_fd,
+            rel,
+            beneath(OFlag::O_PATH | OFlag::O_DIRECTORY),
+        ) {
+            Ok(fd) => Ok(Some(fd)),
+            Err(Errno::ENOENT | Errno::ENOTDIR | Errno::ELOOP) => Ok(None),
+            Err(e) => Err(SessionError::io("open", self.src.join(rel))(e.into())),
         }
-        Ok(true)
     }
 
     fn make_parent(&mut self, rel: &Path) -> Result<(), SessionError> {
@@ -223,10 +240,11 @@ impl Copier<'_> {
                 }
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     fs::create_dir(&to).map_err(SessionError::io("create directory", &to))?;
-                    let from = self.src.join(&prefix);
                     // Keep the source's bits, but the owner must be able to use its copy.
-                    let mode = fs::symlink_metadata(&from)
-                        .map(|m| m.permissions().mode() & 0o777)
+                    let mode = self
+                        .src_dir(&prefix)?
+                        .and_then(|fd| nix::sys::stat::fstat(&fd).ok())
+                        .map(|st| st.st_mode & 0o777)
                         .unwrap_or(0o755)
                         | 0o700;
                     fs::set_permissions(&to, Permissions::from_mode(mode))
@@ -240,15 +258,19 @@ impl Copier<'_> {
     }
 }
 
-/// Copies one regular file byte for byte with its permission bits (set-id bits dropped);
-/// returns the bytes copied. The source is opened without following symlinks and without
-/// blocking (a FIFO swapped in after the stat is refused, not waited on).
-fn copy_file(from: &Path, to: &Path, mode: u32) -> Result<u64, SessionError> {
-    let mut input = OpenOptions::new()
-        .read(true)
-        .custom_flags((OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK).bits())
-        .open(from)
-        .map_err(SessionError::io("open", from))?;
+/// `openat2` resolution for the working tree: beneath it, no symlink anywhere on the way.
+fn beneath(flags: OFlag) -> OpenHow {
+    OpenHow::new()
+        .flags(flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS)
+}
+
+/// Copies one regular file, opened by the caller, byte for byte with its permission bits
+/// (set-id bits dropped); returns the bytes copied. A file swapped for anything but a regular
+/// file after the stat is refused (it was opened without blocking, so a FIFO is not waited
+/// on).
+fn copy_file(input: OwnedFd, from: &Path, to: &Path, mode: u32) -> Result<u64, SessionError> {
+    let mut input = fs::File::from(input);
     let meta = input.metadata().map_err(SessionError::io("stat", from))?;
     if !meta.is_file() {
         return Err(SessionError::Io {

@@ -33,6 +33,15 @@ pub enum SessionError {
     /// session could not reach those objects in the guest.
     #[error("source object store {0} uses alternates, which sessions do not support")]
     SourceHasAlternates(PathBuf),
+    /// The source repository leads outside itself, or could make Warren read or write outside
+    /// it: a `.git` that is a symlink, or a `gitdir:` file that is not a linked worktree its
+    /// repository registered (a separate git directory, a submodule checkout, another
+    /// repository); a `commondir` into another repository; a symlink (or a mount) in
+    /// `objects`, `info/exclude`, `index`, `HEAD`, `config`, the refs or any other path
+    /// Warren reads, copies, mounts or exports through; config that includes other files or
+    /// sets `core.worktree`. Refused before anything is copied, mounted or written.
+    #[error("source repository refused: {path} {reason}")]
+    UnsafeSource { path: PathBuf, reason: String },
     /// The session directory already exists.
     #[error("session directory {0} already exists")]
     SessionExists(PathBuf),

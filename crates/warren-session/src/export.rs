@@ -4,8 +4,11 @@
 //! 1. Check the session directory ([`crate::guard`]) and the branch name, and build the
 //!    host-owned scratch git directory host git reads the session through
 //!    (`scratch`).
-//! 2. Resolve the session's HEAD commit and check that `source_git` is the repository the
-//!    session was made from (same object directory).
+//! 2. Resolve the session's HEAD commit, check the source repository at `source_git` as
+//!    `prepare` does (`source`: a `gitdir:` file or `commondir` into another repository, a
+//!    symlink in `objects`, the refs or the logs, an include... is refused before anything
+//!    is written) and that it is the repository the session was made from (same object
+//!    directory). Every later git command names its common git directory explicitly.
 //! 3. Refuse a branch checked out in any working tree of the source, and an existing branch
 //!    that is not an ancestor of the commit (fast-forward only).
 //! 4. Pack the objects reachable from the commit and from no source ref
@@ -62,22 +65,18 @@ pub fn export(
     }
     let commit = text(&head.stdout);
 
-    let source = Repo::At(source_git);
-    let common = PathBuf::from(git.line(
-        source,
-        &["rev-parse", "--path-format=absolute", "--git-common-dir"],
-    )?);
+    let source = crate::source::open_any(&git, source_git)?;
     let expected = paths.source_objects()?;
-    let objects = common.join("objects");
-    if objects.canonicalize().ok().as_deref() != Some(expected.as_path()) {
+    if source.objects_dir() != expected {
         return Err(SessionError::SourceMismatch {
             source_git: source_git.to_path_buf(),
             expected,
         });
     }
+    let common = source.common_dir().to_path_buf();
     let src = Repo::GitDir(&common);
 
-    if let Some(worktree) = checked_out_in(&git, source, &refname)? {
+    if let Some(worktree) = checked_out_in(&git, src, &refname)? {
         return Err(SessionError::BranchCheckedOut {
             branch: branch.to_string(),
             worktree,

@@ -1,13 +1,15 @@
 //! Running `git` on the host without trusting anything but the caller.
 //!
 //! Every invocation gets a scrubbed environment (no system or global config, no user
-//! attributes or excludes, `HOME` pointing nowhere, C locale), command-line overrides that
-//! disable hooks, fsmonitor, pagers and every transport, and runs as the session's [`Owner`]
+//! attributes or excludes, `HOME` pointing nowhere, C locale, an empty transport allow-list
+//! and no lazy fetch), command-line overrides that disable hooks, fsmonitor, pagers and every
+//! transport, and runs as the session's [`Owner`]
 //! when one is given and the process is root, in a process group of its own that is killed
 //! when the command outlives its deadline ([`DEADLINE`]; [`PIPE_DEADLINE`] for a pack moved
 //! between two gits). Repository-local config is still read by git, so git only ever runs on
-//! the user's own repositories and on host-owned directories: a session is read through
-//! `scratch`, never through the guest's git directory.
+//! a source repository `source` has checked (no includes, no `core.worktree`, no redirect)
+//! and on host-owned directories: a session is read through `scratch`, never through the
+//! guest's git directory.
 
 use std::ffi::{OsStr, OsString};
 use std::io::{Read, Write};
@@ -28,10 +30,12 @@ pub struct Owner {
 /// Where a git command runs.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Repo<'a> {
-    /// Discover the repository from this directory (`git -C dir`): the user's source.
+    /// Discover the repository from this directory (`git -C dir`): only to compare git's
+    /// view of the source with the one Warren checked (`source`).
     At(&'a Path),
-    /// The session repository: explicit `--git-dir`/`--work-tree`, no discovery.
-    Session {
+    /// Explicit `--git-dir`/`--work-tree`, no discovery: a scratch git directory over the
+    /// session's working tree, or the checked source repository (`source`).
+    Explicit {
         git_dir: &'a Path,
         work_tree: &'a Path,
     },
@@ -100,6 +104,11 @@ impl Git {
             ("GIT_TERMINAL_PROMPT", "0"),
             ("GIT_NO_REPLACE_OBJECTS", "1"),
             ("GIT_PROTOCOL_FROM_USER", "0"),
+            // An allow-list, even an empty one, wins over every `protocol.<name>.allow` a
+            // repository's config may set (`protocol.allow=never` does not).
+            ("GIT_ALLOW_PROTOCOL", ""),
+            // No lazy fetch of a missing object from a promisor remote (git 2.44+).
+            ("GIT_NO_LAZY_FETCH", "1"),
         ] {
             cmd.env(k, v);
         }
@@ -112,7 +121,7 @@ impl Git {
             Repo::At(dir) => {
                 cmd.arg("-C").arg(dir);
             }
-            Repo::Session { git_dir, work_tree } => {
+            Repo::Explicit { git_dir, work_tree } => {
                 cmd.arg(dashdash("--git-dir=", git_dir))
                     .arg(dashdash("--work-tree=", work_tree));
             }

@@ -33,7 +33,7 @@ impl SessionPaths {
     }
 
     pub(crate) fn repo(&self) -> Repo<'_> {
-        Repo::Session {
+        Repo::Explicit {
             git_dir: &self.git_dir,
             work_tree: &self.workspace,
         }

@@ -27,9 +27,11 @@
 //!
 //! Every host git command runs with a scrubbed environment, as the owner, under a deadline;
 //! a session is read only through a host-owned scratch git directory (`scratch`), never
-//! through the guest's git directory.
+//! through the guest's git directory, and the source repository is checked (`source`) before
+//! anything of it is read, copied, mounted or written: nothing in it may lead outside it.
 #![forbid(unsafe_code)]
 
+mod beneath;
 mod copy;
 mod error;
 mod export;
@@ -38,6 +40,7 @@ pub mod guard;
 mod prepare;
 mod retention;
 mod scratch;
+mod source;
 
 use std::path::{Path, PathBuf};
 

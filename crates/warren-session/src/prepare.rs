@@ -1,24 +1,31 @@
 //! Preparing a session: the session-owned copy of a source checkout.
 //!
 //! Steps, in order:
-//! 1. Resolve the source: its canonical toplevel, common git directory, object directory,
-//!    index, object format, HEAD, branches and tags (all read-only git commands).
+//! 1. Resolve the source and check it (`source`: nothing in it may lead outside it), then
+//!    read its object format, HEAD, branches and tags (read-only git commands over the checked
+//!    git directory, named explicitly).
 //! 2. Create `S` (0711) and `S/workspace` (the owner's), and link
 //!    `S/.warren-source-objects` to the source's object directory.
 //! 3. `git init --template=` the workspace (no hooks, no sample files), point its
 //!    `objects/info/alternates` at the link by a relative path, recreate HEAD, branches and
 //!    tags, and set identity and line-ending config read from the source.
 //! 4. Copy the source index (staged content; the staged blobs are already in the source
-//!    object store) and the working-tree files ([`crate::copy`]), then refresh the index.
+//!    object store) and the working-tree files ([`crate::copy`]), then refresh the index. The
+//!    index, its split-index parts and `info/exclude` are read through the descriptors the
+//!    check opened, beneath the source's git directory, never through a symlink.
 //!
 //! A failure after step 2 removes `S` again.
 
+use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use crate::beneath::Tree;
 use crate::copy::{as_owner, copy_entries, Entry, SkipReason, Skipped};
 use crate::git::{nul_fields, os_path, text, Git, Repo};
 use crate::guard::{self, SessionPaths};
+use crate::source::{self, Repository};
 use crate::{Owner, SessionError, ALTERNATES_ENTRY};
 
 /// The source's HEAD, as the session starts with it.
@@ -45,6 +52,8 @@ pub struct Prepared {
     /// The source's canonical object directory: the host directory to mount read-only at
     /// [`crate::GUEST_SOURCE_OBJECTS`].
     pub source_objects: PathBuf,
+    /// (device, inode) of `source_objects` as checked: what the mount must still be.
+    pub source_objects_identity: (u64, u64),
     pub head: Head,
     /// Regular files copied into the workspace.
     pub files: u64,
@@ -109,10 +118,8 @@ pub fn direct(dir: &Path) -> Result<PathBuf, SessionError> {
 /// Everything read from the source before anything is created.
 struct Source {
     toplevel: PathBuf,
-    common_dir: PathBuf,
-    objects: PathBuf,
-    index: PathBuf,
-    info_exclude: PathBuf,
+    /// The checked repository, its directories held open.
+    repo: Repository,
     object_format: String,
     head: Head,
     /// `(refname, oid)` of branches and tags.
@@ -127,49 +134,15 @@ fn resolve_source(git: &Git, source: &Path) -> Result<Source, SessionError> {
     if !meta.is_dir() {
         return Err(SessionError::NotADirectory(source.to_path_buf()));
     }
-    let out = git.output(
-        Repo::At(source),
-        &["rev-parse", "--is-bare-repository", "--is-inside-git-dir"],
-        None,
-    )?;
-    if !out.status.success() {
-        let stderr = text(&out.stderr);
-        if stderr.contains("not a git repository") {
-            return Err(SessionError::NotARepository(source.to_path_buf()));
-        }
-        return Err(SessionError::Git {
-            args: "rev-parse".into(),
-            status: out.status.to_string(),
-            stderr,
-        });
-    }
-    if text(&out.stdout).lines().any(|l| l == "true") {
-        return Err(SessionError::BareRepository(source.to_path_buf()));
-    }
-    let top = git.line(Repo::At(source), &["rev-parse", "--show-toplevel"])?;
-    let toplevel = canonical(Path::new(&top))?;
-    let at = Repo::At(&toplevel);
-    let abs = |what: &str| -> Result<PathBuf, SessionError> {
-        let args: &[&str] = if what == "index" || what == "info/exclude" {
-            &["rev-parse", "--path-format=absolute", "--git-path", what]
-        } else {
-            &["rev-parse", "--path-format=absolute", what]
-        };
-        Ok(PathBuf::from(git.line(at, args)?))
+    let repo = source::open_worktree(git, source)?;
+    let toplevel = repo
+        .toplevel
+        .clone()
+        .expect("invariant: opened from a working tree");
+    let at = Repo::Explicit {
+        git_dir: repo.git_dir.path(),
+        work_tree: &toplevel,
     };
-    let common_dir = canonical(&abs("--git-common-dir")?)?;
-    let objects = canonical(&common_dir.join("objects"))?;
-    let alternates = objects.join("info/alternates");
-    if let Ok(content) = std::fs::read(&alternates) {
-        if content
-            .split(|b| *b == b'\n')
-            .any(|l| !l.is_empty() && !l.starts_with(b"#"))
-        {
-            return Err(SessionError::SourceHasAlternates(objects));
-        }
-    }
-    let index = abs("index")?;
-    let info_exclude = abs("info/exclude")?;
     let object_format = git.line(at, &["rev-parse", "--show-object-format"])?;
     let head = read_head(git, at)?;
     let refs = git
@@ -189,16 +162,13 @@ fn resolve_source(git: &Git, source: &Path) -> Result<Source, SessionError> {
     let (entries, skipped) = list_entries(git, at)?;
     let mut config = Vec::new();
     for key in COPIED_KEYS {
-        if let Some(v) = source_setting(git, at, key)? {
+        if let Some(v) = source_setting(git, &repo, key)? {
             config.push((key.to_string(), v));
         }
     }
     Ok(Source {
         toplevel,
-        common_dir,
-        objects,
-        index,
-        info_exclude,
+        repo,
         object_format,
         head,
         refs,
@@ -206,10 +176,6 @@ fn resolve_source(git: &Git, source: &Path) -> Result<Source, SessionError> {
         skipped,
         config,
     })
-}
-
-fn canonical(p: &Path) -> Result<PathBuf, SessionError> {
-    p.canonicalize().map_err(SessionError::io("resolve", p))
 }
 
 fn read_head(git: &Git, at: Repo<'_>) -> Result<Head, SessionError> {
@@ -272,12 +238,11 @@ fn list_entries(git: &Git, at: Repo<'_>) -> Result<(Vec<Entry>, Vec<Skipped>), S
     Ok((entries, skipped))
 }
 
-/// `key` from the source repository's own config, else from the owner's global config
-/// (`~/.gitconfig`, then `~/.config/git/config`), read as files without includes.
-fn source_setting(git: &Git, at: Repo<'_>, key: &str) -> Result<Option<String>, SessionError> {
-    let out = git.output(at, &["config", "--no-includes", "--get", key], None)?;
-    if out.status.success() {
-        return Ok(Some(text(&out.stdout)));
+/// `key` from the source repository's own config (as checked), else from the owner's global
+/// config (`~/.gitconfig`, then `~/.config/git/config`), read as files without includes.
+fn source_setting(git: &Git, repo: &Repository, key: &str) -> Result<Option<String>, SessionError> {
+    if let Some(v) = repo.setting(key) {
+        return Ok(Some(v.to_string()));
     }
     let home = match git.run_as() {
         Some(o) => nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(o.uid))
@@ -322,7 +287,7 @@ fn build(git: &Git, src: &Source, paths: &SessionPaths) -> Result<Prepared, Sess
         std::os::unix::fs::chown(&paths.workspace, Some(o.uid), Some(o.gid))
             .map_err(SessionError::io("chown", &paths.workspace))?;
     }
-    std::os::unix::fs::symlink(&src.objects, &paths.link)
+    std::os::unix::fs::symlink(src.repo.objects_dir(), &paths.link)
         .map_err(SessionError::io("symlink", &paths.link))?;
 
     let mut init = vec![
@@ -336,7 +301,6 @@ fn build(git: &Git, src: &Source, paths: &SessionPaths) -> Result<Prepared, Sess
 
     let repo = paths.repo();
     let git_dir = paths.git_dir.clone();
-    let info_exclude = src.info_exclude.clone();
     as_owner(run_as, || {
         let info = git_dir.join("objects/info");
         std::fs::create_dir_all(&info).map_err(SessionError::io("create directory", &info))?;
@@ -344,11 +308,14 @@ fn build(git: &Git, src: &Source, paths: &SessionPaths) -> Result<Prepared, Sess
         std::fs::write(&alt, format!("{ALTERNATES_ENTRY}\n"))
             .map_err(SessionError::io("write", &alt))?;
         // The source's own exclude rules keep the session's view of ignored files the same.
-        if let Ok(rules) = std::fs::read(&info_exclude) {
+        if let Some(rules) = src.repo.common.file("info/exclude")? {
             let dir = git_dir.join("info");
             std::fs::create_dir_all(&dir).map_err(SessionError::io("create directory", &dir))?;
-            let to = dir.join("exclude");
-            std::fs::write(&to, rules).map_err(SessionError::io("write", &to))?;
+            copy_fd(
+                rules,
+                &src.repo.common.path().join("info/exclude"),
+                &dir.join("exclude"),
+            )?;
         }
         Ok(())
     })?;
@@ -373,7 +340,7 @@ fn build(git: &Git, src: &Source, paths: &SessionPaths) -> Result<Prepared, Sess
     }
 
     let (stats, shared) = as_owner(run_as, || {
-        let shared = copy_index(&src.index, &paths.git_dir)?;
+        let shared = copy_index(&src.repo.git_dir, &paths.git_dir)?;
         let stats = copy_entries(&src.toplevel, &paths.workspace, &src.entries)?;
         Ok((stats, shared))
     })?;
@@ -393,8 +360,9 @@ fn build(git: &Git, src: &Source, paths: &SessionPaths) -> Result<Prepared, Sess
     skipped.extend(stats.skipped);
     Ok(Prepared {
         source_toplevel: src.toplevel.clone(),
-        source_git_dir: src.common_dir.clone(),
-        source_objects: src.objects.clone(),
+        source_git_dir: src.repo.common_dir().to_path_buf(),
+        source_objects: src.repo.objects_dir().to_path_buf(),
+        source_objects_identity: src.repo.objects_identity,
         head: src.head.clone(),
         files: stats.files,
         symlinks: stats.symlinks,
@@ -403,27 +371,39 @@ fn build(git: &Git, src: &Source, paths: &SessionPaths) -> Result<Prepared, Sess
     })
 }
 
-/// Copies the source index (if any) and the split-index shared files next to it into the
-/// session git directory; returns the shared files copied.
-fn copy_index(index: &Path, git_dir: &Path) -> Result<Vec<PathBuf>, SessionError> {
-    let to = git_dir.join("index");
-    match std::fs::copy(index, &to) {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(SessionError::io("copy", index)(e)),
-    }
-    let mut shared = Vec::new();
-    let Some(dir) = index.parent() else {
-        return Ok(shared);
+/// Copies the source index (if any) and the split-index shared files next to it from the
+/// source's (worktree) git directory into the session git directory; returns the shared files
+/// copied.
+fn copy_index(from: &Tree, git_dir: &Path) -> Result<Vec<PathBuf>, SessionError> {
+    let Some(index) = from.file("index")? else {
+        return Ok(Vec::new());
     };
-    let listing = std::fs::read_dir(dir).map_err(SessionError::io("list", dir))?;
-    for entry in listing {
-        let entry = entry.map_err(SessionError::io("list", dir))?;
-        if entry.file_name().as_bytes().starts_with(b"sharedindex.") {
-            let to = git_dir.join(entry.file_name());
-            std::fs::copy(entry.path(), &to).map_err(SessionError::io("copy", entry.path()))?;
+    copy_fd(index, &from.path().join("index"), &git_dir.join("index"))?;
+    let mut shared = Vec::new();
+    for (name, _) in from.entries()? {
+        if !name.starts_with(b"sharedindex.") {
+            continue;
+        }
+        let name = std::ffi::OsStr::from_bytes(&name);
+        if let Some(fd) = from.file(name)? {
+            let to = git_dir.join(name);
+            copy_fd(fd, &from.path().join(name), &to)?;
             shared.push(to);
         }
     }
     Ok(shared)
+}
+
+/// Copies an open source file to a new file `to` (0644 before the umask).
+fn copy_fd(from: OwnedFd, what: &Path, to: &Path) -> Result<(), SessionError> {
+    let mut input = std::fs::File::from(from);
+    let mut output = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+        .open(to)
+        .map_err(SessionError::io("create", to))?;
+    std::io::copy(&mut input, &mut output).map_err(SessionError::io("copy", what))?;
+    Ok(())
 }

@@ -32,9 +32,10 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
-use nix::sys::stat::{Mode, SFlag};
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
 
+use crate::beneath::{self, Kind, Side, Tree};
 use crate::copy::as_owner;
 use crate::git::{Git, Repo};
 use crate::guard::SessionPaths;
@@ -81,11 +82,22 @@ impl Scratch {
                 reason: "the source objects link has no parent directory".into(),
             })?
             .to_path_buf();
+        // The source is checked again: it may have changed since the session was made.
+        let source = crate::source::open_common(git, &source_git)?;
+        if source.objects_dir() != source_objects {
+            return Err(SessionError::NotASession {
+                path: paths.root.clone(),
+                reason: format!(
+                    "the source objects link names {}, not an object directory",
+                    source_objects.display()
+                ),
+            });
+        }
         let sha256 = git.line(
             Repo::GitDir(&source_git),
             &["rev-parse", "--show-object-format"],
         )? == "sha256";
-        let shallow = read_source_shallow(&source_git)?;
+        let shallow = as_owner(git.run_as(), || source.common.read("shallow", MAX_INDEX))?;
         let session_git = paths.git_dir.clone();
         let work_tree = paths.workspace.clone();
         let owner = git.run_as();
@@ -116,7 +128,7 @@ impl Scratch {
     fn sanitize_index(&self, git: &Git, session_git: &Path) -> Result<(), SessionError> {
         let empty = self.dir.join("empty-work-tree");
         as_owner(git.run_as(), || mkdir(&empty))?;
-        let repo = Repo::Session {
+        let repo = Repo::Explicit {
             git_dir: &self.dir,
             work_tree: &empty,
         };
@@ -154,7 +166,7 @@ impl Scratch {
 
     /// Where host git runs: the scratch git directory over the session's working tree.
     pub(crate) fn repo(&self) -> Repo<'_> {
-        Repo::Session {
+        Repo::Explicit {
             git_dir: &self.dir,
             work_tree: &self.work_tree,
         }
@@ -198,7 +210,7 @@ fn fill(
     sha256: bool,
     shallow: Option<&[u8]>,
 ) -> Result<(), SessionError> {
-    let git_fd = open_session_git(session_git)?;
+    let git_dir = open_session_git(session_git)?;
     let mut budget = Budget::default();
     for sub in [
         "info",
@@ -226,7 +238,8 @@ fn fill(
         create(&dir.join("shallow"), s)?;
     }
 
-    let head = read_beneath(&git_fd, session_git, "HEAD", MAX_SMALL_FILE)?
+    let head = git_dir
+        .read("HEAD", MAX_SMALL_FILE)?
         .ok_or_else(|| unsafe_dir(session_git, "HEAD is missing"))?;
     if !valid_ref_value(&head, sha256) {
         return Err(unsafe_dir(
@@ -236,15 +249,15 @@ fn fill(
     }
     create(&dir.join("HEAD"), &head)?;
     for (name, cap) in [("index", MAX_INDEX), ("info/exclude", MAX_SMALL_FILE)] {
-        if let Some(bytes) = read_beneath(&git_fd, session_git, name, cap)? {
+        if let Some(bytes) = git_dir.read(name, cap)? {
             create(&dir.join(name), &bytes)?;
         }
     }
-    if let Some(packed) = read_beneath(&git_fd, session_git, "packed-refs", MAX_INDEX)? {
+    if let Some(packed) = git_dir.read("packed-refs", MAX_INDEX)? {
         create(&dir.join("packed-refs"), &packed_branches(&packed, sha256))?;
     }
-    copy_refs(&git_fd, session_git, dir, sha256, &mut budget)?;
-    copy_objects(&git_fd, session_git, dir, &mut budget)
+    copy_refs(&git_dir, dir, sha256, &mut budget)?;
+    copy_objects(&git_dir, dir, &mut budget)
 }
 
 /// What one build has copied so far.
@@ -268,19 +281,9 @@ impl Budget {
     }
 }
 
-fn how(flags: OFlag) -> OpenHow {
-    OpenHow::new()
-        .flags(flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
-        .resolve(
-            ResolveFlag::RESOLVE_BENEATH
-                | ResolveFlag::RESOLVE_NO_SYMLINKS
-                | ResolveFlag::RESOLVE_NO_XDEV,
-        )
-}
-
-/// `S/workspace/.git` as a directory descriptor: a `.git` file, a symlink or anything but a
-/// real directory is refused.
-fn open_session_git(session_git: &Path) -> Result<OwnedFd, SessionError> {
+/// `S/workspace/.git` as a directory: a `.git` file, a symlink or anything but a real
+/// directory is refused.
+fn open_session_git(session_git: &Path) -> Result<Tree, SessionError> {
     let workspace = session_git
         .parent()
         .ok_or_else(|| unsafe_dir(session_git, "no working tree"))?;
@@ -290,113 +293,30 @@ fn open_session_git(session_git: &Path) -> Result<OwnedFd, SessionError> {
         Mode::empty(),
     )
     .map_err(|e| SessionError::io("open", workspace)(e.into()))?;
-    nix::fcntl::openat2(&ws, ".git", how(OFlag::O_PATH | OFlag::O_DIRECTORY))
+    Tree::open_at(&ws, workspace, Path::new(".git"), Side::Session)
         .map_err(|_| unsafe_dir(session_git, ".git is not a directory"))
 }
 
-/// Reads `rel` beneath `dir`: `None` if it does not exist; refused if it is a symlink, leads
-/// out, is no regular file, or is larger than `cap`.
-fn read_beneath(
-    dir: &OwnedFd,
-    session_git: &Path,
-    rel: &str,
-    cap: u64,
-) -> Result<Option<Vec<u8>>, SessionError> {
-    let Some(file) = open_file_beneath(dir, session_git, rel)? else {
-        return Ok(None);
-    };
-    let mut buf = Vec::new();
-    fs::File::from(file)
-        .take(cap + 1)
-        .read_to_end(&mut buf)
-        .map_err(SessionError::io("read", session_git.join(rel)))?;
-    if buf.len() as u64 > cap {
-        return Err(SessionError::TooLarge {
-            what: session_git.join(rel).display().to_string(),
-            limit: format!("{cap} bytes"),
-        });
-    }
-    Ok(Some(buf))
-}
-
-/// Opens a regular file beneath `dir` for reading (see [`read_beneath`]).
-fn open_file_beneath(
-    dir: &OwnedFd,
-    session_git: &Path,
-    rel: impl AsRef<Path>,
-) -> Result<Option<OwnedFd>, SessionError> {
-    let rel = rel.as_ref();
-    let fd = match nix::fcntl::openat2(dir, rel, how(OFlag::O_RDONLY | OFlag::O_NONBLOCK)) {
-        Ok(fd) => fd,
-        Err(nix::errno::Errno::ENOENT) => return Ok(None),
-        Err(e) => {
-            return Err(unsafe_dir(
-                &session_git.join(rel),
-                format!("cannot be opened safely ({e})"),
-            ))
-        }
-    };
-    let st = nix::sys::stat::fstat(&fd).map_err(|e| SessionError::io("stat", rel)(e.into()))?;
-    if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
-        return Err(unsafe_dir(&session_git.join(rel), "not a regular file"));
-    }
-    Ok(Some(fd))
-}
-
-/// Opens a directory beneath `dir`; `None` if it does not exist.
-fn open_dir_beneath(
-    dir: &OwnedFd,
-    session_git: &Path,
-    rel: &Path,
-) -> Result<Option<OwnedFd>, SessionError> {
-    match nix::fcntl::openat2(dir, rel, how(OFlag::O_RDONLY | OFlag::O_DIRECTORY)) {
-        Ok(fd) => Ok(Some(fd)),
-        Err(nix::errno::Errno::ENOENT) => Ok(None),
-        Err(e) => Err(unsafe_dir(
-            &session_git.join(rel),
-            format!("is not a plain directory ({e})"),
-        )),
-    }
-}
-
-/// The names in a directory descriptor, with whether each is a directory (by `d_type`;
-/// anything else is opened as a file and checked there).
-fn entries(dir: OwnedFd, at: &Path) -> Result<Vec<(Vec<u8>, bool)>, SessionError> {
-    let mut d = nix::dir::Dir::from_fd(dir).map_err(|e| SessionError::io("list", at)(e.into()))?;
-    let mut out = Vec::new();
-    for e in d.iter() {
-        let e = e.map_err(|e| SessionError::io("list", at)(e.into()))?;
-        let name = e.file_name().to_bytes();
-        if name == b"." || name == b".." {
-            continue;
-        }
-        let is_dir = matches!(e.file_type(), Some(nix::dir::Type::Directory));
-        out.push((name.to_vec(), is_dir));
-    }
-    out.sort();
-    Ok(out)
-}
-
 fn copy_refs(
-    git_fd: &OwnedFd,
-    session_git: &Path,
+    git_dir: &Tree,
     dir: &Path,
     sha256: bool,
     budget: &mut Budget,
 ) -> Result<(), SessionError> {
+    let session_git = git_dir.path();
     let mut stack = vec![(PathBuf::from("refs/heads"), 0usize)];
     while let Some((rel, depth)) = stack.pop() {
-        let Some(fd) = open_dir_beneath(git_fd, session_git, &rel)? else {
+        let Some(fd) = git_dir.dir_fd(&rel)? else {
             continue;
         };
-        for (name, is_dir) in entries(fd, &session_git.join(&rel))? {
+        for (name, kind) in beneath::entries(fd, &session_git.join(&rel))? {
             budget.take(0, session_git)?;
             if !valid_ref_component(&name) {
                 // A name git would not accept as a branch: not a branch host git sees.
                 continue;
             }
             let child = rel.join(OsStr::from_bytes(&name));
-            if is_dir {
+            if kind == Kind::Dir {
                 if depth >= MAX_REF_DEPTH {
                     return Err(unsafe_dir(session_git, "branch names nest too deep"));
                 }
@@ -404,13 +324,7 @@ fn copy_refs(
                 stack.push((child, depth + 1));
                 continue;
             }
-            let Some(value) = read_beneath(
-                git_fd,
-                session_git,
-                &child.to_string_lossy(),
-                MAX_SMALL_FILE,
-            )?
-            else {
+            let Some(value) = git_dir.read(&child, MAX_SMALL_FILE)? else {
                 continue;
             };
             budget.take(value.len() as u64, session_git)?;
@@ -423,36 +337,32 @@ fn copy_refs(
     Ok(())
 }
 
-fn copy_objects(
-    git_fd: &OwnedFd,
-    session_git: &Path,
-    dir: &Path,
-    budget: &mut Budget,
-) -> Result<(), SessionError> {
+fn copy_objects(git_dir: &Tree, dir: &Path, budget: &mut Budget) -> Result<(), SessionError> {
+    let session_git = git_dir.path();
     let objects = Path::new("objects");
-    let Some(fd) = open_dir_beneath(git_fd, session_git, objects)? else {
+    let Some(fd) = git_dir.dir_fd(objects)? else {
         return Ok(());
     };
-    for (name, is_dir) in entries(fd, &session_git.join(objects))? {
+    for (name, kind) in beneath::entries(fd, &session_git.join(objects))? {
         let loose = name.len() == 2 && name.iter().all(u8::is_ascii_hexdigit);
         if !(loose || name == b"pack") {
             // `info` (alternates, packs lists) and anything unexpected is not used.
             continue;
         }
-        if !is_dir {
+        if kind != Kind::Dir {
             return Err(unsafe_dir(
                 &session_git.join(objects).join(OsStr::from_bytes(&name)),
                 "is not a plain directory",
             ));
         }
         let sub = objects.join(OsStr::from_bytes(&name));
-        let Some(sub_fd) = open_dir_beneath(git_fd, session_git, &sub)? else {
+        let Some(sub_fd) = git_dir.dir_fd(&sub)? else {
             continue;
         };
         if loose {
             mkdir(&dir.join(&sub))?;
         }
-        for (file, _) in entries(sub_fd, &session_git.join(&sub))? {
+        for (file, _) in beneath::entries(sub_fd, &session_git.join(&sub))? {
             budget.take(0, session_git)?;
             let wanted = if loose {
                 file.len() >= 38 && file.iter().all(u8::is_ascii_hexdigit)
@@ -469,7 +379,7 @@ fn copy_objects(
                 continue;
             }
             let rel = sub.join(OsStr::from_bytes(&file));
-            let Some(src) = open_file_beneath(git_fd, session_git, &rel)? else {
+            let Some(src) = git_dir.file(&rel)? else {
                 continue;
             };
             copy_fd(
@@ -533,16 +443,6 @@ fn create(p: &Path, bytes: &[u8]) -> Result<(), SessionError> {
         .open(p)
         .map_err(SessionError::io("create", p))?;
     f.write_all(bytes).map_err(SessionError::io("write", p))
-}
-
-/// The source's `shallow` file (the user's own repository), if any.
-fn read_source_shallow(source_git: &Path) -> Result<Option<Vec<u8>>, SessionError> {
-    let p = source_git.join("shallow");
-    match fs::read(&p) {
-        Ok(b) => Ok(Some(b)),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(SessionError::io("read", p)(e)),
-    }
 }
 
 /// An index path git itself would accept (`verify_path`): relative, no empty, `.`, `..` or
