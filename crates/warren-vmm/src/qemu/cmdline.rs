@@ -18,8 +18,8 @@ pub const SHARE_FD_BASE: i32 = 7;
 /// How the VMM reaches its endpoints.
 #[derive(Debug, Clone, Copy)]
 pub enum Attach<'a> {
-    /// Descriptors passed at launch ([`CONSOLE_FD`], [`CHANNEL_FD`], [`QMP_FD`],
-    /// [`SHARE_FD_BASE`]): what Warren's backend does, so nothing the supervisor connects to
+    /// Descriptors passed at launch (`CONSOLE_FD`, `CHANNEL_FD`, `QMP_FD`,
+    /// `SHARE_FD_BASE`): what Warren's backend does, so nothing the supervisor connects to
     /// lives in a directory the VMM can write.
     Fds,
     /// Sockets QEMU itself creates at these paths (the raw-QEMU baseline of `warren bench`).
