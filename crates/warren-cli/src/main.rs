@@ -29,6 +29,12 @@ fn from_rmcp(target: &str) -> bool {
 }
 
 fn main() {
+    // Descriptors a parent left open never reach anything Warren starts (supervisors, VMMs,
+    // virtiofsd, host git as a session owner).
+    if let Err(e) = warren_vmm::sys::process::cloexec_from(3) {
+        eprintln!("warren: marking inherited descriptors close-on-exec failed: {e}");
+        std::process::exit(1);
+    }
     let args = cli::Cli::parse();
     let level = match args.verbose {
         0 if matches!(args.command, cli::Command::Serve { .. }) => "info",

@@ -137,25 +137,25 @@ fn framing(headers: &[(String, Vec<u8>)], default: Framing) -> Result<Framing, C
             Err(ConnError::Framing("request transfer coding not chunked"))
         };
     }
-    let mut len = None;
-    for v in cl {
-        let s = std::str::from_utf8(v).map_err(|_| ConnError::Framing("bad Content-Length"))?;
-        for part in s.split(',') {
-            let part = part.trim_matches(|c| c == ' ' || c == '\t');
+    // Exactly one Content-Length of digits only, because the head is forwarded as sent: a
+    // repeated header or a list (`5, 5`, which RFC 9110 lets a recipient accept) is read as
+    // something else by some upstreams, and the body would become a request there.
+    match cl.as_slice() {
+        [] => Ok(default),
+        [v] => {
+            let s = std::str::from_utf8(v).map_err(|_| ConnError::Framing("bad Content-Length"))?;
+            let s = s.trim_matches(|c| c == ' ' || c == '\t');
             // Digits only: `+5` or `0x5` would parse here and mean something else upstream.
-            if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
+            if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
                 return Err(ConnError::Framing("bad Content-Length"));
             }
-            let n: u64 = part
+            let n: u64 = s
                 .parse()
                 .map_err(|_| ConnError::Framing("bad Content-Length"))?;
-            if len.is_some_and(|l| l != n) {
-                return Err(ConnError::Framing("conflicting Content-Length"));
-            }
-            len = Some(n);
+            Ok(Framing::Length(n))
         }
+        _ => Err(ConnError::Framing("repeated Content-Length")),
     }
-    Ok(len.map(Framing::Length).unwrap_or(default))
 }
 
 /// Reads one head (up to and including the empty line). `Ok(None)` on a clean EOF before any
@@ -736,11 +736,20 @@ mod tests {
         )
         .is_err());
         assert!(framing(&h(&[("Transfer-Encoding", "chunked, gzip")]), Framing::None).is_err());
-        assert_eq!(
-            framing(&h(&[("Content-Length", "5, 5")]), Framing::None).ok(),
-            Some(Framing::Length(5))
+        assert!(
+            framing(
+                &h(&[("Content-Length", "5"), ("Content-Length", "5")]),
+                Framing::None
+            )
+            .is_err(),
+            "a repeated length, even equal, is refused"
         );
-        for bad in ["+5", "0x5", "5 5", "", "-1"] {
+        assert_eq!(
+            framing(&h(&[("Content-Length", " 5 ")]), Framing::None).ok(),
+            Some(Framing::Length(5)),
+            "control: one plain length"
+        );
+        for bad in ["+5", "0x5", "5 5", "", "-1", "5, 5", "5,5"] {
             assert!(
                 framing(&h(&[("Content-Length", bad)]), Framing::None).is_err(),
                 "{bad}"

@@ -24,6 +24,10 @@ pub const ALWAYS_DENIED: &[(Ipv4Addr, u8)] = &[
     (Ipv4Addr::new(169, 254, 0, 0), 16),
     (Ipv4Addr::new(172, 16, 0, 0), 12),
     (Ipv4Addr::new(192, 168, 0, 0), 16),
+    // IETF protocol assignments (DS-Lite, NAT64 discovery and the like).
+    (Ipv4Addr::new(192, 0, 0, 0), 24),
+    // Azure's WireServer: a cloud host's metadata and agent channel outside 169.254/16.
+    (Ipv4Addr::new(168, 63, 129, 16), 32),
     (Ipv4Addr::new(224, 0, 0, 0), 4),
     (Ipv4Addr::new(240, 0, 0, 0), 4),
 ];
@@ -278,6 +282,8 @@ mod tests {
     fn test_always_denied_ranges() {
         for ip in [
             "169.254.169.254",
+            "168.63.129.16",
+            "192.0.0.170",
             "10.1.2.3",
             "172.31.0.1",
             "192.168.1.1",

@@ -154,8 +154,12 @@ fn sniff_text(buf: &[u8]) -> Sniffed {
     if method_len == text.len() {
         return Sniffed::NeedMore;
     }
-    if !matches!(text[method_len], b' ' | b'\t') {
-        return Sniffed::Other;
+    match text[method_len] {
+        b' ' | b'\t' => {}
+        // Other bytes some servers split a request line on (Python's `str.split`: VT, FF,
+        // FS..US, NEL, NBSP): a disguised request line is refused, not relayed undecided.
+        0x0b | 0x0c | 0x1c..=0x1f | 0x85 | 0xa0 => return Sniffed::Malformed,
+        _ => return Sniffed::Other,
     }
     // A token and a space: decided only once the whole first line is in (whatever bytes it
     // holds, since what a lenient server accepts in a request line is not ours to guess).
@@ -163,8 +167,24 @@ fn sniff_text(buf: &[u8]) -> Sniffed {
         return Sniffed::NeedMore;
     };
     let line = &text[..line_end];
-    // No version: an HTTP/0.9-style line or another text protocol; nothing names a host.
+    // No version: another text protocol (decided by address), unless its first word is an
+    // HTTP method: an HTTP/0.9-style request, which some servers still answer with the
+    // headers that follow it, so it is refused rather than relayed undecided.
     if !contains_ci(line, b"http") {
+        const METHODS: [&[u8]; 9] = [
+            b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"TRACE", b"CONNECT",
+        ];
+        // An uppercase method, or any case with an HTTP-shaped target; memcached's
+        // lowercase `get key` stays another protocol.
+        let method = &text[..method_len];
+        let target = line[method_len..].trim_ascii_start();
+        let http_target = target.starts_with(b"/") || contains_ci(target, b"://");
+        if METHODS
+            .iter()
+            .any(|m| method == *m || (http_target && method.eq_ignore_ascii_case(m)))
+        {
+            return Sniffed::Malformed;
+        }
         return Sniffed::Other;
     }
     if line.starts_with(b"PRI * HTTP/2") {
@@ -306,6 +326,23 @@ mod tests {
             sniff(b"CONNECT b.example:443 HTTP/1.1\r\nHost: b.example\r\n\r\n"),
             Sniffed::Malformed
         );
+        // Separators a lenient server splits on, and HTTP/0.9-shaped lines: refused, not
+        // relayed undecided (the security review's attacks).
+        for req in [
+            &b"GET\x0c/one\x0cHTTP/1.1\r\nHost: b.example\r\n\r\n"[..],
+            b"GET\x0b/ HTTP/1.1\r\n\r\n",
+            b"GET\xa0/ HTTP/1.1\r\n\r\n",
+            b"GET /nine\r\nHost: b.example\r\n\r\n",
+            b"get /nine\r\n\r\n",
+            b"POST http://b.example/\r\n\r\n",
+        ] {
+            assert_eq!(
+                sniff(req),
+                Sniffed::Malformed,
+                "{:?}",
+                String::from_utf8_lossy(req)
+            );
+        }
     }
 
     #[test]

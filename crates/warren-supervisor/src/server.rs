@@ -116,6 +116,10 @@ impl Shared {
 
 /// Runs the supervisor for the VM in `dir` until the VM ends.
 pub fn run(dir: PathBuf) -> Result<(), SuperviseError> {
+    // Every socket and file the supervisor (and its VMM) creates is owner-only from its first
+    // instant, whatever umask the caller had: a socket is never connectable by another local
+    // user between its bind and a chmod.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -213,6 +213,9 @@ pub fn spawn_all(spec: &LaunchSpec) -> Result<Started, VmmError> {
         crate::sys::process::confine(&mut cmd, None);
         crate::sys::process::mount_held_dir(&mut cmd, tree.as_raw_fd(), &mountpoint)
             .map_err(|e| VmmError::io("prepare the mount of", &mountpoint, e))?;
+        // Files the guest creates in a share get the guest's modes under the usual 022, not
+        // the supervisor's owner-only umask.
+        crate::sys::process::set_umask(&mut cmd, 0o022);
         crate::sys::share_seccomp::install_in_child(&mut cmd, filters.clone());
         crate::sys::process::pass_fd(&mut cmd, listener.as_raw_fd());
         let child = tokio::process::Command::from(cmd)

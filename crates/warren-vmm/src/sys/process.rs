@@ -131,6 +131,36 @@ pub fn mount_held_dir(
     Ok(())
 }
 
+/// Gives the child the file mode creation mask `mask`.
+pub fn set_umask(cmd: &mut std::process::Command, mask: u32) {
+    // SAFETY: runs in the forked child before exec; umask is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(mask));
+            Ok(())
+        });
+    }
+}
+
+/// Marks every descriptor from `first` up close-on-exec (`close_range(CLOSE_RANGE_CLOEXEC)`),
+/// so nothing but what a spawn passes on purpose reaches the program it runs.
+/// Async-signal-safe (one raw syscall).
+pub fn cloexec_from(first: u32) -> std::io::Result<()> {
+    // SAFETY: close_range only changes descriptor flags of this process; no pointer is passed.
+    let rc = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_close_range,
+            first,
+            u32::MAX,
+            nix::libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// The fd number a passed listening socket gets in the child.
 pub const PASSED_FD: i32 = 3;
 
@@ -165,7 +195,8 @@ pub fn pass_fds(cmd: &mut std::process::Command, fds: &[(std::os::fd::RawFd, i32
                 }
                 nix::libc::close(moved[i]);
             }
-            Ok(())
+            // Whatever the spawning process inherited stays behind.
+            cloexec_from(floor as u32)
         });
     }
 }
@@ -185,7 +216,43 @@ pub fn pass_fd_as(cmd: &mut std::process::Command, fd: std::os::fd::RawFd, targe
             if rc < 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            Ok(())
+            // Whatever the spawning process inherited stays behind.
+            cloexec_from(target as u32 + 1)
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    /// A descriptor the spawner inherited without close-on-exec (as a careless parent leaves
+    /// one) does not reach the child; control: without `pass_fds` it does.
+    #[test]
+    fn test_passing_fds_leaves_inherited_descriptors_behind() {
+        let f = tempfile::tempfile().expect("file");
+        // SAFETY: dup2 onto a free high number; the duplicate is closed below.
+        let leaked = unsafe { nix::libc::dup2(f.as_raw_fd(), 77) };
+        assert_eq!(leaked, 77, "dup2");
+        let listed = |pass: bool| {
+            let mut cmd = std::process::Command::new("ls");
+            cmd.arg("/proc/self/fd");
+            if pass {
+                pass_fds(&mut cmd, &[(f.as_raw_fd(), 5)]);
+            }
+            let out = cmd.output().expect("ls");
+            String::from_utf8_lossy(&out.stdout)
+                .split_whitespace()
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        };
+        let plain = listed(false);
+        assert!(plain.contains(&"77".to_string()), "control: {plain:?}");
+        let passed = listed(true);
+        assert!(passed.contains(&"5".to_string()), "{passed:?}");
+        assert!(!passed.contains(&"77".to_string()), "leaked: {passed:?}");
+        // SAFETY: closing the duplicate made above.
+        unsafe { nix::libc::close(77) };
     }
 }
