@@ -116,10 +116,11 @@ impl Shared {
 
 /// Runs the supervisor for the VM in `dir` until the VM ends.
 pub fn run(dir: PathBuf) -> Result<(), SuperviseError> {
-    // Every socket and file the supervisor (and its VMM) creates is owner-only from its first
-    // instant, whatever umask the caller had: a socket is never connectable by another local
-    // user between its bind and a chmod.
-    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+    // Nothing the supervisor (or its VMM) creates is writable by group or others from its
+    // first instant, whatever umask the caller had: a socket is never connectable by another
+    // local user between its bind and its chmod to 0600 (connecting needs write permission).
+    let old = nix::sys::stat::umask(nix::sys::stat::Mode::empty());
+    nix::sys::stat::umask(old | nix::sys::stat::Mode::from_bits_truncate(0o022));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
