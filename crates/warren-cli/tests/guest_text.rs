@@ -7,24 +7,9 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-use common::{ok, wait_until, TestEnv};
-
-fn git(dir: &Path, args: &[&str]) {
-    let out = Command::new("git")
-        .args(["-c", "user.name=T", "-c", "user.email=t@example.com"])
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("git");
-    assert!(
-        out.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use common::{git, ok, wait_until, TestEnv};
 
 /// The file names the guest makes, as the CLI prints them escaped and as the guest wrote
 /// them (ESC + CSI; C1 CSI U+009B; BEL, DEL and a bare CR; a newline).
