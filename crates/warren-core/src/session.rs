@@ -200,7 +200,11 @@ impl Warren {
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o711));
             let dir = parent.join(&id);
-            let p = warren_session::prepare(&req.repo, &dir, owner).map_err(session_error)?;
+            let (repo, into) = (req.repo.clone(), dir.clone());
+            let p = blocking(move || {
+                warren_session::prepare(&repo, &into, owner).map_err(session_error)
+            })
+            .await?;
             // The identity of the object directory prepare checked (opened beneath the source's
             // git directory, no symlink): every VM of the session must still mount that one.
             devices.objects_identity = Some(p.source_objects_identity);
@@ -444,11 +448,11 @@ impl Warren {
     /// Runs host git work on the session copy with the session's VM paused, so the guest
     /// cannot rewrite the git directory between the safety checks and the git call (a
     /// running VM is resumed afterwards, whatever the outcome).
-    async fn with_guest_stopped<T>(
-        &self,
-        s: &SessionRecord,
-        f: impl FnOnce() -> Result<T, CoreError>,
-    ) -> Result<T, CoreError> {
+    async fn with_guest_stopped<T, F>(&self, s: &SessionRecord, f: F) -> Result<T, CoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> Result<T, CoreError> + Send + 'static,
+    {
         let running = match &s.vm_id {
             Some(id) => matches!(self.get_vm(id), Ok(vm) if vm.state == VmState::Running),
             None => false,
@@ -458,7 +462,9 @@ impl Warren {
             self.suspend_vm(vm, crate::vm::SuspendMode::Pause, true)
                 .await?;
         }
-        let r = f();
+        // Host git and the file reads of a guest-written copy run on a blocking thread with
+        // their own deadlines, never on the runtime's workers.
+        let r = blocking(f).await;
         if running {
             self.resume_vm(vm).await?;
         }
@@ -473,9 +479,9 @@ impl Warren {
         if s.direct {
             return Ok(warren_session::Retention::default());
         }
-        self.with_guest_stopped(s, || {
-            warren_session::status(&s.dir, owner_of(s.owner_uid, s.owner_gid))
-                .map_err(session_error)
+        let (dir, owner) = (s.dir.clone(), owner_of(s.owner_uid, s.owner_gid));
+        self.with_guest_stopped(s, move || {
+            warren_session::status(&dir, owner).map_err(session_error)
         })
         .await
     }
@@ -499,8 +505,9 @@ impl Warren {
             }
         }
         if !s.direct {
-            warren_session::remove(&s.dir, true, owner_of(s.owner_uid, s.owner_gid))
-                .map_err(session_error)?;
+            let (dir, owner) = (s.dir.clone(), owner_of(s.owner_uid, s.owner_gid));
+            blocking(move || warren_session::remove(&dir, true, owner).map_err(session_error))
+                .await?;
         }
         self.store().delete_session(&s.id)?;
         Ok(())
@@ -523,12 +530,28 @@ impl Warren {
         let branch = branch
             .map(str::to_string)
             .unwrap_or_else(|| format!("warren/{}", s.name));
-        self.with_guest_stopped(s, || {
-            warren_session::export(&s.dir, git, &branch, owner_of(s.owner_uid, s.owner_gid))
-                .map_err(session_error)
+        let (dir, git, owner) = (
+            s.dir.clone(),
+            git.clone(),
+            owner_of(s.owner_uid, s.owner_gid),
+        );
+        self.with_guest_stopped(s, move || {
+            warren_session::export(&dir, &git, &branch, owner).map_err(session_error)
         })
         .await
     }
+}
+
+/// Runs `f` on the runtime's blocking pool: session copies, host git and reads of
+/// guest-written files never occupy an async worker.
+async fn blocking<T, F>(f: F) -> Result<T, CoreError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, CoreError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| CoreError::Session(format!("a blocking session task failed: {e}")))?
 }
 
 fn merge_devices(have: &SessionDevices, want: &SessionDevices) -> SessionDevices {

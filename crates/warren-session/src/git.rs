@@ -39,6 +39,14 @@ pub(crate) enum Repo<'a> {
         git_dir: &'a Path,
         work_tree: &'a Path,
     },
+    /// A scratch git directory over a session's working tree, which the guest writes: like
+    /// `Explicit`, and when Warren runs as root git also runs in a mount namespace of its own
+    /// where that tree is a read-only bind mount that follows no symbolic link and honours no
+    /// device node or set-id bit (`sys::confine_tree`).
+    Session {
+        git_dir: &'a Path,
+        work_tree: &'a Path,
+    },
     /// A git directory without a working tree (`--git-dir`).
     GitDir(&'a Path),
     /// No repository (e.g. `check-ref-format`); runs in `/`.
@@ -62,6 +70,11 @@ const OVERRIDES: &[&str] = &[
     "pack.windowMemory=256m",
     "pack.threads=1",
 ];
+
+/// Address space a git command may map: packs are mapped through windows
+/// (`core.packedGitLimit`), so this only stops a guest-written file (a huge `.gitignore`,
+/// index or tree) from growing git without bound.
+const ADDRESS_SPACE: u64 = 4 << 30;
 
 /// Longest a git command may run.
 pub(crate) const DEADLINE: Duration = Duration::from_secs(120);
@@ -121,7 +134,7 @@ impl Git {
             Repo::At(dir) => {
                 cmd.arg("-C").arg(dir);
             }
-            Repo::Explicit { git_dir, work_tree } => {
+            Repo::Explicit { git_dir, work_tree } | Repo::Session { git_dir, work_tree } => {
                 cmd.arg(dashdash("--git-dir=", git_dir))
                     .arg(dashdash("--work-tree=", work_tree));
             }
@@ -133,9 +146,18 @@ impl Git {
         cmd.args(args);
         // Its own process group, so a deadline kills whatever it started too.
         cmd.process_group(0);
-        if let Some(o) = self.run_as {
-            // std drops supplementary groups itself when a root parent sets a uid.
-            cmd.uid(o.uid).gid(o.gid);
+        crate::sys::limit_address_space(&mut cmd, ADDRESS_SPACE);
+        match repo {
+            Repo::Session { work_tree, .. } if nix::unistd::geteuid().is_root() => {
+                // The namespace needs root, so the owner is taken on after it is made.
+                crate::sys::confine_tree(&mut cmd, work_tree, self.run_as);
+            }
+            _ => {
+                if let Some(o) = self.run_as {
+                    // std drops supplementary groups itself when a root parent sets a uid.
+                    cmd.uid(o.uid).gid(o.gid);
+                }
+            }
         }
         cmd
     }

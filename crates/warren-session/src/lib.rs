@@ -29,7 +29,7 @@
 //! a session is read only through a host-owned scratch git directory (`scratch`), never
 //! through the guest's git directory, and the source repository is checked (`source`) before
 //! anything of it is read, copied, mounted or written: nothing in it may lead outside it.
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod beneath;
 mod copy;
@@ -41,6 +41,7 @@ mod prepare;
 mod retention;
 mod scratch;
 mod source;
+mod sys;
 
 use std::path::{Path, PathBuf};
 

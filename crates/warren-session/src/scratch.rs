@@ -166,7 +166,7 @@ impl Scratch {
 
     /// Where host git runs: the scratch git directory over the session's working tree.
     pub(crate) fn repo(&self) -> Repo<'_> {
-        Repo::Explicit {
+        Repo::Session {
             git_dir: &self.dir,
             work_tree: &self.work_tree,
         }
