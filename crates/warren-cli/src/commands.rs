@@ -823,23 +823,38 @@ fn preflight(cli: &Cli) -> Result<i32> {
     );
     match warren_vmm::sys::cgroup::Hierarchy::detect() {
         Some(h) => {
-            let ctl = h.limits_supported();
-            let missing: Vec<&str> = ["cpu", "memory", "pids"]
-                .into_iter()
-                .filter(|c| !ctl.iter().any(|x| x == c))
-                .collect();
             line(
                 true,
                 "cgroup v2",
                 format!("{} (membership and cgroup.kill)", h.root.display()),
             );
-            if !missing.is_empty() {
-                println!(
-                    "info limits: controllers {missing:?} are not enabled in {}; per-VM CPU/memory/pids \
-                     limits cannot be applied on this host (VM memory is still bounded by -m)",
-                    h.root.display()
-                );
-            }
+            let homes = warren_vmm::sys::cgroup::controller_homes(&h.vm_cgroup("<vm>"));
+            let missing: Vec<&str> = homes
+                .iter()
+                .filter(|(_, home)| home.is_none())
+                .map(|(c, _)| *c)
+                .collect();
+            let found: Vec<String> = homes
+                .iter()
+                .filter_map(|(c, home)| {
+                    home.as_ref().map(|h| match h {
+                        warren_vmm::sys::cgroup::Home::V2(_) => format!("{c} (v2)"),
+                        warren_vmm::sys::cgroup::Home::V1(_) => format!("{c} (v1)"),
+                    })
+                })
+                .collect();
+            line(
+                !root || missing.is_empty(),
+                "limits",
+                if missing.is_empty() {
+                    format!("per-VM limits through {}", found.join(", "))
+                } else {
+                    format!(
+                        "no {missing:?} controller in cgroup v2 or v1: VMs started as root \
+                         are refused (per-VM memory, CPU and pids limits cannot be applied)"
+                    )
+                },
+            );
         }
         None => line(
             false,

@@ -183,6 +183,9 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
     let backend = QemuBackend::new(warren_vmm::accel::find_qemu()?)?;
     if let Some(cg) = &cfg.launch.cgroup {
         cgroup::create(cg)?;
+        let limits = cgroup::Limits::for_vm(u64::from(cfg.launch.memory.0), cfg.launch.vcpus);
+        let homes = cgroup::apply_limits(cg, &limits)?;
+        tracing::info!(?limits, ?homes, "VM host limits");
     }
     // The network namespace, TAP device, rules and egress; removed when this process exits
     // (dropped after the VMM, which holds the TAP device).
