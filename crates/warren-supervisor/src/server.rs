@@ -605,7 +605,14 @@ async fn pause(shared: &Shared) -> Reply {
     }
     let ch = shared.channel(RECONNECT_WAIT).await?;
     let info = ready_info(shared).ok_or_else(|| SupervisorError::NotReady("not running".into()))?;
-    guest_call(&ch, HostRequest::Freeze).await?;
+    if let Err(e) = guest_call(&ch, HostRequest::Freeze).await {
+        if matches!(e, SupervisorError::Timeout(_)) {
+            // The cut-off Freeze may still reach a guest that is only slow: undo it, so the
+            // jobs of a VM that keeps running are never left frozen.
+            let _ = thaw(&ch).await;
+        }
+        return Err(e);
+    }
     let stopped = match qmp(&shared.control).await {
         Ok(mut q) => q
             .pause()
@@ -638,9 +645,15 @@ async fn resume(shared: &Shared) -> Reply {
         .resume()
         .await
         .map_err(|e| vmm_failed("running the vCPUs", e))?;
-    shared.phase.send_replace(VmPhase::Ready(info));
+    shared.phase.send_replace(VmPhase::Ready(info.clone()));
     let ch = shared.channel(RECONNECT_WAIT).await?;
     if let Err(e) = thaw(&ch).await {
+        if matches!(e, SupervisorError::Timeout(_)) && repause(shared).await {
+            // A guest that did not answer in time keeps its jobs: the vCPUs are stopped
+            // again and the VM stays paused, so a later resume tries again.
+            shared.phase.send_replace(VmPhase::Paused(info));
+            return Err(e);
+        }
         // A guest whose clock and jobs cannot be brought back is not trusted to go on.
         let reason = format!("syncing the resumed guest failed: {e}");
         shared.phase.send_replace(VmPhase::Failed(reason.clone()));
@@ -649,6 +662,14 @@ async fn resume(shared: &Shared) -> Reply {
         return Err(SupervisorError::Failed(reason));
     }
     Ok(SupervisorResponse::Resumed)
+}
+
+/// Stops the vCPUs of a VM whose resume could not be completed; true if they stopped.
+async fn repause(shared: &Shared) -> bool {
+    match qmp(&shared.control).await {
+        Ok(mut q) => q.pause().await.is_ok(),
+        Err(_) => false,
+    }
 }
 
 /// Polls a migration until it completes.
