@@ -1,9 +1,9 @@
 //! The one implementation behind both transports: argument validation, authorization,
 //! idempotency and the engine calls. HTTP and MCP only move JSON in and out of [`Service::call`].
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
@@ -349,15 +349,50 @@ impl Service {
         &self.warren
     }
 
-    /// Suspends idle VMs forever, checking every `every`.
-    pub async fn idle_loop(&self, every: Duration) {
+    /// Suspends idle VMs forever, checking every `every`. Each VM's suspension is a task of
+    /// its own, so VMs are suspended concurrently and a guest that does not answer holds up
+    /// only itself (until its calls' deadlines fail them); a VM whose suspension is still
+    /// under way is not started on again.
+    pub async fn idle_loop(self: Arc<Self>, every: Duration) {
+        // The VMs being suspended now, by task; only this loop adds and removes them.
+        let mut busy: HashMap<tokio::task::Id, String> = HashMap::new();
+        let mut tasks = tokio::task::JoinSet::new();
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
         loop {
-            tokio::time::sleep(every).await;
-            for (vm, r) in self.warren.suspend_idle().await {
-                match r {
-                    Ok(state) => tracing::info!(%vm, state = state.as_str(), "idle VM suspended"),
-                    Err(e) => {
-                        tracing::warn!(%vm, error = %crate::error::format_chain(&e), "idle suspend failed")
+            tokio::select! {
+                _ = tick.tick() => {
+                    for (vm, mode) in self.warren.idle_vms() {
+                        if busy.values().any(|b| *b == vm) {
+                            continue;
+                        }
+                        let service = self.clone();
+                        let id = vm.clone();
+                        let task = tasks.spawn(async move {
+                            service.warren.suspend_idle_vm(&id, mode).await
+                        });
+                        busy.insert(task.id(), vm);
+                    }
+                }
+                Some(done) = tasks.join_next_with_id() => {
+                    let (task, r) = match done {
+                        Ok((task, r)) => (task, r),
+                        Err(e) => {
+                            busy.remove(&e.id());
+                            tracing::error!(error = %e, "idle suspension task failed");
+                            continue;
+                        }
+                    };
+                    let vm = busy.remove(&task).unwrap_or_default();
+                    match r {
+                        None => {}
+                        Some(Ok(state)) => {
+                            tracing::info!(%vm, state = state.as_str(), "idle VM suspended")
+                        }
+                        Some(Err(e)) => {
+                            tracing::warn!(%vm, error = %crate::error::format_chain(&e), "idle suspend failed")
+                        }
                     }
                 }
             }

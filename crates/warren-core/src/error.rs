@@ -95,6 +95,11 @@ impl CoreError {
             CoreError::Supervisor(ClientError::Supervisor(
                 SupervisorError::NotReady(_) | SupervisorError::Channel(_),
             )) => "unavailable",
+            // The guest, its VMM or its supervisor did not answer within the call's
+            // deadline: the call failed, the VM goes on; retrying later may succeed.
+            CoreError::Supervisor(
+                ClientError::Timeout(_) | ClientError::Supervisor(SupervisorError::Timeout(_)),
+            ) => "unavailable",
             CoreError::Supervisor(ClientError::Supervisor(SupervisorError::Failed(_))) => {
                 "conflict"
             }
@@ -126,6 +131,17 @@ mod tests {
             GuestError::new(ErrorCode::QuotaExceeded, "4 jobs running"),
         )));
         assert_eq!(e.code(), "quota_exceeded");
+    }
+
+    #[test]
+    fn test_code_deadline_of_guest_vmm_or_supervisor_is_unavailable() {
+        let guest = CoreError::Supervisor(ClientError::Supervisor(SupervisorError::Timeout(
+            "the guest did not answer within 20s".into(),
+        )));
+        let supervisor =
+            CoreError::Supervisor(ClientError::Timeout(std::time::Duration::from_secs(40)));
+        assert_eq!(guest.code(), "unavailable");
+        assert_eq!(supervisor.code(), "unavailable");
     }
 
     #[test]

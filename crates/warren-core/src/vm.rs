@@ -721,18 +721,25 @@ impl Warren {
         self.reconcile(rec)
     }
 
-    /// On service start: asks every live supervisor who it is. One serving the recorded VM
-    /// (and, while the VM runs, with its VMM alive) is re-adopted; any other answer marks
-    /// the VM failed with the reason. Returns (adopted, failed) VM ids.
+    /// On service start: asks every live supervisor who it is, all at once (each answer is
+    /// bounded by the `Status` deadline, so a stuck supervisor delays nobody else's). One
+    /// serving the recorded VM (and, while the VM runs, with its VMM alive) is re-adopted;
+    /// any other answer marks the VM failed with the reason. Returns (adopted, failed) VM ids.
     pub async fn adopt_supervisors(&self) -> Result<(Vec<String>, Vec<String>), CoreError> {
         let (mut adopted, mut failed) = (Vec::new(), Vec::new());
+        let mut asked = tokio::task::JoinSet::new();
         for rec in self.list_vms()? {
             if !matches!(rec.state, VmState::Running | VmState::Paused) {
                 continue;
             }
-            let dir = self.vm_dir(&rec.id);
-            let client = SupervisorClient::new(&dir.socket());
-            let problem = match client.status().await {
+            let client = SupervisorClient::new(&self.vm_dir(&rec.id).socket());
+            asked.spawn(async move { (rec, client.status().await) });
+        }
+        while let Some(joined) = asked.join_next().await {
+            let Ok((rec, answer)) = joined else {
+                continue;
+            };
+            let problem = match answer {
                 Ok(st) if st.vm_id != rec.id => Some(format!(
                     "supervisor identity mismatch: it serves {:?}, not {}",
                     st.vm_id, rec.id
@@ -966,31 +973,43 @@ impl Warren {
         Ok(rec)
     }
 
-    /// Suspends every running VM that has been idle for its `idle_seconds` and has no
-    /// running job (status and list calls never count as work). Returns what it did.
-    pub async fn suspend_idle(&self) -> Vec<(String, Result<VmState, CoreError>)> {
+    /// The running VMs that have been idle for their `idle_seconds` (status and list calls
+    /// never count as work), each with the mode its idle policy suspends it in.
+    pub fn idle_vms(&self) -> Vec<(String, SuspendMode)> {
         let now = now_unix();
-        let mut done = Vec::new();
         let Ok(list) = self.list_vms() else {
-            return done;
+            return Vec::new();
         };
-        for rec in list {
-            let idle = rec.idle_seconds > 0
-                && rec.state == VmState::Running
-                && now.saturating_sub(rec.last_active_unix) >= u64::from(rec.idle_seconds);
-            if !idle {
-                continue;
+        list.into_iter()
+            .filter(|rec| {
+                rec.idle_seconds > 0
+                    && rec.state == VmState::Running
+                    && now.saturating_sub(rec.last_active_unix) >= u64::from(rec.idle_seconds)
+            })
+            .map(|rec| {
+                let mode = SuspendMode::parse(&rec.idle_mode).unwrap_or(SuspendMode::Hibernate);
+                (rec.id, mode)
+            })
+            .collect()
+    }
+
+    /// Suspends one idle VM (from [`Warren::idle_vms`]) unless a job runs in it. `None`: a
+    /// job runs, so the VM stays up and its idle clock starts again. Each VM's suspension is
+    /// independent (its own supervisor, every call under its deadline), so the idle policy
+    /// runs them concurrently and a silent guest holds only its own.
+    pub async fn suspend_idle_vm(
+        &self,
+        id: &str,
+        mode: SuspendMode,
+    ) -> Option<Result<VmState, CoreError>> {
+        match self.suspend_vm(id, mode, false).await {
+            // Running jobs keep a VM awake: look again after another idle period.
+            Err(CoreError::Busy(_)) => {
+                let _ = self.store.touch(id, now_unix());
+                None
             }
-            let mode = SuspendMode::parse(&rec.idle_mode).unwrap_or(SuspendMode::Hibernate);
-            match self.suspend_vm(&rec.id, mode, false).await {
-                // Running jobs keep a VM awake: look again after another idle period.
-                Err(CoreError::Busy(_)) => {
-                    let _ = self.store.touch(&rec.id, now);
-                }
-                r => done.push((rec.id, r.map(|r| r.state))),
-            }
+            r => Some(r.map(|r| r.state)),
         }
-        done
     }
 
     /// A client for the VM, resuming it first if it is suspended (work wakes a VM).

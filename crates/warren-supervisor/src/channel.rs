@@ -11,6 +11,9 @@
 //!
 //! A [`GuestChannel`] is cheap to clone; each [`GuestChannel::call`] is one HTTP/2 stream, and
 //! dropping the call's future resets the stream, which cancels the request in the guest.
+//! Every call has a deadline of its kind ([`crate::deadline::guest_limit`]): a guest that
+//! stops answering fails the call with [`ChannelError::Timeout`], and the session stays up
+//! for the calls after it (a stopped guest that runs again answers them).
 
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -172,8 +175,16 @@ impl GuestChannel {
         }
     }
 
-    /// Sends one request and waits for its response. Dropping the future cancels it.
+    /// Sends one request and waits for its response, at most for the deadline of its kind
+    /// ([`crate::deadline::guest_limit`]); dropping the future cancels it.
     pub async fn call(&self, req: &HostRequest) -> Result<Response, ChannelError> {
+        let limit = crate::deadline::guest_limit(req);
+        tokio::time::timeout(limit, self.exchange(req))
+            .await
+            .map_err(|_| ChannelError::Timeout(limit))?
+    }
+
+    async fn exchange(&self, req: &HostRequest) -> Result<Response, ChannelError> {
         let body = Bytes::from(encode(req)?);
         let mut sender = self.sender.clone().ready().await?;
         let request = http::Request::post(RPC_PATH)

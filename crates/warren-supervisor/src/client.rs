@@ -1,4 +1,6 @@
-//! Client of a VM's supervisor socket: one connection per request.
+//! Client of a VM's supervisor socket: one connection per request, each bounded by the
+//! deadline of its kind ([`crate::deadline::client_limit`]), so a supervisor that stops
+//! answering fails its own VM's calls with [`ClientError::Timeout`] and holds nobody else.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -25,6 +27,9 @@ pub enum ClientError {
     Supervisor(#[from] SupervisorError),
     #[error("unexpected supervisor reply")]
     Unexpected,
+    /// The supervisor did not answer within the request's deadline.
+    #[error("the VM's supervisor did not answer within {0:?}")]
+    Timeout(Duration),
 }
 
 #[derive(Debug, Clone)]
@@ -43,10 +48,17 @@ impl SupervisorClient {
         &self,
         req: &SupervisorRequest,
     ) -> Result<SupervisorResponse, ClientError> {
-        let mut s = self.connect().await?;
-        write_frame(&mut s, req).await?;
-        let reply: Reply = read_frame(&mut s).await?;
-        Ok(reply?)
+        let limit = crate::deadline::client_limit(req);
+        let exchange = async {
+            let mut s = self.connect().await?;
+            write_frame(&mut s, req).await?;
+            let reply: Reply = read_frame(&mut s).await?;
+            Ok::<_, ClientError>(reply?)
+        };
+        // Dropping the connection on the deadline also cancels the request in the supervisor.
+        tokio::time::timeout(limit, exchange)
+            .await
+            .map_err(|_| ClientError::Timeout(limit))?
     }
 
     /// Connects, retrying briefly on a transient refusal (a full accept backlog answers

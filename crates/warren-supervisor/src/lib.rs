@@ -18,6 +18,7 @@
 pub mod channel;
 pub mod client;
 pub mod console;
+pub mod deadline;
 pub mod layout;
 pub mod network;
 pub mod proto;

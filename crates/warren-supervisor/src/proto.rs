@@ -7,6 +7,8 @@ use warren_protocol::{AgentInfo, GuestError, GuestResponse, HostRequest};
 
 /// Largest client message (a guest message plus headroom).
 pub const MAX_FRAME: usize = warren_protocol::limits::MAX_MESSAGE_BYTES + 1024;
+/// The longest `WaitReady` honours.
+pub const MAX_WAIT_READY_MS: u64 = 600_000;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum SupervisorRequest {
@@ -91,6 +93,10 @@ pub enum SupervisorError {
     Refused(String),
     #[error("guest channel: {0}")]
     Channel(String),
+    /// The guest or the VMM did not answer within the call's deadline
+    /// ([`crate::deadline`]). The call failed; the VM and its jobs go on.
+    #[error("{0}")]
+    Timeout(String),
 }
 
 pub type Reply = Result<SupervisorResponse, SupervisorError>;

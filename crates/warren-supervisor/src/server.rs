@@ -51,8 +51,7 @@ pub enum SuperviseError {
 
 /// How long a stopping VMM gets to exit after `quit` before it is killed.
 const QUIT_GRACE: Duration = Duration::from_secs(3);
-/// How long a request waits for a reconnecting channel.
-const RECONNECT_WAIT: Duration = Duration::from_secs(30);
+use crate::deadline::{MIGRATION_LIMIT, RECONNECT_WAIT};
 
 struct Shared {
     phase: watch::Sender<VmPhase>,
@@ -508,7 +507,9 @@ async fn process(req: SupervisorRequest, shared: &Shared) -> Reply {
         SupervisorRequest::Status => Ok(SupervisorResponse::Status(status(shared))),
         SupervisorRequest::WaitReady { timeout_ms } => {
             shared
-                .channel(Duration::from_millis(timeout_ms.min(600_000)))
+                .channel(Duration::from_millis(
+                    timeout_ms.min(crate::proto::MAX_WAIT_READY_MS),
+                ))
                 .await?;
             Ok(SupervisorResponse::Status(status(shared)))
         }
@@ -538,9 +539,6 @@ async fn process(req: SupervisorRequest, shared: &Shared) -> Reply {
     }
 }
 
-/// Longest a checkpoint save or restore may take.
-const MIGRATION_LIMIT: Duration = Duration::from_secs(600);
-
 fn refused(what: &str, e: impl std::fmt::Display) -> SupervisorError {
     SupervisorError::Refused(format!("{what}: {e}"))
 }
@@ -548,7 +546,18 @@ fn refused(what: &str, e: impl std::fmt::Display) -> SupervisorError {
 async fn qmp(path: &std::path::Path) -> Result<Qmp, SupervisorError> {
     Qmp::connect(path)
         .await
-        .map_err(|e| SupervisorError::Channel(format!("VMM control: {}", error_chain(&e))))
+        .map_err(|e| vmm_failed("VMM control", e))
+}
+
+/// A failed VMM control command: a timeout keeps its own variant (one stable code for
+/// "did not answer in time"); anything else refuses the request.
+fn vmm_failed(what: &str, e: warren_vmm::VmmError) -> SupervisorError {
+    match e {
+        warren_vmm::VmmError::QmpTimeout { .. } => {
+            SupervisorError::Timeout(format!("{what}: {}", error_chain(&e)))
+        }
+        e => refused(what, error_chain(&e)),
+    }
 }
 
 async fn guest_call(
@@ -558,6 +567,10 @@ async fn guest_call(
     match ch.call(&req).await {
         Ok(Ok(r)) => Ok(r),
         Ok(Err(e)) => Err(SupervisorError::Guest(e)),
+        Err(e @ crate::channel::ChannelError::Timeout(_)) => {
+            tracing::warn!(error = %e, "guest call timed out");
+            Err(SupervisorError::Timeout(error_chain(&e)))
+        }
         Err(e) => Err(SupervisorError::Channel(error_chain(&e))),
     }
 }
@@ -595,10 +608,24 @@ async fn pause(shared: &Shared) -> Reply {
     }
     let ch = shared.channel(RECONNECT_WAIT).await?;
     let info = ready_info(shared).ok_or_else(|| SupervisorError::NotReady("not running".into()))?;
-    guest_call(&ch, HostRequest::Freeze).await?;
-    if let Err(e) = qmp(&shared.control).await?.pause().await {
+    if let Err(e) = guest_call(&ch, HostRequest::Freeze).await {
+        if matches!(e, SupervisorError::Timeout(_)) {
+            // The cut-off Freeze may still reach a guest that is only slow: undo it, so the
+            // jobs of a VM that keeps running are never left frozen.
+            let _ = thaw(&ch).await;
+        }
+        return Err(e);
+    }
+    let stopped = match qmp(&shared.control).await {
+        Ok(mut q) => q
+            .pause()
+            .await
+            .map_err(|e| vmm_failed("stopping the vCPUs", e)),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = stopped {
         let _ = thaw(&ch).await;
-        return Err(refused("stopping the vCPUs", e));
+        return Err(e);
     }
     shared.phase.send_replace(VmPhase::Paused(info));
     Ok(SupervisorResponse::Paused)
@@ -620,10 +647,16 @@ async fn resume(shared: &Shared) -> Reply {
         .await?
         .resume()
         .await
-        .map_err(|e| refused("running the vCPUs", e))?;
-    shared.phase.send_replace(VmPhase::Ready(info));
+        .map_err(|e| vmm_failed("running the vCPUs", e))?;
+    shared.phase.send_replace(VmPhase::Ready(info.clone()));
     let ch = shared.channel(RECONNECT_WAIT).await?;
     if let Err(e) = thaw(&ch).await {
+        if matches!(e, SupervisorError::Timeout(_)) && repause(shared).await {
+            // A guest that did not answer in time keeps its jobs: the vCPUs are stopped
+            // again and the VM stays paused, so a later resume tries again.
+            shared.phase.send_replace(VmPhase::Paused(info));
+            return Err(e);
+        }
         // A guest whose clock and jobs cannot be brought back is not trusted to go on.
         let reason = format!("syncing the resumed guest failed: {e}");
         shared.phase.send_replace(VmPhase::Failed(reason.clone()));
@@ -632,6 +665,14 @@ async fn resume(shared: &Shared) -> Reply {
         return Err(SupervisorError::Failed(reason));
     }
     Ok(SupervisorResponse::Resumed)
+}
+
+/// Stops the vCPUs of a VM whose resume could not be completed; true if they stopped.
+async fn repause(shared: &Shared) -> bool {
+    match qmp(&shared.control).await {
+        Ok(mut q) => q.pause().await.is_ok(),
+        Err(_) => false,
+    }
 }
 
 /// Polls a migration until it completes.
@@ -718,7 +759,16 @@ async fn hibernate(shared: &Shared) -> Reply {
         guest_call(&ch, HostRequest::Freeze).await?;
         Some(ch)
     };
-    let mut q = qmp(&shared.control).await?;
+    let mut q = match qmp(&shared.control).await {
+        Ok(q) => q,
+        Err(e) => {
+            // The jobs were frozen for this: they run again, the VM continues.
+            if let Some(ch) = &ch {
+                let _ = thaw(ch).await;
+            }
+            return Err(e);
+        }
+    };
     let state = shared.dir.checkpoint_state();
     let saved: Result<u64, String> = async {
         if !was_paused {

@@ -41,6 +41,12 @@ pub enum VmmError {
     QmpCommand { command: String, desc: String },
     #[error("QMP protocol error: {0}")]
     QmpProtocol(String),
+    /// The VMM did not answer a QMP command (or greet) within its deadline.
+    #[error("the VMM did not answer {what} within {limit:?}")]
+    QmpTimeout {
+        what: String,
+        limit: std::time::Duration,
+    },
     #[error("cgroup {op} at {path} failed")]
     Cgroup {
         op: &'static str,

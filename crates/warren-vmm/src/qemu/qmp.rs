@@ -1,7 +1,13 @@
 //! A minimal QMP client: greeting, `qmp_capabilities`, then one command at a time.
 //! Asynchronous events are skipped while waiting for a command's reply.
+//!
+//! Every exchange has a deadline ([`REPLY_LIMIT`]): a VMM that stops answering (stopped,
+//! wedged, or compromised and silent) fails the command with [`VmmError::QmpTimeout`]
+//! instead of holding its caller forever. Long operations (migrations) are started by a
+//! command that returns at once and then polled, so no single reply waits for them.
 
 use std::path::Path;
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -13,14 +19,30 @@ use crate::error::VmmError;
 
 /// The longest QMP message accepted: the VMM may be compromised, so its output is bounded.
 pub const MAX_LINE: u64 = 1 << 20;
+/// The longest a QMP greeting or a command's reply may take. QEMU answers from its main
+/// loop in milliseconds, even under TCG on a loaded host; this leaves two orders of
+/// magnitude of margin while bounding what a silent VMM can hold.
+pub const REPLY_LIMIT: Duration = Duration::from_secs(15);
 
 pub struct Qmp {
     reader: BufReader<OwnedReadHalf>,
     writer: OwnedWriteHalf,
+    /// The `id` of the next command. QEMU echoes it in the reply, so a reply that arrives
+    /// after its command timed out is recognised and skipped, never taken for a later one's.
+    next_id: u64,
+    /// Bytes of a message whose end has not arrived yet.
+    pending: Vec<u8>,
+    /// The deadline of each exchange: [`REPLY_LIMIT`] (shorter only in unit tests).
+    limit: Duration,
 }
 
 impl Qmp {
+    /// Connects, reads the greeting and negotiates capabilities, each under [`REPLY_LIMIT`].
     pub async fn connect(path: &Path) -> Result<Self, VmmError> {
+        Self::connect_within(path, REPLY_LIMIT).await
+    }
+
+    async fn connect_within(path: &Path, limit: Duration) -> Result<Self, VmmError> {
         let stream = UnixStream::connect(path)
             .await
             .map_err(|source| VmmError::QmpConnect {
@@ -31,8 +53,16 @@ impl Qmp {
         let mut q = Qmp {
             reader: BufReader::new(r),
             writer: w,
+            next_id: 0,
+            pending: Vec::new(),
+            limit,
         };
-        let greeting = q.read_msg().await?;
+        let greeting = tokio::time::timeout(limit, q.read_msg())
+            .await
+            .map_err(|_| VmmError::QmpTimeout {
+                what: "the QMP greeting".into(),
+                limit,
+            })??;
         if greeting.get("QMP").is_none() {
             return Err(VmmError::QmpProtocol(format!(
                 "unexpected greeting {greeting}"
@@ -42,27 +72,44 @@ impl Qmp {
         Ok(q)
     }
 
+    /// Reads one message. Cancel-safe: a deadline that fires mid-line leaves the bytes read
+    /// so far in `pending`, and the next call continues that line.
     async fn read_msg(&mut self) -> Result<Value, VmmError> {
-        let mut line = String::new();
+        let room = MAX_LINE.saturating_sub(self.pending.len() as u64);
         let n = (&mut self.reader)
-            .take(MAX_LINE)
-            .read_line(&mut line)
+            .take(room)
+            .read_until(b'\n', &mut self.pending)
             .await
             .map_err(VmmError::QmpIo)?;
-        if n == 0 {
+        if n == 0 && self.pending.is_empty() {
             return Err(VmmError::QmpIo(std::io::ErrorKind::UnexpectedEof.into()));
         }
-        if !line.ends_with('\n') {
+        if !self.pending.ends_with(b"\n") {
             return Err(VmmError::QmpProtocol(format!(
-                "a message longer than {MAX_LINE} bytes"
+                "a message longer than {MAX_LINE} bytes, or cut short"
             )));
         }
-        serde_json::from_str(&line).map_err(|e| VmmError::QmpProtocol(e.to_string()))
+        let line = std::mem::take(&mut self.pending);
+        serde_json::from_slice(&line).map_err(|e| VmmError::QmpProtocol(e.to_string()))
     }
 
-    /// Runs one command and returns its `return` value.
+    /// Runs one command and returns its `return` value, failing with
+    /// [`VmmError::QmpTimeout`] when the reply does not arrive within [`REPLY_LIMIT`]
+    /// (events arriving meanwhile do not extend it).
     pub async fn execute(&mut self, command: &str, args: Option<Value>) -> Result<Value, VmmError> {
-        let mut msg = json!({ "execute": command });
+        let limit = self.limit;
+        tokio::time::timeout(limit, self.exchange(command, args))
+            .await
+            .map_err(|_| VmmError::QmpTimeout {
+                what: format!("QMP {command}"),
+                limit,
+            })?
+    }
+
+    async fn exchange(&mut self, command: &str, args: Option<Value>) -> Result<Value, VmmError> {
+        self.next_id += 1;
+        let id = self.next_id;
+        let mut msg = json!({ "execute": command, "id": id });
         if let Some(a) = args {
             msg["arguments"] = a;
         }
@@ -74,6 +121,10 @@ impl Qmp {
             .map_err(VmmError::QmpIo)?;
         loop {
             let v = self.read_msg().await?;
+            if v.get("event").is_some() || v.get("id").and_then(Value::as_u64) != Some(id) {
+                // An event, or the late reply of a command that timed out: skip.
+                continue;
+            }
             if let Some(r) = v.get("return") {
                 return Ok(r.clone());
             }
@@ -87,7 +138,7 @@ impl Qmp {
                         .to_string(),
                 });
             }
-            // An event: skip.
+            return Err(VmmError::QmpProtocol(format!("unexpected message {v}")));
         }
     }
 }
@@ -110,5 +161,107 @@ impl VmControl for Qmp {
                 Err(e) => Err(e),
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{BufRead, BufReader as StdBufReader, Write};
+    use std::os::unix::net::{UnixListener as StdListener, UnixStream as StdStream};
+
+    use super::*;
+
+    const GREETING: &str = "{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n";
+
+    /// A fake VMM on `path` that runs `serve` on its first connection, in a thread.
+    fn vmm(
+        path: &Path,
+        serve: impl FnOnce(StdBufReader<StdStream>, StdStream) + Send + 'static,
+    ) -> std::thread::JoinHandle<()> {
+        let listener = StdListener::bind(path).expect("bind");
+        std::thread::spawn(move || {
+            let (s, _) = listener.accept().expect("accept");
+            serve(StdBufReader::new(s.try_clone().expect("clone")), s)
+        })
+    }
+
+    /// Reads one command; returns its `id`.
+    fn command(r: &mut StdBufReader<StdStream>) -> u64 {
+        let mut line = String::new();
+        r.read_line(&mut line).expect("read command");
+        let v: Value = serde_json::from_str(&line).expect("command json");
+        v["id"].as_u64().expect("command id")
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+    }
+
+    #[test]
+    fn test_qmp_silent_vmm_fails_at_the_deadline_greeting_vmm_connects() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (silent, greets) = (dir.path().join("silent"), dir.path().join("greets"));
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let held = vmm(&silent, move |_, _| {
+            // Keeps the connection open, saying nothing, until the test is done.
+            let _ = rx.recv();
+        });
+        let answers = vmm(&greets, |mut r, mut w| {
+            w.write_all(GREETING.as_bytes()).expect("greet");
+            let id = command(&mut r);
+            writeln!(w, "{{\"return\": {{}}, \"id\": {id}}}").expect("reply");
+        });
+        rt().block_on(async {
+            let t = std::time::Instant::now();
+            let Err(e) = Qmp::connect_within(&silent, Duration::from_millis(300)).await else {
+                panic!("a silent VMM connected");
+            };
+            assert!(matches!(e, VmmError::QmpTimeout { .. }), "{e}");
+            assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+            // Control: the same client connects to a VMM that answers.
+            Qmp::connect_within(&greets, Duration::from_secs(30))
+                .await
+                .expect("an answering VMM connects");
+        });
+        tx.send(()).expect("release");
+        held.join().expect("silent vmm");
+        answers.join().expect("answering vmm");
+    }
+
+    #[test]
+    fn test_qmp_late_reply_of_a_timed_out_command_is_never_taken_for_the_next() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("qmp");
+        let server = vmm(&path, |mut r, mut w| {
+            w.write_all(GREETING.as_bytes()).expect("greet");
+            let caps = command(&mut r);
+            writeln!(w, "{{\"return\": {{}}, \"id\": {caps}}}").expect("reply");
+            let slow = command(&mut r);
+            // Half of the slow command's reply, then nothing until the next command.
+            write!(w, "{{\"return\": {{\"which\": \"slow\"}},").expect("half");
+            w.flush().expect("flush");
+            let next = command(&mut r);
+            writeln!(w, " \"id\": {slow}}}").expect("rest");
+            writeln!(w, "{{\"event\": \"STOP\"}}").expect("event");
+            writeln!(w, "{{\"return\": {{\"which\": \"next\"}}, \"id\": {next}}}").expect("reply");
+        });
+        rt().block_on(async {
+            let mut q = Qmp::connect_within(&path, Duration::from_secs(30))
+                .await
+                .expect("connect");
+            q.limit = Duration::from_millis(300);
+            let e = q
+                .execute("query-status", None)
+                .await
+                .expect_err("the slow reply is late");
+            assert!(matches!(e, VmmError::QmpTimeout { .. }), "{e}");
+            q.limit = Duration::from_secs(30);
+            let v = q.execute("query-status", None).await.expect("next");
+            assert_eq!(v["which"], "next", "{v}");
+        });
+        server.join().expect("server");
     }
 }
