@@ -121,6 +121,7 @@ pub(crate) async fn serve<L, T>(
             refused.note(door, limits.max_connections);
             continue;
         };
+        tracing::trace!(door, "connection accepted");
         let info = tag(&io);
         let conn = Connection {
             app: app.clone(),
@@ -193,8 +194,9 @@ impl Connection {
         tokio::pin!(conn);
         tokio::select! {
             r = conn.as_mut() => {
-                if let Err(e) = r {
-                    tracing::debug!(error = %e, "connection ended with an error");
+                match r {
+                    Ok(()) => tracing::trace!("connection ended"),
+                    Err(e) => tracing::debug!(error = %e, "connection ended with an error"),
                 }
                 return;
             }
@@ -204,6 +206,7 @@ impl Connection {
             }
             _ = self.stop.wait_for(|s| *s) => {}
         }
+        tracing::trace!("shutting the connection down");
         conn.as_mut().graceful_shutdown();
         let _ = conn.await;
     }
