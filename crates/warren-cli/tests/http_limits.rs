@@ -576,3 +576,64 @@ fn test_http_per_token_long_poll_cap_refuses_excess_and_serves_others() {
     let r = d.call(&a1, "vm_destroy", json!({"vm_id": vm}));
     assert_eq!(r.status, 200, "{}", r.text);
 }
+
+/// Reads a response head from `s` (up to the blank line); returns it as text.
+fn read_head(s: &mut TcpStream) -> String {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match s.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&head).into_owned()
+}
+
+/// The idle timeout (2 s here) closes connections with nothing in flight, not an MCP GET
+/// event stream, and the stream is not counted against its token's cap on requests in
+/// flight (1 here). Control: a connection that sends nothing, and a kept-alive one after its
+/// response, are both closed by then; the same token's tool call is served meanwhile.
+#[test]
+fn test_http_idle_timeout_spares_mcp_event_streams() {
+    let d = Daemon::start(
+        "header_read_timeout_secs = 2\nidle_timeout_secs = 2\nmax_requests_per_token = 1\n",
+    );
+    let a = d.token("alice", &[]);
+    let sid = mcp_open(&d, &a).expect("a session");
+
+    let mut stream = TcpStream::connect(&d.addr).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(20))).ok();
+    let req = format!(
+        "GET /mcp HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {a}\r\n\
+         Accept: text/event-stream\r\nMcp-Session-Id: {sid}\r\nMcp-Protocol-Version: {LEGACY}\r\n\r\n",
+        d.addr
+    );
+    stream.write_all(req.as_bytes()).expect("write");
+    let head = read_head(&mut stream);
+    assert!(
+        head.starts_with("HTTP/1.1 200"),
+        "the stream opened: {head:?}"
+    );
+
+    let silent = TcpStream::connect(&d.addr).expect("connect");
+    let mut kept = KeepAlive::connect(&d.addr, &a);
+    assert_eq!(kept.vm_list().0, 200, "served while the stream is open");
+    std::thread::sleep(Duration::from_secs(5));
+
+    assert!(
+        !closed(&stream),
+        "the event stream was cut by the idle timeout"
+    );
+    assert!(closed(&silent), "a silent connection outlived the timeouts");
+    assert!(
+        closed(&kept.writer),
+        "an idle kept-alive connection outlived the timeouts"
+    );
+    let r = d.call(&a, "vm_list", json!({}));
+    assert_eq!(
+        r.status, 200,
+        "the stream holds no request slot: {}",
+        r.text
+    );
+}
