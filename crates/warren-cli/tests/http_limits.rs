@@ -347,6 +347,15 @@ fn stalled(d: &Daemon, token: &str) -> TcpStream {
     s
 }
 
+/// Whether the service has answered (or closed) `s`, without blocking.
+fn answered(s: &TcpStream) -> bool {
+    s.set_nonblocking(true).expect("nonblocking");
+    let mut b = [0u8; 1];
+    let r = s.peek(&mut b);
+    s.set_nonblocking(false).expect("blocking");
+    !matches!(r, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+}
+
 fn finish(mut s: TcpStream) -> Resp {
     s.write_all(b"}").expect("write the rest");
     let mut raw = Vec::new();
@@ -366,15 +375,20 @@ fn test_http_per_token_in_flight_cap_refuses_excess_and_serves_others() {
     let b = d.token("bob", &[]);
     assert_eq!(d.call(&a1, "vm_list", json!({})).status, 200, "before");
 
-    let mut held: Vec<TcpStream> = (0..4).map(|_| stalled(&d, &a1)).collect();
-    // The four reach the service in their own time: poll until the fifth is refused.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let refused = loop {
+    // A probe racing a withheld request to the service could take its place (that request
+    // is then the refused one): try again until the probe is refused and all four wait.
+    let mut attempt = 0;
+    let (mut held, refused) = loop {
+        attempt += 1;
+        let held: Vec<TcpStream> = (0..4).map(|_| stalled(&d, &a1)).collect();
+        std::thread::sleep(Duration::from_millis(500));
         let r = d.call(&a1, "vm_list", json!({}));
-        if r.status == 429 || Instant::now() > deadline {
-            break r;
+        if r.status == 429 && !held.iter().any(answered) {
+            break (held, r);
         }
-        std::thread::sleep(Duration::from_millis(100));
+        assert!(attempt < 5, "never refused over the cap: {}", r.text);
+        drop(held);
+        std::thread::sleep(Duration::from_millis(500));
     };
     assert_eq!(refused.status, 429, "{}", refused.text);
     assert_eq!(refused.code(), "quota_exceeded", "{}", refused.text);
@@ -547,7 +561,8 @@ fn test_http_per_token_long_poll_cap_refuses_excess_and_serves_others() {
     };
     std::thread::scope(|scope| {
         let held: Vec<_> = (0..2).map(|_| scope.spawn(|| poll(&a1, 20_000))).collect();
-        std::thread::sleep(Duration::from_millis(1500));
+        // Time for both to reach the service (a held one refused fails its thread).
+        std::thread::sleep(Duration::from_millis(2500));
         let (r, took) = poll(&a1, 1000);
         println!("third long-poll: {} after {took:?}: {}", r.status, r.text);
         assert_eq!((r.status, r.code()), (429, "quota_exceeded"), "{}", r.text);
