@@ -30,7 +30,7 @@ pub struct Policy {
 }
 
 /// How the caller reached the service.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Via {
     /// A bearer token over HTTP.
     Token { token_id: String },

@@ -144,6 +144,31 @@ pub struct HttpConfig {
     /// Largest request body.
     #[serde(default = "default_max_body")]
     pub max_body_bytes: usize,
+    /// Connections each listener (TCP, and the local socket) serves at once; more are
+    /// accepted and closed at once (`crate::conn`).
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Seconds a client may take to send a complete request head (for HTTP/1 also the wait
+    /// for the next request on a kept-alive connection).
+    #[serde(default = "default_header_read_timeout")]
+    pub header_read_timeout_secs: u64,
+    /// Seconds a connection with no request in flight stays open.
+    #[serde(default = "default_idle_timeout")]
+    pub idle_timeout_secs: u64,
+    /// Requests one credential (a token, or a local uid) may have in flight at once; more
+    /// are answered `429 quota_exceeded` (`crate::caps`).
+    #[serde(default = "default_max_requests_per_token")]
+    pub max_requests_per_token: usize,
+    /// Long-polls (`vm_exec` or `vm_job_output` with `wait_ms` > 0) one credential may have
+    /// waiting at once.
+    #[serde(default = "default_max_long_polls_per_token")]
+    pub max_long_polls_per_token: usize,
+    /// MCP sessions the service holds at once, all callers together.
+    #[serde(default = "default_max_mcp_sessions")]
+    pub max_mcp_sessions: usize,
+    /// MCP sessions one credential may hold at once.
+    #[serde(default = "default_max_mcp_sessions_per_token")]
+    pub max_mcp_sessions_per_token: usize,
 }
 
 impl Default for HttpConfig {
@@ -152,6 +177,13 @@ impl Default for HttpConfig {
             listen: default_listen(),
             allowed_hosts: vec![],
             max_body_bytes: default_max_body(),
+            max_connections: default_max_connections(),
+            header_read_timeout_secs: default_header_read_timeout(),
+            idle_timeout_secs: default_idle_timeout(),
+            max_requests_per_token: default_max_requests_per_token(),
+            max_long_polls_per_token: default_max_long_polls_per_token(),
+            max_mcp_sessions: default_max_mcp_sessions(),
+            max_mcp_sessions_per_token: default_max_mcp_sessions_per_token(),
         }
     }
 }
@@ -198,6 +230,34 @@ fn default_listen() -> SocketAddr {
 }
 fn default_max_body() -> usize {
     1 << 20
+}
+/// Far below the descriptors the service raises its own limit to (its hard limit, 20,000 on
+/// our hosts; at least 1,024 anywhere), so the cap bites first; ample for agents.
+fn default_max_connections() -> usize {
+    512
+}
+/// A real client sends its head in one write; 10 s tolerates a slow network.
+fn default_header_read_timeout() -> u64 {
+    10
+}
+/// Longer than a client's pause between calls; requests in flight (a long-poll, a boot, an
+/// MCP event stream) never count as idle.
+fn default_idle_timeout() -> u64 {
+    60
+}
+/// Several agents' parallel calls behind one token, yet a sixteenth of the connection cap.
+fn default_max_requests_per_token() -> usize {
+    32
+}
+/// A few jobs followed at once; long-polls hold their slot for up to 30 s each.
+fn default_max_long_polls_per_token() -> usize {
+    8
+}
+fn default_max_mcp_sessions() -> usize {
+    512
+}
+fn default_max_mcp_sessions_per_token() -> usize {
+    16
 }
 
 /// Image names: what `vm_create.image` accepts.
@@ -281,6 +341,7 @@ impl ServiceConfig {
         if self.http.max_body_bytes < 1024 {
             return Err("http.max_body_bytes must be at least 1024".into());
         }
+        self.validate_http_caps()?;
         for r in &self.host_roots {
             if !r.path.is_absolute() {
                 return Err(format!(
@@ -327,6 +388,39 @@ impl ServiceConfig {
         }
         if self.limits.max_vms == Some(0) {
             return Err("limits.max_vms = 0 would refuse every VM".into());
+        }
+        Ok(())
+    }
+
+    /// The `[http]` connection and caller caps: each positive and bounded.
+    fn validate_http_caps(&self) -> Result<(), String> {
+        let h = &self.http;
+        for (key, n, max) in [
+            ("max_connections", h.max_connections, 1 << 16),
+            ("max_requests_per_token", h.max_requests_per_token, 1 << 16),
+            (
+                "max_long_polls_per_token",
+                h.max_long_polls_per_token,
+                1 << 16,
+            ),
+            ("max_mcp_sessions", h.max_mcp_sessions, 1 << 20),
+            (
+                "max_mcp_sessions_per_token",
+                h.max_mcp_sessions_per_token,
+                1 << 20,
+            ),
+        ] {
+            if n == 0 || n > max {
+                return Err(format!("http.{key} = {n}: use 1 to {max}"));
+            }
+        }
+        for (key, secs) in [
+            ("header_read_timeout_secs", h.header_read_timeout_secs),
+            ("idle_timeout_secs", h.idle_timeout_secs),
+        ] {
+            if secs == 0 || secs > 3600 {
+                return Err(format!("http.{key} = {secs}: use 1 to 3600 seconds"));
+            }
         }
         Ok(())
     }
@@ -405,6 +499,40 @@ mod tests {
         assert_eq!(c.http.listen.to_string(), "127.0.0.1:8090");
         assert!(c.allowed_hosts().contains(&"localhost:8090".to_string()));
         assert_eq!(c.socket_path(), Path::new("/s/warrend.sock"));
+        assert_eq!(c.http.max_connections, 512);
+        assert_eq!(c.http.header_read_timeout_secs, 10);
+        assert_eq!(c.http.max_requests_per_token, 32);
+    }
+
+    #[test]
+    fn test_http_caps_parsed_and_zero_refused() {
+        let base = format!("state_dir = \"/s\"\n[images.dev]\nid = \"{ID}\"\n");
+        let c = parse(&format!(
+            "{base}[http]\nmax_connections = 64\nheader_read_timeout_secs = 2\n\
+             idle_timeout_secs = 5\nmax_requests_per_token = 4\nmax_long_polls_per_token = 2\n\
+             max_mcp_sessions = 3\nmax_mcp_sessions_per_token = 1\n"
+        ))
+        .expect("caps");
+        assert_eq!(
+            (c.http.max_connections, c.http.header_read_timeout_secs),
+            (64, 2)
+        );
+        assert_eq!(
+            (c.http.max_mcp_sessions, c.http.max_mcp_sessions_per_token),
+            (3, 1)
+        );
+        for bad in [
+            "max_connections = 0",
+            "idle_timeout_secs = 0",
+            "max_long_polls_per_token = 0",
+            "header_read_timeout_secs = 7200",
+        ] {
+            let e = parse(&format!("{base}[http]\n{bad}\n")).expect_err(bad);
+            let key = bad.split(' ').next().unwrap_or_default();
+            assert!(e.to_string().contains(key), "{bad}: {e}");
+        }
+        let e = parse(&format!("{base}[http]\nmax_conections = 5\n")).expect_err("typo");
+        assert!(e.to_string().contains("max_conections"), "{e}");
     }
 
     #[test]

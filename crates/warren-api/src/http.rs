@@ -1,14 +1,15 @@
 //! The HTTP side: `POST /v1/tools/{tool}`, the OpenAPI document, and MCP at `/mcp`, behind the
-//! same guards (no browser origins, a `Host` allowlist, a body limit) and authentication
-//! (bearer tokens over TCP, SO_PEERCRED on the local socket).
+//! same guards (no browser origins, a `Host` allowlist, a body limit), authentication
+//! (bearer tokens over TCP, SO_PEERCRED on the local socket) and the per-credential cap on
+//! requests in flight (`crate::caps`). Connection limits are `crate::conn`'s.
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::connect_info::{ConnectInfo, Connected};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -100,7 +101,8 @@ fn routes(st: AppState) -> Router {
             ))
         })
         // Outermost last: guard (origin, host, declared size), then the streaming body
-        // limit, then authentication.
+        // limit, then authentication, then the caller's cap on requests in flight.
+        .layer(middleware::from_fn_with_state(st.clone(), limit_in_flight))
         .layer(middleware::from_fn_with_state(st.clone(), authenticate))
         .layer(tower_http::limit::RequestBodyLimitLayer::new(max))
         .layer(middleware::from_fn_with_state(st.clone(), guard))
@@ -167,6 +169,29 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
         }
         Err(e) => error_response(&e),
     }
+}
+
+/// Counts the request against its credential's cap on requests in flight until its response
+/// body ends. An MCP GET (a session's event stream, open for the session's life) is bounded
+/// by the MCP session caps instead.
+async fn limit_in_flight(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let stream = req.method() == Method::GET && req.uri().path() == crate::mcp::PATH;
+    let Some(p) = req.extensions().get::<Principal>().filter(|_| !stream) else {
+        return next.run(req).await;
+    };
+    let slot = match st.service.caps().request(p) {
+        Ok(slot) => slot,
+        Err(e) => {
+            tracing::info!(workspace = %p.workspace, code = e.code, "request over the caller's cap");
+            let mut r = error_response(&e);
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+            return r;
+        }
+    };
+    next.run(req)
+        .await
+        .map(|b| Body::new(crate::conn::Guarded::new(b, slot)))
 }
 
 fn bearer(st: &AppState, h: &HeaderMap) -> Result<Principal, ApiError> {

@@ -8,7 +8,9 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod caps;
 pub mod config;
+mod conn;
 mod egress;
 pub mod error;
 pub mod hostpath;

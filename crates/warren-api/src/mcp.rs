@@ -19,8 +19,10 @@
 //! - a session belongs to the workspace and credential that initialized it: every request
 //!   naming it (POST, the GET stream, DELETE) from anyone else is refused before rmcp sees it
 //!   (`sessions::bind`), and each tool call checks the owner again;
-//! - a workspace holds at most [`MAX_SESSIONS_PER_WORKSPACE`] sessions at once, counted by
-//!   `SessionSlot`s that live exactly as long as their session's handler;
+//! - a credential holds at most `http.max_mcp_sessions_per_token` sessions at once, a
+//!   workspace at most [`MAX_SESSIONS_PER_WORKSPACE`], the service at most
+//!   `http.max_mcp_sessions`, counted by `SessionSlot`s that live exactly as long as their
+//!   session's handler (the refused `initialize` gets `quota_exceeded`);
 //! - session ids are never logged (`sessions`).
 //!
 //! rmcp's own DNS-rebinding checks (`Host`/`Origin` allow-lists) are turned off: the guard in
@@ -43,7 +45,7 @@ use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, Stream
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
 use serde_json::Value;
 
-use self::sessions::{unauthenticated, Bindings, Owner, SessionCounts, SessionSlot};
+use self::sessions::{unauthenticated, Bindings, Owner, SessionCounts, SessionLimits, SessionSlot};
 use crate::auth::Principal;
 use crate::error::ApiError;
 use crate::service::{Service, ToolDef};
@@ -77,7 +79,8 @@ pub fn router<S>(service: Arc<Service>) -> Router<S>
 where
     S: Clone + Send + Sync + 'static,
 {
-    routes(service, Arc::new(SessionCounts::default())).0
+    let limits = SessionLimits::from_config(&service.config().http);
+    routes(service, Arc::new(SessionCounts::new(limits))).0
 }
 
 /// The routes, and the session bindings their middleware keeps (for tests).

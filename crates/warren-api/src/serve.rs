@@ -1,7 +1,7 @@
 //! Running the service: one instance per state directory, preflight before listening, then
-//! the TCP and UNIX-socket listeners until SIGINT or SIGTERM.
+//! the TCP and UNIX-socket listeners until SIGINT or SIGTERM, each under the connection
+//! limits of `crate::conn`.
 
-use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -10,7 +10,10 @@ use std::sync::Arc;
 use nix::fcntl::{Flock, FlockArg};
 use tokio::net::{TcpListener, UnixListener};
 
+use axum::extract::connect_info::ConnectInfo;
+
 use crate::config::ServiceConfig;
+use crate::conn::{self, ConnLimits};
 use crate::http::{self, PeerUid};
 use crate::service::Service;
 
@@ -94,6 +97,11 @@ pub async fn serve(
     on_ready: impl FnOnce(&Bound),
 ) -> Result<(), ServeError> {
     let _lock = lock_state_dir(&cfg.state_dir)?;
+    // The connection caps, not the descriptor limit, must be what refuses a flood.
+    match conn::raise_nofile_limit() {
+        Ok(n) => tracing::debug!(open_files = n, "open-file limit raised to the hard limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
+    }
     let service = Arc::new(Service::open(cfg.clone(), supervisor_exe)?);
     for w in service.preflight().await.map_err(ServeError::Preflight)? {
         tracing::warn!("{w}");
@@ -124,28 +132,31 @@ pub async fn serve(
     on_ready(&bound);
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
     let idle = {
         let service = service.clone();
         tokio::spawn(async move { service.idle_loop(IDLE_CHECK).await })
     };
     let tcp_app = http::tcp_router(service.clone(), hosts);
     let unix_app = http::unix_router(service.clone());
-    let t = tokio::spawn(
-        axum::serve(tcp, tcp_app)
-            .with_graceful_shutdown(stopped(stop_rx.clone()))
-            .into_future(),
-    );
-    let u = tokio::spawn(
-        axum::serve(
-            unix,
-            unix_app.into_make_service_with_connect_info::<PeerUid>(),
-        )
-        .with_graceful_shutdown(stopped(stop_rx))
-        .into_future(),
-    );
+    let limits = ConnLimits::from_config(&cfg.http);
+    let t = tokio::spawn(conn::serve(
+        tcp,
+        tcp_app,
+        limits,
+        |_| None,
+        stop_rx.clone(),
+        "tcp",
+    ));
+    let u = tokio::spawn(conn::serve(
+        unix,
+        unix_app,
+        limits,
+        |io: &tokio::net::UnixStream| {
+            Some(ConnectInfo(PeerUid(io.peer_cred().ok().map(|c| c.uid()))))
+        },
+        stop_rx,
+        "local socket",
+    ));
     wait_for_signal().await;
     tracing::info!("stopping; VMs keep running under their supervisors");
     let _ = stop_tx.send(true);

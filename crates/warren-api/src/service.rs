@@ -28,6 +28,7 @@ use warren_protocol::{
 use warren_vmm::accel::AccelChoice;
 
 use crate::auth::{Credentials, Principal};
+use crate::caps::{is_long_poll, CallerCaps};
 use crate::config::ServiceConfig;
 use crate::error::ApiError;
 use crate::receipts::{args_hash, validate_request_id, Claim, Receipts};
@@ -65,6 +66,8 @@ pub struct Service {
     tools: Vec<ToolDef>,
     /// Idempotency keys being acted on by this process right now.
     in_flight: Mutex<HashSet<String>>,
+    /// Per-credential caps on requests and long-polls in flight.
+    caps: CallerCaps,
 }
 
 /// Removes an in-flight key when the request ends, however it ends.
@@ -328,6 +331,10 @@ impl Service {
             creds,
             receipts,
             tools: tool_defs(&names),
+            caps: CallerCaps::new(
+                cfg.http.max_requests_per_token,
+                cfg.http.max_long_polls_per_token,
+            ),
             cfg,
             in_flight: Mutex::new(HashSet::new()),
         })
@@ -343,6 +350,11 @@ impl Service {
 
     pub fn config(&self) -> &ServiceConfig {
         &self.cfg
+    }
+
+    /// The per-credential caps (`crate::caps`).
+    pub fn caps(&self) -> &CallerCaps {
+        &self.caps
     }
 
     pub fn engine(&self) -> &Warren {
@@ -463,7 +475,13 @@ impl Service {
     /// Runs one tool for `p`. Both transports call this and nothing else.
     pub async fn call(&self, p: &Principal, tool: &str, args: Value) -> Result<Value, ApiError> {
         let t = Instant::now();
-        let r = self.dispatch(p, tool, args).await;
+        let r = match is_long_poll(tool, &args).then(|| self.caps.long_poll(p)) {
+            Some(Err(e)) => Err(e),
+            slot => {
+                let _slot = slot;
+                self.dispatch(p, tool, args).await
+            }
+        };
         let ms = t.elapsed().as_millis() as u64;
         match &r {
             Ok(_) => tracing::info!(workspace = %p.workspace, tool, ms, "ok"),

@@ -17,8 +17,10 @@
 //! Session ids are bearer capabilities for the session's stream: nothing here logs them, and
 //! the `warren` binary drops rmcp's own log events, which carry them (`docs/logging.md`).
 //!
-//! Per workspace, [`SessionCounts`] caps how many sessions exist at once; a [`SessionSlot`]
-//! lives exactly as long as its session's handler.
+//! [`SessionCounts`] caps how many sessions exist at once: per credential, per workspace and
+//! in all; a [`SessionSlot`] lives exactly as long as its session's handler. A session's GET
+//! event stream is bounded by these caps (rmcp serves one per session), not by the caps on
+//! requests in flight.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -36,7 +38,7 @@ use crate::error::ApiError;
 /// Who opened a session: its workspace and the credential that authenticated the
 /// `initialize` (a token, or a local uid). Another token of the same workspace is another
 /// owner: a leaked session id is no use without the token that opened it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(super) struct Owner {
     pub(super) workspace: String,
     via: Via,
@@ -153,35 +155,106 @@ pub(super) async fn bind(State(b): State<Arc<Bindings>>, req: Request, next: Nex
     resp
 }
 
-/// Live sessions per workspace.
-#[derive(Debug, Default)]
+/// How many sessions may exist at once.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct SessionLimits {
+    pub(super) total: usize,
+    pub(super) per_token: usize,
+    pub(super) per_workspace: usize,
+}
+
+impl SessionLimits {
+    pub(super) fn from_config(h: &crate::config::HttpConfig) -> SessionLimits {
+        SessionLimits {
+            total: h.max_mcp_sessions,
+            per_token: h.max_mcp_sessions_per_token,
+            per_workspace: MAX_SESSIONS_PER_WORKSPACE,
+        }
+    }
+}
+
+/// Live sessions per workspace, per owner and in all.
+#[derive(Debug)]
 pub(super) struct SessionCounts {
-    /// Workspace -> sessions it holds; entries at zero are removed. Guards only this map;
-    /// never held across an await.
-    per_workspace: Mutex<HashMap<String, usize>>,
+    limits: SessionLimits,
+    /// Guards only the counts; never held across an await.
+    held: Mutex<Held>,
+}
+
+/// Entries at zero are removed.
+#[derive(Debug, Default)]
+struct Held {
+    total: usize,
+    per_workspace: HashMap<String, usize>,
+    per_owner: HashMap<Owner, usize>,
+}
+
+fn decrement<K: std::hash::Hash + Eq>(map: &mut HashMap<K, usize>, k: &K) {
+    if let Some(n) = map.get_mut(k) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            map.remove(k);
+        }
+    }
+}
+
+impl Default for SessionCounts {
+    fn default() -> Self {
+        SessionCounts::new(SessionLimits::from_config(
+            &crate::config::HttpConfig::default(),
+        ))
+    }
 }
 
 impl SessionCounts {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
-        // The map stays consistent even if a holder panicked: every update is one statement.
-        self.per_workspace.lock().unwrap_or_else(|p| p.into_inner())
+    pub(super) fn new(limits: SessionLimits) -> SessionCounts {
+        SessionCounts {
+            limits,
+            held: Mutex::new(Held::default()),
+        }
     }
 
-    /// Counts one more session for `owner`'s workspace, unless it already holds the maximum.
+    fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
+        // The counts stay consistent even if a holder panicked: every update completes
+        // without a panic point in between.
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts one more session for `owner`, unless it, its workspace or the service already
+    /// holds the maximum.
     pub(super) fn claim(self: &Arc<Self>, owner: Owner) -> Result<SessionSlot, ApiError> {
-        let mut map = self.lock();
+        let mut held = self.lock();
+        let l = self.limits;
         let workspace = &owner.workspace;
-        let n = map.entry(workspace.clone()).or_insert(0);
-        if *n >= MAX_SESSIONS_PER_WORKSPACE {
+        let in_ws = held.per_workspace.get(workspace).copied().unwrap_or(0);
+        let of_owner = held.per_owner.get(&owner).copied().unwrap_or(0);
+        let refusal = if of_owner >= l.per_token {
+            Some(format!(
+                "this credential already holds {} MCP sessions",
+                l.per_token
+            ))
+        } else if in_ws >= l.per_workspace {
+            Some(format!(
+                "workspace {workspace} already holds {} MCP sessions",
+                l.per_workspace
+            ))
+        } else if held.total >= l.total {
+            Some(format!(
+                "the service already holds {} MCP sessions, its maximum",
+                l.total
+            ))
+        } else {
+            None
+        };
+        if let Some(m) = refusal {
             return Err(ApiError::new(
                 "quota_exceeded",
-                format!(
-                    "workspace {workspace} already holds {MAX_SESSIONS_PER_WORKSPACE} MCP sessions; \
-                     close some (HTTP DELETE) or let them expire"
-                ),
+                format!("{m}; close some (HTTP DELETE) or let them expire"),
             ));
         }
-        *n += 1;
+        held.total += 1;
+        *held.per_workspace.entry(workspace.clone()).or_insert(0) += 1;
+        *held.per_owner.entry(owner.clone()).or_insert(0) += 1;
         Ok(SessionSlot {
             counts: self.clone(),
             owner,
@@ -190,7 +263,17 @@ impl SessionCounts {
 
     #[cfg(test)]
     pub(super) fn held(&self, workspace: &str) -> usize {
-        self.lock().get(workspace).copied().unwrap_or(0)
+        self.lock()
+            .per_workspace
+            .get(workspace)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
+        let h = self.lock();
+        h.total == 0 && h.per_workspace.is_empty() && h.per_owner.is_empty()
     }
 }
 
@@ -205,13 +288,10 @@ pub(super) struct SessionSlot {
 
 impl Drop for SessionSlot {
     fn drop(&mut self) {
-        let mut map = self.counts.lock();
-        if let Some(n) = map.get_mut(&self.owner.workspace) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                map.remove(&self.owner.workspace);
-            }
-        }
+        let mut held = self.counts.lock();
+        held.total = held.total.saturating_sub(1);
+        decrement(&mut held.per_workspace, &self.owner.workspace);
+        decrement(&mut held.per_owner, &self.owner);
     }
 }
 
@@ -243,9 +323,17 @@ mod tests {
 
     #[test]
     fn test_session_counts_over_limit_refused_and_released_on_drop() {
-        let counts = Arc::new(SessionCounts::default());
+        let counts = Arc::new(SessionCounts::new(SessionLimits {
+            total: 1000,
+            per_token: 1000,
+            per_workspace: MAX_SESSIONS_PER_WORKSPACE,
+        }));
         let slots: Vec<_> = (0..MAX_SESSIONS_PER_WORKSPACE)
-            .map(|_| counts.claim(owner("ws-a", "t")).expect("under the limit"))
+            .map(|i| {
+                counts
+                    .claim(owner("ws-a", &format!("t{}", i % 4)))
+                    .expect("under the limit")
+            })
             .collect();
         let refused = counts
             .claim(owner("ws-a", "another token"))
@@ -257,6 +345,31 @@ mod tests {
         assert_eq!(counts.held("ws-a"), 0);
         assert_eq!(counts.held("ws-b"), 1);
         drop(other);
-        assert!(counts.lock().is_empty());
+        assert!(counts.is_empty());
+    }
+
+    #[test]
+    fn test_session_counts_per_token_and_total_caps() {
+        let counts = Arc::new(SessionCounts::new(SessionLimits {
+            total: 3,
+            per_token: 2,
+            per_workspace: 64,
+        }));
+        let a1 = counts.claim(owner("ws-a", "t1")).expect("first");
+        let a2 = counts.claim(owner("ws-a", "t1")).expect("second");
+        let e = counts
+            .claim(owner("ws-a", "t1"))
+            .expect_err("over the per-token cap");
+        assert!(e.message.contains("credential"), "{e}");
+        // Control: another token of the same workspace is served, up to the total.
+        let b = counts.claim(owner("ws-a", "t2")).expect("another token");
+        let e = counts
+            .claim(owner("ws-b", "t3"))
+            .expect_err("over the total cap");
+        assert_eq!(e.code, "quota_exceeded");
+        assert!(e.message.contains("service"), "{e}");
+        drop(a1);
+        let _c = counts.claim(owner("ws-b", "t3")).expect("released");
+        drop((a2, b));
     }
 }

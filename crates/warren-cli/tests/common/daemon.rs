@@ -141,6 +141,11 @@ impl Daemon {
         self.child = Some(child);
     }
 
+    /// The service process's pid, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Stops the service as its unit would (SIGTERM), waiting for it to exit.
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {

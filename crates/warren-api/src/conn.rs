@@ -1,0 +1,377 @@
+//! The listeners' accept loop and each connection's limits, for the TCP listener and the local
+//! socket alike. One task accepts; each connection runs in a task of its own.
+//!
+//! - **Connection cap.** At most `max_connections` connections per listener. One more is
+//!   accepted and closed at once (the client reads EOF), so the cap bites, never the
+//!   descriptor limit: [`raise_nofile_limit`] lifts the service's soft limit to its hard one at
+//!   start, and accept errors (`EMFILE` included) are retried after a pause by axum's
+//!   [`Listener`]. Each connection holds a semaphore permit for its whole life.
+//! - **Header-read timeout.** hyper's `header_read_timeout` (HTTP/1): a request head not
+//!   complete in time closes the connection. hyper also runs it while a kept-alive HTTP/1
+//!   connection waits for its next request. Before the first request, hyper-util reads up to
+//!   24 bytes to tell HTTP/1 from HTTP/2 with no deadline of its own, so this module gives a
+//!   connection the same time to start its first request.
+//! - **Idle timeout.** A connection with no request in flight for `idle_timeout` is closed
+//!   (dropped: nothing is lost). A request is in flight from its head until its response
+//!   body ends ([`Guarded`]), so a long-poll, a `vm_create` booting for minutes, or an MCP GET
+//!   event stream (which rmcp keeps alive with an SSE ping every 15 s) is never cut by it.
+//! - **HTTP/2** connections get keep-alive pings; an unanswered ping closes the connection.
+//! - **No upgrades.** Connections are served without upgrade support and no route upgrades, so
+//!   every connection stays counted for its whole life; a WebSocket route would need its own
+//!   cap and pings here first.
+//!
+//! Why by hand: `axum::serve` has none of these knobs. hyper provides the header timeout and
+//! HTTP/2 pings, hyper-util the protocol choice and the tower adapter, tokio the semaphore;
+//! no maintained crate caps a hyper server's connections or times its connections out by
+//! requests in flight, which is the thin layer written here.
+//!
+//! On stop, the loop stops accepting, every connection shuts down gracefully, and the loop
+//! returns when all have ended (the caller bounds the wait).
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::connect_info::ConnectInfo;
+use axum::serve::Listener;
+use axum::Router;
+use http_body::{Frame, SizeHint};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use nix::sys::resource::{getrlimit, setrlimit, Resource};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tower::ServiceExt;
+
+use crate::config::HttpConfig;
+use crate::http::PeerUid;
+
+/// Ping interval of HTTP/2 connections, and how long a ping may go unanswered.
+const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// At most one log line per this long about refused connections (a flood would otherwise
+/// write a line per connection).
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// The per-listener connection limits, from `[http]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConnLimits {
+    pub max_connections: usize,
+    pub header_read_timeout: Duration,
+    pub idle_timeout: Duration,
+}
+
+impl ConnLimits {
+    pub(crate) fn from_config(h: &HttpConfig) -> ConnLimits {
+        ConnLimits {
+            max_connections: h.max_connections,
+            header_read_timeout: Duration::from_secs(h.header_read_timeout_secs),
+            idle_timeout: Duration::from_secs(h.idle_timeout_secs),
+        }
+    }
+}
+
+/// Raises the process's soft open-file limit to its hard limit; returns the new soft limit.
+pub(crate) fn raise_nofile_limit() -> Result<u64, nix::Error> {
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+    }
+    Ok(hard)
+}
+
+/// Serves `app` on `listener` under `limits` until `stop` turns true and every connection
+/// has ended. `tag` gives the connect info a connection's requests carry (the local socket's
+/// peer uid), if any.
+pub(crate) async fn serve<L, T>(
+    mut listener: L,
+    app: Router,
+    limits: ConnLimits,
+    tag: T,
+    mut stop: watch::Receiver<bool>,
+    door: &'static str,
+) where
+    L: Listener,
+    T: Fn(&L::Io) -> Option<ConnectInfo<PeerUid>>,
+{
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(H2_KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT);
+    let builder = Arc::new(builder);
+    let mut refused = Refusals::default();
+    loop {
+        let io = tokio::select! {
+            (io, _addr) = listener.accept() => io,
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            // At the cap: closed at accept, before it costs anything but this descriptor.
+            drop(io);
+            refused.note(door, limits.max_connections);
+            continue;
+        };
+        tracing::trace!(door, "connection accepted");
+        let info = tag(&io);
+        let conn = Connection {
+            app: app.clone(),
+            builder: builder.clone(),
+            limits,
+            stop: stop.clone(),
+            _permit: permit,
+        };
+        tokio::spawn(conn.run(io, info));
+    }
+    // Every permit back means every connection has ended.
+    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let _ = slots.acquire_many(all).await;
+}
+
+/// Counts refused connections between log lines.
+#[derive(Default)]
+struct Refusals {
+    count: u64,
+    logged: Option<Instant>,
+}
+
+impl Refusals {
+    fn note(&mut self, door: &'static str, max: usize) {
+        self.count += 1;
+        if self.logged.is_none_or(|t| t.elapsed() >= REFUSAL_LOG_EVERY) {
+            tracing::warn!(
+                door,
+                max_connections = max,
+                refused = self.count,
+                "connection cap reached: connections closed at accept"
+            );
+            self.count = 0;
+            self.logged = Some(Instant::now());
+        }
+    }
+}
+
+/// One accepted connection.
+struct Connection {
+    app: Router,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    limits: ConnLimits,
+    stop: watch::Receiver<bool>,
+    /// This connection's place under the listener's cap.
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Connection {
+    async fn run<I>(mut self, io: I, info: Option<ConnectInfo<PeerUid>>)
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (activity, mut idle) = Activity::new();
+        let app = self.app.clone();
+        let svc = tower::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+            let busy = activity.begin();
+            if let Some(info) = info {
+                req.extensions_mut().insert(info);
+            }
+            let app = app.clone();
+            async move {
+                let resp = app.oneshot(req).await?;
+                Ok::<_, Infallible>(resp.map(|b| Body::new(Guarded::new(b, busy))))
+            }
+        });
+        let conn = self
+            .builder
+            .serve_connection(TokioIo::new(io), TowerToHyperService::new(svc));
+        tokio::pin!(conn);
+        tokio::select! {
+            r = conn.as_mut() => {
+                match r {
+                    Ok(()) => tracing::trace!("connection ended"),
+                    Err(e) => tracing::debug!(error = %e, "connection ended with an error"),
+                }
+                return;
+            }
+            () = idle.expired(self.limits) => {
+                tracing::debug!("idle connection closed");
+                return;
+            }
+            _ = self.stop.wait_for(|s| *s) => {}
+        }
+        tracing::trace!("shutting the connection down");
+        conn.as_mut().graceful_shutdown();
+        let _ = conn.await;
+    }
+}
+
+/// What the idle timer looks at: requests in flight, and since when there were none.
+#[derive(Debug, Clone, Copy)]
+struct Load {
+    in_flight: usize,
+    since: tokio::time::Instant,
+    /// Whether any request has started (until then, the header timeout applies).
+    started: bool,
+}
+
+/// The sending side, shared by the connection's service and its in-flight guards.
+#[derive(Clone)]
+struct Activity(Arc<watch::Sender<Load>>);
+
+/// The watching side, owned by the connection's task.
+struct Idle(watch::Receiver<Load>);
+
+impl Activity {
+    fn new() -> (Activity, Idle) {
+        let (tx, rx) = watch::channel(Load {
+            in_flight: 0,
+            since: tokio::time::Instant::now(),
+            started: false,
+        });
+        (Activity(Arc::new(tx)), Idle(rx))
+    }
+
+    fn begin(&self) -> Busy {
+        self.0.send_modify(|l| {
+            l.in_flight += 1;
+            l.started = true;
+        });
+        Busy(self.clone())
+    }
+}
+
+/// One request in flight on a connection, until its response body ends.
+struct Busy(Activity);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0 .0.send_modify(|l| {
+            l.in_flight = l.in_flight.saturating_sub(1);
+            if l.in_flight == 0 {
+                l.since = tokio::time::Instant::now();
+            }
+        });
+    }
+}
+
+impl Idle {
+    /// Resolves once the connection has had no request in flight for its limit: the idle
+    /// timeout, or the header timeout before the first request.
+    async fn expired(&mut self, limits: ConnLimits) {
+        loop {
+            let load = *self.0.borrow_and_update();
+            if load.in_flight > 0 {
+                if self.0.changed().await.is_err() {
+                    return std::future::pending().await;
+                }
+                continue;
+            }
+            let limit = if load.started {
+                limits.idle_timeout
+            } else {
+                limits.header_read_timeout
+            };
+            let deadline = load.since + limit;
+            tokio::select! {
+                () = tokio::time::sleep_until(deadline) => return,
+                r = self.0.changed() => {
+                    if r.is_err() {
+                        return std::future::pending().await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A response body carrying a guard that lives until the body ends or is dropped.
+pub(crate) struct Guarded<G> {
+    inner: Body,
+    _guard: G,
+}
+
+impl<G> Guarded<G> {
+    pub(crate) fn new(inner: Body, guard: G) -> Guarded<G> {
+        Guarded {
+            inner,
+            _guard: guard,
+        }
+    }
+}
+
+impl<G: Send + Unpin + 'static> http_body::Body for Guarded<G> {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> ConnLimits {
+        ConnLimits {
+            max_connections: 4,
+            header_read_timeout: Duration::from_millis(200),
+            idle_timeout: Duration::from_millis(2000),
+        }
+    }
+
+    #[tokio::test]
+    async fn test_idle_timer_waits_while_a_request_is_in_flight() {
+        let (activity, mut idle) = Activity::new();
+        let busy = activity.begin();
+        // In flight: past both limits, still not idle.
+        let r = tokio::time::timeout(Duration::from_millis(2500), idle.expired(limits())).await;
+        assert!(r.is_err(), "a request in flight never counts as idle");
+        let t = tokio::time::Instant::now();
+        drop(busy);
+        idle.expired(limits()).await;
+        // Control: once it ended, the idle timeout (not the header timeout) applies.
+        assert!(
+            t.elapsed() >= Duration::from_millis(2000),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+
+    #[tokio::test]
+    async fn test_idle_timer_before_the_first_request_is_the_header_timeout() {
+        let (_activity, mut idle) = Activity::new();
+        let t = tokio::time::Instant::now();
+        idle.expired(limits()).await;
+        let waited = t.elapsed();
+        assert!(
+            waited >= Duration::from_millis(200) && waited < Duration::from_millis(2000),
+            "{waited:?}"
+        );
+    }
+
+    #[test]
+    fn test_nofile_soft_limit_raised_to_hard() {
+        let soft = raise_nofile_limit().expect("raise");
+        let (now, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+        assert_eq!((soft, now), (hard, hard));
+    }
+}
