@@ -19,6 +19,7 @@ pub mod channel;
 pub mod client;
 pub mod console;
 pub mod layout;
+pub mod log;
 pub mod network;
 pub mod proto;
 mod server;
