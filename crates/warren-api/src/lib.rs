@@ -7,6 +7,7 @@
 //! VM; creation and execution are idempotent through durable receipts ([`receipts`]).
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod auth;
 pub mod caps;
 pub mod config;

@@ -259,11 +259,7 @@ fn checked_size(
 
 /// The workspace's own admission limits (its token policy).
 fn workspace_limits(p: &Principal) -> Limits {
-    Limits {
-        max_vms: p.policy.max_vms,
-        max_memory_mib: p.policy.max_memory_mib,
-        max_storage_mib: None,
-    }
+    crate::admission::policy_limits(&p.policy)
 }
 
 /// A session record as the `session_*` tools return it.
@@ -321,9 +317,14 @@ impl Service {
             .parse::<AccelChoice>()
             .map_err(|e| ApiError::invalid(e.to_string()))?;
         wc.boot_timeout = Duration::from_secs(cfg.boot_timeout_secs);
-        let warren = Warren::open(wc)?;
+        let mut warren = Warren::open(wc)?;
         let db = cfg.state_dir.join("warren.db");
         let creds = Credentials::open(&db)?;
+        // Resumes and wakes pass the same memory limits as creates.
+        warren.set_admission(crate::admission::resume_limits(
+            cfg.host_limits(),
+            Credentials::open(&db)?,
+        ));
         let receipts = Receipts::open(&db)?;
         let names: Vec<String> = cfg.images.keys().cloned().collect();
         Ok(Service {

@@ -46,11 +46,24 @@ fn main() {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     // RUST_LOG cannot lift this: the rmcp filter comes first and drops whatever it names.
     let not_rmcp = filter::filter_fn(|m| !from_rmcp(m.target()));
-    let log = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_filter(not_rmcp.and(env));
-    tracing_subscriber::registry().with(log).init();
+    let fmt = tracing_subscriber::fmt::layer();
+    if let cli::Command::Supervise { vm_dir } = &args.command {
+        // Much of a supervisor's log is caused by its guest: bounded, rate-limited records in
+        // a rotated `supervisor.log` (`warren_supervisor::log`).
+        let writer =
+            warren_supervisor::log::SupervisorLog::open(warren_supervisor::VmDir(vm_dir.clone()));
+        let log = fmt
+            .with_writer(writer)
+            .with_ansi(false)
+            .with_filter(not_rmcp.and(env));
+        tracing_subscriber::registry().with(log).init();
+    } else {
+        let log = fmt
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_filter(not_rmcp.and(env));
+        tracing_subscriber::registry().with(log).init();
+    }
     // Error messages can carry guest text (failure reasons, guest errors, file names).
     let term = term::Term::new(args.raw);
     let code = match commands::run(args) {

@@ -41,6 +41,9 @@ pub enum CoreError {
     Vmm(#[from] VmmError),
     #[error(transparent)]
     Supervisor(#[from] ClientError),
+    /// The limits a resume is admitted under could not be read.
+    #[error("admission limits: {0}")]
+    Admission(String),
     #[error("store")]
     Store(#[from] rusqlite::Error),
     #[error("{op} {path}")]
@@ -104,7 +107,7 @@ impl CoreError {
                 "conflict"
             }
             CoreError::Supervisor(_) => "unavailable",
-            CoreError::Store(_) | CoreError::Io { .. } => "internal",
+            CoreError::Store(_) | CoreError::Io { .. } | CoreError::Admission(_) => "internal",
         }
     }
 

@@ -7,6 +7,7 @@
 //! this crate reconciles its records with the supervisors' on every listing.
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod error;
 pub mod interactive;
 pub mod output;
@@ -15,6 +16,7 @@ pub mod store;
 pub mod vm;
 pub mod workspace_ops;
 
+pub use admission::LimitsFor;
 pub use error::CoreError;
 pub use interactive::InteractiveSpec;
 pub use session::{CreateSession, SessionDevices};

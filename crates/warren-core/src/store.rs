@@ -273,6 +273,34 @@ impl Store {
         Ok(())
     }
 
+    /// Moves `id` from state `from` to `to` after `admit` approved it inside the same
+    /// immediate transaction, so the check and the reservation it makes are one step (a
+    /// concurrent creator or resumer sees the VM in `to`). `Ok(false)`: the VM was not in
+    /// `from`, nothing changed.
+    pub fn transition<E: From<rusqlite::Error>>(
+        &self,
+        id: &str,
+        from: VmState,
+        to: VmState,
+        admit: impl FnOnce(&Transaction<'_>) -> Result<(), E>,
+    ) -> Result<bool, E> {
+        let mut conn = self.conn();
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let state: Option<String> = tx
+            .query_row("SELECT state FROM vms WHERE id = ?1", [id], |r| r.get(0))
+            .optional()?;
+        if state.as_deref() != Some(from.as_str()) {
+            return Ok(false);
+        }
+        admit(&tx)?;
+        tx.execute(
+            "UPDATE vms SET state = ?2, reason = NULL WHERE id = ?1",
+            params![id, to.as_str()],
+        )?;
+        tx.commit()?;
+        Ok(true)
+    }
+
     pub fn set_state(
         &self,
         id: &str,
@@ -534,6 +562,37 @@ mod tests {
         assert_eq!(r.state, VmState::Failed);
         assert_eq!(r.reason.as_deref(), Some("qemu died"));
         assert_eq!(s.vm_using_image("img").expect("q").as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn test_transition_refused_or_stale_changes_nothing() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let s = Store::open(&d.path().join("db")).expect("open");
+        s.insert(&mut rec("a"), 1, ok).expect("a");
+        s.set_state("a", VmState::Hibernated, None, None)
+            .expect("set");
+        let refused: Result<bool, rusqlite::Error> =
+            s.transition("a", VmState::Hibernated, VmState::Resuming, |_| {
+                Err(rusqlite::Error::InvalidQuery)
+            });
+        assert!(refused.is_err());
+        assert_eq!(
+            s.get("a").expect("get").expect("row").state,
+            VmState::Hibernated
+        );
+        // Control: approved, it moves (and the memory counts again); a second try is stale.
+        assert_eq!(
+            s.transition("a", VmState::Hibernated, VmState::Resuming, ok),
+            Ok(true)
+        );
+        assert_eq!(
+            s.get("a").expect("get").expect("row").state,
+            VmState::Resuming
+        );
+        assert_eq!(
+            s.transition("a", VmState::Hibernated, VmState::Resuming, ok),
+            Ok(false)
+        );
     }
 
     #[test]

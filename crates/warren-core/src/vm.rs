@@ -363,6 +363,8 @@ pub struct Warren {
     cfg: WarrenConfig,
     store: Store,
     images: ImageStore,
+    /// The limits resumes are admitted under (`admission.rs`); `None`: unlimited.
+    pub(crate) admission: Option<std::sync::Arc<crate::admission::LimitsFor>>,
 }
 
 /// Resolves an accelerator warning to the user (printed by the CLI).
@@ -379,7 +381,12 @@ impl Warren {
         let _ = std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o711));
         let store = Store::open(&cfg.state_dir.join("warren.db"))?;
         let images = ImageStore::open(&cfg.image_dir)?;
-        Ok(Warren { cfg, store, images })
+        Ok(Warren {
+            cfg,
+            store,
+            images,
+            admission: None,
+        })
     }
 
     pub fn images(&self) -> &ImageStore {
@@ -944,11 +951,18 @@ impl Warren {
                 cfg.restore = true;
                 cfg.launch.incoming = true;
                 let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
+                // Admission, as for a create: its memory is reserved (the VM is `resuming`)
+                // or the resume is refused before anything in the VM directory changes.
+                if self.reserve_resume(&rec)? == crate::admission::Reserved::Stale {
+                    return self.await_resume(id).await;
+                }
                 for p in [dir.config(), dir.exit_record(), dir.socket()] {
                     let _ = std::fs::remove_file(p);
                 }
-                write_private(&dir.config(), &body)?;
-                self.store.set_state(id, VmState::Resuming, None, None)?;
+                if let Err(e) = write_private(&dir.config(), &body) {
+                    self.store.set_state(id, VmState::Hibernated, None, None)?;
+                    return Err(e);
+                }
                 if let Err(e) = self.launch_and_wait(&dir).await {
                     // Never retried onto another memory image: the VM is failed.
                     let reason = e.to_string();

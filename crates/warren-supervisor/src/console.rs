@@ -74,7 +74,7 @@ pub async fn pump(mut stream: UnixStream, dir: VmDir, tail: ConsoleTail) {
         tail.push(&buf[..n]);
         if tracing::enabled!(tracing::Level::DEBUG) {
             for line in String::from_utf8_lossy(&buf[..n]).lines() {
-                tracing::debug!(%line, "console");
+                tracing::debug!(line = %crate::log::guest_text(line), "console");
             }
         }
         if written >= LOG_HALF {

@@ -38,6 +38,10 @@ impl VmDir {
     pub fn supervisor_log(&self) -> PathBuf {
         self.0.join("supervisor.log")
     }
+    /// The previous half of the bounded supervisor log.
+    pub fn supervisor_log_old(&self) -> PathBuf {
+        self.0.join("supervisor.log.1")
+    }
     /// Why the VM ended, written once by the supervisor.
     /// The VM's memory and device state while hibernated (written by the VMM, in `run/`).
     pub fn checkpoint_state(&self) -> PathBuf {

@@ -20,6 +20,7 @@ pub mod client;
 pub mod console;
 pub mod deadline;
 pub mod layout;
+pub mod log;
 pub mod network;
 pub mod proto;
 mod server;

@@ -304,7 +304,10 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                             if let Err(e) =
                                 guest_call(&ch, HostRequest::InstallCa(ca.clone())).await
                             {
-                                tracing::warn!(error = %e, "installing the egress CA failed");
+                                tracing::warn!(
+                                    error = %crate::log::guest_text(&e.to_string()),
+                                    "installing the egress CA failed"
+                                );
                             }
                         }
                         first = false;
@@ -566,7 +569,15 @@ async fn guest_call(
 ) -> Result<warren_protocol::GuestResponse, SupervisorError> {
     match ch.call(&req).await {
         Ok(Ok(r)) => Ok(r),
-        Ok(Err(e)) => Err(SupervisorError::Guest(e)),
+        Ok(Err(e)) => {
+            // The message is the guest's: escaped and cut, and the log is rate-limited.
+            tracing::debug!(
+                code = e.code.as_str(),
+                message = %crate::log::guest_text(&e.message),
+                "guest refused a request"
+            );
+            Err(SupervisorError::Guest(e))
+        }
         Err(e @ crate::channel::ChannelError::Timeout(_)) => {
             tracing::warn!(error = %e, "guest call timed out");
             Err(SupervisorError::Timeout(error_chain(&e)))
