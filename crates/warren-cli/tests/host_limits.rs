@@ -70,7 +70,12 @@ for k in kids:
 
 #[test]
 fn test_vm_host_cgroup_limits_memory_and_pids_and_the_vm_survives() {
-    let vm = TestVm::boot();
+    common::ensure_image("minimal");
+    let env = common::TestEnv::new();
+    let share = tempfile::tempdir().expect("tempdir");
+    let mount = format!("{}:/mnt/share", share.path().display());
+    let id = env.create_vm_with("minimal", &["--mount", &mount]);
+    let vm = TestVm::adopt(env, id);
     let rec = vm.env.record(&vm.id).expect("VM record");
     let mib = rec["memory_mib"].as_u64().expect("memory_mib");
     let vcpus = rec["vcpus"].as_u64().expect("vcpus");
@@ -109,6 +114,34 @@ fn test_vm_host_cgroup_limits_memory_and_pids_and_the_vm_survives() {
             dir.display()
         );
     }
+    // So is every virtiofsd process, the sandbox's forked child (which serves the guest)
+    // included: each joins in the child before exec.
+    let mut daemons = 0;
+    for entry in std::fs::read_dir("/proc").expect("proc").flatten() {
+        let pid = entry.file_name().to_string_lossy().into_owned();
+        let Ok(comm) = std::fs::read_to_string(entry.path().join("comm")) else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let vm_dir = vm.env.vm_dir(&vm.id);
+        if comm.trim() != "virtiofsd"
+            || !String::from_utf8_lossy(&cmdline).contains(vm_dir.to_str().expect("utf-8"))
+        {
+            continue;
+        }
+        daemons += 1;
+        for dir in [&v2, &mem, &pids] {
+            let procs = read(dir, "cgroup.procs");
+            assert!(
+                procs.lines().any(|l| l.trim() == pid),
+                "virtiofsd {pid} not in {}",
+                dir.display()
+            );
+        }
+    }
+    assert!(daemons >= 2, "the share's virtiofsd and its sandbox child: {daemons}");
     let mut joined = vec![v2.clone()];
     for d in [&mem, &pids] {
         if !joined.contains(d) {

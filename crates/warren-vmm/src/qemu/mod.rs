@@ -92,6 +92,13 @@ impl VmBackend for QemuBackend {
                     .map_err(|e| VmmError::io("create", &spec.stderr_log, e))?,
             ))
             .kill_on_drop(false);
+        if let Some(cg) = &spec.cgroup {
+            // Joined in the child, before the uid drop: nothing QEMU starts runs outside.
+            crate::sys::process::join_cgroups(
+                cmd.as_std_mut(),
+                &crate::sys::cgroup::member_dirs(cg),
+            );
+        }
         crate::sys::process::confine(cmd.as_std_mut(), spec.run_as);
         let mut fds: Vec<(std::os::fd::RawFd, i32)> = Vec::new();
         {

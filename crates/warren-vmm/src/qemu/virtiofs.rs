@@ -208,6 +208,11 @@ pub fn spawn_all(spec: &LaunchSpec) -> Result<Started, VmmError> {
                 crate::sys::private_file::create(&log, false)
                     .map_err(|e| VmmError::io("create", &log, e))?,
             ));
+        if let Some(cg) = &spec.cgroup {
+            // Joined in the child before exec: virtiofsd's sandbox forks at once, and that
+            // child (the one serving the guest) must be inside the VM's limits too.
+            crate::sys::process::join_cgroups(&mut cmd, &crate::sys::cgroup::member_dirs(cg));
+        }
         // virtiofsd needs root for its namespace sandbox and to act as the owner; it is not
         // run as the VMM's uid.
         crate::sys::process::confine(&mut cmd, None);

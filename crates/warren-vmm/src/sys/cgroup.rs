@@ -239,6 +239,13 @@ fn v1_peers(v2: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
+/// The cgroup `path` and its v1 peers: every directory a VM process joins.
+pub fn member_dirs(path: &Path) -> Vec<PathBuf> {
+    std::iter::once(path.to_path_buf())
+        .chain(v1_peers(path))
+        .collect()
+}
+
 /// Moves `pid` into the cgroup, and into its v1 peers where limits live there.
 pub fn add_pid(path: &Path, pid: u32) -> Result<(), VmmError> {
     for dir in std::iter::once(path.to_path_buf()).chain(v1_peers(path)) {

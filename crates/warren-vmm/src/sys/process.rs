@@ -58,6 +58,29 @@ pub fn confine(cmd: &mut std::process::Command, run_as: Option<(u32, u32)>) {
 
 /// Writes `data` to a `/proc/self` file in one `write` (what the kernel requires of id maps).
 /// Async-signal-safe: raw syscalls only.
+/// Makes the child join each cgroup directory of `dirs` before it runs anything (before any
+/// other `pre_exec` step registered after this one, so before the uid drop): a program that
+/// forks at once (virtiofsd's sandbox) cannot leave a child outside its VM's limits. Writing
+/// `0` to `cgroup.procs` moves the writing process, in v1 and v2 alike.
+pub fn join_cgroups(cmd: &mut std::process::Command, dirs: &[std::path::PathBuf]) {
+    use std::os::unix::ffi::OsStrExt;
+    // Built before the fork: the child may not allocate.
+    let files: Vec<std::ffi::CString> = dirs
+        .iter()
+        .filter_map(|d| std::ffi::CString::new(d.join("cgroup.procs").as_os_str().as_bytes()).ok())
+        .collect();
+    // SAFETY: the closure runs in the forked child before exec and only opens, writes and
+    // closes files named by buffers allocated before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            for f in &files {
+                write_proc(f, b"0")?;
+            }
+            Ok(())
+        });
+    }
+}
+
 fn write_proc(path: &std::ffi::CStr, data: &[u8]) -> std::io::Result<()> {
     // SAFETY: `path` is NUL-terminated; the descriptor is closed before returning.
     let fd = unsafe { nix::libc::open(path.as_ptr(), nix::libc::O_WRONLY | nix::libc::O_CLOEXEC) };
