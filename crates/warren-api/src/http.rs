@@ -172,14 +172,20 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
 }
 
 /// Counts the request against its credential's cap on requests in flight until its response
-/// body ends. An MCP GET (a session's event stream, open for the session's life) is bounded
-/// by the MCP session caps instead.
+/// body ends. An MCP GET (a session's event stream, open for the session's life, and rmcp
+/// accepts several per session) counts against the credential's long-poll cap instead, so
+/// streams can neither starve its requests nor hold the listener's connections.
 async fn limit_in_flight(State(st): State<AppState>, req: Request, next: Next) -> Response {
     let stream = req.method() == Method::GET && req.uri().path() == crate::mcp::PATH;
-    let Some(p) = req.extensions().get::<Principal>().filter(|_| !stream) else {
+    let Some(p) = req.extensions().get::<Principal>() else {
         return next.run(req).await;
     };
-    let slot = match st.service.caps().request(p) {
+    let claimed = if stream {
+        st.service.caps().long_poll(p)
+    } else {
+        st.service.caps().request(p)
+    };
+    let slot = match claimed {
         Ok(slot) => slot,
         Err(e) => {
             tracing::info!(workspace = %p.workspace, code = e.code, "request over the caller's cap");

@@ -141,7 +141,10 @@ fn test_vm_host_cgroup_limits_memory_and_pids_and_the_vm_survives() {
             );
         }
     }
-    assert!(daemons >= 2, "the share's virtiofsd and its sandbox child: {daemons}");
+    assert!(
+        daemons >= 2,
+        "the share's virtiofsd and its sandbox child: {daemons}"
+    );
     let mut joined = vec![v2.clone()];
     for d in [&mem, &pids] {
         if !joined.contains(d) {

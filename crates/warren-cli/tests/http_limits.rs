@@ -652,3 +652,46 @@ fn test_http_idle_timeout_spares_mcp_event_streams() {
         r.text
     );
 }
+
+/// rmcp accepts several GET event streams per session: a token's streams count against its
+/// long-poll cap, so they can neither hold the listener's connections nor its requests.
+/// Control: within the cap the streams open, and another token still opens its own.
+#[test]
+fn test_mcp_get_streams_capped_per_token() {
+    let d = Daemon::start("max_long_polls_per_token = 2\n");
+    let a = d.token("alice", &[]);
+    let b = d.token("bob", &[]);
+    let open = |token: &str, sid: &str| {
+        let mut stream = TcpStream::connect(&d.addr).expect("connect");
+        stream.set_read_timeout(Some(Duration::from_secs(20))).ok();
+        let req = format!(
+            "GET /mcp HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {token}\r\n\
+             Accept: text/event-stream\r\nMcp-Session-Id: {sid}\r\nMcp-Protocol-Version: {LEGACY}\r\n\r\n",
+            d.addr
+        );
+        stream.write_all(req.as_bytes()).expect("write");
+        let head = read_head(&mut stream);
+        (stream, head)
+    };
+    let sid = mcp_open(&d, &a).expect("a session");
+    let (_s1, h1) = open(&a, &sid);
+    let (_s2, h2) = open(&a, &sid);
+    assert!(
+        h1.starts_with("HTTP/1.1 200") && h2.starts_with("HTTP/1.1 200"),
+        "{h1:?} {h2:?}"
+    );
+    let (_s3, h3) = open(&a, &sid);
+    assert!(
+        h3.starts_with("HTTP/1.1 429"),
+        "a third stream of the token: {h3:?}"
+    );
+    let sid_b = mcp_open(&d, &b).expect("bob's session");
+    let (_sb, hb) = open(&b, &sid_b);
+    assert!(hb.starts_with("HTTP/1.1 200"), "another token: {hb:?}");
+    let r = d.call(&a, "vm_list", json!({}));
+    assert_eq!(
+        r.status, 200,
+        "the token's requests are still served: {}",
+        r.text
+    );
+}

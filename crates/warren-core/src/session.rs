@@ -458,6 +458,10 @@ impl Warren {
             None => false,
         };
         let vm = s.vm_id.as_deref().unwrap_or_default();
+        // One host pass over a session at a time: concurrent calls on one session wait
+        // instead of each holding a blocking thread and a git output of their own.
+        let lock = session_lock(&s.id);
+        let _one = lock.lock().await;
         if running {
             self.suspend_vm(vm, crate::vm::SuspendMode::Pause, true)
                 .await?;
@@ -540,6 +544,18 @@ impl Warren {
         })
         .await
     }
+}
+
+/// The lock that serialises host passes over session `id` (in this process).
+fn session_lock(id: &str) -> std::sync::Arc<tokio::sync::Mutex<()>> {
+    use std::collections::HashMap;
+    use std::sync::{Arc, LazyLock, Mutex};
+    static LOCKS: LazyLock<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>> =
+        LazyLock::new(Mutex::default);
+    let mut locks = LOCKS.lock().unwrap_or_else(|p| p.into_inner());
+    // Locks nobody holds or waits for are dropped as others are taken.
+    locks.retain(|_, l| Arc::strong_count(l) > 1);
+    locks.entry(id.to_string()).or_default().clone()
 }
 
 /// Runs `f` on the runtime's blocking pool: session copies, host git and reads of

@@ -76,6 +76,12 @@ const OVERRIDES: &[&str] = &[
 /// index or tree) from growing git without bound.
 const ADDRESS_SPACE: u64 = 4 << 30;
 
+/// Most bytes of a git command's output kept: past it the command fails (`TooLarge`) rather
+/// than have a guest's tree (a status of millions of untracked paths) grow the service.
+const MAX_OUTPUT: usize = 64 << 20;
+/// Most bytes of a git command's error output kept (the rest is dropped).
+const MAX_STDERR: usize = 64 << 10;
+
 /// Longest a git command may run.
 pub(crate) const DEADLINE: Duration = Duration::from_secs(120);
 /// Longest a `pack-objects | index-pack` pipe may run.
@@ -186,17 +192,24 @@ impl Git {
             }
             _ => None,
         };
-        let stdout = drain(child.stdout.take());
-        let stderr = drain(child.stderr.take());
+        let stdout = drain(child.stdout.take(), MAX_OUTPUT);
+        let stderr = drain(child.stderr.take(), MAX_STDERR);
         let status = wait_until(&mut child, DEADLINE, Instant::now() + DEADLINE, args)?;
         // A git that exits early closes the pipe; its exit status reports why.
         if let Some(w) = writer {
             let _ = w.join();
         }
+        let (stdout, cut) = stdout.join().unwrap_or_default();
+        if cut {
+            return Err(SessionError::TooLarge {
+                what: format!("the output of git {}", joined(args)),
+                limit: format!("{} MiB", MAX_OUTPUT >> 20),
+            });
+        }
         Ok(Output {
             status,
-            stdout: stdout.join().unwrap_or_default(),
-            stderr: stderr.join().unwrap_or_default(),
+            stdout,
+            stderr: stderr.join().unwrap_or_default().0,
         })
     }
 
@@ -263,9 +276,9 @@ impl Git {
         let mut pipe = first.stdin.take().expect("invariant: stdin is piped");
         let input = input.to_vec();
         let writer = std::thread::spawn(move || pipe.write_all(&input));
-        let first_err = drain(first.stderr.take());
-        let second_out = drain(second.stdout.take());
-        let second_err = drain(second.stderr.take());
+        let first_err = drain(first.stderr.take(), MAX_STDERR);
+        let second_out = drain(second.stdout.take(), MAX_OUTPUT);
+        let second_err = drain(second.stderr.take(), MAX_STDERR);
         let deadline = Instant::now() + PIPE_DEADLINE;
         let second_status = match wait_until(&mut second, PIPE_DEADLINE, deadline, consumer.1) {
             Ok(s) => s,
@@ -279,12 +292,12 @@ impl Git {
         let first_out = Output {
             status: first_status,
             stdout: Vec::new(),
-            stderr: first_err.join().unwrap_or_default(),
+            stderr: first_err.join().unwrap_or_default().0,
         };
         let second_out = Output {
             status: second_status,
-            stdout: second_out.join().unwrap_or_default(),
-            stderr: second_err.join().unwrap_or_default(),
+            stdout: second_out.join().unwrap_or_default().0,
+            stderr: second_err.join().unwrap_or_default().0,
         };
         if !first_out.status.success() {
             return Err(failed(producer.1, &first_out));
@@ -296,14 +309,28 @@ impl Git {
     }
 }
 
-/// Reads a child's pipe to the end on a thread of its own.
-fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> std::thread::JoinHandle<Vec<u8>> {
+/// Reads a child's pipe to the end on a thread of its own, keeping at most `cap` bytes (the
+/// rest is read and dropped, so the child never blocks); `true` when bytes were dropped.
+fn drain<R: Read + Send + 'static>(
+    pipe: Option<R>,
+    cap: usize,
+) -> std::thread::JoinHandle<(Vec<u8>, bool)> {
     std::thread::spawn(move || {
         let mut buf = Vec::new();
-        if let Some(mut p) = pipe {
+        let mut cut = false;
+        if let Some(p) = pipe {
+            let mut p = p.take(cap as u64);
             let _ = p.read_to_end(&mut buf);
+            let mut rest = p.into_inner();
+            let mut sink = [0u8; 8192];
+            while let Ok(n) = rest.read(&mut sink) {
+                if n == 0 {
+                    break;
+                }
+                cut = true;
+            }
         }
-        buf
+        (buf, cut)
     })
 }
 
@@ -392,4 +419,30 @@ pub(crate) fn nul_fields(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
 pub(crate) fn os_path(bytes: &[u8]) -> PathBuf {
     use std::os::unix::ffi::OsStrExt;
     PathBuf::from(OsStr::from_bytes(bytes))
+}
+
+#[cfg(test)]
+mod output_tests {
+    use super::*;
+
+    /// A child's output past the cap is read and dropped (the child never blocks on a full
+    /// pipe) and reported as cut; within the cap it is kept whole (the control).
+    #[test]
+    fn test_drain_keeps_at_most_the_cap_and_never_blocks_the_child() {
+        let run = |cap: usize| {
+            let mut child = Command::new("head")
+                .args(["-c", "1000000", "/dev/zero"])
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("head");
+            let out = drain(child.stdout.take(), cap);
+            let status = child.wait().expect("wait");
+            assert!(status.success());
+            out.join().expect("drain")
+        };
+        let (kept, cut) = run(1000);
+        assert_eq!((kept.len(), cut), (1000, true));
+        let (kept, cut) = run(2_000_000);
+        assert_eq!((kept.len(), cut), (1_000_000, false));
+    }
 }

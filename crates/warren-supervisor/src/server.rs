@@ -336,7 +336,8 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                         if !lines.is_empty() {
                             reason.push_str(&format!("\nconsole:\n{lines}"));
                         }
-                        tracing::error!(%reason, "guest channel failed");
+                        // The console tail is the guest's text: escaped and cut in the log.
+                        tracing::error!(reason = %crate::log::guest_text(&reason), "guest channel failed");
                         *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
                         shared.phase.send_replace(VmPhase::Failed(reason));
                         shared.stop.notify_one();
