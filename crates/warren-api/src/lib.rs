@@ -11,6 +11,8 @@ pub mod auth;
 pub mod config;
 mod egress;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod hostpath;
 pub mod http;
 pub mod mcp;
