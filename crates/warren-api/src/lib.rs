@@ -14,6 +14,8 @@ pub mod config;
 mod conn;
 mod egress;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod hostpath;
 pub mod http;
 pub mod mcp;

@@ -196,7 +196,7 @@ pub fn tool_defs(images: &[String]) -> Vec<ToolDef> {
     tools
 }
 
-fn parse<T: DeserializeOwned>(args: Value) -> Result<T, ApiError> {
+pub(crate) fn parse<T: DeserializeOwned>(args: Value) -> Result<T, ApiError> {
     let args = match args {
         Value::Null => Value::Object(Map::new()),
         Value::Object(m) => Value::Object(m),
@@ -284,7 +284,7 @@ fn to_value<T: Serialize>(v: T) -> Result<Value, ApiError> {
     serde_json::to_value(v).map_err(|e| ApiError::internal(format!("encoding a result: {e}")))
 }
 
-fn parse_job(id: &str) -> Result<JobId, ApiError> {
+pub(crate) fn parse_job(id: &str) -> Result<JobId, ApiError> {
     id.parse::<u64>()
         .map(JobId)
         .map_err(|_| ApiError::invalid(format!("job_id {id:?} is not a job id")))

@@ -84,11 +84,25 @@ async fn connect(inner: &Inner, up: &mut Upstream) -> Result<Box<dyn Io>, ConnEr
 
 /// Body framing of one message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Framing {
+pub(crate) enum Framing {
     None,
     Length(u64),
     Chunked,
     UntilClose,
+}
+
+impl Framing {
+    /// The body's length when `Content-Length` gives it.
+    pub(crate) fn length(self) -> Option<u64> {
+        match self {
+            Framing::Length(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn is_chunked(self) -> bool {
+        self == Framing::Chunked
+    }
 }
 
 fn header<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> impl Iterator<Item = &'a [u8]> + 'a {
@@ -158,6 +172,11 @@ fn framing(headers: &[(String, Vec<u8>)], default: Framing) -> Result<Framing, C
     }
 }
 
+/// A request's body framing (no body unless the headers frame one).
+pub(crate) fn request_framing(headers: &[(String, Vec<u8>)]) -> Result<Framing, ConnError> {
+    framing(headers, Framing::None)
+}
+
 /// Reads one head (up to and including the empty line). `Ok(None)` on a clean EOF before any
 /// byte. Leading empty lines are skipped (RFC 9112 section 2.2).
 async fn read_head<R: AsyncBufReadExt + Unpin>(r: &mut R) -> Result<Option<Vec<u8>>, ConnError> {
@@ -225,7 +244,7 @@ impl Sink<'_> {
 
 /// The size of a chunk-size line (`1a;ext=x\r\n`): 1-16 hex digits, optional whitespace and
 /// extensions. Anything else (a sign, `0x`, junk) is refused.
-fn chunk_size(line: &[u8]) -> Result<u64, ConnError> {
+pub(crate) fn chunk_size(line: &[u8]) -> Result<u64, ConnError> {
     let bad = ConnError::Framing("bad chunk size");
     let line = line
         .strip_suffix(b"\n")
@@ -339,14 +358,14 @@ async fn copy_body<R: AsyncBufReadExt + Unpin>(
     }
 }
 
-struct Request {
-    method: String,
-    path: String,
-    minor: u8,
-    headers: Vec<(String, Vec<u8>)>,
+pub(crate) struct Request {
+    pub(crate) method: String,
+    pub(crate) path: String,
+    pub(crate) minor: u8,
+    pub(crate) headers: Vec<(String, Vec<u8>)>,
 }
 
-fn parse_request(head: &[u8]) -> Option<Request> {
+pub(crate) fn parse_request(head: &[u8]) -> Option<Request> {
     let mut headers = [httparse::EMPTY_HEADER; 128];
     let mut req = httparse::Request::new(&mut headers);
     match req.parse(head) {
@@ -481,7 +500,7 @@ impl Session {
         if req.method == "CONNECT" {
             return Self::refuse(guest, 405, "Method Not Allowed").await;
         }
-        let Ok(req_framing) = framing(&req.headers, Framing::None) else {
+        let Ok(req_framing) = request_framing(&req.headers) else {
             return Self::refuse(guest, 400, "Bad Request").await;
         };
         let inner = self.inner.clone();

@@ -15,6 +15,8 @@ mod config;
 mod decision_log;
 mod egress;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod http1;
 mod intercept;
 mod outbound;

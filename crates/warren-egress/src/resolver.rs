@@ -209,39 +209,78 @@ pub(crate) async fn name_resolves_to(
     Ok(found.ips.contains(&ip))
 }
 
-/// Builds the reply to one guest query (wire format in, wire format out). `None` drops it.
-pub(crate) async fn answer(inner: &Inner, wire: &[u8]) -> Option<Vec<u8>> {
-    let req = Message::from_vec(wire).ok()?;
+/// A guest query as [`decode_query`] reads it, before the policy is consulted.
+pub(crate) enum Decoded {
+    /// Not a query: dropped without a reply.
+    Drop,
+    /// Refused with this code (the reply, with the question if there was exactly one).
+    Refuse(Message, ResponseCode),
+    /// The question's name is not a DNS name: refused, and logged as such.
+    InvalidName(Message),
+    /// One `IN` question for a valid name: the reply to fill, the question and its
+    /// normalised name.
+    Question {
+        resp: Message,
+        query: Query,
+        name: String,
+    },
+}
+
+/// Decodes one guest query (wire format) into what [`answer`] decides on. Pure: no policy,
+/// no log, no upstream.
+pub(crate) fn decode_query(wire: &[u8]) -> Decoded {
+    let Ok(req) = Message::from_vec(wire) else {
+        return Decoded::Drop;
+    };
     if req.metadata.message_type != MessageType::Query {
-        return None;
+        return Decoded::Drop;
     }
     let mut resp = Message::response(req.metadata.id, req.metadata.op_code);
     resp.metadata.recursion_desired = req.metadata.recursion_desired;
     resp.metadata.recursion_available = true;
-    let refuse = |mut resp: Message, code| {
-        resp.metadata.response_code = code;
-        resp.to_vec().ok()
-    };
     if req.metadata.op_code != OpCode::Query {
-        return refuse(resp, ResponseCode::NotImp);
+        return Decoded::Refuse(resp, ResponseCode::NotImp);
     }
     let [q] = req.queries.as_slice() else {
-        return refuse(resp, ResponseCode::FormErr);
+        return Decoded::Refuse(resp, ResponseCode::FormErr);
     };
     resp.add_query(q.clone());
     let raw = q.name().to_ascii();
     let Some(name) = normalize_name(&raw) else {
-        inner
-            .log
-            .record(Kind::Dns, None, None, Err(DenyReason::InvalidName));
-        return refuse(resp, ResponseCode::Refused);
+        return Decoded::InvalidName(resp);
     };
     if q.query_class() != DNSClass::IN {
-        return refuse(resp, ResponseCode::Refused);
+        return Decoded::Refuse(resp, ResponseCode::Refused);
     }
+    Decoded::Question {
+        resp,
+        query: q.clone(),
+        name,
+    }
+}
+
+/// `resp` with `code`, in wire format.
+pub(crate) fn refusal(mut resp: Message, code: ResponseCode) -> Option<Vec<u8>> {
+    resp.metadata.response_code = code;
+    resp.to_vec().ok()
+}
+
+/// Builds the reply to one guest query (wire format in, wire format out). `None` drops it.
+pub(crate) async fn answer(inner: &Inner, wire: &[u8]) -> Option<Vec<u8>> {
+    let (mut resp, q, name) = match decode_query(wire) {
+        Decoded::Drop => return None,
+        Decoded::Refuse(resp, code) => return refusal(resp, code),
+        Decoded::InvalidName(resp) => {
+            inner
+                .log
+                .record(Kind::Dns, None, None, Err(DenyReason::InvalidName));
+            return refusal(resp, ResponseCode::Refused);
+        }
+        Decoded::Question { resp, query, name } => (resp, query, name),
+    };
     if let Err(reason) = inner.cfg.policy.name_verdict(&name) {
         inner.log.record(Kind::Dns, Some(&name), None, Err(reason));
-        return refuse(resp, ResponseCode::Refused);
+        return refusal(resp, ResponseCode::Refused);
     }
     if q.query_type() != RecordType::A {
         // Allowed name, but no IPv6 and no other record types: an empty answer.
@@ -269,7 +308,7 @@ pub(crate) async fn answer(inner: &Inner, wire: &[u8]) -> Option<Vec<u8>> {
             inner
                 .log
                 .record(Kind::Dns, Some(&name), None, Err(DenyReason::ResolveFailed));
-            refuse(resp, ResponseCode::ServFail)
+            refusal(resp, ResponseCode::ServFail)
         }
     }
 }

@@ -285,6 +285,20 @@ fn egress_config(
     Ok(cfg)
 }
 
+/// Fuzzing entry (`crates/warren-fuzz`), not an API: the egress configuration built from
+/// `spec` as [`setup`] builds it, and checked as [`validate`] checks it, without reading
+/// any file (`upstream_roots` is ignored).
+#[doc(hidden)]
+pub fn fuzz_egress_config(spec: &NetSpec) -> Result<EgressConfig, NetError> {
+    let spec = NetSpec {
+        upstream_roots: None,
+        ..spec.clone()
+    };
+    let cfg = egress_config("fuzz", &spec, None)?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
 /// Creates the namespace, its TAP device, address and rules, and starts the egress in it
 /// (on the caller's tokio runtime). On error everything created is removed again.
 pub fn setup(vm: &str, vm_dir: &Path, spec: &NetSpec) -> Result<Network, NetError> {
