@@ -63,15 +63,7 @@ fn test_planted_fifo_and_dev_zero_in_a_session_stall_only_that_session() {
     let other = d.token("tok-other", &[]);
     let dir = tempfile::tempdir().expect("tempdir");
     let repo = dir.path().canonicalize().expect("canonical");
-    let git = |args: &[&str]| {
-        let out = std::process::Command::new("git")
-            .args(["-c", "user.name=T", "-c", "user.email=t@example.com"])
-            .args(args)
-            .current_dir(&repo)
-            .output()
-            .expect("git");
-        assert!(out.status.success(), "git {args:?}");
-    };
+    let git = |args: &[&str]| common::git(&repo, args);
     git(&["init", "-q", "-b", "main"]);
     std::fs::write(repo.join("a.txt"), "committed\n").expect("write");
     git(&["add", "-A"]);

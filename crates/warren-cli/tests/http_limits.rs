@@ -593,6 +593,20 @@ fn test_http_per_token_long_poll_cap_refuses_excess_and_serves_others() {
 }
 
 /// Reads a response head from `s` (up to the blank line); returns it as text.
+/// Opens session `sid`'s MCP GET event stream as `token`; returns it with its response head.
+fn open_event_stream(d: &Daemon, token: &str, sid: &str) -> (TcpStream, String) {
+    let mut stream = TcpStream::connect(&d.addr).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(20))).ok();
+    let req = format!(
+        "GET /mcp HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {token}\r\n\
+         Accept: text/event-stream\r\nMcp-Session-Id: {sid}\r\nMcp-Protocol-Version: {LEGACY}\r\n\r\n",
+        d.addr
+    );
+    stream.write_all(req.as_bytes()).expect("write");
+    let head = read_head(&mut stream);
+    (stream, head)
+}
+
 fn read_head(s: &mut TcpStream) -> String {
     let mut head = Vec::new();
     let mut byte = [0u8; 1];
@@ -617,15 +631,7 @@ fn test_http_idle_timeout_spares_mcp_event_streams() {
     let a = d.token("alice", &[]);
     let sid = mcp_open(&d, &a).expect("a session");
 
-    let mut stream = TcpStream::connect(&d.addr).expect("connect");
-    stream.set_read_timeout(Some(Duration::from_secs(20))).ok();
-    let req = format!(
-        "GET /mcp HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {a}\r\n\
-         Accept: text/event-stream\r\nMcp-Session-Id: {sid}\r\nMcp-Protocol-Version: {LEGACY}\r\n\r\n",
-        d.addr
-    );
-    stream.write_all(req.as_bytes()).expect("write");
-    let head = read_head(&mut stream);
+    let (stream, head) = open_event_stream(&d, &a, &sid);
     assert!(
         head.starts_with("HTTP/1.1 200"),
         "the stream opened: {head:?}"
@@ -661,18 +667,7 @@ fn test_mcp_get_streams_capped_per_token() {
     let d = Daemon::start("max_long_polls_per_token = 2\n");
     let a = d.token("alice", &[]);
     let b = d.token("bob", &[]);
-    let open = |token: &str, sid: &str| {
-        let mut stream = TcpStream::connect(&d.addr).expect("connect");
-        stream.set_read_timeout(Some(Duration::from_secs(20))).ok();
-        let req = format!(
-            "GET /mcp HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {token}\r\n\
-             Accept: text/event-stream\r\nMcp-Session-Id: {sid}\r\nMcp-Protocol-Version: {LEGACY}\r\n\r\n",
-            d.addr
-        );
-        stream.write_all(req.as_bytes()).expect("write");
-        let head = read_head(&mut stream);
-        (stream, head)
-    };
+    let open = |token: &str, sid: &str| open_event_stream(&d, token, sid);
     let sid = mcp_open(&d, &a).expect("a session");
     let (_s1, h1) = open(&a, &sid);
     let (_s2, h2) = open(&a, &sid);

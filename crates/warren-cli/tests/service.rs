@@ -877,16 +877,7 @@ fn test_service_sessions_over_local_socket_checked_as_caller() {
     let repo = dir.path().canonicalize().expect("canonical");
     std::fs::set_permissions(&repo, std::os::unix::fs::PermissionsExt::from_mode(0o700))
         .expect("chmod");
-    let git = |args: &[&str]| {
-        let out = std::process::Command::new("git")
-            .args(["-c", "user.name=T", "-c", "user.email=t@example.com"])
-            .args(args)
-            .current_dir(&repo)
-            .output()
-            .expect("git");
-        assert!(out.status.success(), "git {args:?}");
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let git = |args: &[&str]| common::git(&repo, args);
     git(&["init", "-q", "-b", "main"]);
     std::fs::write(repo.join("a.txt"), "committed\n").expect("write");
     git(&["add", "-A"]);
