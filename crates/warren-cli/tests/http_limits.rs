@@ -608,15 +608,7 @@ fn open_event_stream(d: &Daemon, token: &str, sid: &str) -> (TcpStream, String) 
 }
 
 fn read_head(s: &mut TcpStream) -> String {
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        match s.read(&mut byte) {
-            Ok(1) => head.push(byte[0]),
-            _ => break,
-        }
-    }
-    String::from_utf8_lossy(&head).into_owned()
+    String::from_utf8_lossy(&common::daemon::read_head(s)).into_owned()
 }
 
 /// The idle timeout (2 s here) closes connections with nothing in flight, not an MCP GET

@@ -239,14 +239,7 @@ impl Daemon {
         }
         req.push_str("Content-Length: 0\r\n\r\n");
         s.write_all(req.as_bytes()).expect("write request");
-        let mut head = Vec::new();
-        let mut byte = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") {
-            match s.read(&mut byte) {
-                Ok(1) => head.push(byte[0]),
-                _ => break,
-            }
-        }
+        let head = read_head(&mut s);
         let mut r = parse_response(&head);
         r.text.clear();
         r
@@ -359,6 +352,20 @@ fn exchange(
     let mut raw = Vec::new();
     let _ = s.read_to_end(&mut raw);
     parse_response(&raw)
+}
+
+/// Reads a response head byte by byte, up to and including its blank line (or EOF), leaving
+/// the body unread.
+pub fn read_head(s: &mut impl Read) -> Vec<u8> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match s.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => break,
+        }
+    }
+    head
 }
 
 pub fn parse_response(raw: &[u8]) -> Resp {
