@@ -115,23 +115,39 @@ fn test_shares_edit_both_ways_ownership_readonly_and_hibernate() {
 /// (`warren_vmm::qemu::virtiofs`).
 const SHARE_CACHE_TIMEOUT_S: f64 = 1.0;
 
+/// How many name sets the guest job primes, one about every 0.1 s of guest time (five
+/// looks for the marker, [`MARKER_POLL_S`] apart), while the host gets the suspension going:
+/// 10 s of guest time, far more than a suspension takes to start even on a loaded host.
+const PRIME_SETS: usize = 100;
+const MARKER_POLL_S: f64 = 0.02;
+
+/// The host-side names of set `i` of attempt `tag`.
+fn set_name(tag: &str, i: usize, what: &str) -> String {
+    format!("{tag}-{i}-{what}")
+}
+
 /// Every host change made while the VM was suspended (a deletion of a file a guest process
 /// holds open, a rename, a replacement, a new file) is what the guest sees at its first access
 /// after the resume, although its cache of those names was primed right before the suspension
 /// and has not timed out in guest time. Both suspension modes, each on its own names.
 ///
 /// One guest job does the priming and the check, so that only the suspension itself lies
-/// between them: it looks every name up once (new names, so these are real lookups), reports
-/// on the share, then waits for a marker the host creates while the VM is suspended (absent
-/// names are never cached, so it sees the marker at its first look after the thaw) and checks
-/// every name. It reports the guest time between priming and check; an attempt where that
-/// reached the cache timeout proves nothing and is made again on new names.
+/// between them. How long the host takes to get a suspension going (starting the CLI, the
+/// freeze) depends on the host's load, so the job keeps priming: about every 0.1 s it
+/// looks up a fresh set of names once (real lookups, each with a full
+/// cache timeout ahead of it), until a marker appears that the host creates while the VM is
+/// suspended (absent names are never cached, so the job sees it at its first look after the
+/// thaw). The host changes every set; the job checks the last set whose priming finished
+/// before the marker appeared, and reports, for each name whose cached entry could hide a
+/// change, the guest time from its priming lookup to its check. An attempt where that reached the cache timeout proves nothing and is made again on
+/// new names.
 #[test]
 fn test_shares_coherent_after_pause_and_hibernate() {
     common::ensure_image("minimal");
-    // What this test times is guest time, which a loaded host stretches: the VM's processes
-    // (supervisor, QEMU, virtiofsd; they inherit this thread's priority) run ahead of
-    // ordinary load, so the window between priming and check stays what the guest needs.
+    // The suspension's own steps run in guest time too (the freeze, and for a hibernation the
+    // channel's resynchronisation before the thaw), and a loaded host stretches them: the VM's
+    // processes (supervisor, QEMU, virtiofsd; they inherit this thread's priority) run ahead
+    // of ordinary load.
     rustix::process::setpriority_process(None, -10).expect("raise priority");
     let share = tempfile::tempdir().expect("tempdir");
     let host = share.path();
@@ -142,34 +158,47 @@ fn test_shares_coherent_after_pause_and_hibernate() {
 
     for mode in ["pause", "hibernate"] {
         let mut exercised = false;
-        for attempt in 0..3 {
+        for attempt in 0..8 {
             let tag = format!("{mode}{attempt}");
-            let n = |name: &str| format!("{tag}-{name}");
-            let (held, from, to, repl, new) = (n("held"), n("from"), n("to"), n("repl"), n("new"));
-            std::fs::write(host.join(&held), "held open\n").expect("write");
-            std::fs::write(host.join(&from), "renamed\n").expect("write");
-            std::fs::write(host.join(&repl), "old content\n").expect("write");
-            let list = [&held, &from, &to, &repl, &new]
-                .iter()
-                .map(|p| format!("/workspace/{p}"))
-                .collect::<Vec<_>>()
-                .join(" ");
+            for i in 0..PRIME_SETS {
+                for (what, text) in [
+                    ("held", "held open\n"),
+                    ("from", "renamed\n"),
+                    ("repl", "old content\n"),
+                ] {
+                    std::fs::write(host.join(set_name(&tag, i, what)), text).expect("write");
+                }
+            }
             // bash builtins only between priming and check (`read -t` on a FIFO nobody writes
             // is the sleep): no process starts in the window, so the check runs at the
-            // job's first instant after the thaw.
+            // job's first instant after the thaw. A set whose priming the marker interrupted
+            // is not the one checked.
             let script = format!(
-                "exec 3</workspace/{held}; W=/workspace; mkfifo /tmp/{tag}.fifo; exec 9<>/tmp/{tag}.fifo; \
-                 read -r t0 _ </proc/uptime; \
-                 for p in {list}; do [[ -e $p ]]; done; read -r old <$W/{repl}; \
-                 echo primed >$W/{tag}.primed; \
-                 until [[ -e $W/{tag}.marker ]]; do read -t 0.02 -u 9; done; \
-                 r=; for p in {list}; do \
-                   if [[ -e $p ]]; then r=\"$r ${{p##*/}}=1\"; else r=\"$r ${{p##*/}}=0\"; fi; \
+                "W=/workspace; T={tag}; mkfifo /tmp/$T.fifo; exec 9<>/tmp/$T.fifo; \
+                 i=0; last=-1; \
+                 while :; do \
+                   [[ -e $W/$T.marker ]] && break; \
+                   if (( i < {PRIME_SETS} )); then \
+                     read -r \"PH[$i]\" _ </proc/uptime; exec {{fd}}<$W/$T-$i-held; fds[i]=$fd; \
+                     read -r \"PF[$i]\" _ </proc/uptime; [[ -e $W/$T-$i-from ]]; \
+                     read -r \"PR[$i]\" _ </proc/uptime; read -r old <$W/$T-$i-repl; \
+                     for s in held to new; do [[ -e $W/$T-$i-$s ]]; done; \
+                     [[ -e $W/$T.marker ]] && break; \
+                     last=$i; i=$((i+1)); \
+                     (( last == 0 )) && echo primed >$W/$T.primed; \
+                   fi; \
+                   for k in 1 2 3 4 5; do [[ -e $W/$T.marker ]] && break 2; read -t {MARKER_POLL_S} -u 9; done; \
                  done; \
-                 read -r c1 <$W/{repl}; read -r c2 <$W/{new}; read -r c3 <$W/{to}; read -r h <&3; \
-                 read -r t1 _ </proc/uptime; \
-                 printf '%s %s\\n%s\\n%s\\n%s\\n%s\\n%s\\nend\\n' \"$t0\" \"$t1\" \"$r\" \"$c1\" \"$c2\" \"$c3\" \"$h\" \
-                   >$W/{tag}.result; read -u 9"
+                 P=$W/$T-$last; r=; for s in held from to repl new; do \
+                   if [[ -e $P-$s ]]; then r=\"$r $T-$last-$s=1\"; else r=\"$r $T-$last-$s=0\"; fi; \
+                   read -r \"C_$s\" _ </proc/uptime; \
+                 done; \
+                 read -r c1 <$P-repl; read -r C_repl _ </proc/uptime; \
+                 read -r c2 <$P-new; read -r c3 <$P-to; read -r h <&${{fds[last]}}; \
+                 printf '%s %s %s %s %s %s %s\\n%s\\n%s\\n%s\\n%s\\n%s\\nend\\n' \"$last\" \
+                   \"${{PH[last]}}\" \"$C_held\" \"${{PF[last]}}\" \"$C_from\" \"${{PR[last]}}\" \"$C_repl\" \
+                   \"$r\" \"$c1\" \"$c2\" \"$c3\" \"$h\" \
+                   >$W/$T.result; read -u 9"
             );
             let out = vm.warren(&[
                 "vm", "exec", &vm.id, "--detach", "--", "bash", "-c", &script,
@@ -177,8 +206,8 @@ fn test_shares_coherent_after_pause_and_hibernate() {
             let job: serde_json::Value =
                 serde_json::from_str(&ok(out, "start the job")).expect("json");
             let job = job["job_id"].as_u64().expect("job id");
-            // Poll tightly: guest time runs until the suspension stops it.
             let primed = host.join(format!("{tag}.primed"));
+            // Poll tightly: the sooner the suspension starts, the younger the checked set.
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
             while !primed.exists() {
                 assert!(std::time::Instant::now() < deadline, "the job never primed");
@@ -195,12 +224,15 @@ fn test_shares_coherent_after_pause_and_hibernate() {
             };
             assert_eq!(vm.state(), expected_state);
 
-            std::fs::remove_file(host.join(&held)).expect("rm");
-            std::fs::rename(host.join(&from), host.join(&to)).expect("rename");
-            let tmp = host.join(format!("{repl}.tmp"));
-            std::fs::write(&tmp, "new content\n").expect("write");
-            std::fs::rename(&tmp, host.join(&repl)).expect("replace");
-            std::fs::write(host.join(&new), "created\n").expect("write");
+            for i in 0..PRIME_SETS {
+                let n = |what: &str| host.join(set_name(&tag, i, what));
+                std::fs::remove_file(n("held")).expect("rm");
+                std::fs::rename(n("from"), n("to")).expect("rename");
+                let tmp = n("repl.tmp");
+                std::fs::write(&tmp, "new content\n").expect("write");
+                std::fs::rename(&tmp, n("repl")).expect("replace");
+                std::fs::write(n("new"), "created\n").expect("write");
+            }
             std::fs::write(host.join(format!("{tag}.marker")), "").expect("marker");
 
             ok(vm.warren(&["vm", "resume", &vm.id]), "resume");
@@ -211,16 +243,32 @@ fn test_shares_coherent_after_pause_and_hibernate() {
                 text.ends_with("end\n")
             });
             let lines: Vec<&str> = text.lines().collect();
-            let times: Vec<f64> = lines[0]
-                .split(' ')
+            let head: Vec<&str> = lines[0].split(' ').collect();
+            let last: usize = head[0].parse().expect("set number");
+            let times: Vec<f64> = head[1..]
+                .iter()
                 .map(|t| t.parse().expect("uptime"))
                 .collect();
-            let elapsed = times[1] - times[0];
-            let seen = format!(" {held}=0 {from}=0 {to}=1 {repl}=1 {new}=1");
+            // Per name that a stale cache could hide (a positive entry for `held` and `from`,
+            // the old inode behind `repl`; absent names are never cached): the guest time from
+            // just before its priming lookup to just after its check. Each entry's timeout
+            // started after the former, and the check used the cache before the latter.
+            let elapsed = (0..3)
+                .map(|k| times[2 * k + 1] - times[2 * k])
+                .fold(0.0, f64::max);
+            let n = |what: &str| set_name(&tag, last, what);
+            let seen = format!(
+                " {}=0 {}=0 {}=1 {}=1 {}=1",
+                n("held"),
+                n("from"),
+                n("to"),
+                n("repl"),
+                n("new")
+            );
             assert_eq!(
                 &lines[1..5],
                 [seen.as_str(), "new content", "created", "renamed"],
-                "after {mode} (guest time from priming to check {elapsed:.2} s)"
+                "after {mode}, set {last} (guest time from priming to check {elapsed:.2} s)"
             );
             if mode == "pause" {
                 // Held open across the pause: still readable through its descriptor.
@@ -230,7 +278,9 @@ fn test_shares_coherent_after_pause_and_hibernate() {
                 vm.warren(&["vm", "cancel", &vm.id, &job.to_string()]),
                 "cancel",
             );
-            eprintln!("{mode} attempt {attempt}: guest time from priming to check {elapsed:.3} s");
+            eprintln!(
+                "{mode} attempt {attempt}: set {last}, guest time from priming to check at most {elapsed:.3} s"
+            );
             if elapsed < SHARE_CACHE_TIMEOUT_S {
                 exercised = true;
                 break;
