@@ -631,7 +631,7 @@ impl Warren {
     async fn launch_and_wait(&self, dir: &VmDir) -> Result<u64, CoreError> {
         let dir = dir.clone();
         let t = std::time::Instant::now();
-        self.spawn_supervisor(&dir)?;
+        let supervisor = self.spawn_supervisor(&dir)?;
         tracing::debug!(ms = t.elapsed().as_millis() as u64, "supervisor spawned");
 
         let client = SupervisorClient::new(&dir.socket());
@@ -639,6 +639,11 @@ impl Warren {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while !dir.socket().exists() {
             if std::time::Instant::now() > deadline || dir.exit_record().exists() {
+                // A supervisor that never got its socket up is not left behind: signalled
+                // through its pidfd, so a reused pid is never hit.
+                if let Some(fd) = &supervisor {
+                    let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::KILL);
+                }
                 let reason = dir
                     .read_exit()
                     .map(|r| r.reason)
@@ -668,7 +673,9 @@ impl Warren {
         }
     }
 
-    fn spawn_supervisor(&self, dir: &VmDir) -> Result<(), CoreError> {
+    /// Starts `warren supervise` for `dir`, detached; returns a pidfd on it (none on a kernel
+    /// without pidfds, where only the supervisor's own lock-file pid can reach it later).
+    fn spawn_supervisor(&self, dir: &VmDir) -> Result<Option<std::os::fd::OwnedFd>, CoreError> {
         use std::os::unix::process::CommandExt;
         let log = warren_vmm::sys::private_file::create(&dir.supervisor_log(), false)
             .map_err(|e| CoreError::io("create", dir.supervisor_log(), e))?;
@@ -691,11 +698,16 @@ impl Warren {
         let mut child = cmd
             .spawn()
             .map_err(|e| CoreError::io("spawn", &self.cfg.supervisor_exe, e))?;
+        // Opened before the reaper can reap it, so the pidfd is this child's.
+        let pid = rustix::process::Pid::from_child(&child);
+        let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+            .map_err(|e| tracing::warn!(error = %e, "no pidfd on the supervisor"))
+            .ok();
         // Reap it if it ends while we still run; otherwise init inherits it.
         std::thread::spawn(move || {
             let _ = child.wait();
         });
-        Ok(())
+        Ok(pidfd)
     }
 
     /// All VMs, with states reconciled against their supervisors.
