@@ -225,6 +225,9 @@ pub enum TokenCmd {
         max_vms: Option<u64>,
         #[arg(long)]
         max_memory_mib: Option<u64>,
+        /// Host storage of the workspace, MiB: its VMs' disks and its sessions' copies.
+        #[arg(long)]
+        max_storage_mib: Option<u64>,
     },
     /// Lists tokens: ids, workspaces, expiry; never secrets.
     List {

@@ -150,6 +150,7 @@ fn token(cli: &Cli, cmd: &TokenCmd) -> Result<i32> {
             images,
             max_vms,
             max_memory_mib,
+            max_storage_mib,
         } => {
             if let Some(bad) = images
                 .iter()
@@ -162,6 +163,7 @@ fn token(cli: &Cli, cmd: &TokenCmd) -> Result<i32> {
                 images: (!images.is_empty()).then(|| images.clone()),
                 max_vms: *max_vms,
                 max_memory_mib: *max_memory_mib,
+                max_storage_mib: *max_storage_mib,
             };
             let (info, secret) = creds.issue(workspace, *ttl, &req)?;
             if let Err(e) = warren_api::auth::write_token_file(output, &secret) {
