@@ -468,6 +468,7 @@ mod tests {
             images: Some(vec!["dev".into()]),
             max_vms: Some(2),
             max_memory_mib: None,
+            max_storage_mib: Some(2048),
         };
         c.issue("carol", None, &want).expect("first");
         let (_, t) = c
@@ -476,7 +477,20 @@ mod tests {
         let p = c.authenticate(&t).expect("auth").policy;
         assert!(p.allow_network);
         assert_eq!(p.max_vms, Some(2));
+        assert_eq!(p.max_storage_mib, Some(2048));
+        assert_eq!(
+            crate::admission::policy_limits(&p).max_storage_mib,
+            Some(2048)
+        );
         c.issue("carol", None, &want).expect("same policy");
+        let other_storage = PolicyRequest {
+            max_storage_mib: Some(4096),
+            ..PolicyRequest::default()
+        };
+        let e = c
+            .issue("carol", None, &other_storage)
+            .expect_err("another storage limit");
+        assert!(e.message.contains("--max-storage-mib"), "{e}");
         let wider = PolicyRequest {
             max_vms: Some(5),
             ..PolicyRequest::default()

@@ -100,6 +100,11 @@ pub struct DeviceArgs {
     /// host).
     #[arg(long = "mount", value_name = "HOST:GUEST[:ro]")]
     pub mounts: Vec<String>,
+    /// Give a new session's copy a filesystem of its own of this size (MiB): what the guest
+    /// writes to /workspace is bounded by it (default: 4096 under a storage limit, else
+    /// none). Not with --direct; --mount directories are never counted.
+    #[arg(long)]
+    pub storage_mib: Option<u64>,
 }
 
 #[derive(Subcommand, Debug)]

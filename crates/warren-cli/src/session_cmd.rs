@@ -38,6 +38,7 @@ fn devices(d: &DeviceArgs) -> Result<SessionDevices> {
         network: None,
         source_identity: None,
         objects_identity: None,
+        storage_mib: d.storage_mib,
     })
 }
 
@@ -85,6 +86,7 @@ async fn session_via_service(
                 ("image", d.image.as_ref().map(|n| json!(n))),
                 ("memory_mib", d.memory_mib.map(|n| json!(n))),
                 ("vcpus", d.vcpus.map(|n| json!(n))),
+                ("storage_mib", d.storage_mib.map(|n| json!(n))),
             ] {
                 if let Some(v) = v {
                     args[k] = v;

@@ -129,7 +129,9 @@ fn make(paths: &VolumePaths, image: &File, size_mib: u64) -> Result<(), SessionE
 /// for root and a 4 MiB journal, so nearly all of the limit is usable.
 fn mkfs(image: &Path) -> Result<(), SessionError> {
     let out = std::process::Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-b", "4096", "-i", "16384", "-m", "0", "-J", "size=4"])
+        .args([
+            "-q", "-F", "-b", "4096", "-i", "16384", "-m", "0", "-J", "size=4",
+        ])
         .args(["-L", "warren-session"])
         .arg(image)
         .env("PATH", "/usr/sbin:/sbin:/usr/bin:/bin")
@@ -167,7 +169,13 @@ fn mount(paths: &VolumePaths, image: &File) -> Result<(), SessionError> {
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOATIME,
         None::<&str>,
     )
-    .map_err(|e| err("mount", &paths.mountpoint, format!("{} on it: {e}", dev.display())))?;
+    .map_err(|e| {
+        err(
+            "mount",
+            &paths.mountpoint,
+            format!("{} on it: {e}", dev.display()),
+        )
+    })?;
     // The mount holds the device from here; closing ours leaves autoclear to the unmount.
     drop(held);
     Ok(())
