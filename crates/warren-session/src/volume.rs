@@ -12,7 +12,7 @@
 //!
 //! Steps of [`Volume::create`], in order: create the image (`O_EXCL`, 0600) and take an
 //! exclusive `flock` on it (held until the caller drops the [`Volume`], so a concurrent
-//! [`sweep`] never removes a volume being made), size it, `mkfs.ext4`, attach it to a
+//! sweep ([`idle_volumes`]) never removes a volume being made), size it, `mkfs.ext4`, attach it to a
 //! loop device with autoclear, mount it, make its root 0711. Any failure undoes the earlier
 //! steps. [`teardown`] unmounts (the loop device then detaches itself), removes the mount
 //! point and the image.
