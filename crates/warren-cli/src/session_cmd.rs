@@ -371,7 +371,7 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
         .filter(|r| !r.as_os_str().is_empty())
         .map(|r| r.to_string_lossy().into_owned());
     if let Some(wiring) = &wiring {
-        let state = w.agent_state_dir(&s.workspace, &s.source);
+        let state = w.session_agent_state(&s);
         crate::agents::write_files(&state, &wiring.files, (s.owner_uid, s.owner_gid))?;
     }
     let tty = std::io::stdin().is_terminal() && std::io::stdout().is_terminal();

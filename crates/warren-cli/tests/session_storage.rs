@@ -1,6 +1,7 @@
 //! Host disk written on a guest's behalf is bounded (issue 14, item 3): a guest writes 1 GiB
 //! into a session copy limited to 256 MiB. The write fails with ENOSPC at most 16 MiB past the
-//! limit, and the host file system holding the state directory loses at most that much.
+//! limit, the session's agent state (on the same filesystem) is full too, and the host file
+//! system holding the state directory loses at most that much.
 //!
 //! The state directory lives on a file system of the test's own (an ext4 image on a loop
 //! device, mounted by the test), so the free space measured is moved by this test alone and
@@ -163,7 +164,9 @@ fn test_guest_fills_session_limit_enospc_and_host_free_space_bounded() {
         "sh",
         "-c",
         "dd if=/dev/zero of=/workspace/fill bs=1M count=1024 2>&1; echo rc=$?; \
-         stat -c size=%s /workspace/fill; cat /workspace/README",
+         stat -c size=%s /workspace/fill; cat /workspace/README; \
+         dd if=/dev/zero of=/agent-state/more bs=1M count=64 2>&1; echo agent-rc=$?; \
+         stat -c agent-size=%s /agent-state/more",
     ]);
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let wrote_for = t.elapsed();
@@ -174,26 +177,44 @@ fn test_guest_fills_session_limit_enospc_and_host_free_space_bounded() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(!text.contains("rc=0"), "{text}");
+    // The agent state is on the session's filesystem: full too, and counted in the same bound.
+    assert!(
+        text.contains("agent-rc=1"),
+        "agent state write must fail: {text}"
+    );
+    assert!(
+        vol.join("agent-state").is_dir(),
+        "agent state not on the volume"
+    );
     assert!(text.contains("storage\n"), "the copy is there: {text}");
     let size: u64 = text
         .lines()
         .find_map(|l| l.strip_prefix("size="))
         .and_then(|n| n.trim().parse().ok())
         .expect("file size");
+    let agent_size: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("agent-size="))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0);
     let dropped = before.saturating_sub(after);
     let allocated = std::fs::metadata(&img)
         .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
         .expect("image");
     eprintln!(
-        "wrote {} MiB before ENOSPC; host free space dropped {} MiB; image allocates {} MiB; \
+        "wrote {} MiB before ENOSPC (agent state: {} KiB more); host free space dropped {} MiB; image allocates {} MiB; \
          accel {accel:?}, boot {:.1}s, write {:.1}s",
         size / MIB,
+        agent_size >> 10,
         dropped / MIB,
         allocated / MIB,
         booted.as_secs_f64(),
         wrote_for.as_secs_f64()
     );
-    assert!(size <= (LIMIT_MIB + SLACK_MIB) * MIB, "wrote {size} bytes");
+    assert!(
+        size + agent_size <= (LIMIT_MIB + SLACK_MIB) * MIB,
+        "wrote {size} + {agent_size} bytes"
+    );
     // Positive control: the write did reach the limit, and the free space measured moves
     // with what the guest wrote (so the bound below is not vacuous).
     assert!(size >= (LIMIT_MIB - 32) * MIB, "only {size} bytes fit");

@@ -11,7 +11,8 @@
 //! the host or the workspace has a storage limit) lives on a filesystem of its own of that
 //! size ([`warren_session::volume`]), reserved as storage in the same immediate transaction
 //! that inserts the session, beside the VMs' disk reservations. A direct session's directory
-//! and `--mount`s are the user's own storage and are not counted.
+//! and `--mount`s are the user's own storage and are not counted. Such a session's agent
+//! state is on its filesystem too ([`Warren::session_agent_state`]).
 
 use std::path::{Path, PathBuf};
 
@@ -28,6 +29,8 @@ use crate::vm::{now_unix, CreateVm, Limits, Warren};
 /// Where a session VM sees its project's agent state directory (Claude Code's, Codex's and
 /// opencode's configuration and history), kept on the host per project, outside the copy.
 pub const GUEST_AGENT_STATE: &str = "/agent-state";
+/// The agent state directory on a limited session's own filesystem (beside `S`).
+const AGENT_STATE_SUBDIR: &str = "agent-state";
 
 /// What a session asks of its VM; `warren run` refuses different values for a running
 /// session unless told to recreate.
@@ -209,6 +212,19 @@ impl Warren {
             .state_dir
             .join("agent-state")
             .join(hex::encode(&h[..8]))
+    }
+
+    /// Where `s`'s VM finds its agent state on the host: under a storage limit, a directory
+    /// on the session's own filesystem (counted against its limit, deleted with it);
+    /// otherwise the project's directory, shared by the project's sessions.
+    pub fn session_agent_state(&self, s: &SessionRecord) -> PathBuf {
+        if s.storage_mib > 0 && !s.direct {
+            VolumePaths::new(&self.sessions_dir(), &s.id)
+                .mountpoint
+                .join(AGENT_STATE_SUBDIR)
+        } else {
+            self.agent_state_dir(&s.workspace, &s.source)
+        }
     }
 
     /// Every session of `workspace` (all with `None`).
@@ -481,7 +497,7 @@ impl Warren {
                 identity: devices.objects_identity,
             });
         }
-        let state = self.agent_state_dir(&s.workspace, &s.source);
+        let state = self.session_agent_state(s);
         if !state.exists() {
             std::fs::create_dir_all(&state).map_err(|e| CoreError::io("create", &state, e))?;
             std::os::unix::fs::chown(&state, Some(s.owner_uid), Some(s.owner_gid))
