@@ -305,8 +305,9 @@ impl Warren {
             let p = match prepared {
                 Ok(p) => p,
                 Err(e) => {
-                    drop(volume.take());
+                    // Torn down under the volume's lock, then the lock goes.
                     self.discard_copy(&id, &dir, false);
+                    drop(volume.take());
                     return Err(e);
                 }
             };
@@ -324,8 +325,8 @@ impl Warren {
         };
         let name = match &req.name {
             Some(n) if !valid_name(n) => {
-                drop(volume);
                 self.discard_copy(&id, &dir, req.direct);
+                drop(volume);
                 return Err(CoreError::InvalidArgument(format!(
                     "session name {n:?} must be 1-64 characters [A-Za-z0-9._-]"
                 )));
@@ -353,10 +354,9 @@ impl Warren {
             .insert_session(&rec, |tx| -> Result<(), CoreError> {
                 check_storage(tx, &rec.workspace, rec.storage_mib, req.limits)
             });
-        // The row (and its reservation) now stands for the volume: a sweep may see it.
-        drop(volume);
         if let Err(e) = inserted {
             self.discard_copy(&rec.id, &rec.dir, rec.direct);
+            drop(volume);
             if let CoreError::Store(rusqlite::Error::SqliteFailure(f, _)) = &e {
                 if f.code == rusqlite::ErrorCode::ConstraintViolation {
                     return Err(CoreError::Conflict(format!(
@@ -367,6 +367,8 @@ impl Warren {
             }
             return Err(e);
         }
+        // The row (and its reservation) now stands for the volume: a sweep may see it.
+        drop(volume);
         match self
             .start_session_vm(&rec, &devices, req.limits, warn)
             .await
@@ -412,22 +414,20 @@ impl Warren {
     /// of recorded sessions stay, mounted again when their session is next used.
     pub fn sweep_volumes(&self) {
         let dir = self.sessions_dir();
-        let ids = volume::idle_volumes(&dir);
-        if ids.is_empty() {
+        if !dir.is_dir() {
             return;
         }
-        let known: Vec<String> = match self.store().sessions(None) {
-            Ok(list) => list.into_iter().map(|s| s.id).collect(),
+        // Asked under each volume's lock, so a session inserted meanwhile is seen; a store
+        // that cannot be read keeps every volume.
+        let known = |id: &str| match self.store().sessions(None) {
+            Ok(list) => list.iter().any(|s| s.id == id),
             Err(e) => {
                 tracing::warn!(error = %e, "listing sessions for the volume sweep");
-                return;
+                true
             }
         };
-        for id in ids.iter().filter(|id| !known.contains(id)) {
-            tracing::info!(session = %id, "removing an orphaned session volume");
-            if let Err(e) = volume::teardown(&VolumePaths::new(&dir, id)) {
-                tracing::warn!(error = %e, session = %id, "removing an orphaned session volume failed");
-            }
+        for id in volume::sweep(&dir, known) {
+            tracing::info!(session = %id, "removed an orphaned session volume");
         }
     }
 

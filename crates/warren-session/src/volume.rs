@@ -12,7 +12,7 @@
 //!
 //! Steps of [`Volume::create`], in order: create the image (`O_EXCL`, 0600) and take an
 //! exclusive `flock` on it (held until the caller drops the [`Volume`], so a concurrent
-//! sweep ([`idle_volumes`]) never removes a volume being made), size it, `mkfs.ext4`, attach it to a
+//! [`sweep`] never removes a volume being made), size it, `mkfs.ext4`, attach it to a
 //! loop device with autoclear, mount it, make its root 0711. Any failure undoes the earlier
 //! steps. [`teardown`] unmounts (the loop device then detaches itself), removes the mount
 //! point and the image.
@@ -228,10 +228,13 @@ pub fn teardown(paths: &VolumePaths) -> Result<(), SessionError> {
     Ok(())
 }
 
-/// Ids of the session volumes under `sessions_dir` that nobody is making right now (an image
-/// whose lock is free, or a mount point without an image). The caller tears down those
-/// without a session record.
-pub fn idle_volumes(sessions_dir: &Path) -> Vec<String> {
+/// Reconciliation: tears down every session volume under `sessions_dir` whose session
+/// `known` does not recognise, and returns their ids. A volume being made is skipped: its
+/// maker holds an exclusive lock on the image until the session's record is written, and the
+/// sweep holds the same lock while it asks `known` and tears the volume down, so a record
+/// written meanwhile is always seen. (A maker that loses the race for the lock fails with a
+/// clear error and removes what it made.)
+pub fn sweep(sessions_dir: &Path, known: impl Fn(&str) -> bool) -> Vec<String> {
     let Ok(entries) = std::fs::read_dir(sessions_dir) else {
         return Vec::new();
     };
@@ -249,14 +252,28 @@ pub fn idle_volumes(sessions_dir: &Path) -> Vec<String> {
         .collect();
     ids.sort();
     ids.dedup();
-    ids.retain(|id| {
-        let image = VolumePaths::new(sessions_dir, id).image;
-        match File::open(&image) {
-            Ok(f) => Flock::lock(f, FlockArg::LockSharedNonblock).is_ok(),
-            Err(_) => true,
+    let mut removed = Vec::new();
+    for id in ids {
+        let paths = VolumePaths::new(sessions_dir, &id);
+        // Held until the teardown is done (a missing image: a mount point left behind).
+        let _lock = match File::open(&paths.image) {
+            Ok(f) => match Flock::lock(f, FlockArg::LockExclusiveNonblock) {
+                Ok(l) => Some(l),
+                Err(_) => continue,
+            },
+            Err(_) => None,
+        };
+        if known(&id) {
+            continue;
         }
-    });
-    ids
+        match teardown(&paths) {
+            Ok(()) => removed.push(id),
+            Err(e) => {
+                tracing::warn!(error = %e, session = %id, "removing an orphaned session volume failed")
+            }
+        }
+    }
+    removed
 }
 
 /// A directory whose device differs from its parent's is a mount point (a bind mount of the
@@ -339,10 +356,11 @@ mod tests {
         let p = VolumePaths::new(d.path(), "ses-2");
         let v = Volume::create(&p, 64).expect("create");
         assert!(p.is_mounted());
-        // A sweep leaves a volume alone while it is being made.
-        assert!(idle_volumes(d.path()).is_empty());
+        // A sweep leaves a volume alone while it is being made, and a known one always.
+        assert!(sweep(d.path(), |_| false).is_empty());
         drop(v);
-        assert_eq!(idle_volumes(d.path()), vec!["ses-2".to_string()]);
+        assert!(sweep(d.path(), |id| id == "ses-2").is_empty());
+        assert!(p.is_mounted());
         let big = p.mountpoint.join("big");
         let mut f = File::create(&big).expect("create");
         let chunk = vec![0x5au8; 1 << 20];
@@ -362,5 +380,27 @@ mod tests {
         assert!(!p.is_mounted() && !p.image.exists() && !p.mountpoint.exists());
         // Teardown again is a no-op.
         teardown(&p).expect("again");
+    }
+
+    /// An orphaned volume (no session knows it, nobody is making it) is swept: unmounted and
+    /// deleted; a leftover mount point alone goes too.
+    #[test]
+    fn test_sweep_removes_orphaned_volume_and_leftover_mountpoint() {
+        if !nix::unistd::geteuid().is_root() {
+            panic!("this test needs root, as session volumes do");
+        }
+        let d = tempfile::tempdir().expect("tempdir");
+        let p = VolumePaths::new(d.path(), "ses-3");
+        drop(Volume::create(&p, 64).expect("create"));
+        let stray = VolumePaths::new(d.path(), "ses-4");
+        std::fs::create_dir(&stray.mountpoint).expect("mkdir");
+        std::fs::write(d.path().join("ses-5.txt"), "not a volume").expect("write");
+        assert_eq!(sweep(d.path(), |_| false), ["ses-3", "ses-4"]);
+        assert!(!p.is_mounted() && !p.image.exists() && !p.mountpoint.exists());
+        assert!(!stray.mountpoint.exists());
+        assert!(
+            d.path().join("ses-5.txt").exists(),
+            "other files are left alone"
+        );
     }
 }
