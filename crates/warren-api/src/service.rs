@@ -477,6 +477,14 @@ impl Service {
                     want >> 20
                 ));
             }
+            // Under a storage limit every session copy needs a filesystem of its own.
+            for (what, r) in warren_session::volume::host_support() {
+                if let Err(e) = r {
+                    warnings.push(format!(
+                        "session storage: {what}: {e}; session_create (copies) will fail with unavailable"
+                    ));
+                }
+            }
         }
         Ok(warnings)
     }
