@@ -361,6 +361,45 @@ mod tests {
         drop(v);
         assert!(sweep(d.path(), |id| id == "ses-2").is_empty());
         assert!(p.is_mounted());
+        fill_and_tear_down(&p);
+    }
+
+    /// The same on an XFS host file system (the test's own, on a loop device): sparse
+    /// images bound the volume there as on ext4.
+    #[test]
+    fn test_volume_on_xfs_host_fills_at_its_size() {
+        if !nix::unistd::geteuid().is_root() {
+            panic!("this test needs root, as session volumes do");
+        }
+        let d = tempfile::tempdir().expect("tempdir");
+        let host = d.path().join("xfs.img");
+        File::create(&host)
+            .and_then(|f| f.set_len(512 << 20))
+            .expect("image");
+        let run = |cmd: &mut std::process::Command| {
+            let out = cmd.output().expect("spawn");
+            assert!(out.status.success(), "{cmd:?}: {out:?}");
+        };
+        run(std::process::Command::new("mkfs.xfs").arg("-q").arg(&host));
+        let mnt = d.path().join("host");
+        std::fs::create_dir(&mnt).expect("mkdir");
+        run(std::process::Command::new("mount")
+            .args(["-t", "xfs", "-o", "loop"])
+            .arg(&host)
+            .arg(&mnt));
+        let p = VolumePaths::new(&mnt, "ses-6");
+        let filled = std::panic::catch_unwind(|| {
+            drop(Volume::create(&p, 64).expect("create"));
+            fill_and_tear_down(&p);
+        });
+        let _ = teardown(&p);
+        run(std::process::Command::new("umount").arg(&mnt));
+        if let Err(e) = filled {
+            std::panic::resume_unwind(e);
+        }
+    }
+
+    fn fill_and_tear_down(p: &VolumePaths) {
         let big = p.mountpoint.join("big");
         let mut f = File::create(&big).expect("create");
         let chunk = vec![0x5au8; 1 << 20];
@@ -374,12 +413,12 @@ mod tests {
         };
         assert_eq!(e.raw_os_error(), Some(nix::libc::ENOSPC), "{e}");
         assert!(written > 48 << 20, "only {written} bytes fit");
-        assert!(allocated_bytes(&p) <= 64 << 20);
+        assert!(allocated_bytes(p) <= 64 << 20);
         drop(f);
-        teardown(&p).expect("teardown");
+        teardown(p).expect("teardown");
         assert!(!p.is_mounted() && !p.image.exists() && !p.mountpoint.exists());
         // Teardown again is a no-op.
-        teardown(&p).expect("again");
+        teardown(p).expect("again");
     }
 
     /// An orphaned volume (no session knows it, nobody is making it) is swept: unmounted and
