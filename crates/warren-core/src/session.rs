@@ -332,7 +332,14 @@ impl Warren {
                 )));
             }
             Some(n) => n.clone(),
-            None => self.free_name(&req.workspace, &source)?,
+            None => match self.free_name(&req.workspace, &source) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.discard_copy(&id, &dir, req.direct);
+                    drop(volume);
+                    return Err(e);
+                }
+            },
         };
         let rec = SessionRecord {
             id: id.clone(),
