@@ -23,8 +23,9 @@ qemu_ok() {
 }
 # libcap-ng-dev and libseccomp-dev: to build virtiofsd (not packaged in bookworm); git: sessions;
 # iproute2 and nftables: guest networking (per-VM namespace, TAP device, redirect rules);
-# curl: the agents recipe's npm tarballs (fetched on the host, verified against their pins).
-for p in debootstrap e2fsprogs kmod qemu-utils ca-certificates curl git pkg-config libcap-ng-dev libseccomp-dev iproute2 nftables; do
+# curl: the agents recipe's npm tarballs (fetched on the host, verified against their pins);
+# e2fsprogs: session volumes (mkfs.ext4); xfsprogs: the test that they work on an XFS host.
+for p in debootstrap e2fsprogs xfsprogs kmod qemu-utils ca-certificates curl git pkg-config libcap-ng-dev libseccomp-dev iproute2 nftables; do
   dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p")
 done
 if ! qemu_ok || [ ${#need_pkgs[@]} -gt 0 ]; then

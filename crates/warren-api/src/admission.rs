@@ -13,7 +13,7 @@ pub fn policy_limits(p: &Policy) -> Limits {
     Limits {
         max_vms: p.max_vms,
         max_memory_mib: p.max_memory_mib,
-        max_storage_mib: None,
+        max_storage_mib: p.max_storage_mib,
     }
 }
 

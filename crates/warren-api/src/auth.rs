@@ -27,6 +27,10 @@ pub struct Policy {
     pub images: Option<Vec<String>>,
     pub max_vms: Option<u64>,
     pub max_memory_mib: Option<u64>,
+    /// Host storage of the workspace: its VMs' disk reservations plus its sessions' own
+    /// filesystems (a policy written before this field existed has none).
+    #[serde(default)]
+    pub max_storage_mib: Option<u64>,
 }
 
 /// How the caller reached the service.
@@ -67,6 +71,7 @@ pub struct PolicyRequest {
     pub images: Option<Vec<String>>,
     pub max_vms: Option<u64>,
     pub max_memory_mib: Option<u64>,
+    pub max_storage_mib: Option<u64>,
 }
 
 /// A token's public facts (never its secret).
@@ -192,6 +197,7 @@ impl Credentials {
                     images,
                     max_vms: req.max_vms,
                     max_memory_mib: req.max_memory_mib,
+                    max_storage_mib: req.max_storage_mib,
                 };
                 let body = serde_json::to_string(&policy)
                     .map_err(|e| ApiError::internal(e.to_string()))?;
@@ -358,6 +364,12 @@ fn check_reissue(workspace: &str, have: &Policy, req: &PolicyRequest) -> Result<
             have.max_memory_mib
         ));
     }
+    if req.max_storage_mib.is_some() && req.max_storage_mib != have.max_storage_mib {
+        diffs.push(format!(
+            "--max-storage-mib (workspace has {:?})",
+            have.max_storage_mib
+        ));
+    }
     if diffs.is_empty() {
         Ok(())
     } else {
@@ -456,6 +468,7 @@ mod tests {
             images: Some(vec!["dev".into()]),
             max_vms: Some(2),
             max_memory_mib: None,
+            max_storage_mib: Some(2048),
         };
         c.issue("carol", None, &want).expect("first");
         let (_, t) = c
@@ -464,7 +477,20 @@ mod tests {
         let p = c.authenticate(&t).expect("auth").policy;
         assert!(p.allow_network);
         assert_eq!(p.max_vms, Some(2));
+        assert_eq!(p.max_storage_mib, Some(2048));
+        assert_eq!(
+            crate::admission::policy_limits(&p).max_storage_mib,
+            Some(2048)
+        );
         c.issue("carol", None, &want).expect("same policy");
+        let other_storage = PolicyRequest {
+            max_storage_mib: Some(4096),
+            ..PolicyRequest::default()
+        };
+        let e = c
+            .issue("carol", None, &other_storage)
+            .expect_err("another storage limit");
+        assert!(e.message.contains("--max-storage-mib"), "{e}");
         let wider = PolicyRequest {
             max_vms: Some(5),
             ..PolicyRequest::default()

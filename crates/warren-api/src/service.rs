@@ -277,6 +277,7 @@ pub fn session_info(s: &warren_core::SessionRecord) -> SessionInfo {
         workspace_dir: workspace_dir.to_string_lossy().into_owned(),
         vm_id: s.vm_id.clone(),
         created_unix: s.created_unix,
+        storage_mib: (s.storage_mib > 0).then_some(s.storage_mib),
     }
 }
 
@@ -459,15 +460,30 @@ impl Service {
                 .map_err(|e| e.to_string())?
                 .iter()
                 .map(|v| v.disk_mib << 20)
-                .sum();
+                .sum::<u64>()
+                + self
+                    .warren
+                    .list_sessions(None)
+                    .map_err(|e| e.to_string())?
+                    .iter()
+                    .map(|s| s.storage_mib << 20)
+                    .sum::<u64>();
             let want = (gib << 30).saturating_sub(reserved);
             if free < want {
                 return Err(format!(
-                    "{} has {} MiB free, but limits.max_storage_gib = {gib} needs {} MiB more for VM disks; free space or lower the limit",
+                    "{} has {} MiB free, but limits.max_storage_gib = {gib} needs {} MiB more for VM disks and session storage; free space or lower the limit",
                     self.cfg.state_dir.display(),
                     free >> 20,
                     want >> 20
                 ));
+            }
+            // Under a storage limit every session copy needs a filesystem of its own.
+            for (what, r) in warren_session::volume::host_support() {
+                if let Err(e) = r {
+                    warnings.push(format!(
+                        "session storage: {what}: {e}; session_create (copies) will fail with unavailable"
+                    ));
+                }
             }
         }
         Ok(warnings)
@@ -762,6 +778,7 @@ impl Service {
                 network: None,
                 source_identity: None,
                 objects_identity: None,
+                storage_mib: a.storage_mib,
             },
             owner: (host.uid, gid),
             workspace: p.workspace.clone(),

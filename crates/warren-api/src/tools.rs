@@ -461,6 +461,12 @@ pub struct SessionCreateArgs {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 64))]
     pub vcpus: Option<u32>,
+    /// Size in MiB of the copy's own filesystem, counted as storage of the workspace and
+    /// the host; the guest gets ENOSPC when it is full (default: 4096 when a storage limit
+    /// applies, else none). Not for `direct`: that directory is the caller's own storage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 64, max = 1048576))]
+    pub storage_mib: Option<u64>,
 }
 
 /// Names one session of the caller's workspace, by id or name.
@@ -505,6 +511,9 @@ pub struct SessionInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vm_id: Option<String>,
     pub created_unix: u64,
+    /// Size in MiB of the copy's own filesystem (absent: a plain directory, or direct).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_mib: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]

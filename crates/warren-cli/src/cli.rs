@@ -100,6 +100,11 @@ pub struct DeviceArgs {
     /// host).
     #[arg(long = "mount", value_name = "HOST:GUEST[:ro]")]
     pub mounts: Vec<String>,
+    /// Give a new session's copy a filesystem of its own of this size (MiB): what the guest
+    /// writes to /workspace is bounded by it (default: 4096 under a storage limit, else
+    /// none). Not with --direct; --mount directories are never counted.
+    #[arg(long)]
+    pub storage_mib: Option<u64>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -225,6 +230,9 @@ pub enum TokenCmd {
         max_vms: Option<u64>,
         #[arg(long)]
         max_memory_mib: Option<u64>,
+        /// Host storage of the workspace, MiB: its VMs' disks and its sessions' copies.
+        #[arg(long)]
+        max_storage_mib: Option<u64>,
     },
     /// Lists tokens: ids, workspaces, expiry; never secrets.
     List {

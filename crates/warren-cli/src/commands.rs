@@ -150,6 +150,7 @@ fn token(cli: &Cli, cmd: &TokenCmd) -> Result<i32> {
             images,
             max_vms,
             max_memory_mib,
+            max_storage_mib,
         } => {
             if let Some(bad) = images
                 .iter()
@@ -162,6 +163,7 @@ fn token(cli: &Cli, cmd: &TokenCmd) -> Result<i32> {
                 images: (!images.is_empty()).then(|| images.clone()),
                 max_vms: *max_vms,
                 max_memory_mib: *max_memory_mib,
+                max_storage_mib: *max_storage_mib,
             };
             let (info, secret) = creds.issue(workspace, *ttl, &req)?;
             if let Err(e) = warren_api::auth::write_token_file(output, &secret) {
@@ -862,6 +864,26 @@ fn preflight(cli: &Cli) -> Result<i32> {
             "no cgroup2 mount found: VM processes cannot be tracked".into(),
         ),
     }
+    // Session storage limits: a filesystem of its own per limited session copy.
+    let missing: Vec<String> = warren_session::volume::host_support()
+        .into_iter()
+        .filter_map(|(what, r)| r.err().map(|e| format!("{what}: {e}")))
+        .collect();
+    line(
+        missing.is_empty() || !root,
+        "session storage",
+        if missing.is_empty() {
+            "loop devices (/dev/loop-control), mkfs.ext4 (e2fsprogs) and mount permission: \
+             each session copy under a storage limit gets an ext4 image of its own"
+                .into()
+        } else {
+            format!(
+                "{}: sessions under a storage limit are refused (needs /dev/loop-control, \
+                 mkfs.ext4 from e2fsprogs, and root to mount)",
+                missing.join("; ")
+            )
+        },
+    );
     let w = open(cli, None)?;
     let imgs = w.images().list()?;
     line(

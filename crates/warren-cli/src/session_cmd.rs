@@ -38,6 +38,7 @@ fn devices(d: &DeviceArgs) -> Result<SessionDevices> {
         network: None,
         source_identity: None,
         objects_identity: None,
+        storage_mib: d.storage_mib,
     })
 }
 
@@ -85,6 +86,7 @@ async fn session_via_service(
                 ("image", d.image.as_ref().map(|n| json!(n))),
                 ("memory_mib", d.memory_mib.map(|n| json!(n))),
                 ("vcpus", d.vcpus.map(|n| json!(n))),
+                ("storage_mib", d.storage_mib.map(|n| json!(n))),
             ] {
                 if let Some(v) = v {
                     args[k] = v;
@@ -369,7 +371,7 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
         .filter(|r| !r.as_os_str().is_empty())
         .map(|r| r.to_string_lossy().into_owned());
     if let Some(wiring) = &wiring {
-        let state = w.agent_state_dir(&s.workspace, &s.source);
+        let state = w.session_agent_state(&s);
         crate::agents::write_files(&state, &wiring.files, (s.owner_uid, s.owner_gid))?;
     }
     let tty = std::io::stdin().is_terminal() && std::io::stdout().is_terminal();

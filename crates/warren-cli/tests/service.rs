@@ -623,6 +623,46 @@ fn test_service_bad_requests_and_quotas_change_nothing() {
         .unwrap_or("")
         .contains("host"));
     assert!(d.all_vms().is_empty(), "a refused request created a VM");
+    // A session copy's storage counts against the host's storage too: one asking more than
+    // the 1 GiB host limit, and one asking nothing (under a limit it gets the 4 GiB
+    // default, never an unbounded directory), are refused before anything is made.
+    let src = tempfile::tempdir().expect("tempdir");
+    common::git(src.path(), &["init", "-q", "-b", "main"]);
+    let repo = src.path().to_str().expect("utf-8");
+    for args in [
+        json!({"repo": repo, "storage_mib": 2048}),
+        json!({"repo": repo}),
+    ] {
+        let r = d.local_call("session_create", args.clone(), &[]);
+        assert_eq!(
+            (r.status, r.code()),
+            (429, "quota_exceeded"),
+            "{args}: {}",
+            r.text
+        );
+        assert!(
+            r.text
+                .contains("session storage: host limit of 1024 MiB of storage"),
+            "{}",
+            r.text
+        );
+    }
+    let r = d.local_call(
+        "session_create",
+        json!({"repo": repo, "direct": true, "storage_mib": 256}),
+        &[],
+    );
+    assert_eq!(
+        (r.status, r.code()),
+        (400, "invalid_argument"),
+        "{}",
+        r.text
+    );
+    let sessions = d.env.state.path().join("sessions");
+    let left: Vec<_> = std::fs::read_dir(&sessions)
+        .map(|e| e.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "a refused session left {left:?}");
     // A refused create leaves its request_id free for a corrected retry.
     let r = c.call(
         &d,

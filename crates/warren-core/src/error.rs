@@ -35,6 +35,10 @@ pub enum CoreError {
     Session(String),
     #[error("the VM failed to boot: {0}")]
     BootFailed(String),
+    /// A session's own filesystem (its storage limit) could not be made or mounted: the
+    /// host lacks loop devices, `mkfs.ext4` or mount permission (`warren preflight` says).
+    #[error("session storage unavailable: {0}")]
+    StorageUnavailable(String),
     #[error(transparent)]
     Image(#[from] ImageError),
     #[error(transparent)]
@@ -76,6 +80,7 @@ impl CoreError {
             CoreError::InvalidArgument(_) => "invalid_argument",
             CoreError::ImageInUse(..) => "conflict",
             CoreError::BootFailed(_) => "unavailable",
+            CoreError::StorageUnavailable(_) => "unavailable",
             CoreError::QuotaExceeded(_) => "quota_exceeded",
             CoreError::Busy(_) => "busy",
             CoreError::Conflict(_) => "conflict",

@@ -6,6 +6,13 @@
 //! [`warren_session::GUEST_SOURCE_OBJECTS`] (so the copy's relative `alternates` resolve),
 //! the project's agent state directory at [`GUEST_AGENT_STATE`], then the caller's extra
 //! `--mount`s.
+//!
+//! Storage: a copy made under a storage limit (asked with `storage_mib`, or by default when
+//! the host or the workspace has a storage limit) lives on a filesystem of its own of that
+//! size ([`warren_session::volume`]), reserved as storage in the same immediate transaction
+//! that inserts the session, beside the VMs' disk reservations. A direct session's directory
+//! and `--mount`s are the user's own storage and are not counted. Such a session's agent
+//! state is on its filesystem too ([`Warren::session_agent_state`]).
 
 use std::path::{Path, PathBuf};
 
@@ -13,13 +20,17 @@ use rand::RngCore;
 use serde::{Deserialize, Serialize};
 use warren_session::Owner;
 
+use warren_session::volume::{self, Volume, VolumePaths};
+
 use crate::error::CoreError;
-use crate::store::{MountSpec, SessionRecord, VmRecord, VmState};
-use crate::vm::{now_unix, CreateVm, Warren};
+use crate::store::{self as vmstore, MountSpec, SessionRecord, Usage, VmRecord, VmState};
+use crate::vm::{now_unix, CreateVm, Limits, Warren};
 
 /// Where a session VM sees its project's agent state directory (Claude Code's, Codex's and
 /// opencode's configuration and history), kept on the host per project, outside the copy.
 pub const GUEST_AGENT_STATE: &str = "/agent-state";
+/// The agent state directory on a limited session's own filesystem (beside `S`).
+const AGENT_STATE_SUBDIR: &str = "agent-state";
 
 /// What a session asks of its VM; `warren run` refuses different values for a running
 /// session unless told to recreate.
@@ -41,6 +52,63 @@ pub struct SessionDevices {
     /// inode), checked the same way: it is shared into every VM of the session.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub objects_identity: Option<(u64, u64)>,
+    /// The size asked for the copy's own filesystem, MiB (fixed when the session is made).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_mib: Option<u64>,
+}
+
+/// A session's own filesystem when a storage limit applies and none was asked: room for a
+/// typical checkout with its build outputs.
+pub const DEFAULT_SESSION_STORAGE_MIB: u64 = 4096;
+/// The largest session filesystem one may ask for (1 TiB).
+pub const MAX_SESSION_STORAGE_MIB: u64 = 1 << 20;
+
+/// The size of a new session's own filesystem: the one asked, else the default when a
+/// storage limit applies (host or workspace), else none (the copy is a plain directory).
+pub fn session_storage(
+    direct: bool,
+    asked: Option<u64>,
+    limits: (Limits, Limits),
+) -> Result<Option<u64>, CoreError> {
+    use warren_session::volume::MIN_STORAGE_MIB;
+    match asked {
+        Some(_) if direct => Err(CoreError::InvalidArgument(
+            "storage_mib applies to session copies; a direct session's directory is the user's own storage".into(),
+        )),
+        Some(n) if !(MIN_STORAGE_MIB..=MAX_SESSION_STORAGE_MIB).contains(&n) => {
+            Err(CoreError::InvalidArgument(format!(
+                "storage_mib must be within {MIN_STORAGE_MIB}..={MAX_SESSION_STORAGE_MIB}, got {n}"
+            )))
+        }
+        Some(n) => Ok(Some(n)),
+        None if direct => Ok(None),
+        None => Ok((limits.0.max_storage_mib.is_some() || limits.1.max_storage_mib.is_some())
+            .then_some(DEFAULT_SESSION_STORAGE_MIB)),
+    }
+}
+
+/// Checks `add_mib` of session storage for `workspace` against (host, workspace) storage
+/// limits, inside the caller's immediate transaction; VM and memory limits do not apply.
+pub(crate) fn check_storage(
+    tx: &rusqlite::Transaction<'_>,
+    workspace: &str,
+    add_mib: u64,
+    limits: (Limits, Limits),
+) -> Result<(), CoreError> {
+    let storage_only = |l: Limits| Limits {
+        max_storage_mib: l.max_storage_mib,
+        ..Limits::default()
+    };
+    let add = Usage {
+        disk_mib: add_mib,
+        ..Usage::default()
+    };
+    storage_only(limits.1).check(
+        &format!("session storage: workspace {workspace}"),
+        vmstore::usage(tx, Some(workspace))?,
+        add,
+    )?;
+    storage_only(limits.0).check("session storage: host", vmstore::usage(tx, None)?, add)
 }
 
 impl SessionDevices {
@@ -117,6 +185,7 @@ fn session_error(e: warren_session::SessionError) -> CoreError {
         S::UnsafeSource { .. } => CoreError::InvalidArgument(e.to_string()),
         S::GitTimeout { .. } => CoreError::Session(e.to_string()),
         S::Io { .. } | S::GitSpawn(_) | S::Git { .. } => CoreError::Session(e.to_string()),
+        S::Volume { .. } => CoreError::StorageUnavailable(e.to_string()),
         other => CoreError::InvalidArgument(other.to_string()),
     }
 }
@@ -143,6 +212,19 @@ impl Warren {
             .state_dir
             .join("agent-state")
             .join(hex::encode(&h[..8]))
+    }
+
+    /// Where `s`'s VM finds its agent state on the host: under a storage limit, a directory
+    /// on the session's own filesystem (counted against its limit, deleted with it);
+    /// otherwise the project's directory, shared by the project's sessions.
+    pub fn session_agent_state(&self, s: &SessionRecord) -> PathBuf {
+        if s.storage_mib > 0 && !s.direct {
+            VolumePaths::new(&self.sessions_dir(), &s.id)
+                .mountpoint
+                .join(AGENT_STATE_SUBDIR)
+        } else {
+            self.agent_state_dir(&s.workspace, &s.source)
+        }
     }
 
     /// Every session of `workspace` (all with `None`).
@@ -186,6 +268,8 @@ impl Warren {
         let (uid, gid) = req.owner;
         let owner = owner_of(uid, gid);
         let mut devices = req.devices.clone();
+        let storage = session_storage(req.direct, req.devices.storage_mib, req.limits)?;
+        let mut volume = None;
         let (source, source_git, dir) = if req.direct {
             let d = warren_session::direct(&req.repo).map_err(session_error)?;
             devices.source_identity = Some(
@@ -199,12 +283,34 @@ impl Warren {
             // Owners reach their own copies; nobody lists the others'.
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o711));
-            let dir = parent.join(&id);
+            let dir = match storage {
+                Some(mib) => {
+                    // Checked before any work, reserved with the session row below.
+                    self.store()
+                        .admit(|tx| check_storage(tx, &req.workspace, mib, req.limits))?;
+                    let paths = VolumePaths::new(&parent, &id);
+                    let v = blocking(move || Volume::create(&paths, mib).map_err(session_error))
+                        .await?;
+                    let dir = v.paths.session_dir();
+                    volume = Some(v);
+                    dir
+                }
+                None => parent.join(&id),
+            };
             let (repo, into) = (req.repo.clone(), dir.clone());
-            let p = blocking(move || {
+            let prepared = blocking(move || {
                 warren_session::prepare(&repo, &into, owner).map_err(session_error)
             })
-            .await?;
+            .await;
+            let p = match prepared {
+                Ok(p) => p,
+                Err(e) => {
+                    // Torn down under the volume's lock, then the lock goes.
+                    self.discard_copy(&id, &dir, false);
+                    drop(volume.take());
+                    return Err(e);
+                }
+            };
             // The identity of the object directory prepare checked (opened beneath the source's
             // git directory, no symlink): every VM of the session must still mount that one.
             devices.objects_identity = Some(p.source_objects_identity);
@@ -219,13 +325,21 @@ impl Warren {
         };
         let name = match &req.name {
             Some(n) if !valid_name(n) => {
-                self.discard_copy(&dir, req.direct);
+                self.discard_copy(&id, &dir, req.direct);
+                drop(volume);
                 return Err(CoreError::InvalidArgument(format!(
                     "session name {n:?} must be 1-64 characters [A-Za-z0-9._-]"
                 )));
             }
             Some(n) => n.clone(),
-            None => self.free_name(&req.workspace, &source)?,
+            None => match self.free_name(&req.workspace, &source) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.discard_copy(&id, &dir, req.direct);
+                    drop(volume);
+                    return Err(e);
+                }
+            },
         };
         let rec = SessionRecord {
             id: id.clone(),
@@ -240,10 +354,17 @@ impl Warren {
             vm_id: None,
             created_unix: now_unix(),
             devices: serde_json::to_value(&devices).expect("invariant: devices serialise"),
+            storage_mib: storage.unwrap_or(0),
         };
-        if let Err(e) = self.store().insert_session(&rec) {
-            self.discard_copy(&rec.dir, rec.direct);
-            if let rusqlite::Error::SqliteFailure(f, _) = &e {
+        let inserted = self
+            .store()
+            .insert_session(&rec, |tx| -> Result<(), CoreError> {
+                check_storage(tx, &rec.workspace, rec.storage_mib, req.limits)
+            });
+        if let Err(e) = inserted {
+            self.discard_copy(&rec.id, &rec.dir, rec.direct);
+            drop(volume);
+            if let CoreError::Store(rusqlite::Error::SqliteFailure(f, _)) = &e {
                 if f.code == rusqlite::ErrorCode::ConstraintViolation {
                     return Err(CoreError::Conflict(format!(
                         "a session named {:?} already exists",
@@ -251,26 +372,69 @@ impl Warren {
                     )));
                 }
             }
-            return Err(e.into());
+            return Err(e);
         }
+        // The row (and its reservation) now stands for the volume: a sweep may see it.
+        drop(volume);
         match self
             .start_session_vm(&rec, &devices, req.limits, warn)
             .await
         {
             Ok((rec, vm)) => Ok((rec, vm)),
             Err(e) => {
+                // The volume goes before the row, so its reservation outlives it.
+                self.discard_copy(&rec.id, &rec.dir, rec.direct);
                 let _ = self.store().delete_session(&rec.id);
-                self.discard_copy(&rec.dir, rec.direct);
                 Err(e)
             }
         }
     }
 
-    fn discard_copy(&self, dir: &Path, direct: bool) {
-        if !direct && !dir.as_os_str().is_empty() {
-            if let Err(e) = warren_session::remove(dir, true, None) {
-                tracing::warn!(error = %e, dir = %dir.display(), "removing a session copy failed");
+    /// Removes session `id`'s copy: its own filesystem when it has one (unmounted, the
+    /// image deleted: nothing the guest wrote is walked), else the directory.
+    fn discard_copy(&self, id: &str, dir: &Path, direct: bool) {
+        if direct || dir.as_os_str().is_empty() {
+            return;
+        }
+        let paths = VolumePaths::new(&self.sessions_dir(), id);
+        if paths.image.exists() || paths.mountpoint.exists() {
+            if let Err(e) = volume::teardown(&paths) {
+                tracing::warn!(error = %e, session = id, "removing a session volume failed");
             }
+        } else if let Err(e) = warren_session::remove(dir, true, None) {
+            tracing::warn!(error = %e, dir = %dir.display(), "removing a session copy failed");
+        }
+    }
+
+    /// Mounts `s`'s own filesystem again if a host restart unmounted it (no-op otherwise).
+    fn volume_ready(&self, s: &SessionRecord) -> Result<(), CoreError> {
+        if s.direct || s.storage_mib == 0 {
+            return Ok(());
+        }
+        volume::ensure_mounted(&VolumePaths::new(&self.sessions_dir(), &s.id))
+            .map_err(session_error)
+    }
+
+    /// Reconciliation of session volumes: one without a session record (a create or a
+    /// delete that crashed half-way) is unmounted and deleted; one being made right now is
+    /// left alone (its maker holds the image's lock until the record is written). Volumes
+    /// of recorded sessions stay, mounted again when their session is next used.
+    pub fn sweep_volumes(&self) {
+        let dir = self.sessions_dir();
+        if !dir.is_dir() {
+            return;
+        }
+        // Asked under each volume's lock, so a session inserted meanwhile is seen; a store
+        // that cannot be read keeps every volume.
+        let known = |id: &str| match self.store().sessions(None) {
+            Ok(list) => list.iter().any(|s| s.id == id),
+            Err(e) => {
+                tracing::warn!(error = %e, "listing sessions for the volume sweep");
+                true
+            }
+        };
+        for id in volume::sweep(&dir, known) {
+            tracing::info!(session = %id, "removed an orphaned session volume");
         }
     }
 
@@ -340,7 +504,7 @@ impl Warren {
                 identity: devices.objects_identity,
             });
         }
-        let state = self.agent_state_dir(&s.workspace, &s.source);
+        let state = self.session_agent_state(s);
         if !state.exists() {
             std::fs::create_dir_all(&state).map_err(|e| CoreError::io("create", &state, e))?;
             std::os::unix::fs::chown(&state, Some(s.owner_uid), Some(s.owner_gid))
@@ -367,6 +531,7 @@ impl Warren {
         limits: (crate::vm::Limits, crate::vm::Limits),
         warn: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(SessionRecord, VmRecord), CoreError> {
+        self.volume_ready(s)?;
         let req = CreateVm {
             host_limits: limits.0,
             workspace_limits: limits.1,
@@ -483,6 +648,7 @@ impl Warren {
         if s.direct {
             return Ok(warren_session::Retention::default());
         }
+        self.volume_ready(s)?;
         let (dir, owner) = (s.dir.clone(), owner_of(s.owner_uid, s.owner_gid));
         self.with_guest_stopped(s, move || {
             warren_session::status(&dir, owner).map_err(session_error)
@@ -508,7 +674,11 @@ impl Warren {
                 Err(e) => return Err(e),
             }
         }
-        if !s.direct {
+        if s.storage_mib > 0 {
+            // The whole filesystem goes: nothing the guest wrote is walked on the host.
+            let paths = VolumePaths::new(&self.sessions_dir(), &s.id);
+            blocking(move || volume::teardown(&paths).map_err(session_error)).await?;
+        } else if !s.direct {
             let (dir, owner) = (s.dir.clone(), owner_of(s.owner_uid, s.owner_gid));
             blocking(move || warren_session::remove(&dir, true, owner).map_err(session_error))
                 .await?;
@@ -531,6 +701,7 @@ impl Warren {
                 s.source.display()
             )));
         };
+        self.volume_ready(s)?;
         let branch = branch
             .map(str::to_string)
             .unwrap_or_else(|| format!("warren/{}", s.name));
@@ -583,6 +754,7 @@ fn merge_devices(have: &SessionDevices, want: &SessionDevices) -> SessionDevices
         network: want.network.clone().or_else(|| have.network.clone()),
         source_identity: have.source_identity,
         objects_identity: have.objects_identity,
+        storage_mib: have.storage_mib,
     }
 }
 
@@ -611,6 +783,7 @@ mod tests {
             network: None,
             source_identity: None,
             objects_identity: None,
+            storage_mib: None,
         };
         assert!(have.differences(&SessionDevices::default()).is_empty());
         let networked = SessionDevices {
@@ -649,5 +822,122 @@ mod tests {
         );
         let alternates = session_error(S::SourceHasAlternates("/r/.git/objects".into()));
         assert_eq!(alternates.code(), "invalid_argument");
+    }
+
+    fn limit(mib: Option<u64>) -> Limits {
+        Limits {
+            max_storage_mib: mib,
+            ..Limits::default()
+        }
+    }
+
+    #[test]
+    fn test_session_storage_default_only_under_a_limit_never_for_direct() {
+        let none = (Limits::default(), Limits::default());
+        assert_eq!(session_storage(false, None, none).expect("plain"), None);
+        for limits in [
+            (limit(Some(64 << 10)), Limits::default()),
+            (Limits::default(), limit(Some(8192))),
+        ] {
+            assert_eq!(
+                session_storage(false, None, limits).expect("default"),
+                Some(DEFAULT_SESSION_STORAGE_MIB),
+                "a limit applies, so the copy is never unbounded"
+            );
+        }
+        assert_eq!(
+            session_storage(false, Some(256), none).expect("asked"),
+            Some(256)
+        );
+        assert_eq!(
+            session_storage(true, None, (limit(Some(1)), limit(Some(1)))).expect("direct"),
+            None
+        );
+        for (direct, asked) in [
+            (true, 256),
+            (false, 63),
+            (false, MAX_SESSION_STORAGE_MIB + 1),
+        ] {
+            let e = session_storage(direct, Some(asked), none).expect_err("refused");
+            assert_eq!(e.code(), "invalid_argument", "{e}");
+        }
+    }
+
+    #[test]
+    fn test_check_storage_counts_vm_disks_and_sessions_against_both_limits() {
+        use crate::store::{Store, VmRecord};
+        let d = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(&d.path().join("db")).expect("open");
+        let mut vm = VmRecord {
+            id: "vm-a".into(),
+            image_id: "img".into(),
+            state: VmState::Running,
+            reason: None,
+            memory_mib: 512,
+            vcpus: 1,
+            accel: "tcg".into(),
+            uid: 0,
+            created_unix: 1,
+            boot_ms: None,
+            workspace: "w".into(),
+            disk_mib: 1000,
+            generation: 1,
+            request_id: None,
+            idle_seconds: 0,
+            idle_mode: "hibernate".into(),
+            last_active_unix: 0,
+            mounts: vec![],
+            ram_file: false,
+        };
+        store
+            .insert(&mut vm, 1, |_| Ok::<(), rusqlite::Error>(()))
+            .expect("vm");
+        let ses = |id: &str, ws: &str, mib: u64| SessionRecord {
+            id: id.into(),
+            name: id.into(),
+            workspace: ws.into(),
+            owner_uid: 0,
+            owner_gid: 0,
+            source: "/src".into(),
+            source_git: None,
+            dir: "/s".into(),
+            direct: false,
+            vm_id: None,
+            created_unix: 1,
+            devices: serde_json::json!({}),
+            storage_mib: mib,
+        };
+        let admit = |s: SessionRecord, limits| {
+            store.insert_session(&s, |tx| -> Result<(), CoreError> {
+                check_storage(tx, &s.workspace, s.storage_mib, limits)
+            })
+        };
+        // Workspace w: 1000 (VM disk) + 256 fits 1256 exactly; another 256 does not.
+        let ws = (Limits::default(), limit(Some(1256)));
+        admit(ses("ses-1", "w", 256), ws).expect("at the limit");
+        let e = admit(ses("ses-2", "w", 256), ws).expect_err("past it");
+        assert_eq!(e.code(), "quota_exceeded", "{e}");
+        assert!(
+            e.to_string()
+                .contains("workspace w limit of 1256 MiB of storage"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("1256 in use, 256 requested"), "{e}");
+        // Another workspace's session is not w's, but it is the host's.
+        let host = (limit(Some(2000)), Limits::default());
+        admit(ses("ses-3", "other", 700), host).expect("host: 1256 + 700");
+        let e = admit(ses("ses-4", "other", 64), host).expect_err("host full");
+        assert!(e.to_string().contains("host limit of 2000"), "{e}");
+        // A refusal left no row; the VM and memory limits do not apply to storage.
+        assert_eq!(store.sessions(None).expect("list").len(), 2);
+        let vms_full = (
+            Limits {
+                max_vms: Some(1),
+                max_memory_mib: Some(1),
+                ..Limits::default()
+            },
+            Limits::default(),
+        );
+        admit(ses("ses-5", "w", 64), vms_full).expect("storage only");
     }
 }

@@ -106,7 +106,8 @@ pub struct Usage {
     pub vms: u64,
     /// Memory of VMs that hold it (creating or running).
     pub memory_mib: u64,
-    /// Disk reservations of every retained VM.
+    /// Storage reservations: every retained VM's disk (and a hibernated VM's memory image),
+    /// plus every session's own filesystem (its storage limit).
     pub disk_mib: u64,
 }
 
@@ -168,6 +169,9 @@ pub struct SessionRecord {
     /// What the VM was created with (image, memory, vcpus, extra mounts), compared by
     /// `warren run` to refuse silently different devices.
     pub devices: serde_json::Value,
+    /// The size of the session's own filesystem, MiB, reserved as storage (0: the copy is a
+    /// plain directory, or the session is direct).
+    pub storage_mib: u64,
 }
 
 /// Columns added after the first release, with their defaults for existing rows.
@@ -182,6 +186,9 @@ const ADDED_COLUMNS: &[(&str, &str)] = &[
     ("mounts", "TEXT NOT NULL DEFAULT '[]'"),
     ("ram_file", "INTEGER NOT NULL DEFAULT 0"),
 ];
+
+/// Columns added to `sessions` after the first release.
+const ADDED_SESSION_COLUMNS: &[(&str, &str)] = &[("storage_mib", "INTEGER NOT NULL DEFAULT 0")];
 
 impl Store {
     /// Opens (or creates) the database at `path`, readable by its owner only: the file is
@@ -358,11 +365,31 @@ impl Store {
     }
 
     /// A VM using `image_id`, if any.
-    pub fn insert_session(&self, s: &SessionRecord) -> Result<(), rusqlite::Error> {
-        self.conn().execute(
+    /// Runs `check` in an immediate transaction that writes nothing (an admission check
+    /// ahead of work that a later, reserving transaction checks again).
+    pub fn admit<E: From<rusqlite::Error>>(
+        &self,
+        check: impl FnOnce(&Transaction<'_>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut conn = self.conn();
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        check(&tx)
+    }
+
+    /// Inserts a session after `admit` approved its storage inside the same immediate
+    /// transaction. A constraint violation (a taken name) comes back as the store error.
+    pub fn insert_session<E: From<rusqlite::Error>>(
+        &self,
+        s: &SessionRecord,
+        admit: impl FnOnce(&Transaction<'_>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut conn = self.conn();
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        admit(&tx)?;
+        tx.execute(
             "INSERT INTO sessions (id, name, workspace, owner_uid, owner_gid, source, source_git,
-                                   dir, direct, vm_id, created_unix, devices)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+                                   dir, direct, vm_id, created_unix, devices, storage_mib)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
             params![
                 s.id,
                 s.name,
@@ -378,8 +405,10 @@ impl Store {
                 s.vm_id,
                 s.created_unix as i64,
                 s.devices.to_string(),
+                s.storage_mib as i64,
             ],
         )?;
+        tx.commit()?;
         Ok(())
     }
 
@@ -423,12 +452,13 @@ impl Store {
     }
 }
 
-/// Sums what admitted VMs hold; `workspace` restricts it to one workspace.
+/// Sums what admitted VMs and sessions hold; `workspace` restricts it to one workspace.
 pub fn usage(tx: &Transaction<'_>, workspace: Option<&str>) -> Result<Usage, rusqlite::Error> {
     tx.query_row(
         "SELECT COUNT(*),
                 COALESCE(SUM(CASE WHEN state IN ('creating', 'running', 'paused', 'hibernating', 'resuming') THEN memory_mib ELSE 0 END), 0),
                 COALESCE(SUM(disk_mib + CASE WHEN state IN ('hibernating', 'hibernated') THEN memory_mib ELSE 0 END), 0)
+                + (SELECT COALESCE(SUM(storage_mib), 0) FROM sessions WHERE ?1 IS NULL OR workspace = ?1)
          FROM vms WHERE ?1 IS NULL OR workspace = ?1",
         [workspace],
         |r| {
@@ -450,6 +480,16 @@ fn migrate(conn: &Connection) -> Result<(), rusqlite::Error> {
     for (name, decl) in ADDED_COLUMNS {
         if !have.iter().any(|h| h == name) {
             conn.execute_batch(&format!("ALTER TABLE vms ADD COLUMN {name} {decl}"))?;
+        }
+    }
+    let have: Vec<String> = {
+        let mut st = conn.prepare("SELECT name FROM pragma_table_info('sessions')")?;
+        let rows = st.query_map([], |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()?
+    };
+    for (name, decl) in ADDED_SESSION_COLUMNS {
+        if !have.iter().any(|h| h == name) {
+            conn.execute_batch(&format!("ALTER TABLE sessions ADD COLUMN {name} {decl}"))?;
         }
     }
     conn.execute_batch(
@@ -474,6 +514,7 @@ fn session_row(r: &rusqlite::Row<'_>) -> Result<SessionRecord, rusqlite::Error> 
         devices: serde_json::from_str(&devices).map_err(|e| {
             rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, e.into())
         })?,
+        storage_mib: r.get::<_, i64>("storage_mib")? as u64,
     })
 }
 
@@ -618,5 +659,53 @@ mod tests {
             s.get("b").expect("get").is_none(),
             "refused insert left a row"
         );
+    }
+
+    fn session(id: &str, name: &str, workspace: &str, storage_mib: u64) -> SessionRecord {
+        SessionRecord {
+            id: id.into(),
+            name: name.into(),
+            workspace: workspace.into(),
+            owner_uid: 0,
+            owner_gid: 0,
+            source: "/src".into(),
+            source_git: None,
+            dir: "/s".into(),
+            direct: false,
+            vm_id: None,
+            created_unix: 1,
+            devices: serde_json::json!({}),
+            storage_mib,
+        }
+    }
+
+    #[test]
+    fn test_session_storage_counts_in_usage_and_refused_insert_leaves_nothing() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let s = Store::open(&d.path().join("db")).expect("open");
+        s.insert(&mut rec("a"), 1, ok).expect("a");
+        s.insert_session(&session("ses-1", "one", "w", 256), ok)
+            .expect("one");
+        s.insert_session(&session("ses-2", "two", "other", 1024), ok)
+            .expect("two");
+        let mut seen = (Usage::default(), Usage::default());
+        let r: Result<(), rusqlite::Error> =
+            s.insert_session(&session("ses-3", "three", "w", 64), |tx| {
+                seen = (usage(tx, Some("w"))?, usage(tx, None)?);
+                Err(rusqlite::Error::InvalidQuery)
+            });
+        assert!(r.is_err());
+        // The workspace's VM disk (100) plus its own session (256), not the other's.
+        assert_eq!(seen.0.disk_mib, 356);
+        assert_eq!(seen.0.vms, 1, "a session is not a VM");
+        assert_eq!(seen.1.disk_mib, 100 + 256 + 1024);
+        let names: Vec<String> = s
+            .sessions(None)
+            .expect("list")
+            .into_iter()
+            .map(|x| x.name)
+            .collect();
+        assert_eq!(names, ["one", "two"], "refused insert left a row");
+        assert_eq!(s.sessions(Some("w")).expect("w")[0].storage_mib, 256);
     }
 }

@@ -717,6 +717,7 @@ impl Warren {
             out.push(self.reconcile(rec)?);
         }
         self.sweep_netns();
+        self.sweep_volumes();
         Ok(out)
     }
 

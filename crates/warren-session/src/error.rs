@@ -55,6 +55,14 @@ pub enum SessionError {
     /// What host git would have to copy out of a session exceeds a limit.
     #[error("{what} exceeds the limit of {limit} for host-side inspection")]
     TooLarge { what: String, limit: String },
+    /// A session's own filesystem (its storage limit) could not be made, mounted or removed.
+    /// Never answered by falling back to an unlimited directory.
+    #[error("session storage: {op} {path}: {reason}")]
+    Volume {
+        op: &'static str,
+        path: PathBuf,
+        reason: String,
+    },
     /// A git command ran past its deadline and was killed.
     #[error("git {args} did not finish within {secs} s and was stopped")]
     GitTimeout { args: String, secs: u64 },

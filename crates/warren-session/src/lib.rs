@@ -24,6 +24,7 @@
 //! - [`status`]: what the session still holds (uncommitted paths, unexported commits).
 //! - [`export`]: the session's HEAD as a branch of the source repository.
 //! - [`remove`]: delete a session, refusing while it holds work unless forced.
+//! - [`volume`]: a session's own filesystem, which bounds its host storage.
 //!
 //! Every host git command runs with a scrubbed environment, as the owner, under a deadline;
 //! a session is read only through a host-owned scratch git directory (`scratch`), never
@@ -42,6 +43,7 @@ mod retention;
 mod scratch;
 mod source;
 mod sys;
+pub mod volume;
 
 use std::path::{Path, PathBuf};
 

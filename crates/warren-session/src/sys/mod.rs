@@ -1,6 +1,8 @@
-//! The syscalls host git needs between fork and exec; the only module of this crate with
-//! `unsafe` (`pre_exec`).
+//! The syscalls host git needs between fork and exec, and the loop-device ioctls of a
+//! session's own filesystem (`loopdev`); the only modules of this crate with `unsafe`.
 #![allow(unsafe_code)]
+
+pub(crate) mod loopdev;
 
 use std::os::unix::process::CommandExt;
 use std::path::Path;

@@ -1,0 +1,445 @@
+//! A session's own filesystem: what bounds the host storage a guest can fill through its
+//! session copy.
+//!
+//! A session with a storage limit gets a sparse image file of exactly that size,
+//! `<sessions>/<id>.img`, formatted ext4 (no reserved blocks, a 4 MiB journal) and mounted
+//! `nodev,nosuid` at `<sessions>/<id>.vol` through a loop device. The session directory
+//! `S` is `<id>.vol/session`, so the copy `prepare` makes, the guest's writes to
+//! `/workspace` and host git's scratch reads all land in it, and a guest that fills it gets
+//! `ENOSPC`. The image is sparse: the host file system loses only what was written, and
+//! never more than the image's size. This works on any host file system with sparse files
+//! (ext4 without project quotas, XFS) and needs only loop devices, `mkfs.ext4` and root.
+//!
+//! Steps of [`Volume::create`], in order: create the image (`O_EXCL`, 0600) and take an
+//! exclusive `flock` on it (held until the caller drops the [`Volume`], so a concurrent
+//! [`sweep`] never removes a volume being made), size it, `mkfs.ext4`, attach it to a
+//! loop device with autoclear, mount it, make its root 0711. Any failure undoes the earlier
+//! steps. [`teardown`] unmounts (the loop device then detaches itself), removes the mount
+//! point and the image.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nix::fcntl::{Flock, FlockArg};
+
+use crate::SessionError;
+
+/// Below this an ext4 with its journal leaves too little room to be useful.
+pub const MIN_STORAGE_MIB: u64 = 64;
+/// The session directory inside the mounted volume.
+const SESSION_SUBDIR: &str = "session";
+/// How long an unmount waits for the VM's virtiofsd (and any host git) to let go before it
+/// detaches lazily; the device is freed when the last user goes either way.
+const UNMOUNT_PATIENCE: Duration = Duration::from_secs(10);
+
+/// The files of session `id`'s volume under the sessions directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumePaths {
+    pub image: PathBuf,
+    pub mountpoint: PathBuf,
+}
+
+impl VolumePaths {
+    pub fn new(sessions_dir: &Path, id: &str) -> VolumePaths {
+        VolumePaths {
+            image: sessions_dir.join(format!("{id}.img")),
+            mountpoint: sessions_dir.join(format!("{id}.vol")),
+        }
+    }
+
+    /// The session directory `S` inside the volume (made by `prepare`).
+    pub fn session_dir(&self) -> PathBuf {
+        self.mountpoint.join(SESSION_SUBDIR)
+    }
+
+    /// Whether the volume is mounted at its mount point now.
+    pub fn is_mounted(&self) -> bool {
+        is_mountpoint(&self.mountpoint)
+    }
+}
+
+/// A volume being made; holds the image's lock until dropped.
+#[derive(Debug)]
+pub struct Volume {
+    pub paths: VolumePaths,
+    _lock: Flock<File>,
+}
+
+fn err(op: &'static str, path: &Path, reason: impl std::fmt::Display) -> SessionError {
+    SessionError::Volume {
+        op,
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    }
+}
+
+impl Volume {
+    /// Makes and mounts a `size_mib` volume at `paths` (neither may exist).
+    pub fn create(paths: &VolumePaths, size_mib: u64) -> Result<Volume, SessionError> {
+        if size_mib < MIN_STORAGE_MIB {
+            return Err(err(
+                "size",
+                &paths.image,
+                format!("{size_mib} MiB is below the minimum of {MIN_STORAGE_MIB} MiB"),
+            ));
+        }
+        let image = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_CLOEXEC)
+            .open(&paths.image)
+            .map_err(|e| err("create", &paths.image, e))?;
+        let lock = match Flock::lock(image, FlockArg::LockExclusiveNonblock) {
+            Ok(l) => l,
+            Err((_, e)) => {
+                let _ = std::fs::remove_file(&paths.image);
+                return Err(err("lock", &paths.image, e));
+            }
+        };
+        match make(paths, &lock, size_mib) {
+            Ok(()) => Ok(Volume {
+                paths: paths.clone(),
+                _lock: lock,
+            }),
+            Err(e) => {
+                if let Err(t) = teardown(paths) {
+                    tracing::warn!(error = %t, "undoing a failed session volume");
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+fn make(paths: &VolumePaths, image: &File, size_mib: u64) -> Result<(), SessionError> {
+    image
+        .set_len(size_mib << 20)
+        .map_err(|e| err("size", &paths.image, e))?;
+    mkfs(&paths.image)?;
+    mount(paths, image)?;
+    std::fs::set_permissions(&paths.mountpoint, std::fs::Permissions::from_mode(0o711))
+        .map_err(|e| err("chmod", &paths.mountpoint, e))
+}
+
+/// `mkfs.ext4` on the image file: 4 KiB blocks, one inode per 16 KiB, no blocks reserved
+/// for root and a 4 MiB journal, so nearly all of the limit is usable.
+fn mkfs(image: &Path) -> Result<(), SessionError> {
+    let out = std::process::Command::new("mkfs.ext4")
+        .args([
+            "-q", "-F", "-b", "4096", "-i", "16384", "-m", "0", "-J", "size=4",
+        ])
+        .args(["-L", "warren-session"])
+        .arg(image)
+        .env("PATH", "/usr/sbin:/sbin:/usr/bin:/bin")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| err("mkfs.ext4", image, format!("{e} (is e2fsprogs installed?)")))?;
+    if !out.status.success() {
+        return Err(err(
+            "mkfs.ext4",
+            image,
+            format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Attaches the image and mounts it at the mount point (made if missing).
+fn mount(paths: &VolumePaths, image: &File) -> Result<(), SessionError> {
+    use nix::mount::MsFlags;
+    match std::fs::create_dir(&paths.mountpoint) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(err("create", &paths.mountpoint, e)),
+    }
+    let (dev, held) =
+        crate::sys::loopdev::attach(image).map_err(|e| err("attach", &paths.image, e))?;
+    nix::mount::mount(
+        Some(dev.as_path()),
+        &paths.mountpoint,
+        Some("ext4"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOATIME,
+        None::<&str>,
+    )
+    .map_err(|e| {
+        err(
+            "mount",
+            &paths.mountpoint,
+            format!("{} on it: {e}", dev.display()),
+        )
+    })?;
+    // The mount holds the device from here; closing ours leaves autoclear to the unmount.
+    drop(held);
+    Ok(())
+}
+
+/// Mounts an existing volume again (after a host restart unmounted it); a mounted one is
+/// left as it is.
+pub fn ensure_mounted(paths: &VolumePaths) -> Result<(), SessionError> {
+    if paths.is_mounted() {
+        return Ok(());
+    }
+    let image = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(nix::libc::O_CLOEXEC)
+        .open(&paths.image)
+        .map_err(|e| err("open", &paths.image, e))?;
+    mount(paths, &image)
+}
+
+/// Unmounts the volume, then removes its mount point and image. Missing parts are fine, so
+/// this also finishes a teardown that was cut short.
+pub fn teardown(paths: &VolumePaths) -> Result<(), SessionError> {
+    use nix::mount::{umount2, MntFlags};
+    let deadline = std::time::Instant::now() + UNMOUNT_PATIENCE;
+    while paths.is_mounted() {
+        match umount2(&paths.mountpoint, MntFlags::empty()) {
+            Ok(()) => {}
+            Err(nix::errno::Errno::EBUSY) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(nix::errno::Errno::EBUSY) => {
+                tracing::warn!(mount = %paths.mountpoint.display(), "session volume busy; detaching it lazily");
+                umount2(&paths.mountpoint, MntFlags::MNT_DETACH)
+                    .map_err(|e| err("unmount", &paths.mountpoint, e))?;
+            }
+            Err(e) => return Err(err("unmount", &paths.mountpoint, e)),
+        }
+    }
+    for (p, r) in [
+        (&paths.mountpoint, std::fs::remove_dir(&paths.mountpoint)),
+        (&paths.image, std::fs::remove_file(&paths.image)),
+    ] {
+        match r {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(err("remove", p, e)),
+        }
+    }
+    Ok(())
+}
+
+/// Reconciliation: tears down every session volume under `sessions_dir` whose session
+/// `known` does not recognise, and returns their ids. A volume being made is skipped: its
+/// maker holds an exclusive lock on the image until the session's record is written, and the
+/// sweep holds the same lock while it asks `known` and tears the volume down, so a record
+/// written meanwhile is always seen. (A maker that loses the race for the lock fails with a
+/// clear error and removes what it made.)
+pub fn sweep(sessions_dir: &Path, known: impl Fn(&str) -> bool) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(sessions_dir) else {
+        return Vec::new();
+    };
+    let mut ids: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let id = name
+                .strip_suffix(".img")
+                .or_else(|| name.strip_suffix(".vol"))?;
+            let plain = id.starts_with("ses-")
+                && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+            plain.then(|| id.to_string())
+        })
+        .collect();
+    ids.sort();
+    ids.dedup();
+    let mut removed = Vec::new();
+    for id in ids {
+        let paths = VolumePaths::new(sessions_dir, &id);
+        // Held until the teardown is done (a missing image: a mount point left behind).
+        let _lock = match File::open(&paths.image) {
+            Ok(f) => match Flock::lock(f, FlockArg::LockExclusiveNonblock) {
+                Ok(l) => Some(l),
+                Err(_) => continue,
+            },
+            Err(_) => None,
+        };
+        if known(&id) {
+            continue;
+        }
+        match teardown(&paths) {
+            Ok(()) => removed.push(id),
+            Err(e) => {
+                tracing::warn!(error = %e, session = %id, "removing an orphaned session volume failed")
+            }
+        }
+    }
+    removed
+}
+
+/// A directory whose device differs from its parent's is a mount point (a bind mount of the
+/// same file system would not be told apart, and the volume is never one).
+fn is_mountpoint(p: &Path) -> bool {
+    let (Ok(m), Some(Ok(parent))) = (
+        std::fs::symlink_metadata(p),
+        p.parent().map(std::fs::metadata),
+    ) else {
+        return false;
+    };
+    m.is_dir() && m.dev() != parent.dev()
+}
+
+/// The allocated bytes of the volume's image on the host (what it costs the host now).
+pub fn allocated_bytes(paths: &VolumePaths) -> u64 {
+    std::fs::metadata(&paths.image)
+        .map(|m| m.blocks() * 512)
+        .unwrap_or(0)
+}
+
+/// What the host needs for session storage limits, each with whether it has it.
+pub fn host_support() -> Vec<(&'static str, Result<(), String>)> {
+    let loop_ctl = match std::fs::metadata(crate::sys::loopdev::LOOP_CONTROL) {
+        Ok(_) => match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(crate::sys::loopdev::LOOP_CONTROL)
+        {
+            Ok(_) => Ok(()),
+            Err(e) => Err(format!("cannot open it: {e}")),
+        },
+        Err(e) => Err(format!("{e} (modprobe loop)")),
+    };
+    let mkfs = ["/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"]
+        .iter()
+        .any(|p| Path::new(p).exists())
+        .then_some(())
+        .ok_or_else(|| "not found (install e2fsprogs)".to_string());
+    let root = nix::unistd::geteuid()
+        .is_root()
+        .then_some(())
+        .ok_or_else(|| "mounting needs root".to_string());
+    vec![
+        (crate::sys::loopdev::LOOP_CONTROL, loop_ctl),
+        ("mkfs.ext4", mkfs),
+        ("mount permission", root),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_volume_paths_layout() {
+        let p = VolumePaths::new(Path::new("/s/sessions"), "ses-0a");
+        assert_eq!(p.image, Path::new("/s/sessions/ses-0a.img"));
+        assert_eq!(p.mountpoint, Path::new("/s/sessions/ses-0a.vol"));
+        assert_eq!(p.session_dir(), Path::new("/s/sessions/ses-0a.vol/session"));
+    }
+
+    #[test]
+    fn test_volume_below_minimum_refused_and_nothing_made() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let p = VolumePaths::new(d.path(), "ses-1");
+        let e = Volume::create(&p, MIN_STORAGE_MIB - 1).expect_err("too small");
+        assert!(e.to_string().contains("minimum"), "{e}");
+        assert!(!p.image.exists() && !p.mountpoint.exists());
+    }
+
+    /// A real volume (root, as CI runs): usable space close to the limit, ENOSPC past it,
+    /// the image's host allocation bounded by its size, and nothing left after teardown.
+    #[test]
+    fn test_volume_fills_at_its_size_and_tears_down() {
+        if !nix::unistd::geteuid().is_root() {
+            panic!("this test needs root, as session volumes do");
+        }
+        let d = tempfile::tempdir().expect("tempdir");
+        let p = VolumePaths::new(d.path(), "ses-2");
+        let v = Volume::create(&p, 64).expect("create");
+        assert!(p.is_mounted());
+        // A sweep leaves a volume alone while it is being made, and a known one always.
+        assert!(sweep(d.path(), |_| false).is_empty());
+        drop(v);
+        assert!(sweep(d.path(), |id| id == "ses-2").is_empty());
+        assert!(p.is_mounted());
+        fill_and_tear_down(&p);
+    }
+
+    /// The same on an XFS host file system (the test's own, on a loop device): sparse
+    /// images bound the volume there as on ext4.
+    #[test]
+    fn test_volume_on_xfs_host_fills_at_its_size() {
+        if !nix::unistd::geteuid().is_root() {
+            panic!("this test needs root, as session volumes do");
+        }
+        let d = tempfile::tempdir().expect("tempdir");
+        let host = d.path().join("xfs.img");
+        File::create(&host)
+            .and_then(|f| f.set_len(512 << 20))
+            .expect("image");
+        let run = |cmd: &mut std::process::Command| {
+            let out = cmd.output().expect("spawn");
+            assert!(out.status.success(), "{cmd:?}: {out:?}");
+        };
+        run(std::process::Command::new("mkfs.xfs").arg("-q").arg(&host));
+        let mnt = d.path().join("host");
+        std::fs::create_dir(&mnt).expect("mkdir");
+        run(std::process::Command::new("mount")
+            .args(["-t", "xfs", "-o", "loop"])
+            .arg(&host)
+            .arg(&mnt));
+        let p = VolumePaths::new(&mnt, "ses-6");
+        let filled = std::panic::catch_unwind(|| {
+            drop(Volume::create(&p, 64).expect("create"));
+            fill_and_tear_down(&p);
+        });
+        let _ = teardown(&p);
+        run(std::process::Command::new("umount").arg(&mnt));
+        if let Err(e) = filled {
+            std::panic::resume_unwind(e);
+        }
+    }
+
+    fn fill_and_tear_down(p: &VolumePaths) {
+        let big = p.mountpoint.join("big");
+        let mut f = File::create(&big).expect("create");
+        let chunk = vec![0x5au8; 1 << 20];
+        let mut written = 0u64;
+        let e = loop {
+            match std::io::Write::write_all(&mut f, &chunk).and_then(|()| f.sync_data()) {
+                Ok(()) => written += 1 << 20,
+                Err(e) => break e,
+            }
+            assert!(written <= 128 << 20, "wrote past twice the size");
+        };
+        assert_eq!(e.raw_os_error(), Some(nix::libc::ENOSPC), "{e}");
+        assert!(written > 48 << 20, "only {written} bytes fit");
+        assert!(allocated_bytes(p) <= 64 << 20);
+        drop(f);
+        teardown(p).expect("teardown");
+        assert!(!p.is_mounted() && !p.image.exists() && !p.mountpoint.exists());
+        // Teardown again is a no-op.
+        teardown(p).expect("again");
+    }
+
+    /// An orphaned volume (no session knows it, nobody is making it) is swept: unmounted and
+    /// deleted; a leftover mount point alone goes too.
+    #[test]
+    fn test_sweep_removes_orphaned_volume_and_leftover_mountpoint() {
+        if !nix::unistd::geteuid().is_root() {
+            panic!("this test needs root, as session volumes do");
+        }
+        let d = tempfile::tempdir().expect("tempdir");
+        let p = VolumePaths::new(d.path(), "ses-3");
+        drop(Volume::create(&p, 64).expect("create"));
+        let stray = VolumePaths::new(d.path(), "ses-4");
+        std::fs::create_dir(&stray.mountpoint).expect("mkdir");
+        std::fs::write(d.path().join("ses-5.txt"), "not a volume").expect("write");
+        assert_eq!(sweep(d.path(), |_| false), ["ses-3", "ses-4"]);
+        assert!(!p.is_mounted() && !p.image.exists() && !p.mountpoint.exists());
+        assert!(!stray.mountpoint.exists());
+        assert!(
+            d.path().join("ses-5.txt").exists(),
+            "other files are left alone"
+        );
+    }
+}
