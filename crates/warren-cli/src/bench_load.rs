@@ -408,16 +408,12 @@ impl Client {
         self.last_job = Some(job);
     }
 
-    /// A stream must be exactly the nonce and a newline (or empty where none was printed).
     fn check(&mut self, nonce: &str, what: &str, got: &str, printed: bool) {
-        let want = if printed {
-            format!("{nonce}\n")
-        } else {
-            String::new()
-        };
-        if got != want {
-            self.tally
-                .cross(self.id, format!("{what}: want {want:?}, got {got:?}"));
+        if !stream_ok(nonce, got, printed) {
+            self.tally.cross(
+                self.id,
+                format!("{what}: want {nonce:?} (printed: {printed}), got {got:?}"),
+            );
         }
     }
 
@@ -494,6 +490,16 @@ impl Client {
                     .cross(self.id, format!("vm_job_status of {job}: {v}"));
             }
         }
+    }
+}
+
+/// A job's stream is exactly its nonce and a newline, or empty where nothing was printed:
+/// another job's nonce, a missing or repeated nonce or stray bytes are all crossed output.
+fn stream_ok(nonce: &str, got: &str, printed: bool) -> bool {
+    if printed {
+        got.strip_prefix(nonce) == Some("\n")
+    } else {
+        got.is_empty()
     }
 }
 
@@ -748,6 +754,18 @@ mod tests {
         kinds.sort();
         kinds.dedup();
         assert_eq!(kinds.len(), 3);
+    }
+
+    #[test]
+    fn test_stream_ok_own_nonce_only() {
+        assert!(stream_ok("r-c1-j2", "r-c1-j2\n", true));
+        assert!(stream_ok("r-c1-j2", "", false));
+        // Another job's nonce (a prefix of it too), its own missing, repeated, or extra bytes.
+        assert!(!stream_ok("r-c1-j2", "r-c1-j3\n", true));
+        assert!(!stream_ok("r-c1-j2", "r-c1-j21\n", true));
+        assert!(!stream_ok("r-c1-j2", "", true));
+        assert!(!stream_ok("r-c1-j2", "r-c1-j2\nr-c1-j2\n", true));
+        assert!(!stream_ok("r-c1-j2", "r-c1-j2\n", false));
     }
 
     #[test]
