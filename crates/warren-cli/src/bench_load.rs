@@ -366,8 +366,8 @@ impl Client {
         // until the job completed and both cursors stopped).
         if last["state"] == "completed" {
             let first = (text(&last["stdout"]), text(&last["stderr"]));
-            self.check(&nonce, "exec page stdout", &first.0, true);
-            self.check(&nonce, "exec page stderr", &first.1, expect_err);
+            self.check(&nonce, "exec page stdout", first.0, true);
+            self.check(&nonce, "exec page stderr", first.1, expect_err);
             let a = json!({"vm_id": self.vm_id, "job_id": job});
             match self.req("output", "vm_job_output", a).await {
                 Ok(p) => {
