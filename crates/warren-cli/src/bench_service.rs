@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpStream;
@@ -41,54 +41,102 @@ struct Report {
 
 type Conn = crate::client::Conn<TcpStream>;
 
-pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
-    let main = crate::commands::open(cli, None)?;
-    let image_id = main.images().resolve(&args.image)?.to_string();
-    let state = tempfile_dir()?.join("service");
-    let _ = std::fs::remove_dir_all(&state);
-    std::fs::create_dir_all(&state)?;
-    let config = state.join("warren.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "state_dir = {state:?}\nimage_dir = {:?}\naccel = {:?}\n[http]\nlisten = \"127.0.0.1:0\"\n[images.bench]\nid = \"{image_id}\"\n",
-            main.config().image_dir,
-            args.accel.accel,
-        ),
-    )?;
-    let creds = warren_api::auth::Credentials::open(&state.join("warren.db"))?;
-    let (_, token) = creds.issue("bench", None, &warren_api::auth::PolicyRequest::default())?;
-    let exe = std::env::current_exe()?;
-    let mut daemon = tokio::process::Command::new(&exe)
-        .args(["serve", "--config"])
-        .arg(&config)
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .context("starting warren serve")?;
-    let mut ready = String::new();
-    BufReader::new(daemon.stdout.take().context("daemon stdout")?)
-        .read_line(&mut ready)
-        .await?;
-    let addr = ready
-        .split("http://")
-        .nth(1)
-        .and_then(|s| s.split('/').next())
-        .ok_or_else(|| anyhow!("warren serve did not start: {ready:?}"))?
-        .to_string();
+/// A real `warren serve` on a private state directory `<tmp>/<name>` that shares the
+/// caller's image store (its `--image` configured as the default image `bench`), and an
+/// engine on the same state directory for setup and cleanup. [`PrivateService::stop`]
+/// ends the process and destroys every VM and the state directory; dropping it kills the
+/// process (`kill_on_drop`) but leaves VMs, so callers always `stop` it, also on error.
+pub(crate) struct PrivateService {
+    /// `host:port` of the HTTP listener.
+    pub addr: String,
+    pub state: std::path::PathBuf,
+    pub engine: Warren,
+    daemon: tokio::process::Child,
+    creds: warren_api::auth::Credentials,
+}
 
-    let mut wc = WarrenConfig::new(state.clone(), exe.clone());
-    wc.image_dir = main.config().image_dir.clone();
-    wc.accel = args.accel.accel.parse::<AccelChoice>()?;
-    let engine = Warren::open(wc)?;
-    let result = measure(&engine, &addr, &token, &state, args).await;
-    let _ = daemon.start_kill();
-    let _ = daemon.wait().await;
-    for vm in engine.list_vms().unwrap_or_default() {
-        let _ = engine.destroy_vm(&vm.id).await;
+impl PrivateService {
+    pub async fn start(cli: &Cli, args: &BenchArgs, name: &str) -> Result<PrivateService> {
+        let main = crate::commands::open(cli, None)?;
+        let image_id = main.images().resolve(&args.image)?.to_string();
+        let state = tempfile_dir()?.join(name);
+        let _ = std::fs::remove_dir_all(&state);
+        std::fs::create_dir_all(&state)?;
+        let config = state.join("warren.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "state_dir = {state:?}\nimage_dir = {:?}\naccel = {:?}\n[http]\nlisten = \"127.0.0.1:0\"\n[images.bench]\nid = \"{image_id}\"\ndefault = true\n",
+                main.config().image_dir,
+                args.accel.accel,
+            ),
+        )?;
+        let creds = warren_api::auth::Credentials::open(&state.join("warren.db"))?;
+        let exe = std::env::current_exe()?;
+        let mut wc = WarrenConfig::new(state.clone(), exe.clone());
+        wc.image_dir = main.config().image_dir.clone();
+        wc.accel = args.accel.accel.parse::<AccelChoice>()?;
+        let engine = Warren::open(wc)?;
+        let mut daemon = tokio::process::Command::new(&exe)
+            .args(["serve", "--config"])
+            .arg(&config)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting warren serve")?;
+        let mut ready = String::new();
+        BufReader::new(daemon.stdout.take().context("daemon stdout")?)
+            .read_line(&mut ready)
+            .await?;
+        let addr = ready
+            .split("http://")
+            .nth(1)
+            .and_then(|s| s.split('/').next())
+            .map(str::to_string);
+        let service = PrivateService {
+            addr: addr.clone().unwrap_or_default(),
+            state,
+            engine,
+            daemon,
+            creds,
+        };
+        if addr.is_none() {
+            service.stop().await;
+            bail!("warren serve did not start: {ready:?}");
+        }
+        Ok(service)
     }
-    let _ = std::fs::remove_dir_all(&state);
+
+    /// A token for `workspace` with the default policy.
+    pub fn token(&self, workspace: &str) -> Result<String> {
+        let (_, token) =
+            self.creds
+                .issue(workspace, None, &warren_api::auth::PolicyRequest::default())?;
+        Ok(token)
+    }
+
+    /// Ends the service, destroys every VM of the state directory, removes it.
+    pub async fn stop(mut self) {
+        let _ = self.daemon.start_kill();
+        let _ = self.daemon.wait().await;
+        for vm in self.engine.list_vms().unwrap_or_default() {
+            let _ = self.engine.destroy_vm(&vm.id).await;
+        }
+        let _ = std::fs::remove_dir_all(&self.state);
+        if let Some(parent) = self.state.parent() {
+            let _ = std::fs::remove_dir(parent);
+        }
+    }
+}
+
+pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
+    let service = PrivateService::start(cli, args, "service").await?;
+    let result = match service.token("bench") {
+        Ok(token) => measure(&service.engine, &service.addr, &token, &service.state, args).await,
+        Err(e) => Err(e),
+    };
+    service.stop().await;
     let r = result?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&r)?);

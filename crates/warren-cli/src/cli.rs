@@ -432,8 +432,10 @@ pub struct BenchArgs {
     /// (use --image dev; --mib sets the repository size, 64 files per unit); `network`: HTTP
     /// and HTTPS (passed through, intercepted) from a guest through its egress proxy against
     /// the host with and without the proxy (use --image dev; --iterations new connections
-    /// per case, --boots downloads of --mib MiB).
-    #[arg(long, default_value = "core", value_parser = ["core", "service", "suspend", "workspace", "network"])]
+    /// per case, --boots downloads of --mib MiB); `load`: --clients clients of --workspaces
+    /// workspaces (one VM each) make --requests mixed requests each through HTTP and MCP,
+    /// reporting p50/p99 per operation, errors and crossed outputs (exit 1 if any).
+    #[arg(long, default_value = "core", value_parser = ["core", "service", "suspend", "workspace", "network", "load"])]
     pub suite: String,
     /// Image to boot.
     #[arg(long, default_value = "minimal")]
@@ -447,6 +449,15 @@ pub struct BenchArgs {
     /// MiB moved per throughput measurement.
     #[arg(long, default_value_t = 32)]
     pub mib: usize,
+    /// Load suite: concurrent clients (at most 4 per workspace: a VM runs 4 jobs at once).
+    #[arg(long, default_value_t = 16)]
+    pub clients: usize,
+    /// Load suite: workspaces, each with its own token and VM.
+    #[arg(long, default_value_t = 4)]
+    pub workspaces: usize,
+    /// Load suite: requests per client.
+    #[arg(long, default_value_t = 1000)]
+    pub requests: usize,
     #[command(flatten)]
     pub accel: AccelArg,
     #[arg(long)]

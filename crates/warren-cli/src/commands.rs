@@ -77,6 +77,7 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::Bench(args) if args.suite == "network" => {
             crate::bench_network::run(&cli, args).await
         }
+        Command::Bench(args) if args.suite == "load" => crate::bench_load::run(&cli, args).await,
         Command::Bench(args) if args.suite == "service" => {
             crate::bench_service::run(&cli, args).await
         }

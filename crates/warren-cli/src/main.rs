@@ -6,6 +6,7 @@
 
 mod agents;
 mod bench;
+mod bench_load;
 mod bench_network;
 mod bench_service;
 mod bench_suspend;
