@@ -206,6 +206,13 @@ impl Warren {
     }
 }
 
+/// A read answered with more bytes than it asked for.
+fn too_long(got: usize, asked: u32) -> CoreError {
+    CoreError::GuestProtocol(format!(
+        "a read of at most {asked} bytes was answered with {got}"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -219,11 +226,4 @@ mod tests {
             assert_eq!(e.code(), "invalid_argument");
         }
     }
-}
-
-/// A read answered with more bytes than it asked for.
-fn too_long(got: usize, asked: u32) -> CoreError {
-    CoreError::GuestProtocol(format!(
-        "a read of at most {asked} bytes was answered with {got}"
-    ))
 }

@@ -698,7 +698,7 @@ fn flood(wire: Wire, stats: Arc<Stats>, generation: Arc<AtomicU64>, mine: u64) {
             .flooded
             .fetch_add(escaped.len() as u64, Ordering::Relaxed);
         n += 1;
-        if n % 64 == 0 {
+        if n.is_multiple_of(64) {
             stats.save();
         }
     }
