@@ -127,10 +127,11 @@ impl Warren {
                 .await?;
             offset += d.data.len() as u64;
             // A guest that never says `eof` would keep this loop (and the caller's sink)
-            // going forever: the file may not grow past the size it had when the read began.
+            // going forever: the file may not grow past the size it had when the read began
+            // (a file that really grows fails the same way, as one that changed).
             if offset > first.size {
-                return Err(CoreError::GuestProtocol(format!(
-                    "{path} grew past the {} bytes it had when the read began",
+                return Err(CoreError::Conflict(format!(
+                    "{path} grew past the {} bytes it had when the read began; read it again",
                     first.size
                 )));
             }
