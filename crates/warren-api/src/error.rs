@@ -97,7 +97,9 @@ impl From<CoreError> for ApiError {
             .unwrap_or("internal");
         if code == "internal" {
             // Internal details (paths, SQLite errors) go to the log, not to the client.
-            tracing::error!(error = %format_chain(&e), "internal error");
+            // Escaped: the chain may carry a guest's text (no forged lines, no terminal
+            // escapes in the log).
+            tracing::error!(error = %escape_controls(&format_chain(&e)), "internal error");
             return ApiError::internal("internal error; see the service log");
         }
         ApiError::new(code, format_chain(&e))
@@ -109,6 +111,19 @@ impl From<rusqlite::Error> for ApiError {
         tracing::error!(error = %e, "store error");
         ApiError::internal("internal error; see the service log")
     }
+}
+
+/// `s` with control characters escaped (`\n`, `\u{1b}`).
+fn escape_controls(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// `e` and its sources, `: `-separated.
@@ -129,6 +144,14 @@ pub fn format_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_escape_controls_guest_text_cannot_forge_log_lines() {
+        assert_eq!(
+            escape_controls("a\nforged\u{1b}[2J"),
+            "a\\nforged\\u{1b}[2J"
+        );
+    }
 
     #[test]
     fn test_every_code_has_a_client_error_or_server_status() {

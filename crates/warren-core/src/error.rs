@@ -27,6 +27,10 @@ pub enum CoreError {
     Conflict(String),
     #[error("busy: {0}")]
     Busy(String),
+    /// The guest answered outside the protocol's bounds (more bytes than asked for, a file
+    /// that never ends): a hostile or broken agent. The call fails; the VM goes on.
+    #[error("the guest broke the protocol: {0}")]
+    GuestProtocol(String),
     #[error("cannot resume: {0}")]
     CheckpointIncompatible(String),
     #[error("no session {0}")]
@@ -83,6 +87,7 @@ impl CoreError {
             CoreError::StorageUnavailable(_) => "unavailable",
             CoreError::QuotaExceeded(_) => "quota_exceeded",
             CoreError::Busy(_) => "busy",
+            CoreError::GuestProtocol(_) => "unavailable",
             CoreError::Conflict(_) => "conflict",
             CoreError::CheckpointIncompatible(_) => "conflict",
             CoreError::SessionNotFound(_) => "not_found",
@@ -150,6 +155,12 @@ mod tests {
             CoreError::Supervisor(ClientError::Timeout(std::time::Duration::from_secs(40)));
         assert_eq!(guest.code(), "unavailable");
         assert_eq!(supervisor.code(), "unavailable");
+    }
+
+    #[test]
+    fn test_code_guest_protocol_violation_is_unavailable() {
+        let e = CoreError::GuestProtocol("a chunk longer than asked for".into());
+        assert_eq!(e.code(), "unavailable");
     }
 
     #[test]

@@ -1176,6 +1176,12 @@ impl Warren {
             len,
         });
         match self.awake_client(id).await?.guest(req).await? {
+            GuestResponse::FileData(d) if d.data.len() > len as usize => {
+                Err(CoreError::GuestProtocol(format!(
+                    "a read of at most {len} bytes was answered with {}",
+                    d.data.len()
+                )))
+            }
             GuestResponse::FileData(d) => Ok(d),
             _ => Err(unexpected()),
         }

@@ -52,6 +52,9 @@ impl Warren {
             len,
         });
         match self.workspace_call(id, req).await? {
+            GuestResponse::VersionedData(d) if d.data.len() > len as usize => {
+                Err(too_long(d.data.len(), len))
+            }
             GuestResponse::VersionedData(d) => Ok(d),
             _ => Err(unexpected()),
         }
@@ -123,6 +126,15 @@ impl Warren {
                 .read_file_chunk(id, path, offset, MAX_FILE_CHUNK)
                 .await?;
             offset += d.data.len() as u64;
+            // A guest that never says `eof` would keep this loop (and the caller's sink)
+            // going forever: the file may not grow past the size it had when the read began
+            // (a file that really grows fails the same way, as one that changed).
+            if offset > first.size {
+                return Err(CoreError::Conflict(format!(
+                    "{path} grew past the {} bytes it had when the read began; read it again",
+                    first.size
+                )));
+            }
             sink(&d.data);
             if d.eof || d.data.is_empty() {
                 break;
@@ -193,6 +205,13 @@ impl Warren {
             pending = rest;
         }
     }
+}
+
+/// A read answered with more bytes than it asked for.
+fn too_long(got: usize, asked: u32) -> CoreError {
+    CoreError::GuestProtocol(format!(
+        "a read of at most {asked} bytes was answered with {got}"
+    ))
 }
 
 #[cfg(test)]

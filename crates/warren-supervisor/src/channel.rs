@@ -34,6 +34,23 @@ pub const SYNC_RETRY: Duration = Duration::from_millis(20);
 const STREAM_WINDOW: u32 = 1 << 20;
 const CONN_WINDOW: u32 = 8 << 20;
 const MAX_FRAME_SIZE: u32 = 1 << 17;
+/// The longest guest error message passed on: the agent's own are a line, a hostile guest's
+/// may fill a whole message (1 MiB), which would reach every log and client it crosses.
+pub const MAX_GUEST_ERROR_MESSAGE: usize = 4096;
+
+/// Cuts `message` to [`MAX_GUEST_ERROR_MESSAGE`] bytes (at a character boundary), saying so.
+fn cut_message(message: &mut String) {
+    if message.len() <= MAX_GUEST_ERROR_MESSAGE {
+        return;
+    }
+    let mut end = MAX_GUEST_ERROR_MESSAGE;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    let cut = message.len() - end;
+    message.truncate(end);
+    message.push_str(&format!("…[+{cut} bytes]"));
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ChannelError {
@@ -203,7 +220,11 @@ impl GuestChannel {
             }
             buf.extend_from_slice(&chunk);
         }
-        Ok(decode::<Response>(&buf)?)
+        let mut response = decode::<Response>(&buf)?;
+        if let Err(e) = &mut response {
+            cut_message(&mut e.message);
+        }
+        Ok(response)
     }
 
     /// Resolves once the session is gone (guest reset, corrupt stream, VMM exit).
@@ -304,5 +325,21 @@ async fn bridge(
     tokio::select! {
         r = inbound => if let Err(e) = r { tracing::debug!(error = %e, "channel inbound ended") },
         r = outbound => if let Err(e) = r { tracing::debug!(error = %e, "channel outbound ended") },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_cut_message_megabyte_guest_error_is_cut_at_a_char_boundary() {
+        let mut m = format!("é{}", "E".repeat(1 << 20));
+        cut_message(&mut m);
+        assert!(m.len() < MAX_GUEST_ERROR_MESSAGE + 32, "{}", m.len());
+        assert!(m.ends_with(" bytes]"), "{m}");
+        let mut short = "not found".to_string();
+        cut_message(&mut short);
+        assert_eq!(short, "not found");
     }
 }

@@ -36,6 +36,8 @@ pub struct Daemon {
     /// Where the service's stderr goes, at the most verbose logging (`None`: inherited, at
     /// info).
     log: Option<PathBuf>,
+    /// Extra environment of the service (and so of its supervisors and VMMs).
+    envs: Vec<(String, String)>,
     child: Option<Child>,
 }
 
@@ -71,12 +73,31 @@ impl Daemon {
         Self::start_with(extra, Some(log))
     }
 
+    /// Starts a service with extra environment variables (`WARREN_ACCEL` among them sets
+    /// the config's accelerator).
+    pub fn start_env(extra: &str, envs: &[(&str, &str)]) -> Daemon {
+        let envs = envs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Self::start_full(extra, None, envs)
+    }
+
     fn start_with(extra: &str, log: Option<PathBuf>) -> Daemon {
+        Self::start_full(extra, log, Vec::new())
+    }
+
+    fn start_full(extra: &str, log: Option<PathBuf>, envs: Vec<(String, String)>) -> Daemon {
         let env = TestEnv::new();
         let minimal = image_id(&env, "minimal");
         let dev = image_id(&env, "dev");
         let state = env.state.path();
-        let accel = std::env::var("WARREN_ACCEL").unwrap_or_else(|_| "auto".into());
+        let accel = envs
+            .iter()
+            .find(|(k, _)| k == "WARREN_ACCEL")
+            .map(|(_, v)| v.clone())
+            .or_else(|| std::env::var("WARREN_ACCEL").ok())
+            .unwrap_or_else(|| "auto".into());
         let config = state.join("warren.toml");
         let text = format!(
             "state_dir = {state:?}\nimage_dir = {img:?}\naccel = {accel:?}\nsocket_mode = 0o666\n\
@@ -93,6 +114,7 @@ impl Daemon {
             addr: String::new(),
             socket: PathBuf::new(),
             log,
+            envs,
             child: None,
         };
         d.spawn();
@@ -103,6 +125,7 @@ impl Daemon {
     pub fn spawn(&mut self) {
         let mut cmd = Command::new(WARREN);
         cmd.arg("serve").arg("--config").arg(&self.config);
+        cmd.envs(self.envs.iter().map(|(k, v)| (k, v)));
         match &self.log {
             Some(path) => {
                 let f = std::fs::OpenOptions::new()
