@@ -411,8 +411,9 @@ impl Warren {
     }
 
     /// Mounts `s`'s own filesystem again if a host restart unmounted it (no-op otherwise),
-    /// on a blocking thread: it may wait for the image's lock.
-    async fn volume_ready(&self, s: &SessionRecord) -> Result<(), CoreError> {
+    /// on a blocking thread: it may wait for the image's lock. Before a session VM boots, a
+    /// hibernated one resumes, and host git reads the copy.
+    pub(crate) async fn volume_ready(&self, s: &SessionRecord) -> Result<(), CoreError> {
         if s.direct || s.storage_mib == 0 {
             return Ok(());
         }
