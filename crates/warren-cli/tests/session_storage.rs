@@ -234,3 +234,66 @@ fn test_guest_fills_session_limit_enospc_and_host_free_space_bounded() {
     drop(guard);
     eprintln!("total {:.1}s", started.elapsed().as_secs_f64());
 }
+
+/// After a host restart a limited session's filesystem is not mounted; resuming its
+/// hibernated VM mounts it again first (before, the resume failed with `conflict: invalid
+/// share ... is not an existing absolute directory` until some `session status` remounted it).
+#[test]
+fn test_hibernated_session_vm_resumes_after_its_volume_was_unmounted() {
+    common::ensure_image("minimal");
+    let env = TestEnv::new();
+    let src = tempfile::tempdir().expect("tempdir");
+    git(src.path(), &["init", "-q", "-b", "main"]);
+    std::fs::write(src.path().join("README"), "storage\n").expect("write");
+    git(src.path(), &["add", "-A"]);
+    git(src.path(), &["commit", "-qm", "initial"]);
+    let image = common::image_id("minimal");
+    let out = env.run(&[
+        "session",
+        "create",
+        "--repo",
+        &src.path().display().to_string(),
+        "--image",
+        &image,
+        "--storage-mib",
+        "64",
+        "--json",
+    ]);
+    let s: serde_json::Value =
+        serde_json::from_str(&ok(out, "session create")).expect("session json");
+    let id = s["session_id"].as_str().expect("session_id").to_string();
+    let vm = s["vm_id"].as_str().expect("vm_id").to_string();
+    let _guard = SessionGuard { env: &env, id };
+    let vol = env
+        .state
+        .path()
+        .join("sessions")
+        .join(format!("{}.vol", _guard.id));
+    ok(
+        env.run(&[
+            "vm",
+            "exec",
+            &vm,
+            "--",
+            "sh",
+            "-c",
+            "echo kept > /workspace/x",
+        ]),
+        "write",
+    );
+    ok(
+        env.run(&["vm", "suspend", &vm, "--mode", "hibernate"]),
+        "hibernate",
+    );
+    // What a host restart leaves: the volume's mount point, not mounted.
+    let u = Command::new("umount").arg(&vol).output().expect("umount");
+    assert!(u.status.success(), "{u:?}");
+    assert!(!mounted(&vol));
+    ok(env.run(&["vm", "resume", &vm]), "resume");
+    assert!(mounted(&vol), "the resume mounted the volume again");
+    let out = ok(
+        env.run(&["vm", "exec", &vm, "--", "cat", "/workspace/x"]),
+        "read",
+    );
+    assert_eq!(out, "kept\n");
+}

@@ -306,8 +306,7 @@ impl Warren {
                 Ok(p) => p,
                 Err(e) => {
                     // Torn down under the volume's lock, then the lock goes.
-                    self.discard_copy(&id, &dir, false);
-                    drop(volume.take());
+                    self.discard_copy(&id, &dir, false, volume.take());
                     return Err(e);
                 }
             };
@@ -325,8 +324,7 @@ impl Warren {
         };
         let name = match &req.name {
             Some(n) if !valid_name(n) => {
-                self.discard_copy(&id, &dir, req.direct);
-                drop(volume);
+                self.discard_copy(&id, &dir, req.direct, volume);
                 return Err(CoreError::InvalidArgument(format!(
                     "session name {n:?} must be 1-64 characters [A-Za-z0-9._-]"
                 )));
@@ -335,8 +333,7 @@ impl Warren {
             None => match self.free_name(&req.workspace, &source) {
                 Ok(n) => n,
                 Err(e) => {
-                    self.discard_copy(&id, &dir, req.direct);
-                    drop(volume);
+                    self.discard_copy(&id, &dir, req.direct, volume);
                     return Err(e);
                 }
             },
@@ -362,8 +359,7 @@ impl Warren {
                 check_storage(tx, &rec.workspace, rec.storage_mib, req.limits)
             });
         if let Err(e) = inserted {
-            self.discard_copy(&rec.id, &rec.dir, rec.direct);
-            drop(volume);
+            self.discard_copy(&rec.id, &rec.dir, rec.direct, volume);
             if let CoreError::Store(rusqlite::Error::SqliteFailure(f, _)) = &e {
                 if f.code == rusqlite::ErrorCode::ConstraintViolation {
                     return Err(CoreError::Conflict(format!(
@@ -383,7 +379,7 @@ impl Warren {
             Ok((rec, vm)) => Ok((rec, vm)),
             Err(e) => {
                 // The volume goes before the row, so its reservation outlives it.
-                self.discard_copy(&rec.id, &rec.dir, rec.direct);
+                self.discard_copy(&rec.id, &rec.dir, rec.direct, None);
                 let _ = self.store().delete_session(&rec.id);
                 Err(e)
             }
@@ -391,8 +387,16 @@ impl Warren {
     }
 
     /// Removes session `id`'s copy: its own filesystem when it has one (unmounted, the
-    /// image deleted: nothing the guest wrote is walked), else the directory.
-    fn discard_copy(&self, id: &str, dir: &Path, direct: bool) {
+    /// image deleted: nothing the guest wrote is walked), else the directory. `held`: the
+    /// volume still being made, torn down under the lock it holds (taking the lock again
+    /// would wait for ourselves).
+    fn discard_copy(&self, id: &str, dir: &Path, direct: bool, held: Option<Volume>) {
+        if let Some(v) = held {
+            if let Err(e) = v.teardown() {
+                tracing::warn!(error = %e, session = id, "removing a session volume failed");
+            }
+            return;
+        }
         if direct || dir.as_os_str().is_empty() {
             return;
         }
@@ -406,13 +410,15 @@ impl Warren {
         }
     }
 
-    /// Mounts `s`'s own filesystem again if a host restart unmounted it (no-op otherwise).
-    fn volume_ready(&self, s: &SessionRecord) -> Result<(), CoreError> {
+    /// Mounts `s`'s own filesystem again if a host restart unmounted it (no-op otherwise),
+    /// on a blocking thread: it may wait for the image's lock. Before a session VM boots, a
+    /// hibernated one resumes, and host git reads the copy.
+    pub(crate) async fn volume_ready(&self, s: &SessionRecord) -> Result<(), CoreError> {
         if s.direct || s.storage_mib == 0 {
             return Ok(());
         }
-        volume::ensure_mounted(&VolumePaths::new(&self.sessions_dir(), &s.id))
-            .map_err(session_error)
+        let paths = VolumePaths::new(&self.sessions_dir(), &s.id);
+        blocking(move || volume::ensure_mounted(&paths).map_err(session_error)).await
     }
 
     /// Reconciliation of session volumes: one without a session record (a create or a
@@ -531,7 +537,7 @@ impl Warren {
         limits: (crate::vm::Limits, crate::vm::Limits),
         warn: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(SessionRecord, VmRecord), CoreError> {
-        self.volume_ready(s)?;
+        self.volume_ready(s).await?;
         let req = CreateVm {
             host_limits: limits.0,
             workspace_limits: limits.1,
@@ -648,7 +654,7 @@ impl Warren {
         if s.direct {
             return Ok(warren_session::Retention::default());
         }
-        self.volume_ready(s)?;
+        self.volume_ready(s).await?;
         let (dir, owner) = (s.dir.clone(), owner_of(s.owner_uid, s.owner_gid));
         self.with_guest_stopped(s, move || {
             warren_session::status(&dir, owner).map_err(session_error)
@@ -701,7 +707,7 @@ impl Warren {
                 s.source.display()
             )));
         };
-        self.volume_ready(s)?;
+        self.volume_ready(s).await?;
         let branch = branch
             .map(str::to_string)
             .unwrap_or_else(|| format!("warren/{}", s.name));

@@ -957,6 +957,16 @@ impl Warren {
                         .map_err(|e| CoreError::io("read", dir.config(), e))?,
                 )
                 .map_err(|e| CoreError::InvalidArgument(format!("supervisor config: {e}")))?;
+                // A session copy's own filesystem that a host restart unmounted is mounted
+                // again first: its shares are directories inside it.
+                if let Some(s) = self
+                    .store
+                    .sessions(None)?
+                    .into_iter()
+                    .find(|s| s.vm_id.as_deref() == Some(id))
+                {
+                    self.volume_ready(&s).await?;
+                }
                 // A share whose directory was replaced (or now leads elsewhere through a
                 // symlink) while the VM slept refuses the resume; the VM stays hibernated.
                 warren_vmm::qemu::virtiofs::validate(&cfg.launch.shares)

@@ -106,12 +106,41 @@ impl Volume {
                 _lock: lock,
             }),
             Err(e) => {
-                if let Err(t) = teardown(paths) {
+                // Under the lock taken above (a teardown that locked would wait for itself).
+                if let Err(t) = teardown_locked(paths) {
                     tracing::warn!(error = %t, "undoing a failed session volume");
                 }
                 Err(e)
             }
         }
+    }
+
+    /// Tears this volume down under the lock it holds (a maker undoing its own volume).
+    pub fn teardown(self) -> Result<(), SessionError> {
+        teardown_locked(&self.paths)
+    }
+}
+
+/// Takes the exclusive lock on the image at `paths` (waiting for a holder: a maker until its
+/// record is written, a teardown, another mount), and checks that the image locked is still
+/// the one at its path, so a teardown that removed it meanwhile is seen. `None`: no image.
+fn lock_image(paths: &VolumePaths) -> Result<Option<Flock<File>>, SessionError> {
+    let image = match OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(nix::libc::O_CLOEXEC)
+        .open(&paths.image)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(err("open", &paths.image, e)),
+    };
+    let lock = Flock::lock(image, FlockArg::LockExclusive)
+        .map_err(|(_, e)| err("lock", &paths.image, e))?;
+    let held = lock.metadata().map_err(|e| err("stat", &paths.image, e))?;
+    match std::fs::symlink_metadata(&paths.image) {
+        Ok(now) if now.dev() == held.dev() && now.ino() == held.ino() => Ok(Some(lock)),
+        Ok(_) | Err(_) => Ok(None),
     }
 }
 
@@ -183,22 +212,40 @@ fn mount(paths: &VolumePaths, image: &File) -> Result<(), SessionError> {
 
 /// Mounts an existing volume again (after a host restart unmounted it); a mounted one is
 /// left as it is.
+///
+/// Done under the image's lock and checked again under it: two callers at once (two
+/// requests on one session after a restart, in one process or two) must not each attach the
+/// image to a loop device of its own and mount it, which would put two independent ext4
+/// instances on one image (writes through one lost, the filesystem corrupted); and a
+/// teardown that removed the image meanwhile must not see it mounted again.
 pub fn ensure_mounted(paths: &VolumePaths) -> Result<(), SessionError> {
     if paths.is_mounted() {
         return Ok(());
     }
-    let image = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(nix::libc::O_CLOEXEC)
-        .open(&paths.image)
-        .map_err(|e| err("open", &paths.image, e))?;
+    let Some(image) = lock_image(paths)? else {
+        return Err(err(
+            "open",
+            &paths.image,
+            "the session's image is gone (its session is being deleted?)",
+        ));
+    };
+    if paths.is_mounted() {
+        return Ok(());
+    }
     mount(paths, &image)
 }
 
-/// Unmounts the volume, then removes its mount point and image. Missing parts are fine, so
-/// this also finishes a teardown that was cut short.
+/// Unmounts the volume, then removes its mount point and image, under the image's lock (so
+/// no [`ensure_mounted`] mounts it again half-way). Missing parts are fine, so this also
+/// finishes a teardown that was cut short. Not for a holder of the lock: see
+/// [`Volume::teardown`].
 pub fn teardown(paths: &VolumePaths) -> Result<(), SessionError> {
+    let _lock = lock_image(paths)?;
+    teardown_locked(paths)
+}
+
+/// [`teardown`] by a caller that holds the image's lock (or when there is no image).
+fn teardown_locked(paths: &VolumePaths) -> Result<(), SessionError> {
     use nix::mount::{umount2, MntFlags};
     let deadline = std::time::Instant::now() + UNMOUNT_PATIENCE;
     while paths.is_mounted() {
@@ -266,7 +313,7 @@ pub fn sweep(sessions_dir: &Path, known: impl Fn(&str) -> bool) -> Vec<String> {
         if known(&id) {
             continue;
         }
-        match teardown(&paths) {
+        match teardown_locked(&paths) {
             Ok(()) => removed.push(id),
             Err(e) => {
                 tracing::warn!(error = %e, session = %id, "removing an orphaned session volume failed")
@@ -419,6 +466,81 @@ mod tests {
         assert!(!p.is_mounted() && !p.image.exists() && !p.mountpoint.exists());
         // Teardown again is a no-op.
         teardown(p).expect("again");
+    }
+
+    /// Loop devices backed by `image`.
+    fn loops_backed_by(image: &Path) -> usize {
+        std::fs::read_dir("/sys/block")
+            .expect("/sys/block")
+            .flatten()
+            .filter(|e| {
+                std::fs::read_to_string(e.path().join("loop/backing_file"))
+                    .is_ok_and(|b| Path::new(b.trim()) == image)
+            })
+            .count()
+    }
+
+    /// Mounts of `mountpoint` (stacked ones counted).
+    fn mounts_at(mountpoint: &Path) -> usize {
+        let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+        let p = mountpoint.to_string_lossy();
+        info.lines()
+            .filter(|l| l.split(' ').nth(4) == Some(p.as_ref()))
+            .count()
+    }
+
+    /// After a restart unmounted a volume, many callers mounting it again at once (requests
+    /// on one session) mount it once: before the lock each attached the image to a loop
+    /// device of its own and mounted it over the others, several independent ext4 instances
+    /// on one image (4 concurrent `session status` left 4 stacked mounts on 4 devices). A
+    /// teardown racing them leaves nothing mounted behind it.
+    #[test]
+    fn test_concurrent_remounts_mount_once_and_teardown_is_not_undone() {
+        if !nix::unistd::geteuid().is_root() {
+            panic!("this test needs root, as session volumes do");
+        }
+        let d = tempfile::tempdir().expect("tempdir");
+        let p = VolumePaths::new(d.path(), "ses-7");
+        drop(Volume::create(&p, 64).expect("create"));
+        for round in 0..3 {
+            nix::mount::umount(&p.mountpoint).expect("unmount (a restart)");
+            assert!(!p.is_mounted());
+            let barrier = std::sync::Barrier::new(8);
+            std::thread::scope(|s| {
+                for _ in 0..8 {
+                    s.spawn(|| {
+                        barrier.wait();
+                        ensure_mounted(&p).expect("ensure_mounted");
+                    });
+                }
+            });
+            assert_eq!(mounts_at(&p.mountpoint), 1, "round {round}: stacked mounts");
+            assert_eq!(loops_backed_by(&p.image), 1, "round {round}: loop devices");
+        }
+        // A teardown racing remounts: afterwards nothing is mounted, attached or left.
+        nix::mount::umount(&p.mountpoint).expect("unmount");
+        let barrier = std::sync::Barrier::new(5);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    barrier.wait();
+                    let _ = ensure_mounted(&p);
+                });
+            }
+            barrier.wait();
+            teardown(&p).expect("teardown");
+        });
+        // A remount that lost the race fails; one that won was undone by the teardown after it.
+        assert_eq!(mounts_at(&p.mountpoint), 0);
+        assert!(!p.image.exists() && !p.mountpoint.exists());
+        let e = ensure_mounted(&p).expect_err("gone");
+        assert!(e.to_string().contains("gone"), "{e}");
+        // Autoclear frees the devices at the unmount, asynchronously.
+        let t = std::time::Instant::now();
+        while loops_backed_by(&p.image) > 0 && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(loops_backed_by(&p.image), 0, "loop device left");
     }
 
     /// An orphaned volume (no session knows it, nobody is making it) is swept: unmounted and
