@@ -568,6 +568,9 @@ impl Warren {
         recreate: bool,
         warn: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(SessionRecord, VmRecord), CoreError> {
+        // Its volume first (a host restart unmounts it): the agent state is written into it
+        // and the VM's shares live on it.
+        self.volume_ready(s).await?;
         let have: SessionDevices = serde_json::from_value(s.devices.clone()).unwrap_or_default();
         let vm = match &s.vm_id {
             Some(id) => match self.get_vm(id) {

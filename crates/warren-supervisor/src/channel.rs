@@ -23,6 +23,8 @@ use rand::RngCore;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use warren_protocol::framing::{self, Decoder, Event, SyncNonce};
+
+use crate::frame_meter::FrameMeter;
 use warren_protocol::{
     auth, decode, encode, AgentInfo, Auth, GuestError, GuestResponse, Hello, HostRequest, Response,
     MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RPC_PATH,
@@ -288,6 +290,10 @@ async fn bridge(
             pwr.write_all(&leftover).await?;
         }
         let mut buf = vec![0u8; 128 * 1024];
+        // The guest's frames are budgeted (`frame_meter`): a flood waits here, unread.
+        let mut meter = FrameMeter::new();
+        let frames = meter.count(&leftover);
+        meter.charge(frames, Instant::now());
         loop {
             let n = rd.read(&mut buf).await?;
             if n == 0 {
@@ -297,7 +303,14 @@ async fn bridge(
             decoder.feed(&buf[..n], &mut events);
             for ev in events {
                 match ev {
-                    Event::Data(d) => pwr.write_all(&d).await?,
+                    Event::Data(d) => {
+                        let frames = meter.count(&d);
+                        let wait = meter.charge(frames, Instant::now());
+                        if !wait.is_zero() {
+                            tokio::time::sleep(wait).await;
+                        }
+                        pwr.write_all(&d).await?
+                    }
                     // The guest never sends markers mid-session; a stray one means the stream
                     // is corrupt, so end the session and let the supervisor resync.
                     other => {

@@ -19,6 +19,7 @@ pub mod channel;
 pub mod client;
 pub mod console;
 pub mod deadline;
+pub mod frame_meter;
 pub mod layout;
 pub mod log;
 pub mod network;

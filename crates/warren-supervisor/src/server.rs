@@ -51,6 +51,12 @@ pub enum SuperviseError {
 
 /// How long a stopping VMM gets to exit after `quit` before it is killed.
 const QUIT_GRACE: Duration = Duration::from_secs(3);
+/// A guest session that ends sooner than this counts as short: the next resync waits
+/// [`BACKOFF_MIN`], doubling per short session up to [`BACKOFF_MAX`]; a longer session
+/// resets the wait to none.
+const SHORT_SESSION: Duration = Duration::from_secs(2);
+const BACKOFF_MIN: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
 use crate::deadline::{MIGRATION_LIMIT, RECONNECT_WAIT};
 
 struct Shared {
@@ -274,6 +280,9 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                     return;
                 }
             }
+            // A guest that drops its sessions right after making them (a reconnect storm)
+            // costs a handshake each: short sessions back off, doubling up to a limit.
+            let mut backoff = Duration::ZERO;
             loop {
                 let deadline = if first {
                     boot_deadline
@@ -315,6 +324,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                         *shared.channel.lock().unwrap_or_else(|p| p.into_inner()) =
                             Some(ch.clone());
                         shared.phase.send_replace(VmPhase::Ready(info));
+                        let session_started = Instant::now();
                         ch.closed().await;
                         *shared.channel.lock().unwrap_or_else(|p| p.into_inner()) = None;
                         if matches!(*shared.phase.borrow(), VmPhase::Stopping) {
@@ -322,6 +332,12 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                         }
                         tracing::warn!("guest channel dropped; resynchronising");
                         shared.phase.send_replace(VmPhase::Reconnecting);
+                        backoff = if session_started.elapsed() < SHORT_SESSION {
+                            (backoff * 2).clamp(BACKOFF_MIN, BACKOFF_MAX)
+                        } else {
+                            Duration::ZERO
+                        };
+                        tokio::time::sleep(backoff).await;
                     }
                     Err(e) if !first => {
                         // The VM came up before: keep trying (a VMM exit ends everything
