@@ -84,6 +84,29 @@ impl Drop for SessionGuard<'_> {
     }
 }
 
+/// A one-commit repository and a session of it limited to `mib` (its `--json` record).
+fn limited_session(env: &TestEnv, mib: u64) -> (tempfile::TempDir, serde_json::Value) {
+    let src = tempfile::tempdir().expect("tempdir");
+    git(src.path(), &["init", "-q", "-b", "main"]);
+    std::fs::write(src.path().join("README"), "storage\n").expect("write");
+    git(src.path(), &["add", "-A"]);
+    git(src.path(), &["commit", "-qm", "initial"]);
+    let image = common::image_id("minimal");
+    let out = env.run(&[
+        "session",
+        "create",
+        "--repo",
+        &src.path().display().to_string(),
+        "--image",
+        &image,
+        "--storage-mib",
+        &mib.to_string(),
+        "--json",
+    ]);
+    let s = serde_json::from_str(&ok(out, "session create")).expect("session json");
+    (src, s)
+}
+
 /// Loop devices whose backing file is `image`.
 fn loops_backed_by(image: &Path) -> Vec<String> {
     let mut v = Vec::new();
@@ -122,26 +145,7 @@ fn test_guest_fills_session_limit_enospc_and_host_free_space_bounded() {
             .expect("state dir"),
         image_dir: common::image_dir(),
     };
-    let src = tempfile::tempdir().expect("tempdir");
-    git(src.path(), &["init", "-q", "-b", "main"]);
-    std::fs::write(src.path().join("README"), "storage\n").expect("write");
-    git(src.path(), &["add", "-A"]);
-    git(src.path(), &["commit", "-qm", "initial"]);
-
-    let image = common::image_id("minimal");
-    let out = env.run(&[
-        "session",
-        "create",
-        "--repo",
-        &src.path().display().to_string(),
-        "--image",
-        &image,
-        "--storage-mib",
-        &LIMIT_MIB.to_string(),
-        "--json",
-    ]);
-    let s: serde_json::Value =
-        serde_json::from_str(&ok(out, "session create")).expect("session json");
+    let (_src, s) = limited_session(&env, LIMIT_MIB);
     let id = s["session_id"].as_str().expect("session_id").to_string();
     let vm = s["vm_id"].as_str().expect("vm_id").to_string();
     let guard = SessionGuard { env: &env, id };
@@ -242,25 +246,7 @@ fn test_guest_fills_session_limit_enospc_and_host_free_space_bounded() {
 fn test_hibernated_session_vm_resumes_after_its_volume_was_unmounted() {
     common::ensure_image("minimal");
     let env = TestEnv::new();
-    let src = tempfile::tempdir().expect("tempdir");
-    git(src.path(), &["init", "-q", "-b", "main"]);
-    std::fs::write(src.path().join("README"), "storage\n").expect("write");
-    git(src.path(), &["add", "-A"]);
-    git(src.path(), &["commit", "-qm", "initial"]);
-    let image = common::image_id("minimal");
-    let out = env.run(&[
-        "session",
-        "create",
-        "--repo",
-        &src.path().display().to_string(),
-        "--image",
-        &image,
-        "--storage-mib",
-        "64",
-        "--json",
-    ]);
-    let s: serde_json::Value =
-        serde_json::from_str(&ok(out, "session create")).expect("session json");
+    let (_src, s) = limited_session(&env, 64);
     let id = s["session_id"].as_str().expect("session_id").to_string();
     let vm = s["vm_id"].as_str().expect("vm_id").to_string();
     let _guard = SessionGuard { env: &env, id };

@@ -101,12 +101,12 @@ impl Warren {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::store::Store;
     use crate::vm::WarrenConfig;
 
-    fn rec(id: &str, workspace: &str, memory_mib: u32) -> VmRecord {
+    pub(crate) fn rec(id: &str, workspace: &str, memory_mib: u32) -> VmRecord {
         VmRecord {
             id: id.into(),
             image_id: "img".into(),

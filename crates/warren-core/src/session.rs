@@ -874,48 +874,16 @@ mod tests {
 
     #[test]
     fn test_check_storage_counts_vm_disks_and_sessions_against_both_limits() {
-        use crate::store::{Store, VmRecord};
+        use crate::store::Store;
         let d = tempfile::tempdir().expect("tempdir");
         let store = Store::open(&d.path().join("db")).expect("open");
-        let mut vm = VmRecord {
-            id: "vm-a".into(),
-            image_id: "img".into(),
-            state: VmState::Running,
-            reason: None,
-            memory_mib: 512,
-            vcpus: 1,
-            accel: "tcg".into(),
-            uid: 0,
-            created_unix: 1,
-            boot_ms: None,
-            workspace: "w".into(),
-            disk_mib: 1000,
-            generation: 1,
-            request_id: None,
-            idle_seconds: 0,
-            idle_mode: "hibernate".into(),
-            last_active_unix: 0,
-            mounts: vec![],
-            ram_file: false,
-        };
+        let mut vm = crate::admission::tests::rec("vm-a", "w", 512);
+        vm.state = VmState::Running;
+        vm.disk_mib = 1000;
         store
             .insert(&mut vm, 1, |_| Ok::<(), rusqlite::Error>(()))
             .expect("vm");
-        let ses = |id: &str, ws: &str, mib: u64| SessionRecord {
-            id: id.into(),
-            name: id.into(),
-            workspace: ws.into(),
-            owner_uid: 0,
-            owner_gid: 0,
-            source: "/src".into(),
-            source_git: None,
-            dir: "/s".into(),
-            direct: false,
-            vm_id: None,
-            created_unix: 1,
-            devices: serde_json::json!({}),
-            storage_mib: mib,
-        };
+        let ses = |id: &str, ws: &str, mib: u64| crate::store::tests::session(id, id, ws, mib);
         let admit = |s: SessionRecord, limits| {
             store.insert_session(&s, |tx| -> Result<(), CoreError> {
                 check_storage(tx, &s.workspace, s.storage_mib, limits)

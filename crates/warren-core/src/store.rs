@@ -548,7 +548,7 @@ fn row(r: &rusqlite::Row<'_>) -> Result<VmRecord, rusqlite::Error> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn rec(id: &str) -> VmRecord {
@@ -661,7 +661,12 @@ mod tests {
         );
     }
 
-    fn session(id: &str, name: &str, workspace: &str, storage_mib: u64) -> SessionRecord {
+    pub(crate) fn session(
+        id: &str,
+        name: &str,
+        workspace: &str,
+        storage_mib: u64,
+    ) -> SessionRecord {
         SessionRecord {
             id: id.into(),
             name: name.into(),
