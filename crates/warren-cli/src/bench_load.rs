@@ -45,6 +45,7 @@ use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::{ClientLifecycleMode, ClientServiceExt, RoleClient, ServiceExt};
 use serde_json::{json, Value};
 use tokio::sync::Barrier;
+use warren_protocol::{BenchRequest, GuestResponse, HostRequest};
 
 use crate::bench::pct;
 use crate::bench_service::PrivateService;
@@ -526,6 +527,11 @@ struct Report {
     wall_s: f64,
     requests_per_s: f64,
     vm_create_ms_max: f64,
+    /// The physical floor, measured in the same run before the clients start: the guest's own
+    /// fork+exec+wait of `/bin/true` (median over the first VM's samples), in ms.
+    guest_fork_exec_ms: f64,
+    /// The exec p50 over all transports against that floor.
+    exec_p50_over_floor: f64,
     errors_total: u64,
     errors: BTreeMap<String, u64>,
     error_examples: Vec<String>,
@@ -602,6 +608,7 @@ async fn measure(service: &PrivateService, args: &BenchArgs) -> Result<Report> {
         vms.len(),
         args.clients
     );
+    let floor_ms = fork_exec_floor(service, &vms[0]).await?;
 
     let run = format!(
         "n{}x{}",
@@ -646,7 +653,32 @@ async fn measure(service: &PrivateService, args: &BenchArgs) -> Result<Report> {
     for link in links {
         link.close().await;
     }
-    Ok(report(total, args, accel, wall_s, create_ms))
+    let mut r = report(total, args, accel, wall_s, create_ms);
+    r.guest_fork_exec_ms = floor_ms;
+    r.exec_p50_over_floor = r
+        .ops
+        .iter()
+        .find(|o| o.op == "exec" && o.transport == "all")
+        .map_or(f64::NAN, |o| o.p50_ms / floor_ms);
+    Ok(r)
+}
+
+/// The guest's own fork+exec+wait of `/bin/true`, median of 20, asked of `vm`'s supervisor
+/// directly (no service, no channel round trip per sample), in ms.
+async fn fork_exec_floor(service: &PrivateService, vm: &str) -> Result<f64> {
+    let sup = warren_supervisor::SupervisorClient::new(
+        &service.engine.vm_dir_path(vm).join("supervisor.sock"),
+    );
+    let reply = sup
+        .guest(HostRequest::Bench(BenchRequest::ForkExecWait {
+            iterations: 20,
+        }))
+        .await?;
+    let GuestResponse::Bench(b) = reply else {
+        bail!("unexpected reply to the fork+exec benchmark");
+    };
+    let mut ms: Vec<f64> = b.samples_ns.iter().map(|n| *n as f64 / 1e6).collect();
+    Ok(crate::bench::median(&mut ms))
 }
 
 fn report(mut t: Tally, args: &BenchArgs, accel: String, wall_s: f64, create_ms: f64) -> Report {
@@ -681,6 +713,8 @@ fn report(mut t: Tally, args: &BenchArgs, accel: String, wall_s: f64, create_ms:
         wall_s,
         requests_per_s: t.requests as f64 / wall_s,
         vm_create_ms_max: create_ms,
+        guest_fork_exec_ms: f64::NAN,
+        exec_p50_over_floor: f64::NAN,
         errors_total: t.errors.values().sum(),
         errors: t.errors,
         error_examples: t.error_examples,
@@ -698,6 +732,10 @@ fn print_report(r: &Report) {
     println!(
         "{} requests in {:.1} s ({:.1} req/s); VMs created in {:.0} ms",
         r.requests, r.wall_s, r.requests_per_s, r.vm_create_ms_max
+    );
+    println!(
+        "floor: the guest's own fork+exec+wait {:.2} ms (median); exec p50 is {:.1}x that",
+        r.guest_fork_exec_ms, r.exec_p50_over_floor
     );
     println!(
         "{:<12} {:<14} {:>6} {:>10} {:>10}",

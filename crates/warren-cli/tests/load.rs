@@ -50,6 +50,13 @@ fn test_load_small_mixed_clients_no_errors_no_crossed_outputs() {
 
     assert_eq!(report["errors_total"], 0, "errors: {report:#}");
     assert_eq!(report["crossed"], 0, "crossed outputs: {report:#}");
+    // The physical floor was measured in the same run: the guest's own fork+exec.
+    let floor = report["guest_fork_exec_ms"].as_f64().unwrap_or(0.0);
+    assert!(floor > 0.0, "no fork+exec floor: {report:#}");
+    assert!(
+        report["exec_p50_over_floor"].as_f64().unwrap_or(0.0) >= 1.0,
+        "an exec through the service cannot beat the guest's own fork+exec: {report:#}"
+    );
     assert!(out.status.success(), "exit {:?}: {stderr}", out.status);
     assert!(
         report["requests"].as_u64().unwrap_or(0) >= 160,
