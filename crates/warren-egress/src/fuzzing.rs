@@ -6,34 +6,16 @@
 use hickory_proto::op::ResponseCode;
 
 use crate::resolver::{decode_query, refusal, Decoded};
-use crate::sniff::Sniffed;
 
 /// Most bytes the proxy reads before deciding a connection.
 pub const MAX_SNIFF: usize = crate::sniff::MAX_SNIFF;
 
-/// What the first-bytes classifier made of a connection's first bytes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Sniff {
-    NeedMore,
-    /// A ClientHello and its SNI.
-    Tls(Option<String>),
-    /// An HTTP/1 request head and the (normalised) host it names.
-    Http(Option<String>),
-    Http2,
-    Malformed,
-    Other,
-}
+/// What the first-bytes classifier made of a connection's first bytes (the proxy's own type).
+pub use crate::sniff::Sniffed as Sniff;
 
 /// The proxy's classifier (`sniff.rs`) on `buf`.
 pub fn sniff(buf: &[u8]) -> Sniff {
-    match crate::sniff::sniff(buf) {
-        Sniffed::NeedMore => Sniff::NeedMore,
-        Sniffed::Tls(sni) => Sniff::Tls(sni),
-        Sniffed::Http(host) => Sniff::Http(host),
-        Sniffed::Http2 => Sniff::Http2,
-        Sniffed::Malformed => Sniff::Malformed,
-        Sniffed::Other => Sniff::Other,
-    }
+    crate::sniff::sniff(buf)
 }
 
 /// A request head as the HTTP/1 relay reads it.

@@ -8,7 +8,7 @@ pub(crate) const MAX_SNIFF: usize = 16 * 1024;
 
 /// What the first bytes are.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Sniffed {
+pub enum Sniffed {
     /// Not enough bytes yet.
     NeedMore,
     /// A TLS ClientHello; the SNI host name if present (raw, not yet normalised).
