@@ -14,7 +14,7 @@ pub enum Sniffed {
     /// A TLS ClientHello; the SNI host name if present (raw, not yet normalised).
     Tls(Option<String>),
     /// An HTTP/1 request head; the host it names (normalised, see
-    /// [`crate::request::request_host`]), `None` when it names none (no `Host`, an IP).
+    /// `request::request_host`), `None` when it names none (no `Host`, an IP).
     Http(Option<String>),
     /// The HTTP/2 connection preface (prior knowledge): refused, its requests are not read.
     Http2,
