@@ -128,6 +128,7 @@ pub fn boot() -> Result<Booted, (&'static str, BootError)> {
     system_setup().map_err(|e| ("system", e))?;
     cgroup_setup().map_err(|e| ("cgroup", e))?;
     mount_shares(&shares).map_err(|e| ("shares", e))?;
+    loopback_up().map_err(|e| ("network", e))?;
     if let Some(net) = &net {
         network_setup(net).map_err(|e| ("network", e))?;
     }
@@ -213,6 +214,10 @@ const NET_MODULES: &[&str] = &["failover", "net_failover", "virtio_net"];
 /// The guest's NIC.
 const NET_DEVICE: &str = "eth0";
 const NET_DEVICE_WAIT: Duration = Duration::from_secs(5);
+/// How long the NIC may take to report its carrier once up: the kernel's link watch runs at
+/// most once a second, later on a loaded host. Boot is not reported done before it, so a
+/// job's first connection never meets a NIC still coming up.
+const NET_CARRIER_WAIT: Duration = Duration::from_secs(15);
 
 /// The VM's network, from `warren.net=ADDR/PREFIX,GW,DNS`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -248,7 +253,16 @@ fn parse_net(cmdline: &str) -> Phase<Option<NetConfig>> {
     }))
 }
 
-/// IPv6 off, `lo` and the NIC up with the address and default route, and the resolver.
+/// `lo` up in every VM, networked or not, so guest services on 127.0.0.1 work with the
+/// network off.
+fn loopback_up() -> Phase<()> {
+    crate::sys::net::link_up("lo").map_err(|e| BootError::Sys {
+        what: "lo up",
+        source: nix::Error::from_raw(e.raw_os_error().unwrap_or(libc::EIO)),
+    })
+}
+
+/// IPv6 off, the NIC up with the address and default route, and the resolver.
 fn network_setup(net: &NetConfig) -> Phase<()> {
     let sys = |what: &'static str| {
         move |e: io::Error| BootError::Sys {
@@ -272,9 +286,24 @@ fn network_setup(net: &NetConfig) -> Phase<()> {
             Err(e) => return Err(io_err("write", p)(e)),
         }
     }
-    crate::sys::net::link_up("lo").map_err(sys("lo up"))?;
     crate::sys::net::configure(NET_DEVICE, net.addr, net.prefix, net.gateway)
         .map_err(sys("configure eth0"))?;
+    let operstate = dev.join("operstate");
+    let start = Instant::now();
+    loop {
+        let state = fs::read_to_string(&operstate).map_err(io_err("read", &operstate))?;
+        if state.trim() == "up" {
+            break;
+        }
+        if start.elapsed() >= NET_CARRIER_WAIT {
+            return Err(BootError::Other(format!(
+                "{NET_DEVICE} is still {} {}s after it was brought up",
+                state.trim(),
+                NET_CARRIER_WAIT.as_secs()
+            )));
+        }
+        std::thread::sleep(POLL);
+    }
     let resolv = "/etc/resolv.conf";
     let _ = fs::remove_file(resolv);
     fs::write(resolv, format!("nameserver {}\n", net.dns)).map_err(io_err("write", resolv))?;
