@@ -6,7 +6,7 @@
 //!    against the recipe's pins (`agent_cli::fetch`), before anything slow.
 //! 1. `debootstrap --variant=minbase <suite>` into `<tmp>/root` (log: `<tmp>/build.log`).
 //! 2. `apt-get install --no-install-recommends` of the recipe's extra packages in a chroot,
-//!    then the agent CLIs unpacked under `/usr/local/lib/warren-agents` and linked into
+//!    the recipe's links (`fd` for Debian's `fdfind`), then the agent CLIs unpacked under `/usr/local/lib/warren-agents` and linked into
 //!    `/usr/local/bin` (`agent_cli::install`).
 //! 3. Kernel: resolve + download the cloud kernel `.deb` with the chroot's apt, unpack it,
 //!    extract `vmlinux`, `depmod`, decompress the needed modules to plain `.ko`.
@@ -228,6 +228,16 @@ fn build_stage(
     if !packages.is_empty() {
         let apt = ["apt-get", "-q", "-y", "--no-install-recommends", "install"];
         chroot_install(&root, &log, "packages", &apt, packages, progress)?;
+    }
+    for (link, target) in recipe.links() {
+        let at = root.join(link.trim_start_matches('/'));
+        let in_root = root.join(target.trim_start_matches('/'));
+        if !in_root.exists() {
+            return Err(ImageError::RootfsSetup(format!(
+                "link {link}: {target} is not in the image after the packages"
+            )));
+        }
+        std::os::unix::fs::symlink(target, &at).map_err(ImageError::io("symlink", &at))?;
     }
     for (cli, tarball) in &tarballs {
         let bytes = agent_cli::install(cli, tarball, &root)?;

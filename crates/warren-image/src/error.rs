@@ -65,7 +65,7 @@ pub enum ImageError {
     /// Computing or decompressing the module set failed.
     #[error("kernel modules: {0}")]
     Modules(String),
-    /// Preparing the root filesystem tree (user, /workspace, cleanup) failed.
+    /// Preparing the root filesystem tree (links, user, /workspace, cleanup) failed.
     #[error("rootfs setup failed: {0}")]
     RootfsSetup(String),
     /// `mkfs.ext4` failed.

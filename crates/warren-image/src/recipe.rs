@@ -68,8 +68,28 @@ const DEV_PACKAGES: &[&str] = &[
     "gcc",
     "build-essential",
     "nodejs",
+    "npm",
     "ca-certificates",
+    // What agents reach for first.
+    "curl",
+    "wget",
+    "jq",
+    "ripgrep",
+    "fd-find",
+    "zip",
+    "unzip",
+    "xz-utils",
+    "openssh-client",
+    "less",
+    "procps",
+    "file",
+    "make",
+    "python3-pip",
+    "python3-venv",
 ];
+
+/// DEV's links `(link, target)`: Debian's `fd-find` installs `fdfind`, agents call `fd`.
+const DEV_LINKS: &[(&str, &str)] = &[("/usr/local/bin/fd", "/usr/bin/fdfind")];
 
 /// The canonical, hashed description of a recipe (the agent is hashed separately).
 #[derive(Debug, Clone, Serialize)]
@@ -88,6 +108,10 @@ pub struct RecipeDescription {
     /// keep the digests they had before the field existed.
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     pub agent_clis: &'static [NpmAgentCli],
+    /// Symbolic links `(link, target)` made in the root tree after the packages. Left out
+    /// when empty, like `agent_clis`.
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    pub links: &'static [(&'static str, &'static str)],
 }
 
 impl Recipe {
@@ -108,6 +132,14 @@ impl Recipe {
         match self {
             Recipe::Minimal => &[],
             Recipe::Dev | Recipe::Agents => DEV_PACKAGES,
+        }
+    }
+
+    /// Symbolic links `(link, target)` made after the packages are installed.
+    pub fn links(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Recipe::Minimal => &[],
+            Recipe::Dev | Recipe::Agents => DEV_LINKS,
         }
     }
 
@@ -143,6 +175,7 @@ impl Recipe {
             modules: AGENT_MODULES.to_vec(),
             user_id: USER_ID,
             agent_clis: self.agent_clis(),
+            links: self.links(),
         }
     }
 
