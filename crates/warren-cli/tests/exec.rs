@@ -181,11 +181,56 @@ fn test_exec_fifth_running_job_quota_exceeded() {
     }
 }
 
+/// The `dev` image carries what agents reach for, each tool run for real, and `lo` is up in
+/// a VM without a network: a server on 127.0.0.1 answers curl and wget there.
 #[test]
-fn test_exec_dev_image_runs_python_and_node() {
+fn test_exec_dev_image_runs_python_node_and_agent_tools_over_loopback() {
     let vm = TestVm::boot_image("dev");
     let r =
         vm.sh("python3 -c 'print(6*7)' && node -e 'console.log(1+1)' && gcc --version | head -1");
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(r.stdout.starts_with("42\n2\n"), "{}", r.stdout);
+
+    // Each tool does a small real job; `set -e` stops at the first that fails and the
+    // echoed marker names it.
+    let script = r#"set -eu
+        cd /tmp && mkdir -p t/sub && cd t
+        echo 'needle in a haystack' > sub/hay.txt
+        step() { echo "step $1" >&2; }
+        step jq;      test "$(echo '{"a":[1,2,3]}' | jq -c '.a|add')" = 6
+        step rg;      test "$(rg -l needle .)" = ./sub/hay.txt
+        step fd;      test "$(fd -t f hay)" = sub/hay.txt
+        step zip;     zip -q -r a.zip sub && rm -r sub && unzip -q a.zip && test -f sub/hay.txt
+        step xz;      xz -k sub/hay.txt && test "$(xz -dc sub/hay.txt.xz)" = 'needle in a haystack'
+        step file;    file sub/hay.txt.xz | grep -q 'XZ compressed'
+        step make;    printf 'all:\n\t@echo made\n' > Makefile && test "$(make -s)" = made
+        step procps;  ps -o comm= -p $$ | grep -q sh && free -m | grep -q Mem
+        step less;    test "$(echo paged | less -FX)" = paged
+        step ssh;     ssh -V 2>&1 | grep -q OpenSSH
+        step pip;     python3 -m pip --version | grep -q '^pip '
+        step venv;    python3 -m venv --without-pip /tmp/v && /tmp/v/bin/python -c 'import sys; assert sys.prefix == "/tmp/v"'
+        step npm;     npm --version | grep -Eq '^[0-9]+\.'
+        step lo;      cat /sys/class/net/lo/operstate
+        python3 -m http.server 18080 --bind 127.0.0.1 --directory /tmp/t >/dev/null 2>&1 &
+        server=$!
+        step curl;    for i in $(seq 1 100); do curl -fsS -o /dev/null http://127.0.0.1:18080/ && break; sleep 0.2; done
+        curl -fsS http://127.0.0.1:18080/sub/hay.txt
+        step wget;    wget -q -O - http://127.0.0.1:18080/Makefile | grep -q made
+        kill $server
+        echo all-tools-ok"#;
+    let r = vm.sh(script);
+    assert_eq!(r.code, 0, "stdout {}\nstderr {}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.ends_with("needle in a haystack\nall-tools-ok\n"),
+        "{}",
+        r.stdout
+    );
+    // No NIC but `lo`, and `lo` is up (its operstate is `unknown`, as for every loopback).
+    assert!(r.stdout.starts_with("unknown\n"), "{}", r.stdout);
+    let links = vm.sh("ls /sys/class/net");
+    assert_eq!(
+        links.stdout.trim(),
+        "lo",
+        "a VM without a network has no NIC"
+    );
 }

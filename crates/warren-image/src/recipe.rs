@@ -52,7 +52,8 @@ const GIB: u64 = 1024 * 1024 * 1024;
 pub enum Recipe {
     /// debootstrap minbase only: small and fast, for tests.
     Minimal,
-    /// A development image with compilers, python3, git and nodejs.
+    /// A development image: compilers, python3 with pip and venv, git, Node.js with npm and
+    /// the command-line tools agents reach for (curl, jq, ripgrep, fd, ...).
     Dev,
     /// `dev` plus the agent CLIs (Claude Code, Codex, opencode): their native binaries from
     /// the npm registry, pinned in [`AGENT_CLIS`].
