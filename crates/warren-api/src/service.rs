@@ -670,23 +670,7 @@ impl Service {
     async fn vm_create(&self, p: &Principal, a: VmCreateArgs) -> Result<Value, ApiError> {
         validate_request_id(&a.request_id)?;
         let (name, img) = self.configured_image(p, a.image.as_deref())?;
-        if a.network == Some(Network::On) && !p.policy.allow_network {
-            return Err(ApiError::forbidden(format!(
-                "workspace {} has no network grant",
-                p.workspace
-            )));
-        }
-        if a.egress.is_some() && a.network != Some(Network::On) {
-            return Err(ApiError::invalid("egress needs network \"on\""));
-        }
-        let network = match a.network {
-            Some(Network::On) => Some(crate::egress::network_request(
-                &self.cfg,
-                p,
-                a.egress.clone(),
-            )?),
-            _ => None,
-        };
+        let network = self.network_for(p, a.network, a.egress.clone())?;
         let memory = checked_size(&name, &img, a.memory_mib, a.vcpus)?;
         if a.idle_seconds.is_some_and(|s| s > 604_800) {
             return Err(ApiError::invalid(
@@ -747,6 +731,31 @@ impl Service {
         }
     }
 
+    /// The network a `vm_create` or `session_create` asks for, checked against the
+    /// workspace's grants (the same rules for both).
+    fn network_for(
+        &self,
+        p: &Principal,
+        network: Option<Network>,
+        egress: Option<EgressArgs>,
+    ) -> Result<Option<warren_core::NetworkRequest>, ApiError> {
+        if network == Some(Network::On) && !p.policy.allow_network {
+            return Err(ApiError::forbidden(format!(
+                "workspace {} has no network grant",
+                p.workspace
+            )));
+        }
+        if egress.is_some() && network != Some(Network::On) {
+            return Err(ApiError::invalid("egress needs network \"on\""));
+        }
+        match network {
+            Some(Network::On) => Ok(Some(crate::egress::network_request(
+                &self.cfg, p, egress,
+            )?)),
+            _ => Ok(None),
+        }
+    }
+
     /// `session_create`: the repository is checked as the caller (host path rules), the
     /// session belongs to the uid it was checked as, and its VM is admitted under the same
     /// limits as `vm_create`.
@@ -766,6 +775,7 @@ impl Service {
             })?;
         let (name, img) = self.configured_image(p, a.image.as_deref())?;
         let memory = checked_size(&name, &img, a.memory_mib, a.vcpus)?;
+        let network = self.network_for(p, a.network, a.egress)?;
         let req = warren_core::CreateSession {
             repo: host.path,
             name: a.name,
@@ -775,7 +785,7 @@ impl Service {
                 memory_mib: Some(memory),
                 vcpus: a.vcpus,
                 mounts: vec![],
-                network: None,
+                network,
                 source_identity: None,
                 objects_identity: None,
                 storage_mib: a.storage_mib,

@@ -467,6 +467,13 @@ pub struct SessionCreateArgs {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 64, max = 1048576))]
     pub storage_mib: Option<u64>,
+    /// The session VM's networking, as for `vm_create`: "on" needs the workspace's network
+    /// grant. Default "off".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<Network>,
+    /// Egress policy of a networked session VM, as for `vm_create`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<EgressArgs>,
 }
 
 /// Names one session of the caller's workspace, by id or name.
