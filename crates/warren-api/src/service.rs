@@ -278,6 +278,7 @@ pub fn session_info(s: &warren_core::SessionRecord) -> SessionInfo {
         vm_id: s.vm_id.clone(),
         created_unix: s.created_unix,
         storage_mib: (s.storage_mib > 0).then_some(s.storage_mib),
+        generation: s.generation,
     }
 }
 
@@ -539,17 +540,18 @@ impl Service {
             }
             "session_status" => {
                 let a: SessionRef = parse(args)?;
-                let s = self.warren.session(&p.workspace, &a.session)?;
+                let s = self.session(p, &a.session, a.expected_generation)?;
                 let r = self.warren.session_retention(&s).await?;
                 to_value(SessionStatus {
                     session_id: s.id,
+                    generation: s.generation,
                     uncommitted: r.uncommitted,
                     unexported: r.unexported,
                 })
             }
             "session_export" => {
                 let a: SessionExportArgs = parse(args)?;
-                let s = self.warren.session(&p.workspace, &a.session)?;
+                let s = self.session(p, &a.session, a.expected_generation)?;
                 // Writing into the source repository needs the caller's write access now.
                 crate::hostpath::authorize(
                     p,
@@ -566,7 +568,7 @@ impl Service {
             }
             "session_delete" => {
                 let a: SessionDeleteArgs = parse(args)?;
-                let s = self.warren.session(&p.workspace, &a.session)?;
+                let s = self.session(p, &a.session, a.expected_generation)?;
                 self.warren.delete_session(&s, a.force).await?;
                 to_value(SessionDeleted {
                     session_id: s.id,
@@ -617,7 +619,25 @@ impl Service {
             reason: r.reason,
             idle_seconds: r.idle_seconds,
             idle_mode: r.idle_mode,
+            last_active_unix: r.last_active_unix,
         }
+    }
+
+    /// The caller's session, refused with `conflict` (changing nothing) unless it is at
+    /// `expected_generation` when one is given.
+    fn session(
+        &self,
+        p: &Principal,
+        session: &str,
+        expected_generation: Option<u64>,
+    ) -> Result<warren_core::SessionRecord, ApiError> {
+        let s = self.warren.session(&p.workspace, session)?;
+        warren_core::vm::check_generation(
+            &format!("session {}", s.name),
+            s.generation,
+            expected_generation,
+        )?;
+        Ok(s)
     }
 
     /// The caller's VM: another workspace's VM is indistinguishable from a missing one.
@@ -639,13 +659,14 @@ impl Service {
             )));
         }
         match self.warren.get_vm(vm_id) {
-            Ok(r) if r.workspace == p.workspace => match expected_generation {
-                Some(g) if g != r.generation => Err(ApiError::conflict(format!(
-                    "VM {vm_id} is at generation {}, not {g}: its memory was lost and rebuilt",
-                    r.generation
-                ))),
-                _ => Ok(r),
-            },
+            Ok(r) if r.workspace == p.workspace => {
+                warren_core::vm::check_generation(
+                    &format!("VM {vm_id}"),
+                    r.generation,
+                    expected_generation,
+                )?;
+                Ok(r)
+            }
             Ok(_) | Err(CoreError::VmNotFound(_)) => Err(ApiError::no_vm(vm_id)),
             Err(e) => Err(e.into()),
         }
@@ -722,6 +743,7 @@ impl Service {
             mounts: vec![],
             ram_file: a.ram_file,
             network,
+            generation: None,
         };
         let r = self
             .warren
@@ -1008,12 +1030,13 @@ impl Service {
         Ok(self.warren.job_output(vm, req).await?)
     }
 
+    /// Never wakes the VM nor counts as activity: a suspended VM answers from the host's
+    /// record of its jobs (`warren_core::vm::jobs_seen`), marked stale.
     async fn vm_job_status(&self, p: &Principal, a: JobRef) -> Result<Value, ApiError> {
         let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         let job = parse_job(&a.job_id)?;
-        let o = self
-            .read(&rec.id, job, Cursor::default(), 0, Duration::ZERO)
-            .await?;
+        let v = self.warren.job_status(&rec.id, job).await?;
+        let o = &v.job;
         let exit = match o.state {
             JobState::Running => None,
             JobState::Finished(x) => Some(x),
@@ -1033,6 +1056,9 @@ impl Service {
             truncated: o.truncated,
             stdout_bytes: o.stdout_retained,
             stderr_bytes: o.stderr_retained,
+            vm_state: v.vm_state.as_str().to_string(),
+            stale: v.stale,
+            seen_unix: v.seen_unix,
         })
     }
 

@@ -74,7 +74,7 @@ impl Warren {
             workspace,
             disk_mib: image.rootfs_virtual_size.div_ceil(1 << 20)
                 + if req.ram_file { u64::from(memory) } else { 0 },
-            generation: 1,
+            generation: req.generation.unwrap_or(1),
             request_id: req.request_id.clone(),
             idle_seconds: req.idle_seconds.unwrap_or(DEFAULT_IDLE_SECONDS),
             idle_mode: req

@@ -1,7 +1,7 @@
 //! Actions on VMs, split by concern: creation and boot (`create`), records and their
 //! reconciliation with the supervisors, re-adoption and destroy (`reconcile`), suspension,
-//! resume and the idle policy (`suspend`), guest work (`guest`), and shares and the network
-//! description (`mounts`).
+//! resume and the idle policy (`suspend`), guest work (`guest`), shares and the network
+//! description (`mounts`), and the host's record of the jobs it last saw (`jobs_seen`).
 //! Whole-file operations with versions, edits and searches are in `workspace_ops`.
 
 use std::os::unix::fs::PermissionsExt;
@@ -18,6 +18,7 @@ use crate::store::{MountSpec, Store, Usage};
 
 mod create;
 mod guest;
+pub mod jobs_seen;
 mod mounts;
 mod reconcile;
 mod suspend;
@@ -86,6 +87,9 @@ pub struct CreateVm {
     pub ram_file: bool,
     /// A NIC behind Warren's fail-closed egress; `None`: no NIC at all.
     pub network: Option<NetworkRequest>,
+    /// The generation the VM starts at (default 1): a session's next VM continues the
+    /// session's lineage.
+    pub generation: Option<u64>,
 }
 
 /// A VM's network and egress settings (see `docs/egress.md`). Secret values stay in host
@@ -191,6 +195,18 @@ impl Limits {
             }
         }
         Ok(())
+    }
+}
+
+/// Refuses with `conflict`, naming the current generation, unless `expected` is absent or
+/// is `current`: an older (or any other) generation means the caller's view of `what`'s
+/// memory is not this one's.
+pub fn check_generation(what: &str, current: u64, expected: Option<u64>) -> Result<(), CoreError> {
+    match expected {
+        Some(g) if g != current => Err(CoreError::Conflict(format!(
+            "{what} is at generation {current}, not {g}: its memory was lost and rebuilt since"
+        ))),
+        _ => Ok(()),
     }
 }
 
@@ -341,4 +357,20 @@ pub(crate) fn now_unix() -> u64 {
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
         .as_secs()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_check_generation_other_than_current_is_conflict() {
+        assert!(check_generation("VM v", 2, None).is_ok());
+        assert!(check_generation("VM v", 2, Some(2)).is_ok());
+        for stale in [0, 1, 3, u64::MAX] {
+            let e = check_generation("VM v", 2, Some(stale)).expect_err("refused");
+            assert_eq!(e.code(), "conflict", "{stale}");
+            assert!(e.to_string().contains("at generation 2"), "{e}");
+        }
+    }
 }

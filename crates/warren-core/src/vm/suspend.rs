@@ -1,4 +1,5 @@
-//! Suspension: pause, hibernate, resume, and the idle policy.
+//! Suspension: pause, hibernate, resume (with a fresh boot when a checkpoint cannot be
+//! restored), and the idle policy.
 
 use std::time::Duration;
 
@@ -31,18 +32,20 @@ impl Warren {
             }
         }
         let client = SupervisorClient::new(&self.vm_dir(id).socket());
-        if rec.state == VmState::Running && !force {
-            let running = self
-                .job_list(id)
-                .await?
+        if rec.state == VmState::Running {
+            let list = self.jobs_before_suspend(id, force).await?;
+            let running = list
                 .iter()
+                .flatten()
                 .filter(|j| j.state == warren_protocol::JobState::Running)
                 .count();
-            if running > 0 {
+            if running > 0 && !force {
                 return Err(CoreError::Busy(format!(
                     "{running} job(s) running in {id}; pass force to freeze them"
                 )));
             }
+            // What a status call answers while the VM is suspended (`jobs_seen`).
+            self.record_jobs_seen(id, list.as_deref()).await;
         }
         match mode {
             SuspendMode::Pause => {
@@ -160,11 +163,27 @@ impl Warren {
                     return Err(e);
                 }
                 if let Err(e) = self.launch_and_wait(&dir).await {
-                    // Never retried onto another memory image: the VM is failed.
-                    let reason = e.to_string();
-                    self.store
-                        .set_state(id, VmState::Failed, Some(&reason), None)?;
-                    return Err(e);
+                    // The checkpoint cannot be restored: its memory is lost. Never retried
+                    // onto another memory image; the VM boots fresh on its disk instead.
+                    tracing::warn!(vm = %id, error = %e, "restoring the checkpoint failed; booting the VM fresh");
+                    match self.boot_fresh(&dir, cfg).await {
+                        Ok((generation, boot_ms)) => {
+                            self.store
+                                .set_state(id, VmState::Running, None, Some(boot_ms))?;
+                            rec.state = VmState::Running;
+                            rec.generation = generation;
+                            rec.boot_ms = Some(boot_ms);
+                            return Ok(rec);
+                        }
+                        Err(fresh) => {
+                            let reason = format!(
+                                "restoring the checkpoint failed ({e}), and so did a fresh boot: {fresh}"
+                            );
+                            self.store
+                                .set_state(id, VmState::Failed, Some(&reason), None)?;
+                            return Err(fresh);
+                        }
+                    }
                 }
                 // The checkpoint is consumed: the VM runs on from it now.
                 let _ = std::fs::remove_file(dir.checkpoint_record());
@@ -220,5 +239,46 @@ impl Warren {
             }
             r => Some(r.map(|r| r.state)),
         }
+    }
+
+    /// Boots a VM whose checkpoint could not be restored from scratch on its own disk (the
+    /// overlay is as the guest left it when it was hibernated): same id, secret, devices and
+    /// shares, a new memory. The checkpoint, any RAM file and the jobs last seen go, and the
+    /// VM (and its session) move to the next generation before the boot, so a caller holding
+    /// the old one is refused even if this boot fails. Returns (generation, boot ms).
+    async fn boot_fresh(
+        &self,
+        dir: &warren_supervisor::VmDir,
+        mut cfg: SupervisorConfig,
+    ) -> Result<(u64, u64), CoreError> {
+        // The restoring supervisor was stopped (or killed) by the failed launch.
+        if !wait_supervisor_exit(dir, Duration::from_secs(10)).await {
+            kill_supervisor(dir);
+            wait_supervisor_exit(dir, Duration::from_secs(5)).await;
+        }
+        let mut gone = vec![
+            dir.checkpoint_record(),
+            dir.checkpoint_state(),
+            dir.config(),
+            dir.exit_record(),
+            dir.socket(),
+            super::jobs_seen::path(dir),
+        ];
+        gone.extend(cfg.launch.ram_file.clone());
+        for p in gone {
+            match std::fs::remove_file(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(CoreError::io("remove", p, e)),
+            }
+        }
+        let generation = self.store.bump_generation(&cfg.vm_id)?;
+        tracing::warn!(vm = %cfg.vm_id, generation, "memory lost: fresh boot");
+        cfg.restore = false;
+        cfg.launch.incoming = false;
+        let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
+        write_private(&dir.config(), &body)?;
+        let boot_ms = self.launch_and_wait(dir).await?;
+        Ok((generation, boot_ms))
     }
 }
