@@ -117,7 +117,10 @@ pub fn tool_defs(images: &[String]) -> Vec<ToolDef> {
             "vm_exec",
             "Start a command in a VM as an unprivileged user, in /workspace. With wait_ms, returns its output and exit code if it ends in time; otherwise read more with vm_job_output.",
         ),
-        tool::<JobRef, JobStatus>("vm_job_status", "A job's state and exit status."),
+        tool::<JobRef, JobStatus>(
+            "vm_job_status",
+            "A job's state and exit status. Never wakes a suspended VM: then it is the job as last seen before the suspension (stale: true, with vm_state).",
+        ),
         tool::<JobOutputArgs, OutputPage>(
             "vm_job_output",
             "Read a job's stdout and stderr from byte cursors (pass the previous next_cursor). Non-destructive; at most 16 KiB per stream per call.",
