@@ -117,7 +117,10 @@ pub fn tool_defs(images: &[String]) -> Vec<ToolDef> {
             "vm_exec",
             "Start a command in a VM as an unprivileged user, in /workspace. With wait_ms, returns its output and exit code if it ends in time; otherwise read more with vm_job_output.",
         ),
-        tool::<JobRef, JobStatus>("vm_job_status", "A job's state and exit status."),
+        tool::<JobRef, JobStatus>(
+            "vm_job_status",
+            "A job's state and exit status. Never wakes a suspended VM: then it is the job as last seen before the suspension (stale: true, with vm_state).",
+        ),
         tool::<JobOutputArgs, OutputPage>(
             "vm_job_output",
             "Read a job's stdout and stderr from byte cursors (pass the previous next_cursor). Non-destructive; at most 16 KiB per stream per call.",
@@ -278,6 +281,7 @@ pub fn session_info(s: &warren_core::SessionRecord) -> SessionInfo {
         vm_id: s.vm_id.clone(),
         created_unix: s.created_unix,
         storage_mib: (s.storage_mib > 0).then_some(s.storage_mib),
+        generation: s.generation,
     }
 }
 
@@ -539,17 +543,18 @@ impl Service {
             }
             "session_status" => {
                 let a: SessionRef = parse(args)?;
-                let s = self.warren.session(&p.workspace, &a.session)?;
+                let s = self.session(p, &a.session, a.expected_generation)?;
                 let r = self.warren.session_retention(&s).await?;
                 to_value(SessionStatus {
                     session_id: s.id,
+                    generation: s.generation,
                     uncommitted: r.uncommitted,
                     unexported: r.unexported,
                 })
             }
             "session_export" => {
                 let a: SessionExportArgs = parse(args)?;
-                let s = self.warren.session(&p.workspace, &a.session)?;
+                let s = self.session(p, &a.session, a.expected_generation)?;
                 // Writing into the source repository needs the caller's write access now.
                 crate::hostpath::authorize(
                     p,
@@ -566,7 +571,7 @@ impl Service {
             }
             "session_delete" => {
                 let a: SessionDeleteArgs = parse(args)?;
-                let s = self.warren.session(&p.workspace, &a.session)?;
+                let s = self.session(p, &a.session, a.expected_generation)?;
                 self.warren.delete_session(&s, a.force).await?;
                 to_value(SessionDeleted {
                     session_id: s.id,
@@ -617,7 +622,25 @@ impl Service {
             reason: r.reason,
             idle_seconds: r.idle_seconds,
             idle_mode: r.idle_mode,
+            last_active_unix: r.last_active_unix,
         }
+    }
+
+    /// The caller's session, refused with `conflict` (changing nothing) unless it is at
+    /// `expected_generation` when one is given.
+    fn session(
+        &self,
+        p: &Principal,
+        session: &str,
+        expected_generation: Option<u64>,
+    ) -> Result<warren_core::SessionRecord, ApiError> {
+        let s = self.warren.session(&p.workspace, session)?;
+        warren_core::vm::check_generation(
+            &format!("session {}", s.name),
+            s.generation,
+            expected_generation,
+        )?;
+        Ok(s)
     }
 
     /// The caller's VM: another workspace's VM is indistinguishable from a missing one.
@@ -639,13 +662,14 @@ impl Service {
             )));
         }
         match self.warren.get_vm(vm_id) {
-            Ok(r) if r.workspace == p.workspace => match expected_generation {
-                Some(g) if g != r.generation => Err(ApiError::conflict(format!(
-                    "VM {vm_id} is at generation {}, not {g}: its memory was lost and rebuilt",
-                    r.generation
-                ))),
-                _ => Ok(r),
-            },
+            Ok(r) if r.workspace == p.workspace => {
+                warren_core::vm::check_generation(
+                    &format!("VM {vm_id}"),
+                    r.generation,
+                    expected_generation,
+                )?;
+                Ok(r)
+            }
             Ok(_) | Err(CoreError::VmNotFound(_)) => Err(ApiError::no_vm(vm_id)),
             Err(e) => Err(e.into()),
         }
@@ -706,6 +730,7 @@ impl Service {
             mounts: vec![],
             ram_file: a.ram_file,
             network,
+            generation: None,
         };
         let r = self
             .warren
@@ -1018,12 +1043,13 @@ impl Service {
         Ok(self.warren.job_output(vm, req).await?)
     }
 
+    /// Never wakes the VM nor counts as activity: a suspended VM answers from the host's
+    /// record of its jobs (`warren_core::vm::jobs_seen`), marked stale.
     async fn vm_job_status(&self, p: &Principal, a: JobRef) -> Result<Value, ApiError> {
         let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         let job = parse_job(&a.job_id)?;
-        let o = self
-            .read(&rec.id, job, Cursor::default(), 0, Duration::ZERO)
-            .await?;
+        let v = self.warren.job_status(&rec.id, job).await?;
+        let o = &v.job;
         let exit = match o.state {
             JobState::Running => None,
             JobState::Finished(x) => Some(x),
@@ -1043,6 +1069,9 @@ impl Service {
             truncated: o.truncated,
             stdout_bytes: o.stdout_retained,
             stderr_bytes: o.stderr_retained,
+            vm_state: v.vm_state.as_str().to_string(),
+            stale: v.stale,
+            seen_unix: v.seen_unix,
         })
     }
 

@@ -305,7 +305,9 @@ pub struct VmInfo {
     pub accel: String,
     pub memory_mib: u32,
     pub vcpus: u32,
-    /// The VM's memory lineage; it changes only if the VM's memory is lost and rebuilt.
+    /// The VM's memory lineage: 1 at creation (a session's VM: its session's), +1 on every
+    /// fresh boot after its memory was lost (a hibernated VM whose checkpoint could not be
+    /// restored).
     pub generation: u64,
     pub created_unix: u64,
     pub boot_ms: Option<u64>,
@@ -315,6 +317,9 @@ pub struct VmInfo {
     pub idle_seconds: u32,
     /// pause or hibernate.
     pub idle_mode: String,
+    /// The last exec, output read, cancel or file operation (host clock, seconds); status
+    /// and list calls never move it.
+    pub last_active_unix: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -352,6 +357,14 @@ pub struct JobStatus {
     /// Bytes retained so far per stream.
     pub stdout_bytes: u64,
     pub stderr_bytes: u64,
+    /// The VM's state when this was answered. A status call never wakes a suspended VM.
+    pub vm_state: String,
+    /// True when the VM is suspended and this is the job as the host last saw it, just
+    /// before the suspension (a job frozen while running says running).
+    pub stale: bool,
+    /// When the host last saw the job (host clock, seconds); only when stale.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seen_unix: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -482,6 +495,9 @@ pub struct SessionCreateArgs {
 pub struct SessionRef {
     #[schemars(length(min = 1, max = 64))]
     pub session: String,
+    /// Refuse with `conflict` unless the session's generation is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -489,6 +505,9 @@ pub struct SessionRef {
 pub struct SessionExportArgs {
     #[schemars(length(min = 1, max = 64))]
     pub session: String,
+    /// Refuse with `conflict` unless the session's generation is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
     /// Branch of the source repository to create or fast-forward (default:
     /// warren/SESSION_NAME).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -501,6 +520,9 @@ pub struct SessionExportArgs {
 pub struct SessionDeleteArgs {
     #[schemars(length(min = 1, max = 64))]
     pub session: String,
+    /// Refuse with `conflict` unless the session's generation is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
     /// Delete even with uncommitted changes or unexported commits.
     #[serde(default)]
     pub force: bool,
@@ -521,6 +543,10 @@ pub struct SessionInfo {
     /// Size in MiB of the copy's own filesystem (absent: a plain directory, or direct).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage_mib: Option<u64>,
+    /// The session's memory lineage, its VM's generation: 1 at creation, +1 on every
+    /// recreate (a new VM; the session keeps its id and name) and on every fresh boot of its
+    /// VM after memory loss.
+    pub generation: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -532,6 +558,8 @@ pub struct SessionList {
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 pub struct SessionStatus {
     pub session_id: String,
+    /// The session's generation (as in session_list).
+    pub generation: u64,
     /// Paths with uncommitted changes (as `git status --porcelain`).
     pub uncommitted: Vec<String>,
     /// Commits not in the source repository.

@@ -35,6 +35,9 @@ pub enum CoreError {
     CheckpointIncompatible(String),
     #[error("no session {0}")]
     SessionNotFound(String),
+    /// A job a suspended VM's record of its jobs does not hold.
+    #[error("{0}")]
+    JobNotFound(String),
     #[error("session: {0}")]
     Session(String),
     #[error("the VM failed to boot: {0}")]
@@ -91,6 +94,7 @@ impl CoreError {
             CoreError::Conflict(_) => "conflict",
             CoreError::CheckpointIncompatible(_) => "conflict",
             CoreError::SessionNotFound(_) => "not_found",
+            CoreError::JobNotFound(_) => "not_found",
             CoreError::Session(_) => "internal",
             CoreError::Image(ImageError::NotFound(_)) => "not_found",
             CoreError::Image(ImageError::Ambiguous(_)) => "invalid_argument",

@@ -352,6 +352,7 @@ impl Warren {
             created_unix: now_unix(),
             devices: serde_json::to_value(&devices).expect("invariant: devices serialise"),
             storage_mib: storage.unwrap_or(0),
+            generation: 1,
         };
         let inserted = self
             .store()
@@ -373,7 +374,7 @@ impl Warren {
         // The row (and its reservation) now stands for the volume: a sweep may see it.
         drop(volume);
         match self
-            .start_session_vm(&rec, &devices, req.limits, warn)
+            .start_session_vm(&rec, &devices, req.limits, rec.generation, warn)
             .await
         {
             Ok((rec, vm)) => Ok((rec, vm)),
@@ -529,12 +530,14 @@ impl Warren {
         Ok(mounts)
     }
 
-    /// Boots a VM for `s` with `devices` and records it as the session's VM.
+    /// Boots a VM for `s` with `devices` at `generation` and records it as the session's VM
+    /// (the session takes the same generation).
     async fn start_session_vm(
         &self,
         s: &SessionRecord,
         devices: &SessionDevices,
         limits: (crate::vm::Limits, crate::vm::Limits),
+        generation: u64,
         warn: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(SessionRecord, VmRecord), CoreError> {
         self.volume_ready(s).await?;
@@ -547,20 +550,25 @@ impl Warren {
             workspace: s.workspace.clone(),
             mounts: self.session_mounts(s, devices)?,
             network: devices.network.clone(),
+            generation: Some(generation),
             ..Default::default()
         };
         let vm = self.create_vm(&req, warn).await?;
         let dev = serde_json::to_value(devices).expect("invariant: devices serialise");
-        self.store().set_session_vm(&s.id, Some(&vm.id), &dev)?;
+        self.store()
+            .set_session_vm(&s.id, Some(&vm.id), &dev, generation)?;
         let mut s = s.clone();
         s.vm_id = Some(vm.id.clone());
         s.devices = dev;
+        s.generation = generation;
         Ok((s, vm))
     }
 
     /// The session's VM, ready for work: reattached when it exists (a suspended VM wakes on
     /// the first operation); with `recreate` (or when it is gone or failed and `recreate`),
     /// a new VM is booted with `devices`. A running VM with different devices is a conflict.
+    /// A new VM replacing one the session had is the session's next generation; the
+    /// session keeps its id and name.
     pub async fn session_vm(
         &self,
         s: &SessionRecord,
@@ -602,7 +610,7 @@ impl Warren {
             Some(vm) => {
                 self.destroy_vm(&vm.id).await?;
                 let merged = merge_devices(&have, want);
-                self.start_session_vm(s, &merged, Default::default(), warn)
+                self.start_session_vm(s, &merged, Default::default(), s.generation + 1, warn)
                     .await
             }
             None => {
@@ -613,7 +621,9 @@ impl Warren {
                     )));
                 }
                 let merged = merge_devices(&have, want);
-                self.start_session_vm(s, &merged, Default::default(), warn)
+                // A session that had a VM lost its memory with it.
+                let generation = s.generation + u64::from(s.vm_id.is_some());
+                self.start_session_vm(s, &merged, Default::default(), generation, warn)
                     .await
             }
         }

@@ -66,7 +66,8 @@ pub struct VmRecord {
     pub workspace: String,
     /// Storage reserved for the VM's disk (the image's virtual size), MiB.
     pub disk_mib: u64,
-    /// The memory lineage; changes only when the VM's memory is lost and rebuilt.
+    /// The memory lineage: 1 at creation (a session's VM starts at its session's), +1 on
+    /// every fresh boot after its memory was lost (a checkpoint that could not be restored).
     pub generation: u64,
     /// The idempotency key of the request that created it, if any.
     pub request_id: Option<String>,
@@ -172,6 +173,9 @@ pub struct SessionRecord {
     /// The size of the session's own filesystem, MiB, reserved as storage (0: the copy is a
     /// plain directory, or the session is direct).
     pub storage_mib: u64,
+    /// The session's memory lineage, always its current VM's generation: 1 at creation, +1
+    /// on every recreate (a new VM) and on every fresh boot of its VM after memory loss.
+    pub generation: u64,
 }
 
 /// Columns added after the first release, with their defaults for existing rows.
@@ -188,7 +192,10 @@ const ADDED_COLUMNS: &[(&str, &str)] = &[
 ];
 
 /// Columns added to `sessions` after the first release.
-const ADDED_SESSION_COLUMNS: &[(&str, &str)] = &[("storage_mib", "INTEGER NOT NULL DEFAULT 0")];
+const ADDED_SESSION_COLUMNS: &[(&str, &str)] = &[
+    ("storage_mib", "INTEGER NOT NULL DEFAULT 0"),
+    ("generation", "INTEGER NOT NULL DEFAULT 1"),
+];
 
 impl Store {
     /// Opens (or creates) the database at `path`, readable by its owner only: the file is
@@ -388,8 +395,9 @@ impl Store {
         admit(&tx)?;
         tx.execute(
             "INSERT INTO sessions (id, name, workspace, owner_uid, owner_gid, source, source_git,
-                                   dir, direct, vm_id, created_unix, devices, storage_mib)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+                                   dir, direct, vm_id, created_unix, devices, storage_mib,
+                                   generation)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
             params![
                 s.id,
                 s.name,
@@ -406,6 +414,7 @@ impl Store {
                 s.created_unix as i64,
                 s.devices.to_string(),
                 s.storage_mib as i64,
+                s.generation as i64,
             ],
         )?;
         tx.commit()?;
@@ -422,17 +431,39 @@ impl Store {
         rows.collect()
     }
 
+    /// Records `vm_id` as the session's VM, booted with `devices`, at `generation`.
     pub fn set_session_vm(
         &self,
         id: &str,
         vm_id: Option<&str>,
         devices: &serde_json::Value,
+        generation: u64,
     ) -> Result<(), rusqlite::Error> {
         self.conn().execute(
-            "UPDATE sessions SET vm_id = ?2, devices = ?3 WHERE id = ?1",
-            params![id, vm_id, devices.to_string()],
+            "UPDATE sessions SET vm_id = ?2, devices = ?3, generation = ?4 WHERE id = ?1",
+            params![id, vm_id, devices.to_string(), generation as i64],
         )?;
         Ok(())
+    }
+
+    /// The VM `vm_id` lost its memory: its generation and that of the session it belongs
+    /// to (if any) go up by one, in one transaction. Returns the VM's new generation.
+    pub fn bump_generation(&self, vm_id: &str) -> Result<u64, rusqlite::Error> {
+        let mut conn = self.conn();
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        tx.execute(
+            "UPDATE vms SET generation = generation + 1 WHERE id = ?1",
+            [vm_id],
+        )?;
+        tx.execute(
+            "UPDATE sessions SET generation = generation + 1 WHERE vm_id = ?1",
+            [vm_id],
+        )?;
+        let g: i64 = tx.query_row("SELECT generation FROM vms WHERE id = ?1", [vm_id], |r| {
+            r.get(0)
+        })?;
+        tx.commit()?;
+        Ok(g as u64)
     }
 
     pub fn delete_session(&self, id: &str) -> Result<(), rusqlite::Error> {
@@ -515,6 +546,7 @@ fn session_row(r: &rusqlite::Row<'_>) -> Result<SessionRecord, rusqlite::Error> 
             rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, e.into())
         })?,
         storage_mib: r.get::<_, i64>("storage_mib")? as u64,
+        generation: r.get::<_, i64>("generation")? as u64,
     })
 }
 
@@ -681,6 +713,7 @@ pub(crate) mod tests {
             created_unix: 1,
             devices: serde_json::json!({}),
             storage_mib,
+            generation: 1,
         }
     }
 
@@ -712,5 +745,75 @@ pub(crate) mod tests {
             .collect();
         assert_eq!(names, ["one", "two"], "refused insert left a row");
         assert_eq!(s.sessions(Some("w")).expect("w")[0].storage_mib, 256);
+    }
+
+    #[test]
+    fn test_migrate_old_database_opens_with_generation_one() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let path = d.path().join("db");
+        {
+            // The first release's tables: no generation (nor any later column) anywhere.
+            let c = Connection::open(&path).expect("old db");
+            c.execute_batch(SCHEMA).expect("vms");
+            c.execute_batch(SESSION_SCHEMA).expect("sessions");
+            c.execute(
+                "INSERT INTO vms (id, image_id, state, memory_mib, vcpus, accel, uid, created_unix)
+                 VALUES ('vm-old', 'img', 'running', 512, 1, 'tcg', 7, 1)",
+                [],
+            )
+            .expect("old vm");
+            c.execute(
+                "INSERT INTO sessions (id, name, workspace, owner_uid, owner_gid, source, dir,
+                                       direct, vm_id, created_unix, devices)
+                 VALUES ('ses-old', 'old', 'w', 0, 0, '/src', '/s', 0, 'vm-old', 1, '{}')",
+                [],
+            )
+            .expect("old session");
+        }
+        let s = Store::open(&path).expect("migrated");
+        assert_eq!(s.get("vm-old").expect("get").expect("row").generation, 1);
+        assert_eq!(s.sessions(None).expect("list")[0].generation, 1);
+        // The migrated rows take part in the lineage like new ones.
+        assert_eq!(s.bump_generation("vm-old"), Ok(2));
+        assert_eq!(s.sessions(None).expect("list")[0].generation, 2);
+        drop(s);
+        // Opening again migrates nothing twice and keeps the values.
+        let s = Store::open(&path).expect("reopened");
+        assert_eq!(s.get("vm-old").expect("get").expect("row").generation, 2);
+    }
+
+    #[test]
+    fn test_bump_generation_moves_the_vm_and_its_session_only() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let s = Store::open(&d.path().join("db")).expect("open");
+        s.insert(&mut rec("a"), 1, ok).expect("a");
+        s.insert(&mut rec("b"), 1, ok).expect("b");
+        s.insert_session(&session("ses-1", "one", "w", 0), ok)
+            .expect("one");
+        s.insert_session(&session("ses-2", "two", "w", 0), ok)
+            .expect("two");
+        s.set_session_vm("ses-1", Some("a"), &serde_json::json!({}), 4)
+            .expect("set");
+        s.set_session_vm("ses-2", Some("b"), &serde_json::json!({}), 1)
+            .expect("set");
+        let g = s.get("a").expect("get").expect("row").generation;
+        assert_eq!(
+            g, 1,
+            "a VM record keeps the generation it was inserted with"
+        );
+        assert_eq!(s.bump_generation("a"), Ok(2));
+        let by_id = |id: &str| {
+            s.sessions(None)
+                .expect("list")
+                .into_iter()
+                .find(|x| x.id == id)
+                .expect("session")
+                .generation
+        };
+        assert_eq!((by_id("ses-1"), by_id("ses-2")), (5, 1));
+        assert_eq!(s.get("b").expect("get").expect("row").generation, 1);
+        // An unknown VM is an error and changes nothing.
+        assert!(s.bump_generation("nope").is_err());
+        assert_eq!((by_id("ses-1"), by_id("ses-2")), (5, 1));
     }
 }

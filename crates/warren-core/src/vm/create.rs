@@ -1,0 +1,299 @@
+//! Creating and booting a VM: admission, its directory, disk overlay, secret and per-VM
+//! initramfs, the supervisor's configuration, and the detached supervisor itself.
+
+use std::os::unix::fs::{chown, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use rand::RngCore;
+use warren_image::VerifiedImage;
+use warren_supervisor::{SupervisorClient, SupervisorConfig, VmDir};
+use warren_vmm::backend::MemMib;
+use warren_vmm::sys::cgroup;
+use warren_vmm::{Accel, LaunchSpec};
+
+use super::mounts::{identify_mounts, net_spec, shares_of, validate_mounts};
+use super::{
+    kill_supervisor, local_workspace, now_unix, tail, wait_supervisor_exit, write_private,
+    CreateVm, SuspendMode, Warren, DEFAULT_IDLE_SECONDS, DEFAULT_IMAGE, DEFAULT_MEMORY_MIB,
+    DEFAULT_VCPUS, MEMORY_MIB_RANGE, VCPUS_RANGE, VM_UID_BASE,
+};
+use crate::error::CoreError;
+use crate::store::{self as vmstore, Usage, VmRecord, VmState};
+
+impl Warren {
+    /// Creates and boots a VM; returns its record once the guest answered.
+    pub async fn create_vm(
+        &self,
+        req: &CreateVm,
+        warn: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<VmRecord, CoreError> {
+        let memory = req.memory_mib.unwrap_or(DEFAULT_MEMORY_MIB);
+        if !MEMORY_MIB_RANGE.contains(&memory) {
+            return Err(CoreError::InvalidArgument(format!(
+                "memory_mib must be within {MEMORY_MIB_RANGE:?}, got {memory}"
+            )));
+        }
+        let vcpus = req.vcpus.unwrap_or(DEFAULT_VCPUS);
+        if !VCPUS_RANGE.contains(&vcpus) {
+            return Err(CoreError::InvalidArgument(format!(
+                "vcpus must be within {VCPUS_RANGE:?}, got {vcpus}"
+            )));
+        }
+        validate_mounts(&req.mounts)?;
+        let virtiofsd = if req.mounts.is_empty() {
+            None
+        } else {
+            Some(
+                warren_vmm::qemu::virtiofs::find_virtiofsd()
+                    .ok_or(warren_vmm::VmmError::VirtiofsdMissing)?,
+            )
+        };
+        let t = std::time::Instant::now();
+        let spec = req.image.as_deref().unwrap_or(DEFAULT_IMAGE);
+        let image_id = self.images.resolve(spec)?;
+        let image = self.images.verify(&image_id)?;
+        tracing::debug!(ms = t.elapsed().as_millis() as u64, "image verified");
+        let (accel, warning) = self.resolve_accel(&image).await?;
+        tracing::debug!(ms = t.elapsed().as_millis() as u64, %accel, "accelerator resolved");
+        if let Some(w) = warning {
+            warn(&w);
+        }
+
+        let mut id_bytes = [0u8; 6];
+        rand::rng().fill_bytes(&mut id_bytes);
+        let id = format!("vm-{}", hex::encode(id_bytes));
+        let network = req.network.as_ref().map(|n| net_spec(&id, n)).transpose()?;
+        let workspace = if req.workspace.is_empty() {
+            local_workspace(nix::unistd::geteuid().as_raw())
+        } else {
+            req.workspace.clone()
+        };
+        let mut rec = VmRecord {
+            workspace,
+            disk_mib: image.rootfs_virtual_size.div_ceil(1 << 20)
+                + if req.ram_file { u64::from(memory) } else { 0 },
+            generation: req.generation.unwrap_or(1),
+            request_id: req.request_id.clone(),
+            idle_seconds: req.idle_seconds.unwrap_or(DEFAULT_IDLE_SECONDS),
+            idle_mode: req
+                .idle_mode
+                .unwrap_or(SuspendMode::Hibernate)
+                .as_str()
+                .to_string(),
+            last_active_unix: now_unix(),
+            id: id.clone(),
+            image_id: image_id.to_string(),
+            state: VmState::Creating,
+            reason: None,
+            memory_mib: memory,
+            vcpus,
+            accel: accel.to_string(),
+            uid: 0,
+            created_unix: now_unix(),
+            boot_ms: None,
+            mounts: {
+                let mut m = req.mounts.clone();
+                identify_mounts(&mut m)?;
+                m
+            },
+            ram_file: req.ram_file,
+        };
+        let add = Usage {
+            vms: 1,
+            memory_mib: u64::from(memory),
+            disk_mib: rec.disk_mib,
+        };
+        let ws = rec.workspace.clone();
+        self.store
+            .insert(&mut rec, VM_UID_BASE, |tx| -> Result<(), CoreError> {
+                req.workspace_limits.check(
+                    &format!("workspace {ws}"),
+                    vmstore::usage(tx, Some(&ws))?,
+                    add,
+                )?;
+                req.host_limits
+                    .check("host", vmstore::usage(tx, None)?, add)
+            })?;
+        match self.start(&rec, &image, accel, virtiofsd, network).await {
+            Ok(boot_ms) => {
+                self.store
+                    .set_state(&id, VmState::Running, None, Some(boot_ms))?;
+                rec.state = VmState::Running;
+                rec.boot_ms = Some(boot_ms);
+                Ok(rec)
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                self.store
+                    .set_state(&id, VmState::Failed, Some(&reason), None)?;
+                Err(e)
+            }
+        }
+    }
+
+    async fn start(
+        &self,
+        rec: &VmRecord,
+        image: &VerifiedImage,
+        accel: Accel,
+        virtiofsd: Option<PathBuf>,
+        network: Option<warren_vmm::NetSpec>,
+    ) -> Result<u64, CoreError> {
+        let dir = self.vm_dir(&rec.id);
+        // The VM directory is root's (0711: the VMM may only traverse it); the VMM's own
+        // files live in `run/`, owned by the VM's uid.
+        let p = dir.path();
+        std::fs::create_dir(p).map_err(|e| CoreError::io("create", p, e))?;
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o711))
+            .map_err(|e| CoreError::io("chmod", p, e))?;
+        let run = dir.run_dir();
+        std::fs::create_dir(&run).map_err(|e| CoreError::io("create", &run, e))?;
+        std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| CoreError::io("chmod", &run, e))?;
+        let root = nix::unistd::geteuid().is_root();
+        let run_as = root.then_some((rec.uid, rec.uid));
+        let give = |path: &Path| -> Result<(), CoreError> {
+            if let Some((u, g)) = run_as {
+                chown(path, Some(u), Some(g)).map_err(|e| CoreError::io("chown", path, e))?;
+            }
+            Ok(())
+        };
+        give(&run)?;
+
+        let disk = run.join("disk.qcow2");
+        warren_vmm::disk::create_overlay(&image.rootfs, &disk)?;
+        give(&disk)?;
+
+        let mut secret = [0u8; warren_protocol::SECRET_LEN];
+        rand::rng().fill_bytes(&mut secret);
+        write_private(&dir.secret(), &secret)?;
+        let initramfs = run.join("initramfs.cpio");
+        warren_image::write_vm_initramfs(&image.initramfs, &secret, &initramfs)?;
+        std::fs::set_permissions(&initramfs, std::fs::Permissions::from_mode(0o400))
+            .map_err(|e| CoreError::io("chmod", &initramfs, e))?;
+        give(&initramfs)?;
+
+        let cgroup = if root {
+            cgroup::Hierarchy::detect().map(|h| h.vm_cgroup(&rec.id))
+        } else {
+            None
+        };
+        let (shares, mut extra_cmdline) = shares_of(&rec.mounts);
+        if network.is_some() {
+            extra_cmdline.push(warren_supervisor::network::guest_kernel_arg());
+        }
+        let cfg = SupervisorConfig {
+            vm_id: rec.id.clone(),
+            launch: LaunchSpec {
+                name: rec.id.clone(),
+                run_dir: run.clone(),
+                stderr_log: dir.qemu_stderr(),
+                kernel: image.kernel.clone(),
+                initramfs,
+                disk,
+                memory: MemMib(rec.memory_mib),
+                vcpus: rec.vcpus,
+                accel,
+                cpu: Some(warren_vmm::qemu::default_cpu(accel).to_string()),
+                extra_cmdline,
+                run_as,
+                cgroup,
+                incoming: false,
+                shares,
+                virtiofsd,
+                ram_file: rec.ram_file.then(|| run.join("guest.ram")),
+                network,
+            },
+            boot_timeout_ms: self.cfg.boot_timeout.as_millis() as u64,
+            restore: false,
+        };
+        let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
+        write_private(&dir.config(), &body)?;
+        self.launch_and_wait(&dir).await
+    }
+
+    /// Starts the VM's supervisor and waits until its guest answers (or fails to).
+    pub(super) async fn launch_and_wait(&self, dir: &VmDir) -> Result<u64, CoreError> {
+        let dir = dir.clone();
+        let t = std::time::Instant::now();
+        let supervisor = self.spawn_supervisor(&dir)?;
+        tracing::debug!(ms = t.elapsed().as_millis() as u64, "supervisor spawned");
+
+        let client = SupervisorClient::new(&dir.socket());
+        // The socket appears once the supervisor holds its lock.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !dir.socket().exists() {
+            if std::time::Instant::now() > deadline || dir.exit_record().exists() {
+                // A supervisor that never got its socket up is not left behind: signalled
+                // through its pidfd, so a reused pid is never hit.
+                if let Some(fd) = &supervisor {
+                    let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::KILL);
+                }
+                let reason = dir
+                    .read_exit()
+                    .map(|r| r.reason)
+                    .unwrap_or_else(|| tail(&dir.supervisor_log(), 10));
+                return Err(CoreError::BootFailed(reason));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        match client
+            .wait_ready(self.cfg.boot_timeout + Duration::from_secs(5))
+            .await
+        {
+            Ok(st) => Ok(st.boot_ms.unwrap_or(0)),
+            Err(e) => {
+                // The supervisor records the precise reason (console tail included).
+                let _ = client.stop().await;
+                if !wait_supervisor_exit(&dir, Duration::from_secs(10)).await {
+                    // Never leave a VM running behind a failed create.
+                    kill_supervisor(&dir);
+                    wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+                }
+                let reason = dir.read_exit().map(|r| r.reason).unwrap_or_else(|| {
+                    format!("{e}; supervisor log:\n{}", tail(&dir.supervisor_log(), 10))
+                });
+                Err(CoreError::BootFailed(reason))
+            }
+        }
+    }
+
+    /// Starts `warren supervise` for `dir`, detached; returns a pidfd on it (none on a kernel
+    /// without pidfds, where only the supervisor's own lock-file pid can reach it later).
+    fn spawn_supervisor(&self, dir: &VmDir) -> Result<Option<std::os::fd::OwnedFd>, CoreError> {
+        use std::os::unix::process::CommandExt;
+        let log = warren_vmm::sys::private_file::create(&dir.supervisor_log(), false)
+            .map_err(|e| CoreError::io("create", dir.supervisor_log(), e))?;
+        let log2 = log
+            .try_clone()
+            .map_err(|e| CoreError::io("dup", dir.supervisor_log(), e))?;
+        let mut cmd = std::process::Command::new(&self.cfg.supervisor_exe);
+        cmd.arg("supervise")
+            .arg("--vm-dir")
+            .arg(dir.path())
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            // Its own session: terminal signals to the CLI never reach it.
+            .process_group(0);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| CoreError::io("spawn", &self.cfg.supervisor_exe, e))?;
+        // Opened before the reaper can reap it, so the pidfd is this child's.
+        let pid = rustix::process::Pid::from_child(&child);
+        let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+            .map_err(|e| tracing::warn!(error = %e, "no pidfd on the supervisor"))
+            .ok();
+        // Reap it if it ends while we still run; otherwise init inherits it.
+        std::thread::spawn(move || {
+            let _ = child.wait();
+        });
+        Ok(pidfd)
+    }
+}

@@ -1,0 +1,376 @@
+//! Actions on VMs, split by concern: creation and boot (`create`), records and their
+//! reconciliation with the supervisors, re-adoption and destroy (`reconcile`), suspension,
+//! resume and the idle policy (`suspend`), guest work (`guest`), shares and the network
+//! description (`mounts`), and the host's record of the jobs it last saw (`jobs_seen`).
+//! Whole-file operations with versions, edits and searches are in `workspace_ops`.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use warren_image::{ImageStore, VerifiedImage};
+use warren_supervisor::VmDir;
+use warren_vmm::accel::{self, AccelChoice};
+use warren_vmm::Accel;
+
+use crate::error::CoreError;
+use crate::store::{MountSpec, Store, Usage};
+
+mod create;
+mod guest;
+pub mod jobs_seen;
+mod mounts;
+mod reconcile;
+mod suspend;
+
+pub use mounts::{parse_mount, validate_mounts, MAX_MOUNTS};
+
+/// Default guest memory: enough for compilers in the `dev` image, cheap under TCG (only
+/// touched pages cost host memory).
+pub const DEFAULT_MEMORY_MIB: u32 = 512;
+pub const DEFAULT_VCPUS: u32 = 1;
+/// Bounds accepted for `--memory-mib` and `--vcpus`.
+pub const MEMORY_MIB_RANGE: std::ops::RangeInclusive<u32> = 128..=65536;
+pub const VCPUS_RANGE: std::ops::RangeInclusive<u32> = 1..=64;
+/// How long a guest may take from launch to answering on its channel. TCG boots take ~2 s
+/// alone, but 2-core CI machines booting several VMs at once are far slower.
+pub const DEFAULT_BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// First uid handed to VMM processes; each VM gets its own.
+pub const VM_UID_BASE: u32 = 2_000_000;
+/// The recipe whose newest image is used when none is named.
+pub const DEFAULT_IMAGE: &str = "dev";
+
+#[derive(Debug, Clone)]
+pub struct WarrenConfig {
+    pub state_dir: PathBuf,
+    pub image_dir: PathBuf,
+    /// The executable that runs `supervise --vm-dir DIR` (the `warren` binary).
+    pub supervisor_exe: PathBuf,
+    pub accel: AccelChoice,
+    pub boot_timeout: Duration,
+}
+
+impl WarrenConfig {
+    /// Defaults for a state directory: images in `<state>/images`.
+    pub fn new(state_dir: PathBuf, supervisor_exe: PathBuf) -> Self {
+        WarrenConfig {
+            image_dir: state_dir.join("images"),
+            state_dir,
+            supervisor_exe,
+            accel: AccelChoice::Auto,
+            boot_timeout: DEFAULT_BOOT_TIMEOUT,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct CreateVm {
+    pub image: Option<String>,
+    pub memory_mib: Option<u32>,
+    pub vcpus: Option<u32>,
+    /// The owner; empty means the calling user's local workspace.
+    pub workspace: String,
+    /// The idempotency key of the creating request (unique per workspace).
+    pub request_id: Option<String>,
+    /// Host-wide limits, checked atomically with the VM's admission.
+    pub host_limits: Limits,
+    /// The owning workspace's limits.
+    pub workspace_limits: Limits,
+    /// Suspend after this many seconds without work (default 300; 0 disables).
+    pub idle_seconds: Option<u32>,
+    /// How an idle VM is suspended (default hibernate).
+    pub idle_mode: Option<SuspendMode>,
+    /// Host directories shared into the guest (checked by [`validate_mounts`]).
+    pub mounts: Vec<MountSpec>,
+    /// Guest RAM in a file in the VM's directory: hibernation becomes a fast standby that
+    /// saves device state only and flushes the RAM file (which counts as storage).
+    pub ram_file: bool,
+    /// A NIC behind Warren's fail-closed egress; `None`: no NIC at all.
+    pub network: Option<NetworkRequest>,
+    /// The generation the VM starts at (default 1): a session's next VM continues the
+    /// session's lineage.
+    pub generation: Option<u64>,
+}
+
+/// A VM's network and egress settings (see `docs/egress.md`). Secret values stay in host
+/// files; only their paths are recorded.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NetworkRequest {
+    /// Allowed domains (wildcards `*.example.com`) and IPv4 CIDRs.
+    pub allow: Vec<String>,
+    /// Denied domains and CIDRs (win over `allow`).
+    pub deny: Vec<String>,
+    /// File-backed secrets substituted into request headers for their hosts.
+    pub secrets: Vec<warren_vmm::NetSecret>,
+    /// Upstream resolver (default: the first nameserver of the host's /etc/resolv.conf).
+    pub upstream_dns: Option<std::net::SocketAddr>,
+    /// Outbound connections from this network namespace instead of the host's (testing).
+    pub outbound_netns: Option<PathBuf>,
+    /// PEM roots for upstream TLS on intercepted connections (default: Mozilla's).
+    pub upstream_roots: Option<PathBuf>,
+    /// Requests answered by a host command instead of the upstream (OAuth refresh).
+    #[serde(default)]
+    pub intercepts: Vec<warren_vmm::NetIntercept>,
+    /// The operator's blocked IPv4 CIDRs (or addresses): refused whatever `allow` says.
+    #[serde(default)]
+    pub blocked_cidrs: Vec<String>,
+    /// Terminate every allowed TLS connection so each request's `Host` is held to its SNI
+    /// (closes domain fronting; HTTP/1.1 only inside TLS).
+    #[serde(default)]
+    pub intercept_all_tls: bool,
+}
+
+fn error_text(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s.push_str(&format!(": {x}"));
+        src = x.source();
+    }
+    s
+}
+
+/// How a VM is suspended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SuspendMode {
+    /// vCPUs stopped, RAM kept in the VMM (fast, holds host memory).
+    Pause,
+    /// Memory and device state written to disk, VMM ended (holds no host memory).
+    Hibernate,
+}
+
+impl SuspendMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SuspendMode::Pause => "pause",
+            SuspendMode::Hibernate => "hibernate",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<SuspendMode> {
+        match s {
+            "pause" => Some(SuspendMode::Pause),
+            "hibernate" => Some(SuspendMode::Hibernate),
+            _ => None,
+        }
+    }
+}
+
+/// Seconds without work after which a VM is suspended, unless configured otherwise.
+pub const DEFAULT_IDLE_SECONDS: u32 = 300;
+
+/// Admission limits; `None` is unlimited.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub max_vms: Option<u64>,
+    pub max_memory_mib: Option<u64>,
+    pub max_storage_mib: Option<u64>,
+}
+
+impl Limits {
+    /// Refuses `add` on top of `used` when it would pass a limit; `scope` names whose limit.
+    pub fn check(&self, scope: &str, used: Usage, add: Usage) -> Result<(), CoreError> {
+        let checks = [
+            ("VMs", self.max_vms, used.vms, add.vms),
+            (
+                "MiB of memory",
+                self.max_memory_mib,
+                used.memory_mib,
+                add.memory_mib,
+            ),
+            (
+                "MiB of storage",
+                self.max_storage_mib,
+                used.disk_mib,
+                add.disk_mib,
+            ),
+        ];
+        for (what, max, used, add) in checks {
+            if let Some(max) = max {
+                if used + add > max {
+                    return Err(CoreError::QuotaExceeded(format!(
+                        "{scope} limit of {max} {what} reached ({used} in use, {add} requested)"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Refuses with `conflict`, naming the current generation, unless `expected` is absent or
+/// is `current`: an older (or any other) generation means the caller's view of `what`'s
+/// memory is not this one's.
+pub fn check_generation(what: &str, current: u64, expected: Option<u64>) -> Result<(), CoreError> {
+    match expected {
+        Some(g) if g != current => Err(CoreError::Conflict(format!(
+            "{what} is at generation {current}, not {g}: its memory was lost and rebuilt since"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The workspace a local user acts as.
+pub fn local_workspace(uid: u32) -> String {
+    format!("local-{uid}")
+}
+
+pub struct Warren {
+    cfg: WarrenConfig,
+    store: Store,
+    images: ImageStore,
+    /// The limits resumes are admitted under (`admission.rs`); `None`: unlimited.
+    pub(crate) admission: Option<std::sync::Arc<crate::admission::LimitsFor>>,
+}
+
+/// Resolves an accelerator warning to the user (printed by the CLI).
+pub type Warning = String;
+
+impl Warren {
+    pub fn open(cfg: WarrenConfig) -> Result<Warren, CoreError> {
+        for d in [&cfg.state_dir, &cfg.state_dir.join("vms")] {
+            std::fs::create_dir_all(d).map_err(|e| CoreError::io("create", d, e))?;
+        }
+        // VMM processes run as per-VM uids and must traverse to their own directory.
+        let vms = cfg.state_dir.join("vms");
+        let _ = std::fs::set_permissions(&vms, std::fs::Permissions::from_mode(0o711));
+        let _ = std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o711));
+        let store = Store::open(&cfg.state_dir.join("warren.db"))?;
+        let images = ImageStore::open(&cfg.image_dir)?;
+        Ok(Warren {
+            cfg,
+            store,
+            images,
+            admission: None,
+        })
+    }
+
+    pub fn images(&self) -> &ImageStore {
+        &self.images
+    }
+
+    pub fn config(&self) -> &WarrenConfig {
+        &self.cfg
+    }
+
+    pub(crate) fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn vm_dir(&self, id: &str) -> VmDir {
+        VmDir(self.cfg.state_dir.join("vms").join(id))
+    }
+
+    /// Removes an image unless a VM uses it.
+    pub fn remove_image(&self, spec: &str) -> Result<String, CoreError> {
+        let id = self.images.resolve(spec)?;
+        if let Some(vm) = self.store.vm_using_image(&id.to_string())? {
+            return Err(CoreError::ImageInUse(id.to_string(), vm));
+        }
+        self.images.remove(&id)?;
+        Ok(id.to_string())
+    }
+
+    /// Resolves the accelerator, probing KVM with `image` when asked for `auto`.
+    pub async fn resolve_accel(
+        &self,
+        image: &VerifiedImage,
+    ) -> Result<(Accel, Option<Warning>), CoreError> {
+        let qemu = accel::find_qemu()?;
+        let cache = probe_cache_dir(&self.cfg.state_dir);
+        let choice = self.cfg.accel;
+        // The probe boots the image's own kernel and base initramfs: with no per-VM secret the
+        // agent prints its failing phase right away, which proves the guest reached user space.
+        let probe = warren_vmm::qemu::probe_kvm(
+            &qemu,
+            &image.kernel,
+            &image.initramfs,
+            "guest",
+            accel::KVM_PROBE_DEADLINE,
+        );
+        let r = accel::resolve(choice, &cache, &qemu, probe).await?;
+        Ok((r.accel, r.warning))
+    }
+}
+
+pub(crate) fn unexpected() -> CoreError {
+    CoreError::Supervisor(warren_supervisor::client::ClientError::Unexpected)
+}
+
+/// Where accelerator verdicts are cached: they hold for one host boot, so a runtime directory
+/// (cleared at reboot, shared by every state directory) when there is one.
+fn probe_cache_dir(state_dir: &Path) -> PathBuf {
+    if nix::unistd::geteuid().is_root() {
+        return PathBuf::from("/run/warren");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) => PathBuf::from(d).join("warren"),
+        None => state_dir.join("cache"),
+    }
+}
+
+fn write_private(path: &Path, data: &[u8]) -> Result<(), CoreError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .create_new(true)
+        .write(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| CoreError::io("create", path, e))?;
+    f.write_all(data)
+        .map_err(|e| CoreError::io("write", path, e))
+}
+
+fn tail(path: &Path, n: usize) -> String {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+async fn wait_supervisor_exit(dir: &VmDir, limit: Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    while dir.supervisor_alive() {
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    true
+}
+
+fn kill_supervisor(dir: &VmDir) {
+    // The supervisor writes its pid into the lock file it holds.
+    let pid = std::fs::read_to_string(dir.lock())
+        .ok()
+        .and_then(|s| s.trim().parse::<i32>().ok());
+    if let (Some(pid), true) = (pid, dir.supervisor_alive()) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+pub(crate) fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_check_generation_other_than_current_is_conflict() {
+        assert!(check_generation("VM v", 2, None).is_ok());
+        assert!(check_generation("VM v", 2, Some(2)).is_ok());
+        for stale in [0, 1, 3, u64::MAX] {
+            let e = check_generation("VM v", 2, Some(stale)).expect_err("refused");
+            assert_eq!(e.code(), "conflict", "{stale}");
+            assert!(e.to_string().contains("at generation 2"), "{e}");
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! VM records against their supervisors: listing with reconciliation, re-adoption after a
+//! service restart, stale network namespaces, destroy, logs.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use warren_supervisor::{ExitRecord, SupervisorClient};
+use warren_vmm::sys::cgroup;
+
+use super::{kill_supervisor, wait_supervisor_exit, Warren};
+use crate::error::CoreError;
+use crate::store::{VmRecord, VmState};
+
+impl Warren {
+    /// All VMs, with states reconciled against their supervisors.
+    pub fn list_vms(&self) -> Result<Vec<VmRecord>, CoreError> {
+        let mut out = Vec::new();
+        for rec in self.store.list()? {
+            out.push(self.reconcile(rec)?);
+        }
+        self.sweep_netns();
+        self.sweep_volumes();
+        Ok(out)
+    }
+
+    /// The VM `workspace` created with request `request_id`, reconciled.
+    pub fn vm_by_request(
+        &self,
+        workspace: &str,
+        request_id: &str,
+    ) -> Result<Option<VmRecord>, CoreError> {
+        match self.store.by_request(workspace, request_id)? {
+            Some(rec) => Ok(Some(self.reconcile(rec)?)),
+            None => Ok(None),
+        }
+    }
+
+    pub fn get_vm(&self, id: &str) -> Result<VmRecord, CoreError> {
+        let rec = self
+            .store
+            .get(id)?
+            .ok_or_else(|| CoreError::VmNotFound(id.to_string()))?;
+        self.reconcile(rec)
+    }
+
+    /// On service start: asks every live supervisor who it is, all at once (each answer is
+    /// bounded by the `Status` deadline, so a stuck supervisor delays nobody else's). One
+    /// serving the recorded VM (and, while the VM runs, with its VMM alive) is re-adopted;
+    /// any other answer marks the VM failed with the reason. Returns (adopted, failed) VM ids.
+    pub async fn adopt_supervisors(&self) -> Result<(Vec<String>, Vec<String>), CoreError> {
+        let (mut adopted, mut failed) = (Vec::new(), Vec::new());
+        let mut asked = tokio::task::JoinSet::new();
+        for rec in self.list_vms()? {
+            if !matches!(rec.state, VmState::Running | VmState::Paused) {
+                continue;
+            }
+            let client = SupervisorClient::new(&self.vm_dir(&rec.id).socket());
+            asked.spawn(async move { (rec, client.status().await) });
+        }
+        while let Some(joined) = asked.join_next().await {
+            let Ok((rec, answer)) = joined else {
+                continue;
+            };
+            let problem = match answer {
+                Ok(st) if st.vm_id != rec.id => Some(format!(
+                    "supervisor identity mismatch: it serves {:?}, not {}",
+                    st.vm_id, rec.id
+                )),
+                Ok(st) => match st.vmm_pid {
+                    Some(pid) if Path::new(&format!("/proc/{pid}")).exists() => None,
+                    _ => Some("the supervisor has no live VMM".to_string()),
+                },
+                Err(e) => Some(format!("the supervisor does not answer: {e}")),
+            };
+            match problem {
+                None => adopted.push(rec.id),
+                Some(reason) => {
+                    tracing::warn!(vm = %rec.id, %reason, "not re-adopted");
+                    self.store
+                        .set_state(&rec.id, VmState::Failed, Some(&reason), None)?;
+                    failed.push(rec.id);
+                }
+            }
+        }
+        Ok((adopted, failed))
+    }
+
+    /// Removes the network namespaces of this state directory's VMs that have no live
+    /// supervisor (a crashed supervisor cannot remove its own). A live supervisor holds its
+    /// lock before it creates the namespace, so a VM being created is never swept; namespaces
+    /// of VMs this state directory does not know (another Warren's) are left alone.
+    pub fn sweep_netns(&self) {
+        for name in warren_supervisor::network::list_netns() {
+            let id = &name[warren_supervisor::network::NETNS_PREFIX.len()..];
+            let plain =
+                !id.is_empty() && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+            if !plain || !self.vm_dir(id).path().is_dir() || self.vm_dir(id).supervisor_alive() {
+                continue;
+            }
+            tracing::info!(netns = %name, "removing a stale network namespace");
+            warren_supervisor::network::delete_netns(&name);
+        }
+    }
+
+    /// A running VM whose supervisor is gone becomes failed with the recorded reason, and
+    /// anything left in its cgroup is killed.
+    fn reconcile(&self, mut rec: VmRecord) -> Result<VmRecord, CoreError> {
+        let held = matches!(
+            rec.state,
+            VmState::Running | VmState::Paused | VmState::Hibernating | VmState::Resuming
+        );
+        if !held {
+            return Ok(rec);
+        }
+        let dir = self.vm_dir(&rec.id);
+        if dir.supervisor_alive() {
+            return Ok(rec);
+        }
+        if rec.state == VmState::Hibernating && dir.read_checkpoint().is_some() {
+            // The checkpoint was completed (and fsynced) before the supervisor went away.
+            self.store
+                .set_state(&rec.id, VmState::Hibernated, None, None)?;
+            rec.state = VmState::Hibernated;
+            return Ok(rec);
+        }
+        let reason = match dir.read_exit() {
+            Some(ExitRecord { reason, .. }) => reason,
+            None => "the supervisor exited unexpectedly (its VMM was killed with it)".to_string(),
+        };
+        if let Some(h) = cgroup::Hierarchy::detect() {
+            let _ = cgroup::kill_and_remove(&h.vm_cgroup(&rec.id));
+        }
+        warren_supervisor::network::delete_netns(&warren_supervisor::network::netns_name(&rec.id));
+        self.store
+            .set_state(&rec.id, VmState::Failed, Some(&reason), None)?;
+        rec.state = VmState::Failed;
+        rec.reason = Some(reason);
+        Ok(rec)
+    }
+
+    /// Stops the VM if it runs and removes every trace of it.
+    pub async fn destroy_vm(&self, id: &str) -> Result<(), CoreError> {
+        let rec = self
+            .store
+            .get(id)?
+            .ok_or_else(|| CoreError::VmNotFound(id.to_string()))?;
+        let dir = self.vm_dir(&rec.id);
+        if dir.supervisor_alive() {
+            let client = SupervisorClient::new(&dir.socket());
+            if let Err(e) = client.stop().await {
+                tracing::warn!(error = %e, "stop request failed; killing the supervisor");
+            }
+            if !wait_supervisor_exit(&dir, Duration::from_secs(10)).await {
+                kill_supervisor(&dir);
+                wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+            }
+        }
+        if let Some(h) = cgroup::Hierarchy::detect() {
+            cgroup::kill_and_remove(&h.vm_cgroup(&rec.id))?;
+        }
+        match std::fs::remove_dir_all(dir.path()) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(CoreError::io("remove", dir.path(), e)),
+        }
+        self.store.delete(&rec.id)?;
+        Ok(())
+    }
+
+    /// The VM's console log (bounded by the supervisor).
+    pub fn logs(&self, id: &str) -> Result<String, CoreError> {
+        let rec = self
+            .store
+            .get(id)?
+            .ok_or_else(|| CoreError::VmNotFound(id.to_string()))?;
+        Ok(self.vm_dir(&rec.id).console_text())
+    }
+
+    /// The VM's network as launched (`None`: no NIC), from its supervisor configuration.
+    pub fn vm_network(&self, id: &str) -> Option<warren_vmm::NetSpec> {
+        let dir = warren_supervisor::layout::VmDir(self.vm_dir_path(id));
+        let text = std::fs::read_to_string(dir.config()).ok()?;
+        serde_json::from_str::<warren_supervisor::layout::SupervisorConfig>(&text)
+            .ok()?
+            .launch
+            .network
+    }
+
+    pub fn vm_dir_path(&self, id: &str) -> PathBuf {
+        self.vm_dir(id).0
+    }
+}

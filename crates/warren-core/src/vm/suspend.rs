@@ -1,0 +1,284 @@
+//! Suspension: pause, hibernate, resume (with a fresh boot when a checkpoint cannot be
+//! restored), and the idle policy.
+
+use std::time::Duration;
+
+use warren_supervisor::{SupervisorClient, SupervisorConfig};
+
+use super::{kill_supervisor, now_unix, wait_supervisor_exit, write_private, SuspendMode, Warren};
+use crate::error::CoreError;
+use crate::store::{VmRecord, VmState};
+
+impl Warren {
+    /// Suspends a running VM: `Pause` keeps its RAM in the VMM; `Hibernate` writes memory and
+    /// device state to its directory and ends the VMM. Active jobs refuse it with `busy`
+    /// unless `force` (they are frozen either way and keep their timeout budgets).
+    pub async fn suspend_vm(
+        &self,
+        id: &str,
+        mode: SuspendMode,
+        force: bool,
+    ) -> Result<VmRecord, CoreError> {
+        let mut rec = self.get_vm(id)?;
+        match (rec.state, mode) {
+            (VmState::Running, _) | (VmState::Paused, SuspendMode::Hibernate) => {}
+            (VmState::Paused, SuspendMode::Pause) | (VmState::Hibernated, _) => return Ok(rec),
+            (s, _) => {
+                return Err(CoreError::VmNotRunning {
+                    id: rec.id,
+                    state: s.as_str().to_string(),
+                    reason: rec.reason,
+                })
+            }
+        }
+        let client = SupervisorClient::new(&self.vm_dir(id).socket());
+        if rec.state == VmState::Running {
+            let list = self.jobs_before_suspend(id, force).await?;
+            let running = list
+                .iter()
+                .flatten()
+                .filter(|j| j.state == warren_protocol::JobState::Running)
+                .count();
+            if running > 0 && !force {
+                return Err(CoreError::Busy(format!(
+                    "{running} job(s) running in {id}; pass force to freeze them"
+                )));
+            }
+            // What a status call answers while the VM is suspended (`jobs_seen`).
+            self.record_jobs_seen(id, list.as_deref()).await;
+        }
+        match mode {
+            SuspendMode::Pause => {
+                client.pause().await?;
+                self.store.set_state(id, VmState::Paused, None, None)?;
+                rec.state = VmState::Paused;
+            }
+            SuspendMode::Hibernate => {
+                let dir = self.vm_dir(id);
+                let need = u64::from(rec.memory_mib) << 20;
+                let st = nix::sys::statvfs::statvfs(dir.path())
+                    .map_err(|e| CoreError::io("statvfs", dir.path(), e.into()))?;
+                let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+                if free < need + (need / 10) {
+                    return Err(CoreError::QuotaExceeded(format!(
+                        "hibernating {id} needs up to {} MiB of disk; {} MiB free",
+                        need >> 20,
+                        free >> 20
+                    )));
+                }
+                let _ = std::fs::remove_file(dir.checkpoint_record());
+                let before = rec.state;
+                // Written before the action; reconciliation settles it after a crash.
+                self.store.set_state(id, VmState::Hibernating, None, None)?;
+                if let Err(e) = client.hibernate().await {
+                    // Another process (the idle policy, a shutdown) may have hibernated it
+                    // at the same time: then its supervisor is on its way out.
+                    let ending = !matches!(
+                        client.status().await.map(|st| st.phase),
+                        Ok(warren_supervisor::VmPhase::Ready(_)
+                            | warren_supervisor::VmPhase::Paused(_))
+                    );
+                    if ending {
+                        wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+                    }
+                    if !dir.supervisor_alive() && dir.read_checkpoint().is_some() {
+                        self.store.set_state(id, VmState::Hibernated, None, None)?;
+                        rec.state = VmState::Hibernated;
+                        return Ok(rec);
+                    }
+                    if dir.supervisor_alive() {
+                        // The supervisor continued the VM where it was.
+                        self.store.set_state(id, before, None, None)?;
+                    }
+                    // Otherwise the VM died: reconciliation records why.
+                    return Err(e.into());
+                }
+                if !wait_supervisor_exit(&dir, Duration::from_secs(30)).await {
+                    kill_supervisor(&dir);
+                    wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+                }
+                self.store.set_state(id, VmState::Hibernated, None, None)?;
+                rec.state = VmState::Hibernated;
+            }
+        }
+        Ok(rec)
+    }
+
+    /// Resumes a paused or hibernated VM (the same VM: its processes and jobs continue).
+    pub async fn resume_vm(&self, id: &str) -> Result<VmRecord, CoreError> {
+        let mut rec = self.get_vm(id)?;
+        let dir = self.vm_dir(id);
+        match rec.state {
+            VmState::Running => return Ok(rec),
+            VmState::Paused => {
+                SupervisorClient::new(&dir.socket()).resume().await?;
+            }
+            VmState::Hibernated => {
+                let ck = dir.read_checkpoint().ok_or_else(|| {
+                    CoreError::CheckpointIncompatible(format!("{id} has no completed checkpoint"))
+                })?;
+                // The disk overlay's backing file is the image's root filesystem: it must
+                // still be the image the VM was created from.
+                let image_id = warren_image::ImageId::parse(&rec.image_id)?;
+                self.images.verify(&image_id)?;
+                let (qemu, firmware) = warren_supervisor::vmm_digests();
+                if ck.qemu_sha256 != qemu || ck.firmware_sha256 != firmware {
+                    return Err(CoreError::CheckpointIncompatible(format!(
+                        "{id} was hibernated under another QEMU binary or firmware \
+                         (microvm has no versioned machine types); reinstall that QEMU to resume it"
+                    )));
+                }
+                let mut cfg: SupervisorConfig = serde_json::from_slice(
+                    &std::fs::read(dir.config())
+                        .map_err(|e| CoreError::io("read", dir.config(), e))?,
+                )
+                .map_err(|e| CoreError::InvalidArgument(format!("supervisor config: {e}")))?;
+                // A session copy's own filesystem that a host restart unmounted is mounted
+                // again first: its shares are directories inside it.
+                if let Some(s) = self
+                    .store
+                    .sessions(None)?
+                    .into_iter()
+                    .find(|s| s.vm_id.as_deref() == Some(id))
+                {
+                    self.volume_ready(&s).await?;
+                }
+                // A share whose directory was replaced (or now leads elsewhere through a
+                // symlink) while the VM slept refuses the resume; the VM stays hibernated.
+                warren_vmm::qemu::virtiofs::validate(&cfg.launch.shares)
+                    .map_err(|e| CoreError::Conflict(e.to_string()))?;
+                cfg.restore = true;
+                cfg.launch.incoming = true;
+                let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
+                // Admission, as for a create: its memory is reserved (the VM is `resuming`)
+                // or the resume is refused before anything in the VM directory changes.
+                if self.reserve_resume(&rec)? == crate::admission::Reserved::Stale {
+                    return self.await_resume(id).await;
+                }
+                for p in [dir.config(), dir.exit_record(), dir.socket()] {
+                    let _ = std::fs::remove_file(p);
+                }
+                if let Err(e) = write_private(&dir.config(), &body) {
+                    self.store.set_state(id, VmState::Hibernated, None, None)?;
+                    return Err(e);
+                }
+                if let Err(e) = self.launch_and_wait(&dir).await {
+                    // The checkpoint cannot be restored: its memory is lost. Never retried
+                    // onto another memory image; the VM boots fresh on its disk instead.
+                    tracing::warn!(vm = %id, error = %e, "restoring the checkpoint failed; booting the VM fresh");
+                    match self.boot_fresh(&dir, cfg).await {
+                        Ok((generation, boot_ms)) => {
+                            self.store
+                                .set_state(id, VmState::Running, None, Some(boot_ms))?;
+                            rec.state = VmState::Running;
+                            rec.generation = generation;
+                            rec.boot_ms = Some(boot_ms);
+                            return Ok(rec);
+                        }
+                        Err(fresh) => {
+                            let reason = format!(
+                                "restoring the checkpoint failed ({e}), and so did a fresh boot: {fresh}"
+                            );
+                            self.store
+                                .set_state(id, VmState::Failed, Some(&reason), None)?;
+                            return Err(fresh);
+                        }
+                    }
+                }
+                // The checkpoint is consumed: the VM runs on from it now.
+                let _ = std::fs::remove_file(dir.checkpoint_record());
+                let _ = std::fs::remove_file(dir.checkpoint_state());
+            }
+            s => {
+                return Err(CoreError::VmNotRunning {
+                    id: rec.id,
+                    state: s.as_str().to_string(),
+                    reason: rec.reason,
+                })
+            }
+        }
+        self.store.set_state(id, VmState::Running, None, None)?;
+        rec.state = VmState::Running;
+        Ok(rec)
+    }
+
+    /// The running VMs that have been idle for their `idle_seconds` (status and list calls
+    /// never count as work), each with the mode its idle policy suspends it in.
+    pub fn idle_vms(&self) -> Vec<(String, SuspendMode)> {
+        let now = now_unix();
+        let Ok(list) = self.list_vms() else {
+            return Vec::new();
+        };
+        list.into_iter()
+            .filter(|rec| {
+                rec.idle_seconds > 0
+                    && rec.state == VmState::Running
+                    && now.saturating_sub(rec.last_active_unix) >= u64::from(rec.idle_seconds)
+            })
+            .map(|rec| {
+                let mode = SuspendMode::parse(&rec.idle_mode).unwrap_or(SuspendMode::Hibernate);
+                (rec.id, mode)
+            })
+            .collect()
+    }
+
+    /// Suspends one idle VM (from [`Warren::idle_vms`]) unless a job runs in it. `None`: a
+    /// job runs, so the VM stays up and its idle clock starts again. Each VM's suspension is
+    /// independent (its own supervisor, every call under its deadline), so the idle policy
+    /// runs them concurrently and a silent guest holds only its own.
+    pub async fn suspend_idle_vm(
+        &self,
+        id: &str,
+        mode: SuspendMode,
+    ) -> Option<Result<VmState, CoreError>> {
+        match self.suspend_vm(id, mode, false).await {
+            // Running jobs keep a VM awake: look again after another idle period.
+            Err(CoreError::Busy(_)) => {
+                let _ = self.store.touch(id, now_unix());
+                None
+            }
+            r => Some(r.map(|r| r.state)),
+        }
+    }
+
+    /// Boots a VM whose checkpoint could not be restored from scratch on its own disk (the
+    /// overlay is as the guest left it when it was hibernated): same id, secret, devices and
+    /// shares, a new memory. The checkpoint, any RAM file and the jobs last seen go, and the
+    /// VM (and its session) move to the next generation before the boot, so a caller holding
+    /// the old one is refused even if this boot fails. Returns (generation, boot ms).
+    async fn boot_fresh(
+        &self,
+        dir: &warren_supervisor::VmDir,
+        mut cfg: SupervisorConfig,
+    ) -> Result<(u64, u64), CoreError> {
+        // The restoring supervisor was stopped (or killed) by the failed launch.
+        if !wait_supervisor_exit(dir, Duration::from_secs(10)).await {
+            kill_supervisor(dir);
+            wait_supervisor_exit(dir, Duration::from_secs(5)).await;
+        }
+        let mut gone = vec![
+            dir.checkpoint_record(),
+            dir.checkpoint_state(),
+            dir.config(),
+            dir.exit_record(),
+            dir.socket(),
+            super::jobs_seen::path(dir),
+        ];
+        gone.extend(cfg.launch.ram_file.clone());
+        for p in gone {
+            match std::fs::remove_file(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(CoreError::io("remove", p, e)),
+            }
+        }
+        let generation = self.store.bump_generation(&cfg.vm_id)?;
+        tracing::warn!(vm = %cfg.vm_id, generation, "memory lost: fresh boot");
+        cfg.restore = false;
+        cfg.launch.incoming = false;
+        let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
+        write_private(&dir.config(), &body)?;
+        let boot_ms = self.launch_and_wait(dir).await?;
+        Ok((generation, boot_ms))
+    }
+}
