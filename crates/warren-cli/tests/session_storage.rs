@@ -239,9 +239,16 @@ fn test_guest_fills_session_limit_enospc_and_host_free_space_bounded() {
     eprintln!("total {:.1}s", started.elapsed().as_secs_f64());
 }
 
+fn device_of(p: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).expect("stat").dev()
+}
+
 /// After a host restart a limited session's filesystem is not mounted; resuming its
 /// hibernated VM mounts it again first (before, the resume failed with `conflict: invalid
-/// share ... is not an existing absolute directory` until some `session status` remounted it).
+/// share ... is not an existing absolute directory` until some `session status` remounted it),
+/// on whatever loop device is free (before, a device other than the first one failed the
+/// resume with `conflict: ... another directory is at its path`).
 #[test]
 fn test_hibernated_session_vm_resumes_after_its_volume_was_unmounted() {
     common::ensure_image("minimal");
@@ -272,10 +279,30 @@ fn test_hibernated_session_vm_resumes_after_its_volume_was_unmounted() {
         "hibernate",
     );
     // What a host restart leaves: the volume's mount point, not mounted.
+    let before = device_of(&vol.join("session"));
     let u = Command::new("umount").arg(&vol).output().expect("umount");
     assert!(u.status.success(), "{u:?}");
     assert!(!mounted(&vol));
-    ok(env.run(&["vm", "resume", &vm]), "resume");
+    // The loop device the volume had is taken meanwhile (by another volume, after a real
+    // restart), so it comes back on another device number: its shares are the same
+    // directories all the same.
+    let holder = tempfile::NamedTempFile::new().expect("temp file");
+    holder.as_file().set_len(1 << 20).expect("size");
+    let held = Command::new("losetup")
+        .args(["--find", "--show"])
+        .arg(holder.path())
+        .output()
+        .expect("losetup");
+    assert!(held.status.success(), "{held:?}");
+    let held = String::from_utf8_lossy(&held.stdout).trim().to_string();
+    let resumed = env.run(&["vm", "resume", &vm]);
+    let _ = Command::new("losetup").args(["-d", &held]).status();
+    ok(resumed, "resume");
+    assert_ne!(
+        device_of(&vol.join("session")),
+        before,
+        "the volume came back on another device"
+    );
     assert!(mounted(&vol), "the resume mounted the volume again");
     let out = ok(
         env.run(&["vm", "exec", &vm, "--", "cat", "/workspace/x"]),

@@ -422,6 +422,39 @@ impl Warren {
         blocking(move || volume::ensure_mounted(&paths).map_err(session_error)).await
     }
 
+    /// Shares of `s`'s VM that live in its own filesystem, rebased onto the filesystem's
+    /// current mount. A volume mounted again (after a host restart unmounted it) sits on a
+    /// loop device of its own, so the same directories of the same image have another device
+    /// number; each such share keeps its recorded inode and takes the device of the volume's
+    /// mount now at the mount point (a root-only directory of Warren's state that only
+    /// [`volume::ensure_mounted`] mounts). The identity check of every launch then still
+    /// refuses any other directory at those paths.
+    pub(crate) fn rebase_volume_shares(
+        &self,
+        s: &SessionRecord,
+        shares: &mut [warren_vmm::backend::Share],
+    ) -> Result<(), CoreError> {
+        use std::os::unix::fs::MetadataExt;
+        if s.direct || s.storage_mib == 0 {
+            return Ok(());
+        }
+        let paths = VolumePaths::new(&self.sessions_dir(), &s.id);
+        if !paths.is_mounted() {
+            return Ok(());
+        }
+        let dev = std::fs::metadata(&paths.mountpoint)
+            .map_err(|e| CoreError::io("stat", &paths.mountpoint, e))?
+            .dev();
+        for share in shares.iter_mut() {
+            if share.host_dir.starts_with(&paths.mountpoint) {
+                if let Some((_, ino)) = share.identity {
+                    share.identity = Some((dev, ino));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Reconciliation of session volumes: one without a session record (a create or a
     /// delete that crashed half-way) is unmounted and deleted; one being made right now is
     /// left alone (its maker holds the image's lock until the record is written). Volumes

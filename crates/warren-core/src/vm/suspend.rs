@@ -142,6 +142,7 @@ impl Warren {
                     .find(|s| s.vm_id.as_deref() == Some(id))
                 {
                     self.volume_ready(&s).await?;
+                    self.rebase_volume_shares(&s, &mut cfg.launch.shares)?;
                 }
                 // A share whose directory was replaced (or now leads elsewhere through a
                 // symlink) while the VM slept refuses the resume; the VM stays hibernated.
