@@ -774,9 +774,7 @@ impl Service {
             return Err(ApiError::invalid("egress needs network \"on\""));
         }
         match network {
-            Some(Network::On) => Ok(Some(crate::egress::network_request(
-                &self.cfg, p, egress,
-            )?)),
+            Some(Network::On) => Ok(Some(crate::egress::network_request(&self.cfg, p, egress)?)),
             _ => Ok(None),
         }
     }
