@@ -603,7 +603,12 @@ impl Service {
     }
 
     fn info(&self, r: VmRecord) -> VmInfo {
+        let network = match self.warren.vm_network(&r.id) {
+            Some(n) => n.mode.as_str().to_string(),
+            None => "off".to_string(),
+        };
         VmInfo {
+            network,
             image: self.image_name(&r.image_id),
             vm_id: r.id,
             state: r.state.as_str().to_string(),
@@ -670,22 +675,36 @@ impl Service {
     async fn vm_create(&self, p: &Principal, a: VmCreateArgs) -> Result<Value, ApiError> {
         validate_request_id(&a.request_id)?;
         let (name, img) = self.configured_image(p, a.image.as_deref())?;
-        if a.network == Some(Network::On) && !p.policy.allow_network {
-            return Err(ApiError::forbidden(format!(
-                "workspace {} has no network grant",
-                p.workspace
-            )));
+        let mode = a.network.and_then(Network::mode);
+        match mode {
+            Some(warren_vmm::NetMode::Internet) if !p.policy.allow_internet => {
+                return Err(ApiError::forbidden(format!(
+                    "workspace {} has no internet grant (the operator grants it: \
+                     `warren token allow-internet --workspace {}`)",
+                    p.workspace, p.workspace
+                )));
+            }
+            Some(_) if !p.policy.allow_network => {
+                return Err(ApiError::forbidden(format!(
+                    "workspace {} has no network grant",
+                    p.workspace
+                )));
+            }
+            _ => {}
         }
-        if a.egress.is_some() && a.network != Some(Network::On) {
-            return Err(ApiError::invalid("egress needs network \"on\""));
+        if a.egress.is_some() && mode.is_none() {
+            return Err(ApiError::invalid(
+                "egress needs network \"allowlist\" (or \"on\") or \"internet\"",
+            ));
         }
-        let network = match a.network {
-            Some(Network::On) => Some(crate::egress::network_request(
+        let network = match mode {
+            Some(mode) => Some(crate::egress::network_request(
                 &self.cfg,
                 p,
+                mode,
                 a.egress.clone(),
             )?),
-            _ => None,
+            None => None,
         };
         let memory = checked_size(&name, &img, a.memory_mib, a.vcpus)?;
         if a.idle_seconds.is_some_and(|s| s > 604_800) {

@@ -111,6 +111,13 @@ pub struct NetworkRequest {
     /// (closes domain fronting; HTTP/1.1 only inside TLS).
     #[serde(default)]
     pub intercept_all_tls: bool,
+    /// Allow-list (the default) or every public destination (`internet`).
+    #[serde(default)]
+    pub mode: warren_vmm::NetMode,
+    /// Trust the host's CA store too, for hosts behind TLS inspection: the egress verifies
+    /// upstream TLS against it and the guest's trust bundle gets its extra CAs.
+    #[serde(default)]
+    pub host_ca_store: bool,
 }
 
 /// The launch description of `net` for VM `id`, checked.
@@ -137,6 +144,8 @@ fn net_spec(id: &str, net: &NetworkRequest) -> Result<warren_vmm::NetSpec, CoreE
         intercepts: net.intercepts.clone(),
         blocked_cidrs: net.blocked_cidrs.clone(),
         intercept_all_tls: net.intercept_all_tls,
+        mode: net.mode,
+        host_ca_store: net.host_ca_store,
     };
     warren_supervisor::network::validate(&spec)
         .map_err(|e| CoreError::InvalidArgument(format!("network: {}", error_text(&e))))?;
