@@ -1,7 +1,8 @@
 //! Workspaces, their bearer tokens, and the principal every request acts as.
 //!
 //! Tokens are opaque random strings; only their SHA-256 is stored. A workspace's policy is
-//! fixed when its first token is issued: reissuing never widens it.
+//! fixed when its first token is issued: reissuing never widens it. The one change made
+//! afterwards is the operator's explicit internet grant ([`Credentials::set_internet`]).
 
 use std::path::Path;
 use std::sync::Mutex;
@@ -23,6 +24,11 @@ pub const LOCAL_PREFIX: &str = "local-";
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Policy {
     pub allow_network: bool,
+    /// Internet mode (`vm_create` with `network: "internet"`): every public destination.
+    /// Granted with `--allow-internet` at the first token, or later by the operator's
+    /// `warren token allow-internet` (a policy written before this field existed has none).
+    #[serde(default)]
+    pub allow_internet: bool,
     /// Configured image names it may boot; `None` allows every configured image.
     pub images: Option<Vec<String>>,
     pub max_vms: Option<u64>,
@@ -51,12 +57,14 @@ pub struct Principal {
 }
 
 impl Principal {
-    /// A local user: its own workspace, every image, network allowed, host limits only.
+    /// A local user: its own workspace, every image, network (internet mode too: it reaches
+    /// no more than the user already can from the host) allowed, host limits only.
     pub fn local(uid: u32) -> Principal {
         Principal {
             workspace: warren_core::local_workspace(uid),
             policy: Policy {
                 allow_network: true,
+                allow_internet: true,
                 ..Policy::default()
             },
             via: Via::Local { uid },
@@ -68,6 +76,7 @@ impl Principal {
 #[derive(Debug, Clone, Default)]
 pub struct PolicyRequest {
     pub allow_network: Option<bool>,
+    pub allow_internet: Option<bool>,
     pub images: Option<Vec<String>>,
     pub max_vms: Option<u64>,
     pub max_memory_mib: Option<u64>,
@@ -192,8 +201,10 @@ impl Credentials {
                     i.sort();
                     i.dedup();
                 }
+                let allow_internet = req.allow_internet.unwrap_or(false);
                 let policy = Policy {
-                    allow_network: req.allow_network.unwrap_or(false),
+                    allow_network: req.allow_network.unwrap_or(false) || allow_internet,
+                    allow_internet,
                     images,
                     max_vms: req.max_vms,
                     max_memory_mib: req.max_memory_mib,
@@ -320,6 +331,41 @@ impl Credentials {
         })
     }
 
+    /// The operator's explicit change of an existing workspace's internet grant (a reissue
+    /// never changes a policy). Granting it grants networking too; taking it away leaves
+    /// networking. Every token of the workspace acts on the new policy from its next
+    /// request; VMs already created keep the mode they were created with.
+    pub fn set_internet(&self, workspace: &str, allow: bool) -> Result<(), ApiError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+        let stored: Option<String> = tx
+            .query_row(
+                "SELECT policy FROM workspaces WHERE name = ?1",
+                [workspace],
+                |r| r.get(0),
+            )
+            .optional()?;
+        let Some(stored) = stored else {
+            return Err(ApiError::new(
+                "not_found",
+                format!("no workspace {workspace} (issue its first token with --allow-internet)"),
+            ));
+        };
+        let mut policy: Policy = serde_json::from_str(&stored)
+            .map_err(|e| ApiError::internal(format!("stored policy: {e}")))?;
+        policy.allow_internet = allow;
+        if allow {
+            policy.allow_network = true;
+        }
+        let body = serde_json::to_string(&policy).map_err(|e| ApiError::internal(e.to_string()))?;
+        tx.execute(
+            "UPDATE workspaces SET policy = ?2 WHERE name = ?1",
+            params![workspace, body],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
     /// A token workspace's policy, if the workspace exists.
     pub fn policy(&self, workspace: &str) -> Result<Option<Policy>, ApiError> {
         let p: Option<String> = self
@@ -344,6 +390,15 @@ fn check_reissue(workspace: &str, have: &Policy, req: &PolicyRequest) -> Result<
             diffs.push(format!(
                 "--allow-network (workspace has {})",
                 have.allow_network
+            ));
+        }
+    }
+    if let Some(n) = req.allow_internet {
+        if n != have.allow_internet {
+            diffs.push(format!(
+                "--allow-internet (workspace has {}; the operator grants it with \
+                 `warren token allow-internet`)",
+                have.allow_internet
             ));
         }
     }
@@ -465,6 +520,7 @@ mod tests {
         let (_d, c) = creds();
         let want = PolicyRequest {
             allow_network: Some(true),
+            allow_internet: None,
             images: Some(vec!["dev".into()]),
             max_vms: Some(2),
             max_memory_mib: None,
@@ -499,6 +555,47 @@ mod tests {
             c.issue("carol", None, &wider).expect_err("wider").code,
             "conflict"
         );
+    }
+
+    #[test]
+    fn test_internet_grant_at_issue_or_by_operator_never_by_reissue() {
+        let (_d, c) = creds();
+        let inet = PolicyRequest {
+            allow_internet: Some(true),
+            ..PolicyRequest::default()
+        };
+        let (_, t) = c.issue("erin", None, &inet).expect("first");
+        let p = c.authenticate(&t).expect("auth").policy;
+        assert!(
+            p.allow_internet && p.allow_network,
+            "internet implies network"
+        );
+        // A workspace without it: a reissue asking for it is refused, and changes nothing.
+        let net = PolicyRequest {
+            allow_network: Some(true),
+            ..PolicyRequest::default()
+        };
+        let (_, t) = c.issue("frank", None, &net).expect("first");
+        let e = c.issue("frank", None, &inet).expect_err("reissue widens");
+        assert_eq!(e.code, "conflict");
+        assert!(e.message.contains("allow-internet"), "{e}");
+        assert!(!c.authenticate(&t).expect("auth").policy.allow_internet);
+        // The operator's explicit grant reaches the existing token at once.
+        c.set_internet("frank", true).expect("grant");
+        assert!(c.authenticate(&t).expect("auth").policy.allow_internet);
+        c.set_internet("frank", false).expect("take back");
+        let p = c.authenticate(&t).expect("auth").policy;
+        assert!(!p.allow_internet && p.allow_network);
+        assert_eq!(
+            c.set_internet("nobody", true).expect_err("unknown").code,
+            "not_found"
+        );
+        // A policy stored before the field existed reads as no internet.
+        let old: Policy = serde_json::from_str(
+            r#"{"allow_network":true,"images":null,"max_vms":null,"max_memory_mib":null}"#,
+        )
+        .expect("old policy");
+        assert!(!old.allow_internet);
     }
 
     #[test]

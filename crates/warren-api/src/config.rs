@@ -76,6 +76,11 @@ pub struct EgressSettings {
     /// other protocols over TLS fail).
     #[serde(default)]
     pub intercept_all_tls: bool,
+    /// Hosts behind TLS inspection (a corporate proxy re-signing HTTPS with a CA only the
+    /// host trusts): the host's CA store is trusted too, upstream by the egress and in every
+    /// guest's trust bundle (its certificates outside the public roots). Off by default.
+    #[serde(default)]
+    pub host_ca_store: bool,
     /// Per workspace (`name = ["CIDR", ...]`), the ranges its callers may name in
     /// `egress.allow`. A workspace without an entry may allow no CIDR at all.
     #[serde(default)]
@@ -607,11 +612,12 @@ mod tests {
         let base = format!("state_dir = \"/s\"\n[images.dev]\nid = \"{ID}\"\n");
         let c = parse(&format!(
             "{base}[egress]\nblocked_cidrs = [\"198.51.100.0/24\", \"192.0.2.1\"]\n\
-             intercept_all_tls = true\n[egress.cidr_grants]\nci = [\"203.0.113.0/24\"]\n"
+             intercept_all_tls = true\nhost_ca_store = true\n\
+             [egress.cidr_grants]\nci = [\"203.0.113.0/24\"]\n"
         ))
         .expect("egress settings");
         assert_eq!(c.egress.blocked_cidrs, ["198.51.100.0/24", "192.0.2.1"]);
-        assert!(c.egress.intercept_all_tls);
+        assert!(c.egress.intercept_all_tls && c.egress.host_ca_store);
         assert_eq!(c.egress.cidr_grants["ci"], ["203.0.113.0/24"]);
         let none = parse(&base).expect("defaults");
         assert!(none.egress.blocked_cidrs.is_empty() && none.egress.cidr_grants.is_empty());

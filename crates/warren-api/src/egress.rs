@@ -43,10 +43,12 @@ pub(crate) fn check_cidr_grant(
     Ok(())
 }
 
-/// The network request of a `vm_create` with `network: "on"` by `p`.
+/// The network request of a `vm_create` by `p` with a network in `mode` (the caller has
+/// checked the grant for the mode).
 pub(crate) fn network_request(
     cfg: &ServiceConfig,
     p: &Principal,
+    mode: warren_vmm::NetMode,
     egress: Option<EgressArgs>,
 ) -> Result<warren_core::NetworkRequest, ApiError> {
     let egress = egress.unwrap_or_default();
@@ -54,8 +56,10 @@ pub(crate) fn network_request(
     Ok(warren_core::NetworkRequest {
         allow: egress.allow,
         deny: egress.deny,
+        mode,
         blocked_cidrs: cfg.egress.blocked_cidrs.clone(),
         intercept_all_tls: cfg.egress.intercept_all_tls,
+        host_ca_store: cfg.egress.host_ca_store,
         secrets: cfg
             .secrets
             .iter()
@@ -134,20 +138,25 @@ mod tests {
 
     #[test]
     fn test_network_request_carries_operator_settings() {
-        let c = cfg("[egress]\nblocked_cidrs = [\"198.51.100.0/24\"]\nintercept_all_tls = true\n");
+        let c = cfg(
+            "[egress]\nblocked_cidrs = [\"198.51.100.0/24\"]\nintercept_all_tls = true\n\
+             host_ca_store = true\n",
+        );
         let p = Principal::local(1000);
         let args = EgressArgs {
             allow: allow(&["api.example.com"]),
             deny: vec![],
         };
-        let net = network_request(&c, &p, Some(args)).expect("request");
+        let net =
+            network_request(&c, &p, warren_vmm::NetMode::Internet, Some(args)).expect("request");
         assert_eq!(net.blocked_cidrs, ["198.51.100.0/24"]);
-        assert!(net.intercept_all_tls);
+        assert!(net.intercept_all_tls && net.host_ca_store);
+        assert_eq!(net.mode, warren_vmm::NetMode::Internet);
         assert_eq!(net.allow, ["api.example.com"]);
         let args = EgressArgs {
             allow: allow(&["198.51.100.7"]),
             deny: vec![],
         };
-        assert!(network_request(&c, &p, Some(args)).is_err());
+        assert!(network_request(&c, &p, warren_vmm::NetMode::Allowlist, Some(args)).is_err());
     }
 }

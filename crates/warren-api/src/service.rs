@@ -608,7 +608,12 @@ impl Service {
     }
 
     fn info(&self, r: VmRecord) -> VmInfo {
+        let network = match self.warren.vm_network(&r.id) {
+            Some(n) => n.mode.as_str().to_string(),
+            None => "off".to_string(),
+        };
         VmInfo {
+            network,
             image: self.image_name(&r.image_id),
             vm_id: r.id,
             state: r.state.as_str().to_string(),
@@ -764,18 +769,33 @@ impl Service {
         network: Option<Network>,
         egress: Option<EgressArgs>,
     ) -> Result<Option<warren_core::NetworkRequest>, ApiError> {
-        if network == Some(Network::On) && !p.policy.allow_network {
-            return Err(ApiError::forbidden(format!(
-                "workspace {} has no network grant",
-                p.workspace
-            )));
+        let mode = network.and_then(Network::mode);
+        match mode {
+            Some(warren_vmm::NetMode::Internet) if !p.policy.allow_internet => {
+                return Err(ApiError::forbidden(format!(
+                    "workspace {} has no internet grant (the operator grants it: \
+                     `warren token allow-internet --workspace {}`)",
+                    p.workspace, p.workspace
+                )));
+            }
+            Some(_) if !p.policy.allow_network => {
+                return Err(ApiError::forbidden(format!(
+                    "workspace {} has no network grant",
+                    p.workspace
+                )));
+            }
+            _ => {}
         }
-        if egress.is_some() && network != Some(Network::On) {
-            return Err(ApiError::invalid("egress needs network \"on\""));
+        if egress.is_some() && mode.is_none() {
+            return Err(ApiError::invalid(
+                "egress needs network \"allowlist\" (or \"on\") or \"internet\"",
+            ));
         }
-        match network {
-            Some(Network::On) => Ok(Some(crate::egress::network_request(&self.cfg, p, egress)?)),
-            _ => Ok(None),
+        match mode {
+            Some(mode) => Ok(Some(crate::egress::network_request(
+                &self.cfg, p, mode, egress,
+            )?)),
+            None => Ok(None),
         }
     }
 

@@ -13,17 +13,36 @@ use warren_core::output::{Cursor, Encoding, OutputPage};
 #[serde(deny_unknown_fields)]
 pub struct NoArgs {}
 
+/// A VM's network: `off` (no NIC), `allowlist` (only what `egress.allow` names; `on` is
+/// the same), or `internet` (every public destination over TCP, minus `egress.deny`; needs
+/// the workspace's internet grant).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Network {
     Off,
+    // The same as `allowlist` (its original name); a plain comment, so the schema stays a
+    // plain enum.
     On,
+    Allowlist,
+    Internet,
 }
 
-/// Allow and deny lists: domain names (`*.example.com` wildcards) and IPv4 CIDRs; `allow` may
-/// name CIDRs only inside the operator's grant for the workspace (else `forbidden`). Private,
-/// loopback, link-local and metadata addresses, the operator's blocked ranges and the host's
-/// own addresses are always denied.
+impl Network {
+    /// The egress mode, `None` for `off`.
+    pub fn mode(self) -> Option<warren_vmm::NetMode> {
+        match self {
+            Network::Off => None,
+            Network::On | Network::Allowlist => Some(warren_vmm::NetMode::Allowlist),
+            Network::Internet => Some(warren_vmm::NetMode::Internet),
+        }
+    }
+}
+
+/// Allow and deny lists: domain names (`*.example.com` wildcards), `preset:NAME` entries
+/// (debian, python, npm, rust, go, github: a package ecosystem's hosts) and IPv4 CIDRs;
+/// `allow` may name CIDRs only inside the operator's grant for the workspace (else
+/// `forbidden`). Private, loopback, link-local and metadata addresses, the operator's blocked
+/// ranges and the host's own addresses are always denied.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EgressArgs {
@@ -52,7 +71,8 @@ pub struct VmCreateArgs {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 64))]
     pub vcpus: Option<u32>,
-    /// Guest networking; "on" needs the workspace's network grant. Default "off".
+    /// Guest networking: "off" (default), "allowlist" (or "on"; needs the workspace's
+    /// network grant) or "internet" (needs its internet grant).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<Network>,
     /// Egress policy of a networked VM (fail-closed: nothing is reachable unless allowed).
@@ -320,6 +340,8 @@ pub struct VmInfo {
     /// The last exec, output read, cancel or file operation (host clock, seconds); status
     /// and list calls never move it.
     pub last_active_unix: u64,
+    /// off, allowlist or internet.
+    pub network: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]

@@ -178,9 +178,13 @@ pub struct RunArgs {
     #[arg(long, conflicts_with = "credentials")]
     pub no_credentials: bool,
     /// Give the session VM a NIC behind Warren's egress (wired credentials imply it, with
-    /// their provider hosts allowed). Applies when the session VM is created.
-    #[arg(long)]
-    pub network: bool,
+    /// their provider hosts allowed): `allowlist` (bare `--network`), `internet` (every
+    /// public destination, minus the deny list) or `off`. Applies when the session VM is
+    /// created. Put it after the agent name (`warren run claude --network`), or write
+    /// `--network=MODE`: a bare `--network` right before the agent would read it as the mode.
+    #[arg(long, num_args = 0..=1, default_missing_value = "allowlist", value_name = "MODE",
+          value_parser = ["off", "allowlist", "internet"])]
+    pub network: Option<String>,
     /// Egress settings (TOML, as for `vm create --egress`) added to the agent's; implies
     /// --network.
     #[arg(long, value_name = "FILE.toml")]
@@ -220,9 +224,12 @@ pub enum TokenCmd {
         /// Lifetime in seconds (default: no expiry).
         #[arg(long)]
         ttl: Option<u64>,
-        /// Grant guest networking.
+        /// Grant guest networking (allow-list mode).
         #[arg(long)]
         allow_network: bool,
+        /// Grant internet mode (every public destination; implies --allow-network).
+        #[arg(long)]
+        allow_internet: bool,
         /// Restrict the workspace to this configured image (repeatable).
         #[arg(long = "image")]
         images: Vec<String>,
@@ -243,6 +250,16 @@ pub enum TokenCmd {
     Revoke { id: String },
     /// Revokes every token of a workspace.
     RevokeWorkspace { workspace: String },
+    /// Grants an existing workspace internet mode (and networking), or takes internet mode
+    /// away with --off; its tokens act on it from their next request. A reissue never
+    /// changes a workspace's policy: this is the explicit way to widen it.
+    AllowInternet {
+        #[arg(long)]
+        workspace: String,
+        /// Take the internet grant away instead (networking stays).
+        #[arg(long)]
+        off: bool,
+    },
 }
 
 #[derive(Args, Debug, Clone)]
@@ -278,12 +295,16 @@ pub enum VmCmd {
         /// standby (device state only; the RAM file is flushed and counts as storage).
         #[arg(long)]
         ram_file: bool,
-        /// Give the VM a NIC behind Warren's fail-closed egress (nothing is reachable unless
-        /// `--egress` allows it). Without it the VM has no NIC at all.
-        #[arg(long)]
-        network: bool,
-        /// Egress policy (TOML: allow, deny, upstream_dns, `[[secrets]]` name/placeholder/
-        /// hosts/file, upstream_roots, outbound_netns); implies --network.
+        /// Give the VM a NIC behind Warren's fail-closed egress: `allowlist` (bare
+        /// `--network`: nothing is reachable unless `--egress` allows it), `internet` (every
+        /// public destination over TCP, minus the `--egress` deny list) or `off` (the
+        /// default: no NIC at all).
+        #[arg(long, num_args = 0..=1, default_missing_value = "allowlist", value_name = "MODE",
+              value_parser = ["off", "allowlist", "internet"])]
+        network: Option<String>,
+        /// Egress policy (TOML: allow, deny, `preset:NAME` entries, upstream_dns,
+        /// `[[secrets]]` name/placeholder/hosts/file, upstream_roots, outbound_netns,
+        /// host_ca_store); implies --network.
         #[arg(long, value_name = "FILE.toml")]
         egress: Option<std::path::PathBuf>,
         #[command(flatten)]

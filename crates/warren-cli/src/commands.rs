@@ -148,6 +148,7 @@ fn token(cli: &Cli, cmd: &TokenCmd) -> Result<i32> {
             output,
             ttl,
             allow_network,
+            allow_internet,
             images,
             max_vms,
             max_memory_mib,
@@ -160,7 +161,8 @@ fn token(cli: &Cli, cmd: &TokenCmd) -> Result<i32> {
                 bail!("--image {bad:?} is not an image name");
             }
             let req = warren_api::auth::PolicyRequest {
-                allow_network: allow_network.then_some(true),
+                allow_network: (*allow_network || *allow_internet).then_some(true),
+                allow_internet: allow_internet.then_some(true),
                 images: (!images.is_empty()).then(|| images.clone()),
                 max_vms: *max_vms,
                 max_memory_mib: *max_memory_mib,
@@ -215,6 +217,15 @@ fn token(cli: &Cli, cmd: &TokenCmd) -> Result<i32> {
         TokenCmd::RevokeWorkspace { workspace } => {
             let n = creds.revoke_workspace(workspace)?;
             eprintln!("revoked {n} active token(s) of workspace {workspace}");
+            Ok(0)
+        }
+        TokenCmd::AllowInternet { workspace, off } => {
+            creds.set_internet(workspace, !*off)?;
+            if *off {
+                eprintln!("workspace {workspace} no longer has the internet grant");
+            } else {
+                eprintln!("workspace {workspace} has the internet grant (and networking)");
+            }
             Ok(0)
         }
     }
@@ -310,12 +321,14 @@ async fn image(cli: &Cli, cmd: &ImageCmd) -> Result<i32> {
     }
 }
 
-/// `off`, or `egress:` with the allow list's length and the secrets' and rules' counts.
+/// `off`, or the mode (`allowlist`/`internet`) with the allow list's length and the
+/// secrets' and rules' counts.
 fn network_summary(net: Option<&warren_vmm::NetSpec>) -> String {
     match net {
         None => "off".into(),
         Some(n) => format!(
-            "egress:{}a/{}s/{}r",
+            "{}:{}a/{}s/{}r",
+            n.mode.as_str(),
             n.allow.len(),
             n.secrets.len(),
             n.intercepts.len()
@@ -331,6 +344,8 @@ fn print_vms(w: &Warren, t: Term, list: &[VmRecord], json: bool) -> Result<()> {
             item["network"] = match &net {
                 None => serde_json::json!("off"),
                 Some(n) => serde_json::json!({
+                    "mode": n.mode.as_str(),
+                    "host_ca_store": n.host_ca_store,
                     "allow": n.allow,
                     "deny": n.deny,
                     "blocked_cidrs": n.blocked_cidrs,
@@ -387,11 +402,8 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             accel,
             json,
         } => {
-            let network = match (egress, network) {
-                (Some(path), _) => Some(crate::egress_file::load(path)?),
-                (None, true) => Some(warren_core::NetworkRequest::default()),
-                (None, false) => None,
-            };
+            let network =
+                crate::egress_file::network_request(network.as_deref(), egress.as_deref())?;
             let owner = (
                 nix::unistd::getuid().as_raw(),
                 nix::unistd::getgid().as_raw(),

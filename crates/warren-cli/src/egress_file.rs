@@ -1,5 +1,6 @@
 //! The `--egress` TOML file of `warren vm create`, `warren run` and `warren session create`:
-//! the VM's allow/deny lists, the operator settings (`blocked_cidrs`, `intercept_all_tls`),
+//! the VM's allow/deny lists, the operator settings (`blocked_cidrs`, `intercept_all_tls`,
+//! `host_ca_store`),
 //! secrets and interception rules, parsed strictly into a [`warren_core::NetworkRequest`].
 //! Policy entries are checked when the VM's network is validated (`warren-supervisor`).
 
@@ -21,6 +22,9 @@ struct EgressFile {
     /// Terminate every allowed TLS connection (each request's Host held to its SNI).
     #[serde(default)]
     intercept_all_tls: bool,
+    /// Trust the host's CA store too (hosts behind TLS inspection).
+    #[serde(default)]
+    host_ca_store: bool,
     upstream_dns: Option<std::net::SocketAddr>,
     outbound_netns: Option<std::path::PathBuf>,
     upstream_roots: Option<std::path::PathBuf>,
@@ -59,6 +63,32 @@ struct EgressSecret {
     json_pointer: Option<String>,
 }
 
+/// The network of `--network [MODE]` and `--egress FILE`: `None` (no NIC) without either
+/// or with `--network off`; the file's settings (or none) in the mode asked for, allow-list
+/// by default.
+pub(crate) fn network_request(
+    mode: Option<&str>,
+    egress: Option<&std::path::Path>,
+) -> Result<Option<warren_core::NetworkRequest>> {
+    let mut net = match (mode, egress) {
+        (Some("off"), Some(_)) => bail!("--egress needs a network; drop --network off"),
+        (Some("off"), None) | (None, None) => return Ok(None),
+        (_, Some(path)) => load(path)?,
+        (_, None) => warren_core::NetworkRequest::default(),
+    };
+    net.mode = parse_mode(mode)?;
+    Ok(Some(net))
+}
+
+/// The egress mode of `--network MODE` (allow-list when absent or bare).
+pub(crate) fn parse_mode(mode: Option<&str>) -> Result<warren_vmm::NetMode> {
+    Ok(match mode {
+        None | Some("allowlist") => warren_vmm::NetMode::Allowlist,
+        Some("internet") => warren_vmm::NetMode::Internet,
+        Some(other) => bail!("--network {other:?}: use off, allowlist or internet"),
+    })
+}
+
 /// Reads and checks an egress file; paths of secret files and roots are canonicalised.
 pub(crate) fn load(path: &std::path::Path) -> Result<warren_core::NetworkRequest> {
     let text =
@@ -73,6 +103,8 @@ pub(crate) fn load(path: &std::path::Path) -> Result<warren_core::NetworkRequest
         deny: f.deny,
         blocked_cidrs: f.blocked_cidrs,
         intercept_all_tls: f.intercept_all_tls,
+        host_ca_store: f.host_ca_store,
+        mode: warren_vmm::NetMode::Allowlist,
         upstream_dns: f.upstream_dns,
         outbound_netns: f.outbound_netns,
         upstream_roots: f.upstream_roots.map(abs).transpose()?,
@@ -138,5 +170,25 @@ mod tests {
         assert!(net.blocked_cidrs.is_empty() && !net.intercept_all_tls);
         std::fs::write(&f, "blocked = [\"203.0.113.0/24\"]\n").expect("write");
         assert!(load(&f).is_err(), "unknown key");
+        std::fs::write(&f, "deny = [\"x.test\"]\nhost_ca_store = true\n").expect("write");
+        let net = network_request(Some("internet"), Some(&f))
+            .expect("parse")
+            .expect("networked");
+        assert!(net.host_ca_store);
+        assert_eq!(net.mode, warren_vmm::NetMode::Internet);
+        assert_eq!(net.deny, ["x.test"]);
+    }
+
+    #[test]
+    fn test_network_modes_of_the_flag() {
+        use warren_vmm::NetMode;
+        assert!(network_request(None, None).expect("none").is_none());
+        assert!(network_request(Some("off"), None).expect("off").is_none());
+        let bare = network_request(Some("allowlist"), None).expect("bare");
+        assert_eq!(bare.expect("networked").mode, NetMode::Allowlist);
+        let inet = network_request(Some("internet"), None).expect("internet");
+        assert_eq!(inet.expect("networked").mode, NetMode::Internet);
+        let f = std::path::Path::new("/nonexistent.toml");
+        assert!(network_request(Some("off"), Some(f)).is_err());
     }
 }

@@ -408,7 +408,17 @@ fn wire_credentials(
     } else {
         Vec::new()
     };
-    if providers.is_empty() && !args.network && args.egress.is_none() {
+    let mode = crate::egress_file::parse_mode(args.network.as_deref().filter(|m| *m != "off"))?;
+    if args.network.as_deref() == Some("off") {
+        if !providers.is_empty() || args.egress.is_some() {
+            anyhow::bail!(
+                "--network off: wired credentials and --egress need a network \
+                 (add --no-credentials, drop --egress)"
+            );
+        }
+        return Ok(None);
+    }
+    if providers.is_empty() && args.network.is_none() && args.egress.is_none() {
         return Ok(None);
     }
     let mut mounted: Vec<PathBuf> = devices.mounts.iter().map(|m| m.host.clone()).collect();
@@ -425,6 +435,7 @@ fn wire_credentials(
         net.intercepts.append(&mut wiring.network.intercepts);
         wiring.network = net;
     }
+    wiring.network.mode = mode;
     Ok(Some(wiring))
 }
 

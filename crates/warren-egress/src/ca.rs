@@ -124,7 +124,11 @@ pub(crate) struct TlsState {
 }
 
 impl TlsState {
-    pub(crate) fn new(ca: Option<CaMaterial>, roots: &UpstreamRoots) -> Result<Self, ConfigError> {
+    pub(crate) fn new(
+        ca: Option<CaMaterial>,
+        roots: &UpstreamRoots,
+        host_roots: Option<&str>,
+    ) -> Result<Self, ConfigError> {
         let ca = match ca {
             Some(ca) => ca,
             None => generate_ca()?,
@@ -151,6 +155,12 @@ impl TlsState {
                     return Err(ConfigError::Roots("no certificate in PEM".into()));
                 }
             }
+        }
+        for cert in CertificateDer::pem_slice_iter(host_roots.unwrap_or_default().as_bytes()) {
+            let cert = cert.map_err(|e| ConfigError::HostCa(e.to_string()))?;
+            store
+                .add(cert)
+                .map_err(|e| ConfigError::HostCa(e.to_string()))?;
         }
         let mut client = ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()

@@ -38,6 +38,9 @@ pub struct EgressConfig {
     pub intercept_all_tls: bool,
     /// Roots that upstream TLS certificates are verified against on intercepted connections.
     pub upstream_roots: UpstreamRoots,
+    /// More roots trusted upstream in addition to `upstream_roots`, PEM: the host's own CAs
+    /// for hosts behind TLS inspection ([`crate::load_host_cas`]).
+    pub host_roots: Option<String>,
     /// The VM's interception CA; `None` generates a new one (persist [`crate::Egress::ca`] to
     /// keep the guest's trust across restarts).
     pub ca: Option<CaMaterial>,
@@ -59,6 +62,7 @@ impl EgressConfig {
             intercepts: Vec::new(),
             intercept_all_tls: false,
             upstream_roots: UpstreamRoots::WebPki,
+            host_roots: None,
             ca: None,
             log_burst: 50,
             log_per_second: 10,

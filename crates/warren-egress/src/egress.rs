@@ -67,7 +67,11 @@ impl Egress {
     /// nothing yet.
     pub fn new(config: EgressConfig, outbound: Outbound) -> Result<Self, EgressError> {
         config.validate()?;
-        let tls = TlsState::new(config.ca.clone(), &config.upstream_roots)?;
+        let tls = TlsState::new(
+            config.ca.clone(),
+            &config.upstream_roots,
+            config.host_roots.as_deref(),
+        )?;
         let rules = config
             .intercepts
             .iter()

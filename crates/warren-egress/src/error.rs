@@ -30,6 +30,12 @@ pub enum ConfigError {
     /// The upstream root certificates could not be parsed.
     #[error("upstream root certificates: {0}")]
     Roots(String),
+    /// An allow or deny entry names a preset that does not exist.
+    #[error("unknown preset {0:?} (known: debian, python, npm, rust, go, github)")]
+    Preset(String),
+    /// The host's CA store could not be read or holds something unusable.
+    #[error("host CA store: {0}")]
+    HostCa(String),
     /// The VM CA could not be generated or loaded.
     #[error("VM CA: {0}")]
     Ca(String),

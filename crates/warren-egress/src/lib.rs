@@ -17,10 +17,12 @@ mod egress;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;
+mod host_ca;
 mod http1;
 mod intercept;
 mod outbound;
 mod policy;
+pub mod presets;
 mod proxy;
 mod request;
 mod resolver;
@@ -35,11 +37,16 @@ pub use config::{
 };
 pub use egress::{Egress, EgressHandle, Listeners};
 pub use error::{ConfigError, EgressError, SecretError};
+pub use host_ca::{
+    load_host_cas, load_host_cas_from, HostCas, HOST_CA_BUNDLES, LOCAL_ANCHOR_DIRS,
+    MAX_EXTRA_CERTS, MAX_EXTRA_PEM, MAX_HOST_BUNDLE,
+};
 pub use http1::{MAX_HEAD, MAX_INTERCEPT_REQUEST};
 pub use intercept::MAX_RESPONSE;
 pub use outbound::{NetnsWorkerHandle, Outbound, CONNECT_TIMEOUT};
 pub use policy::{
-    is_always_denied, normalize_name, DenyReason, DomainPattern, EgressPolicy, ALWAYS_DENIED,
+    is_always_denied, normalize_name, DenyReason, DomainPattern, EgressMode, EgressPolicy,
+    ALWAYS_DENIED,
 };
 pub use proxy::{FIRST_BYTES_WAIT, SNIFF_TIMEOUT};
 pub use resolver::{MAX_TTL, MIN_RECORD_TTL, UPSTREAM_TIMEOUT};

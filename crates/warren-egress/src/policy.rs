@@ -109,9 +109,35 @@ pub fn any_matches(patterns: &[DomainPattern], name: &str) -> bool {
     patterns.iter().any(|p| p.matches(name))
 }
 
-/// A VM's egress policy. Empty lists deny everything (fail closed).
+/// What a networked VM may reach before its lists are read. (A VM without network has no
+/// NIC and no egress at all: "off" is not a mode of the egress.)
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum EgressMode {
+    /// Only what `allow_domains` and `allow_cidrs` name (the default).
+    #[default]
+    Allowlist,
+    /// Every public destination over TCP, by name or address: anything not always denied,
+    /// not in `blocked_cidrs`, not an address of the outbound namespace, and not on the deny
+    /// lists. The resolver answers every name that is not denied.
+    Internet,
+}
+
+impl EgressMode {
+    /// Stable name: `allowlist` or `internet`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EgressMode::Allowlist => "allowlist",
+            EgressMode::Internet => "internet",
+        }
+    }
+}
+
+/// A VM's egress policy. Empty lists deny everything (fail closed) in
+/// [`EgressMode::Allowlist`].
 #[derive(Debug, Clone, Default)]
 pub struct EgressPolicy {
+    /// Allow-list or internet.
+    pub mode: EgressMode,
     /// Names the guest may reach (TLS by SNI, HTTP by Host, other TCP by resolved address).
     pub allow_domains: Vec<DomainPattern>,
     /// Names never reachable; wins over `allow_domains`.
@@ -204,16 +230,21 @@ impl EgressPolicy {
         }
     }
 
-    /// Whether `ip` is in `allow_cidrs` (and not blocked).
+    /// Whether the policy grants `ip` by address (never a blocked one): it is in
+    /// `allow_cidrs`, or the mode is [`EgressMode::Internet`]. The outbound namespace's own
+    /// addresses are refused by the proxy before it asks.
     pub fn cidr_allows(&self, ip: Ipv4Addr) -> bool {
-        self.address_block(ip).is_none() && self.allow_cidrs.iter().any(|n| n.contains(&ip))
+        self.address_block(ip).is_none()
+            && (self.mode == EgressMode::Internet
+                || self.allow_cidrs.iter().any(|n| n.contains(&ip)))
     }
 
-    /// The name-level verdict for a normalised name: deny list first, then allow list.
+    /// The name-level verdict for a normalised name: deny list first, then the allow list
+    /// (every name in [`EgressMode::Internet`]).
     pub fn name_verdict(&self, name: &str) -> Result<(), DenyReason> {
         if any_matches(&self.deny_domains, name) {
             Err(DenyReason::DeniedName)
-        } else if any_matches(&self.allow_domains, name) {
+        } else if self.mode == EgressMode::Internet || any_matches(&self.allow_domains, name) {
             Ok(())
         } else {
             Err(DenyReason::NameNotAllowed)
@@ -298,6 +329,45 @@ mod tests {
         for ip in ["203.0.113.10", "198.51.100.1", "8.8.8.8", "172.32.0.1"] {
             assert!(!is_always_denied(ip.parse().expect("ip")), "{ip}");
         }
+    }
+
+    #[test]
+    fn test_internet_mode_allows_public_not_blocked_or_denied() {
+        let policy = EgressPolicy {
+            mode: EgressMode::Internet,
+            deny_domains: vec![pat("*.denied.test")],
+            deny_cidrs: vec!["198.51.100.0/24".parse().expect("net")],
+            blocked_cidrs: vec!["203.0.113.128/25".parse().expect("net")],
+            ..Default::default()
+        };
+        assert_eq!(policy.name_verdict("any.example.org"), Ok(()));
+        assert_eq!(
+            policy.name_verdict("x.denied.test"),
+            Err(DenyReason::DeniedName)
+        );
+        let ip = |s: &str| s.parse::<Ipv4Addr>().expect("ip");
+        // TEST-NET ranges are public here: the documentation ranges are not always denied.
+        assert!(policy.cidr_allows(ip("203.0.113.10")));
+        assert!(policy.cidr_allows(ip("192.0.2.7")));
+        assert!(policy.cidr_allows(ip("8.8.8.8")));
+        for refused in ["10.1.2.3", "192.168.1.1", "169.254.169.254", "127.0.0.1"] {
+            assert!(!policy.cidr_allows(ip(refused)), "{refused}");
+        }
+        assert!(!policy.cidr_allows(ip("198.51.100.1")), "deny_cidrs win");
+        assert!(
+            !policy.cidr_allows(ip("203.0.113.200")),
+            "blocked_cidrs win"
+        );
+        // The same policy in allow-list mode grants nothing.
+        let allowlist = EgressPolicy {
+            mode: EgressMode::Allowlist,
+            ..policy
+        };
+        assert!(!allowlist.cidr_allows(ip("203.0.113.10")));
+        assert_eq!(
+            allowlist.name_verdict("any.example.org"),
+            Err(DenyReason::NameNotAllowed)
+        );
     }
 
     #[test]

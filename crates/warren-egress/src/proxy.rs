@@ -31,7 +31,7 @@ use crate::decision_log::Kind;
 use crate::egress::Inner;
 use crate::error::ConnError;
 use crate::http1::{Session, Upstream};
-use crate::policy::{normalize_name, DenyReason};
+use crate::policy::{normalize_name, DenyReason, EgressMode};
 use crate::resolver::name_resolves_to;
 use crate::sniff::{sniff, Sniffed, MAX_SNIFF};
 
@@ -176,13 +176,15 @@ async fn decide_addr(inner: &Inner, dst: SocketAddrV4) -> Result<(), DenyReason>
 
 /// Name decision for SNI/Host: the name must be allowed (deny list first) and resolve, through
 /// Warren, to the destination; or the destination must be in `allow_cidrs` and the name not
-/// denied.
+/// denied. In internet mode every destination that passed the address checks is granted, so
+/// only the deny list is left to decide.
 async fn decide_name(inner: &Inner, raw: &str, dst: SocketAddrV4) -> Result<String, DenyReason> {
     let name = normalize_name(raw).ok_or(DenyReason::InvalidName)?;
     let policy = &inner.cfg.policy;
     address_checks(inner, *dst.ip()).await?;
     match policy.name_verdict(&name) {
         Err(DenyReason::NameNotAllowed) if policy.cidr_allows(*dst.ip()) => Ok(name),
+        Ok(()) if policy.mode == EgressMode::Internet && policy.cidr_allows(*dst.ip()) => Ok(name),
         Err(reason) => Err(reason),
         Ok(()) => match name_resolves_to(inner, &name, *dst.ip()).await {
             Ok(true) => Ok(name),

@@ -124,6 +124,10 @@ pub fn zone() -> HashMap<&'static str, Ipv4Addr> {
         ("platform.claude.com", OAUTH),
         ("api.openai.com", API),
         ("auth.openai.com", OAUTH),
+        // Hosts of the allow-list presets, for the presets' tests.
+        ("pypi.org", API),
+        ("files.pythonhosted.org", API),
+        ("registry.npmjs.org", API),
     ])
 }
 

@@ -11,9 +11,10 @@ use std::process::{Command, Stdio};
 
 use warren_egress::{
     bind_tcp_in, bind_udp_in, CaMaterial, DomainPattern, Egress, EgressConfig, EgressHandle,
-    InterceptRule, Listeners, Outbound, SecretSource, SecretSpec, UpstreamRoots,
+    EgressMode, HostCas, InterceptRule, Listeners, Outbound, SecretSource, SecretSpec,
+    UpstreamRoots,
 };
-use warren_vmm::NetSpec;
+use warren_vmm::{NetMode, NetSpec};
 
 /// The host side of the VM's link (the guest's gateway and resolver).
 pub const HOST_ADDR: Ipv4Addr = Ipv4Addr::new(10, 255, 0, 1);
@@ -136,13 +137,14 @@ impl Drop for Network {
     }
 }
 
-/// Splits policy entries into CIDRs (an IPv4 address is a /32) and domain patterns.
+/// Splits policy entries into CIDRs (an IPv4 address is a /32) and domain patterns, with
+/// every `preset:NAME` entry replaced by its hosts first (an unknown preset is refused).
 fn split_entries(
     entries: &[String],
 ) -> Result<(Vec<ipnet::Ipv4Net>, Vec<DomainPattern>), NetError> {
     let mut cidrs = Vec::new();
     let mut names = Vec::new();
-    for e in entries {
+    for e in &warren_egress::presets::expand_all(entries)? {
         if let Ok(n) = e.parse::<ipnet::Ipv4Net>() {
             cidrs.push(n);
         } else if let Ok(a) = e.parse::<Ipv4Addr>() {
@@ -200,7 +202,7 @@ pub fn validate(spec: &NetSpec) -> Result<(), NetError> {
     if !spec.netns.starts_with(NETNS_PREFIX) {
         return Err(NetError::Setting(spec.netns.clone()));
     }
-    let cfg = egress_config("validate", spec, None)?;
+    let cfg = egress_config("validate", spec, None, host_cas(spec)?.as_ref())?;
     cfg.validate()?;
     for s in &spec.secrets {
         std::fs::metadata(&s.file).map_err(|source| NetError::Io {
@@ -217,10 +219,19 @@ pub fn validate(spec: &NetSpec) -> Result<(), NetError> {
     Ok(())
 }
 
+/// The host's CA store when `spec` asks for it (`host_ca_store`).
+fn host_cas(spec: &NetSpec) -> Result<Option<HostCas>, NetError> {
+    Ok(spec
+        .host_ca_store
+        .then(warren_egress::load_host_cas)
+        .transpose()?)
+}
+
 fn egress_config(
     vm: &str,
     spec: &NetSpec,
     ca: Option<CaMaterial>,
+    host_cas: Option<&HostCas>,
 ) -> Result<EgressConfig, NetError> {
     let mut cfg = EgressConfig::new(vm, spec.upstream_dns);
     let (allow_cidrs, allow_domains) = split_entries(&spec.allow)?;
@@ -236,7 +247,12 @@ fn egress_config(
         )));
     }
     cfg.policy.blocked_cidrs = blocked;
+    cfg.policy.mode = match spec.mode {
+        NetMode::Allowlist => EgressMode::Allowlist,
+        NetMode::Internet => EgressMode::Internet,
+    };
     cfg.intercept_all_tls = spec.intercept_all_tls;
+    cfg.host_roots = host_cas.map(|c| c.upstream_pem.clone());
     for s in &spec.secrets {
         let hosts = s
             .hosts
@@ -294,7 +310,7 @@ pub fn fuzz_egress_config(spec: &NetSpec) -> Result<EgressConfig, NetError> {
         upstream_roots: None,
         ..spec.clone()
     };
-    let cfg = egress_config("fuzz", &spec, None)?;
+    let cfg = egress_config("fuzz", &spec, None, None)?;
     cfg.validate()?;
     Ok(cfg)
 }
@@ -352,7 +368,17 @@ pub fn setup(vm: &str, vm_dir: &Path, spec: &NetSpec) -> Result<Network, NetErro
 
     let ca = load_or_create_ca(vm_dir)?;
     net.ca_cert_pem = ca.cert_pem.clone();
-    let cfg = egress_config(vm, spec, Some(ca))?;
+    let host = host_cas(spec)?;
+    let cfg = egress_config(vm, spec, Some(ca), host.as_ref())?;
+    // Behind TLS inspection the guest must trust the host's locally added CAs too, for the
+    // TLS it speaks through the egress untouched.
+    if let Some(host) = &host {
+        if !net.ca_cert_pem.ends_with('\n') {
+            net.ca_cert_pem.push('\n');
+        }
+        net.ca_cert_pem.push_str(&host.guest_pem);
+        tracing::info!(netns = %name, bundle = %host.path.display(), cas = host.guest_count, "guest trusts the host's CAs");
+    }
     let outbound = match &spec.outbound_netns {
         Some(p) => Outbound::netns(p)?,
         None => Outbound::current(),
@@ -431,6 +457,8 @@ mod tests {
             intercepts: vec![],
             blocked_cidrs: vec![],
             intercept_all_tls: false,
+            mode: Default::default(),
+            host_ca_store: false,
         }
     }
 
@@ -439,7 +467,7 @@ mod tests {
         let mut s = spec();
         s.blocked_cidrs = vec!["198.51.100.16/28".into(), "192.0.2.7".into()];
         s.intercept_all_tls = true;
-        let cfg = egress_config("x", &s, None).expect("config");
+        let cfg = egress_config("x", &s, None, None).expect("config");
         assert_eq!(
             cfg.policy.blocked_cidrs,
             vec![
@@ -454,9 +482,37 @@ mod tests {
         assert!(cfg.policy.cidr_allows("198.51.100.1".parse().expect("ip")));
         s.blocked_cidrs = vec!["example.com".into()];
         assert!(matches!(
-            egress_config("x", &s, None),
+            egress_config("x", &s, None, None),
             Err(NetError::Setting(_))
         ));
+    }
+
+    #[test]
+    fn test_egress_config_expands_presets_and_carries_mode() {
+        let mut s = spec();
+        s.allow = vec!["preset:python".into(), "api.example.com".into()];
+        s.mode = NetMode::Internet;
+        let cfg = egress_config("x", &s, None, None).expect("config");
+        assert_eq!(cfg.policy.mode, EgressMode::Internet);
+        let names: Vec<String> = cfg
+            .policy
+            .allow_domains
+            .iter()
+            .map(|d| d.to_string())
+            .collect();
+        assert_eq!(
+            names,
+            ["pypi.org", "files.pythonhosted.org", "api.example.com"]
+        );
+        s.allow = vec!["preset:nope".into()];
+        assert!(matches!(
+            egress_config("x", &s, None, None),
+            Err(NetError::Config(warren_egress::ConfigError::Preset(_)))
+        ));
+        s.allow = vec![];
+        s.deny = vec!["preset:npm".into()];
+        let cfg = egress_config("x", &s, None, None).expect("config");
+        assert_eq!(cfg.policy.deny_domains.len(), 1);
     }
 
     #[test]
@@ -473,6 +529,8 @@ mod tests {
             intercepts: vec![],
             blocked_cidrs: vec![],
             intercept_all_tls: false,
+            mode: Default::default(),
+            host_ca_store: false,
         };
         assert!(matches!(
             setup("x", Path::new("/nonexistent"), &spec),

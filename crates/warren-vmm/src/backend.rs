@@ -95,6 +95,36 @@ pub struct NetSpec {
     /// Terminate every allowed TLS connection, so each request's `Host` is held to its SNI.
     #[serde(default)]
     pub intercept_all_tls: bool,
+    /// What the VM may reach: its allow list only, or every public destination.
+    #[serde(default)]
+    pub mode: NetMode,
+    /// Trust the host's own CA store too (hosts behind TLS inspection): upstream in the
+    /// egress, and in the guest's trust bundle.
+    #[serde(default)]
+    pub host_ca_store: bool,
+}
+
+/// A networked VM's egress mode (a VM without network has no NIC: that is "off").
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum NetMode {
+    /// Only what the allow list names.
+    #[default]
+    Allowlist,
+    /// Every public destination over TCP, minus the deny list.
+    Internet,
+}
+
+impl NetMode {
+    /// `allowlist` or `internet`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NetMode::Allowlist => "allowlist",
+            NetMode::Internet => "internet",
+        }
+    }
 }
 
 /// A request (host, method, path prefix) answered on the host by a command instead of the

@@ -15,6 +15,7 @@ pub mod sys;
 
 pub use accel::{Accel, AccelChoice};
 pub use backend::{
-    LaunchSpec, LaunchedVm, NetIntercept, NetSecret, NetSpec, VmBackend, VmControl, VmEndpoints,
+    LaunchSpec, LaunchedVm, NetIntercept, NetMode, NetSecret, NetSpec, VmBackend, VmControl,
+    VmEndpoints,
 };
 pub use error::VmmError;

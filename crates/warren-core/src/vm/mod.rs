@@ -118,6 +118,13 @@ pub struct NetworkRequest {
     /// (closes domain fronting; HTTP/1.1 only inside TLS).
     #[serde(default)]
     pub intercept_all_tls: bool,
+    /// Allow-list (the default) or every public destination (`internet`).
+    #[serde(default)]
+    pub mode: warren_vmm::NetMode,
+    /// Trust the host's CA store too, for hosts behind TLS inspection: the egress verifies
+    /// upstream TLS against it and the guest's trust bundle gets its extra CAs.
+    #[serde(default)]
+    pub host_ca_store: bool,
 }
 
 fn error_text(e: &dyn std::error::Error) -> String {

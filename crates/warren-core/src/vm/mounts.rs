@@ -31,6 +31,8 @@ pub(super) fn net_spec(id: &str, net: &NetworkRequest) -> Result<warren_vmm::Net
         intercepts: net.intercepts.clone(),
         blocked_cidrs: net.blocked_cidrs.clone(),
         intercept_all_tls: net.intercept_all_tls,
+        mode: net.mode,
+        host_ca_store: net.host_ca_store,
     };
     warren_supervisor::network::validate(&spec)
         .map_err(|e| CoreError::InvalidArgument(format!("network: {}", error_text(&e))))?;

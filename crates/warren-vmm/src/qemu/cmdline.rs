@@ -285,6 +285,8 @@ mod tests {
             intercepts: vec![],
             blocked_cidrs: vec![],
             intercept_all_tls: false,
+            mode: Default::default(),
+            host_ca_store: false,
         });
         let s = qemu_args(&sp, Attach::Fds, 1).join(" ");
         assert!(s.contains("-netdev tap,id=net0,fd=3,vhost=off"));
