@@ -837,8 +837,9 @@ impl Warren {
     }
 
     /// Suspends a running VM: `Pause` keeps its RAM in the VMM; `Hibernate` writes memory and
-    /// device state to its directory and ends the VMM. Active jobs refuse it with `busy`
-    /// unless `force` (they are frozen either way and keep their timeout budgets).
+    /// device state to its directory and ends the VMM. Running jobs and background processes
+    /// left by finished jobs refuse it with `busy` unless `force` (they are frozen either way,
+    /// jobs keep their timeout budgets, and everything continues on resume).
     pub async fn suspend_vm(
         &self,
         id: &str,
@@ -859,15 +860,16 @@ impl Warren {
         }
         let client = SupervisorClient::new(&self.vm_dir(id).socket());
         if rec.state == VmState::Running && !force {
-            let running = self
-                .job_list(id)
-                .await?
+            // Background processes a finished job left (a dev server) are work too.
+            let jobs = self.job_list(id).await?;
+            let running = jobs
                 .iter()
                 .filter(|j| j.state == warren_protocol::JobState::Running)
                 .count();
-            if running > 0 {
+            let background: u64 = jobs.iter().map(|j| u64::from(j.background_processes)).sum();
+            if running > 0 || background > 0 {
                 return Err(CoreError::Busy(format!(
-                    "{running} job(s) running in {id}; pass force to freeze them"
+                    "{running} job(s) running and {background} background process(es) in {id}; pass force to freeze them"
                 )));
             }
         }
@@ -1030,8 +1032,9 @@ impl Warren {
             .collect()
     }
 
-    /// Suspends one idle VM (from [`Warren::idle_vms`]) unless a job runs in it. `None`: a
-    /// job runs, so the VM stays up and its idle clock starts again. Each VM's suspension is
+    /// Suspends one idle VM (from [`Warren::idle_vms`]) unless a job or a background process
+    /// of a finished job runs in it. `None`: something runs, so the VM stays up and its idle
+    /// clock starts again. Each VM's suspension is
     /// independent (its own supervisor, every call under its deadline), so the idle policy
     /// runs them concurrently and a silent guest holds only its own.
     pub async fn suspend_idle_vm(
