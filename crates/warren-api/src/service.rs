@@ -111,11 +111,11 @@ pub fn tool_defs(images: &[String]) -> Vec<ToolDef> {
         tool::<NoArgs, VmList>("vm_list", "List this workspace's VMs."),
         tool::<VmRef, VmStatus>(
             "vm_status",
-            "A VM's state, image, accelerator, memory, vCPUs, generation, job counts and failure reason.",
+            "A VM's state, image, accelerator, memory, vCPUs, generation, job counts, the jobs that left background processes running, and failure reason.",
         ),
         tool::<VmExecArgs, ExecResult>(
             "vm_exec",
-            "Start a command in a VM as an unprivileged user, in /workspace. With wait_ms, returns its output and exit code if it ends in time; otherwise read more with vm_job_output.",
+            "Start a command in a VM as an unprivileged user, in /workspace. With wait_ms, returns its output and exit code if it ends in time; otherwise read more with vm_job_output. Processes it leaves in the background (cmd &, nohup, a server) keep running after it exits, until they exit or vm_job_cancel stops them; their later output stays readable with vm_job_output.",
         ),
         tool::<JobRef, JobStatus>(
             "vm_job_status",
@@ -127,7 +127,7 @@ pub fn tool_defs(images: &[String]) -> Vec<ToolDef> {
         ),
         tool::<JobRef, JobCancelled>(
             "vm_job_cancel",
-            "Kill a running job and every process it started.",
+            "Kill a job and every process it started: a running job, or the background processes a finished job left running.",
         ),
         tool::<ReadFileArgs, FileContent>(
             "vm_read_file",
@@ -913,26 +913,22 @@ impl Service {
     async fn vm_status(&self, p: &Principal, a: VmRef) -> Result<Value, ApiError> {
         let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         let running = rec.state == VmState::Running;
-        let (jobs, job_ids) = if running {
+        let (jobs, job_ids, background_jobs) = if running {
             let list = self.warren.job_list(&rec.id).await?;
-            let finished = list
-                .iter()
-                .filter(|j| matches!(j.state, JobState::Finished(_)))
-                .count() as u64;
+            let (counts, background) = JobCounts::of(&list);
             (
-                Some(JobCounts {
-                    running: list.len() as u64 - finished,
-                    finished,
-                }),
+                Some(counts),
                 list.iter().map(|j| j.id.to_string()).collect(),
+                background,
             )
         } else {
-            (None, vec![])
+            (None, vec![], vec![])
         };
         to_value(VmStatus {
             vm: self.info(rec),
             jobs,
             job_ids,
+            background_jobs,
         })
     }
 
@@ -1090,6 +1086,8 @@ impl Service {
             vm_state: v.vm_state.as_str().to_string(),
             stale: v.stale,
             seen_unix: v.seen_unix,
+            background_processes: o.background_processes,
+            output_complete: o.output_complete,
         })
     }
 

@@ -354,6 +354,64 @@ pub struct VmList {
 pub struct JobCounts {
     pub running: u64,
     pub finished: u64,
+    /// Finished jobs whose background processes still run (these keep the VM awake).
+    pub with_background: u64,
+    /// The background processes of those jobs, all together.
+    pub background_processes: u64,
+}
+
+/// A finished job that left processes running (`cmd &`, `nohup`, a dev server). Stop them
+/// with vm_job_cancel on its job_id.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct BackgroundJob {
+    pub job_id: String,
+    /// The job's command (its argv joined with spaces, at most 256 bytes).
+    pub command: String,
+    /// How many of its processes still run.
+    pub processes: u32,
+    /// Up to 16 of them, lowest pid first.
+    pub pids: Vec<BackgroundProcess>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+pub struct BackgroundProcess {
+    pub pid: u32,
+    /// The process's name (its first 15 bytes).
+    pub name: String,
+}
+
+impl JobCounts {
+    /// Counts the guest's job list and names the jobs with background processes.
+    pub fn of(list: &[warren_protocol::JobSummary]) -> (Self, Vec<BackgroundJob>) {
+        let running = list
+            .iter()
+            .filter(|j| j.state == warren_protocol::JobState::Running)
+            .count() as u64;
+        let background: Vec<BackgroundJob> = list
+            .iter()
+            .filter(|j| j.background_processes > 0)
+            .map(|j| BackgroundJob {
+                job_id: j.id.to_string(),
+                command: j.command.clone(),
+                processes: j.background_processes,
+                pids: j
+                    .processes
+                    .iter()
+                    .map(|p| BackgroundProcess {
+                        pid: p.pid,
+                        name: p.name.clone(),
+                    })
+                    .collect(),
+            })
+            .collect();
+        let counts = JobCounts {
+            running,
+            finished: list.len() as u64 - running,
+            with_background: background.len() as u64,
+            background_processes: background.iter().map(|b| u64::from(b.processes)).sum(),
+        };
+        (counts, background)
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -364,6 +422,9 @@ pub struct VmStatus {
     pub jobs: Option<JobCounts>,
     /// Ids of the jobs the guest still retains.
     pub job_ids: Vec<String>,
+    /// Finished jobs whose background processes still run, oldest first (empty unless the
+    /// VM is running).
+    pub background_jobs: Vec<BackgroundJob>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -387,6 +448,10 @@ pub struct JobStatus {
     /// When the host last saw the job (host clock, seconds); only when stale.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seen_unix: Option<u64>,
+    /// Processes the job left running after its main process exited.
+    pub background_processes: u32,
+    /// No more output can come (completed, nothing of it runs, both streams at end of file).
+    pub output_complete: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
@@ -600,4 +665,51 @@ pub struct SessionExported {
 pub struct SessionDeleted {
     pub session_id: String,
     pub deleted: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use warren_protocol::{JobExit, JobId, JobState, JobSummary, ProcessInfo};
+
+    #[test]
+    fn test_job_counts_count_and_name_background_jobs() {
+        let done = JobState::Finished(JobExit {
+            code: Some(0),
+            signal: None,
+            timed_out: false,
+            cancelled: false,
+        });
+        let job = |id, state, background: u32| JobSummary {
+            id: JobId(id),
+            state,
+            command: format!("job {id}"),
+            background_processes: background,
+            processes: (0..background.min(2))
+                .map(|i| ProcessInfo {
+                    pid: 100 + i,
+                    name: "srv".into(),
+                })
+                .collect(),
+        };
+        let list = [
+            job(1, JobState::Running, 0),
+            job(2, done, 3),
+            job(3, done, 0),
+        ];
+        let (c, bg) = JobCounts::of(&list);
+        assert_eq!(
+            (
+                c.running,
+                c.finished,
+                c.with_background,
+                c.background_processes
+            ),
+            (1, 2, 1, 3)
+        );
+        assert_eq!(bg.len(), 1);
+        assert_eq!((bg[0].job_id.as_str(), bg[0].processes), ("2", 3));
+        assert_eq!(bg[0].pids.len(), 2);
+        assert_eq!(bg[0].command, "job 2");
+    }
 }

@@ -364,8 +364,16 @@ pub enum VmCmd {
         #[arg(long, default_value_t = 16384)]
         max_bytes: u32,
     },
-    /// Kills a running job's whole process tree.
+    /// Kills a job's whole process tree: a running job, or the background processes a
+    /// finished job left running.
     Cancel { vm: String, job: u64 },
+    /// Lists the jobs the guest retains: state, exit code, background processes (what a
+    /// finished job left running, e.g. `server &`; stop them with `vm cancel`) and command.
+    Jobs {
+        vm: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Writes stdin to PATH (relative to /workspace) in the VM and prints the new version
     /// (SHA-256 of the content) on stdout. Up to 512 KiB replaces the file atomically;
     /// larger content is written in place in chunks and has no version.

@@ -557,6 +557,11 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             w.job_cancel(vm, JobId(*job)).await?;
             Ok(0)
         }
+        VmCmd::Jobs { vm, json } => {
+            let w = open(cli, None)?;
+            crate::jobs_cmd::print_jobs(&w.job_list(vm).await?, *json)?;
+            Ok(0)
+        }
         VmCmd::Write {
             vm,
             path,
@@ -718,10 +723,14 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
     }
 }
 
-/// Streams a job's output to our stdout/stderr as it arrives; returns its exit code.
+/// Streams a job's output to our stdout/stderr as it arrives; returns its exit code once
+/// the main process exited and the output retained then was written (background processes
+/// it left may run on: their later output stays readable with `vm output`).
 /// Ctrl-C cancels the job (its whole process tree) and still drains what it printed.
 pub(crate) async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> {
     let mut cursor = Cursor::default();
+    // The retained sizes when the job was first seen finished: where the stream ends.
+    let mut end: Option<Cursor> = None;
     let mut interrupted = false;
     let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
     loop {
@@ -740,18 +749,30 @@ pub(crate) async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> 
                 continue;
             }
         };
+        if matches!(out.state, JobState::Finished(_)) && end.is_none() {
+            end = Some(Cursor {
+                stdout: out.stdout_retained,
+                stderr: out.stderr_retained,
+            });
+        }
+        let (stdout, stderr) = match end {
+            Some(e) => (
+                upto(&out.stdout, cursor.stdout, e.stdout),
+                upto(&out.stderr, cursor.stderr, e.stderr),
+            ),
+            None => (&out.stdout[..], &out.stderr[..]),
+        };
         {
             let mut so = std::io::stdout().lock();
-            so.write_all(&out.stdout)?;
+            so.write_all(stdout)?;
             so.flush()?;
             let mut se = std::io::stderr().lock();
-            se.write_all(&out.stderr)?;
+            se.write_all(stderr)?;
             se.flush()?;
         }
-        cursor.stdout += out.stdout.len() as u64;
-        cursor.stderr += out.stderr.len() as u64;
-        let caught_up =
-            cursor.stdout >= out.stdout_retained && cursor.stderr >= out.stderr_retained;
+        cursor.stdout += stdout.len() as u64;
+        cursor.stderr += stderr.len() as u64;
+        let caught_up = end.is_some_and(|e| cursor.stdout >= e.stdout && cursor.stderr >= e.stderr);
         if let (JobState::Finished(x), true) = (out.state, caught_up) {
             if out.truncated {
                 eprintln!("warren: output truncated (more than 256 KiB); the rest was discarded");
@@ -765,6 +786,12 @@ pub(crate) async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> 
             return Ok(x.code.unwrap_or(EXIT_WARREN_ERROR));
         }
     }
+}
+
+/// The part of `bytes`, read at `cursor`, that lies before `end`.
+fn upto(bytes: &[u8], cursor: u64, end: u64) -> &[u8] {
+    let n = usize::try_from(end.saturating_sub(cursor)).unwrap_or(usize::MAX);
+    &bytes[..bytes.len().min(n)]
 }
 
 fn preflight(cli: &Cli) -> Result<i32> {

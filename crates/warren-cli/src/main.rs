@@ -15,6 +15,7 @@ mod cli;
 mod client;
 mod commands;
 mod egress_file;
+mod jobs_cmd;
 mod session_cmd;
 mod term;
 

@@ -349,6 +349,9 @@ impl Warren {
         let mut int = sig(SignalKind::interrupt())?;
         let mut ended_by: Option<i32> = None;
         let (mut out_cursor, mut err_cursor) = (0u64, 0u64);
+        // The retained sizes when the job was first seen finished: the session ends there
+        // (background processes it left may write on; that output stays readable).
+        let mut end: Option<(u64, u64)> = None;
         loop {
             let req = JobOutputRequest {
                 job,
@@ -375,13 +378,23 @@ impl Warren {
                     continue;
                 }
             };
-            write_all(std::io::stdout(), &out.stdout)?;
-            if !tty {
-                write_all(std::io::stderr(), &out.stderr)?;
+            if matches!(out.state, JobState::Finished(_)) && end.is_none() {
+                end = Some((out.stdout_retained, out.stderr_retained));
             }
-            out_cursor += out.stdout.len() as u64;
-            err_cursor += out.stderr.len() as u64;
-            let caught_up = out_cursor >= out.stdout_retained && err_cursor >= out.stderr_retained;
+            let (stdout, stderr) = match end {
+                Some((so, se)) => (
+                    upto(&out.stdout, out_cursor, so),
+                    upto(&out.stderr, err_cursor, se),
+                ),
+                None => (&out.stdout[..], &out.stderr[..]),
+            };
+            write_all(std::io::stdout(), stdout)?;
+            if !tty {
+                write_all(std::io::stderr(), stderr)?;
+            }
+            out_cursor += stdout.len() as u64;
+            err_cursor += stderr.len() as u64;
+            let caught_up = end.is_some_and(|(so, se)| out_cursor >= so && err_cursor >= se);
             if let (JobState::Finished(x), true) = (out.state, caught_up) {
                 if out.truncated {
                     tracing::warn!("output truncated: the rest was discarded");
@@ -393,6 +406,12 @@ impl Warren {
             }
         }
     }
+}
+
+/// The part of `bytes`, read at `cursor`, that lies before `end`.
+fn upto(bytes: &[u8], cursor: u64, end: u64) -> &[u8] {
+    let n = usize::try_from(end.saturating_sub(cursor)).unwrap_or(usize::MAX);
+    &bytes[..bytes.len().min(n)]
 }
 
 fn write_all(mut w: impl Write, bytes: &[u8]) -> Result<(), CoreError> {

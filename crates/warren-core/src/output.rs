@@ -1,8 +1,8 @@
 //! Host-side decoding of job output read with byte cursors.
 //!
 //! Text mode: UTF-8 with an incomplete character at the end of a page held back for the next
-//! read (the cursor stops before it), unless no more bytes can follow (the job finished, or
-//! the retention limit was reached) in which case it becomes U+FFFD. Invalid bytes become
+//! read (the cursor stops before it), unless no more bytes can follow (the output is complete,
+//! or the retention limit was reached) in which case it becomes U+FFFD. Invalid bytes become
 //! U+FFFD and set the stream's `decoding_errors` flag; a literal U+FFFD in valid input does
 //! not. Base64 mode returns the exact bytes.
 
@@ -65,6 +65,13 @@ pub struct OutputPage {
     pub truncated: bool,
     pub timed_out: bool,
     pub cancelled: bool,
+    /// Processes the job left running after its main process exited (`cmd &`, `nohup`,
+    /// daemons); they may still write output. Stop them with vm_job_cancel.
+    pub background_processes: u32,
+    /// No more output can come: the job completed, nothing of it runs and both streams
+    /// reached end of file. Until then background processes may add output; wait_ms waits
+    /// only while the job runs, so poll for it.
+    pub output_complete: bool,
 }
 
 /// Decodes `bytes` read at some cursor. `final_` says no byte can follow them. Returns the
@@ -110,7 +117,7 @@ pub fn page(job_id: &str, cursor: Cursor, out: &JobOutput, encoding: Encoding) -
         JobState::Running => (false, None),
         JobState::Finished(x) => (true, Some(x)),
     };
-    let ended = finished || out.truncated;
+    let ended = out.output_complete || out.truncated;
     let (mut p_stdout, mut p_stderr, mut b_stdout, mut b_stderr, mut flags) =
         (None, None, None, None, None);
     let next = match encoding {
@@ -159,6 +166,8 @@ pub fn page(job_id: &str, cursor: Cursor, out: &JobOutput, encoding: Encoding) -
         truncated: out.truncated,
         timed_out: exit.map(|x| x.timed_out).unwrap_or(false),
         cancelled: exit.map(|x| x.cancelled).unwrap_or(false),
+        background_processes: out.background_processes,
+        output_complete: out.output_complete,
     }
 }
 
@@ -198,6 +207,8 @@ mod tests {
             stderr_retained: 0,
             state: JobState::Running,
             truncated: false,
+            output_complete: false,
+            background_processes: 0,
         };
         let p = page("1", Cursor::default(), &out, Encoding::Utf8);
         assert_eq!(p.stdout.as_deref(), Some("h"));
@@ -212,6 +223,37 @@ mod tests {
     }
 
     #[test]
+    fn test_page_finished_with_background_still_holds_split_char() {
+        let finished = JobState::Finished(warren_protocol::JobExit {
+            code: Some(0),
+            signal: None,
+            timed_out: false,
+            cancelled: false,
+        });
+        let mut out = JobOutput {
+            stdout: vec![b'h', 0xc3],
+            stderr: vec![],
+            stdout_retained: 2,
+            stderr_retained: 0,
+            state: finished,
+            truncated: false,
+            output_complete: false,
+            background_processes: 1,
+        };
+        let p = page("1", Cursor::default(), &out, Encoding::Utf8);
+        assert_eq!(p.state, JobStateName::Completed);
+        assert_eq!((p.stdout.as_deref(), p.next_cursor.stdout), (Some("h"), 1));
+        assert_eq!((p.background_processes, p.output_complete), (1, false));
+        out.output_complete = true;
+        out.background_processes = 0;
+        let p = page("1", Cursor::default(), &out, Encoding::Utf8);
+        assert_eq!(
+            (p.stdout.as_deref(), p.next_cursor.stdout),
+            (Some("h\u{FFFD}"), 2)
+        );
+    }
+
+    #[test]
     fn test_page_base64_exact_bytes() {
         let out = JobOutput {
             stdout: vec![0, 255],
@@ -220,6 +262,8 @@ mod tests {
             stderr_retained: 0,
             state: JobState::Running,
             truncated: false,
+            output_complete: false,
+            background_processes: 0,
         };
         let p = page("1", Cursor::default(), &out, Encoding::Base64);
         assert_eq!(p.stdout_base64.as_deref(), Some("AP8="));

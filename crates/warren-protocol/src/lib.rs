@@ -24,11 +24,12 @@ pub use messages::*;
 
 /// Protocol version spoken by this build. Bump on any incompatible change of [`messages`]
 /// (see `PROTOCOL.md`); the schema snapshot test fails until the bump is deliberate.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
-/// Oldest protocol version this build still speaks. Version 2 added a field to `ExecStart`
-/// and neither side keeps a version-1 encoding of it, so version 1 is no longer spoken.
-pub const MIN_PROTOCOL_VERSION: u32 = 2;
+/// Oldest protocol version this build still speaks. Version 3 added fields to `JobOutput`
+/// and `JobSummary` (background processes) and neither side keeps the version-2 encoding,
+/// so only version 3 is spoken.
+pub const MIN_PROTOCOL_VERSION: u32 = 3;
 
 /// Name of the virtio-serial port carrying the channel (`/sys/class/virtio-ports/*/name`).
 pub const PORT_NAME: &str = "org.warren.agent.0";

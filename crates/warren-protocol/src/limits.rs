@@ -3,8 +3,17 @@
 
 /// Jobs that may run at once in one VM.
 pub const MAX_RUNNING_JOBS: usize = 4;
-/// Job records retained per VM; the oldest finished one is evicted first.
+/// Job records retained per VM; the oldest finished one without background processes is
+/// evicted first.
 pub const MAX_JOB_RECORDS: usize = 256;
+/// Jobs whose cgroup holds processes at once: the running jobs plus the finished jobs whose
+/// background processes still run. A start is refused (`QuotaExceeded`) while this many
+/// hold processes; their records are never evicted.
+pub const MAX_LIVE_JOBS: usize = 16;
+/// Processes `JobList` names per job with background processes (it counts them all).
+pub const MAX_LISTED_PROCESSES: usize = 16;
+/// Longest command `JobList` reports per job, in bytes (cut at a character boundary).
+pub const MAX_JOB_COMMAND_BYTES: usize = 256;
 /// Output bytes retained per job across stdout and stderr together.
 pub const MAX_RETAINED_OUTPUT: u64 = 256 * 1024;
 /// Bytes returned per stream per output read.

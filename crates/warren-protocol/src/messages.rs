@@ -29,7 +29,8 @@ pub enum HostRequest {
     ExecStart(ExecStart),
     /// Reads retained output at byte cursors, optionally waiting for news.
     JobOutput(JobOutputRequest),
-    /// Kills a running job's whole cgroup.
+    /// Kills a job's whole cgroup: a running job and everything it started, or the
+    /// background processes a finished job left running.
     JobCancel(JobId),
     /// Reads part of a file below /workspace.
     FileRead(FileRead),
@@ -122,6 +123,20 @@ pub struct Thaw {
 pub struct JobSummary {
     pub id: JobId,
     pub state: JobState,
+    /// The job's argv joined with spaces, cut to at most `MAX_JOB_COMMAND_BYTES`.
+    pub command: String,
+    /// Processes still in the job's cgroup after its main process exited (0 while it runs).
+    pub background_processes: u32,
+    /// Some of those processes (at most `MAX_LISTED_PROCESSES`, lowest pids first).
+    pub processes: Vec<ProcessInfo>,
+}
+
+/// A process of a job's cgroup.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessInfo {
+    pub pid: u32,
+    /// Its `comm` (at most 15 bytes).
+    pub name: String,
 }
 
 /// Every response body is this, postcard-encoded.
@@ -276,7 +291,9 @@ pub struct JobExit {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum JobState {
     Running,
-    /// The main process ended, its cgroup is empty and both pipes reached end of file.
+    /// The main process ended. Processes it left in the job's cgroup may still run and
+    /// write to the job's pipes: see `JobOutput::background_processes` and
+    /// `JobOutput::output_complete`.
     Finished(JobExit),
 }
 
@@ -292,6 +309,12 @@ pub struct JobOutput {
     pub state: JobState,
     /// Output beyond the retention limit was discarded.
     pub truncated: bool,
+    /// No byte can follow: the job finished, its cgroup is empty and both pipes reached end
+    /// of file. Until then background processes may still append output (a long-poll waits
+    /// only while the main process runs, so it is read by polling).
+    pub output_complete: bool,
+    /// Processes still in the job's cgroup after its main process exited (0 while it runs).
+    pub background_processes: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -745,6 +768,8 @@ mod tests {
                         cancelled: true,
                     }),
                     truncated: true,
+                    output_complete: false,
+                    background_processes: 2,
                 }))),
             ),
             ("rsp.cancel", rsp(Ok(GuestResponse::JobCancelled))),
@@ -776,6 +801,12 @@ mod tests {
                 rsp(Ok(GuestResponse::Jobs(vec![JobSummary {
                     id: JobId(3),
                     state: JobState::Running,
+                    command: "python3 -m http.server".into(),
+                    background_processes: 1,
+                    processes: vec![ProcessInfo {
+                        pid: 42,
+                        name: "python3".into(),
+                    }],
                 }]))),
             ),
             ("rsp.input_written", rsp(Ok(GuestResponse::InputWritten))),

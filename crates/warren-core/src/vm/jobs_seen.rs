@@ -40,6 +40,13 @@ pub struct SeenJob {
     pub stdout_retained: u64,
     pub stderr_retained: u64,
     pub truncated: bool,
+    /// Processes the job had left running after its main process exited (frozen with the
+    /// VM). Records made before background processes existed read as 0.
+    #[serde(default)]
+    pub background_processes: u32,
+    /// No more output could come when it was seen.
+    #[serde(default)]
+    pub output_complete: bool,
 }
 
 impl SeenJob {
@@ -50,6 +57,8 @@ impl SeenJob {
             stdout_retained: o.stdout_retained,
             stderr_retained: o.stderr_retained,
             truncated: o.truncated,
+            background_processes: o.background_processes,
+            output_complete: o.output_complete,
         }
     }
 }
@@ -266,6 +275,8 @@ mod tests {
                 stdout_retained: 3,
                 stderr_retained: 0,
                 truncated: false,
+                background_processes: 1,
+                output_complete: false,
             }],
         };
         write(&dir, &seen).expect("write");

@@ -11,8 +11,9 @@ use crate::store::{VmRecord, VmState};
 
 impl Warren {
     /// Suspends a running VM: `Pause` keeps its RAM in the VMM; `Hibernate` writes memory and
-    /// device state to its directory and ends the VMM. Active jobs refuse it with `busy`
-    /// unless `force` (they are frozen either way and keep their timeout budgets).
+    /// device state to its directory and ends the VMM. Running jobs and background processes
+    /// left by finished jobs refuse it with `busy` unless `force` (they are frozen either way,
+    /// jobs keep their timeout budgets, and everything continues on resume).
     pub async fn suspend_vm(
         &self,
         id: &str,
@@ -39,9 +40,15 @@ impl Warren {
                 .flatten()
                 .filter(|j| j.state == warren_protocol::JobState::Running)
                 .count();
-            if running > 0 && !force {
+            // Background processes a finished job left (a dev server) are work too.
+            let background: u64 = list
+                .iter()
+                .flatten()
+                .map(|j| u64::from(j.background_processes))
+                .sum();
+            if (running > 0 || background > 0) && !force {
                 return Err(CoreError::Busy(format!(
-                    "{running} job(s) running in {id}; pass force to freeze them"
+                    "{running} job(s) running and {background} background process(es) in {id}; pass force to freeze them"
                 )));
             }
             // What a status call answers while the VM is suspended (`jobs_seen`).
@@ -223,8 +230,9 @@ impl Warren {
             .collect()
     }
 
-    /// Suspends one idle VM (from [`Warren::idle_vms`]) unless a job runs in it. `None`: a
-    /// job runs, so the VM stays up and its idle clock starts again. Each VM's suspension is
+    /// Suspends one idle VM (from [`Warren::idle_vms`]) unless a job or a background process
+    /// of a finished job runs in it. `None`: something runs, so the VM stays up and its idle
+    /// clock starts again. Each VM's suspension is
     /// independent (its own supervisor, every call under its deadline), so the idle policy
     /// runs them concurrently and a silent guest holds only its own.
     pub async fn suspend_idle_vm(

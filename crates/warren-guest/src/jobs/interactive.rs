@@ -183,6 +183,7 @@ pub(super) async fn drain_terminal(job: Arc<Job>, master: Arc<pty::Master>, max_
         match master.read(&mut buf).await {
             Ok(0) => return,
             Ok(n) => {
+                job.consumed(n);
                 job.append_flow(Stream::Stdout, &buf[..n], max_retained)
                     .await;
             }

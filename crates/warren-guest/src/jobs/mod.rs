@@ -7,9 +7,18 @@
 //!   most `max_retained` bytes across both streams and discarding the rest (`truncated`), so a
 //!   command never blocks on output whatever the host does;
 //! - an optional stdin task writes the given bytes and closes the pipe;
-//! - a supervisor task waits for the main process's status (from the [`Reaper`], never from
-//!   `Child::wait`), fires the timeout, kills whatever remains of the job once the main process
-//!   ended, waits for both drains, marks the job `Finished`, then removes its cgroup.
+//! - a supervisor task ([`supervise`]) waits for the main process's status (from the
+//!   [`Reaper`], never from `Child::wait`) and fires the timeout. When the main process ends the
+//!   job is `Finished` at once (exit status, output so far). Whatever it left in its cgroup
+//!   (background processes, [`leftovers`]) runs on, and the drains keep reading the pipes
+//!   those processes inherited, until the cgroup is empty and both pipes reached end of file
+//!   (`output_complete`), the job is cancelled, or its timeout fires (both kill the whole
+//!   cgroup). Then the cgroup is removed.
+//!
+//! Limits: a job takes one of `max_running` slots while its main process runs, and counts
+//! against `max_live` (jobs holding processes) until its cgroup is empty. A record is evicted
+//! (oldest first, when `max_records` are retained) only once its cgroup is empty, so records
+//! never outnumber what they describe.
 //!
 //! Idempotent starts: an `ExecStart` with a `request_key` is looked up in the table's
 //! [`RequestKeys`] and recorded there in the same critical section that takes the running slot
@@ -28,66 +37,37 @@
 //! long-polling output readers.
 
 use std::collections::BTreeMap;
-use std::ffi::CString;
-use std::fs::{self, File, OpenOptions};
-use std::io;
-use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::PermissionsExt;
+use std::fs;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
-use tokio::sync::{oneshot, watch};
-use tokio::task::JoinHandle;
+use tokio::sync::watch;
 use warren_protocol::limits::{
-    MAX_ARGV, MAX_ENV, MAX_JOB_RECORDS, MAX_OUTPUT_WAIT_MS, MAX_READ_PER_STREAM, MAX_REQUEST_KEYS,
-    MAX_REQUEST_KEY_BYTES, MAX_RETAINED_OUTPUT, MAX_RUNNING_JOBS, MAX_STDIN_BYTES,
+    MAX_ARGV, MAX_ENV, MAX_JOB_RECORDS, MAX_LISTED_PROCESSES, MAX_LIVE_JOBS, MAX_OUTPUT_WAIT_MS,
+    MAX_READ_PER_STREAM, MAX_REQUEST_KEYS, MAX_REQUEST_KEY_BYTES, MAX_RETAINED_OUTPUT,
+    MAX_RUNNING_JOBS, MAX_STDIN_BYTES,
 };
 use warren_protocol::{
-    BenchReply, ErrorCode, ExecStart, GuestError, JobExit, JobId, JobOutput, JobOutputRequest,
-    JobState, WindowSize,
+    BenchReply, ErrorCode, ExecStart, GuestError, JobId, JobOutput, JobOutputRequest, JobState,
+    WindowSize,
 };
 
 use crate::files::{self, FilesConfig};
 use crate::pty;
-use crate::reaper::{ExitStatus, Reaper};
+use crate::reaper::Reaper;
 use crate::request_keys::{Lookup, RequestKeys};
-use crate::sys::spawn::SpawnRequest;
-use crate::sys::ChildSetup;
-
-/// Environment every job starts from; the request's `env` overrides it.
-const BASE_ENV: [(&str, &str); 6] = [
-    (
-        "PATH",
-        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    ),
-    ("HOME", "/home/user"),
-    ("USER", "user"),
-    ("LOGNAME", "user"),
-    ("LANG", "C.UTF-8"),
-    ("TERM", "dumb"),
-];
-
-/// `TERM` of terminal jobs unless the request sets one.
-const TERMINAL_TERM: &str = "xterm-256color";
+use launch::spawn_error;
 
 /// Most iterations one `ForkExecWait` bench request may ask for (bounds its duration).
 pub const MAX_BENCH_ITERATIONS: u32 = 10_000;
 
-/// How long to keep retrying `rmdir` of a job cgroup the kernel still reports populated.
-const CGROUP_RMDIR_ATTEMPTS: u32 = 200;
-const CGROUP_RMDIR_PAUSE: Duration = Duration::from_millis(10);
-
 const DRAIN_CHUNK: usize = 64 * 1024;
-
-/// How long an interactive job's remaining output waits for the host once its processes
-/// are gone (see `supervise`).
-const INTERACTIVE_CLOSE_GRACE: Duration = Duration::from_secs(30);
 
 /// How the processes of a job are tracked and killed.
 #[derive(Debug, Clone)]
@@ -109,6 +89,8 @@ pub struct JobsConfig {
     pub containment: Containment,
     pub max_running: usize,
     pub max_records: usize,
+    /// Jobs whose cgroup holds processes (running, or finished with background processes).
+    pub max_live: usize,
     pub max_retained: u64,
     /// Exec request keys remembered (the most recent ones).
     pub max_request_keys: usize,
@@ -122,6 +104,7 @@ impl JobsConfig {
             containment: Containment::Cgroup(cgroup_jobs_dir),
             max_running: MAX_RUNNING_JOBS,
             max_records: MAX_JOB_RECORDS,
+            max_live: MAX_LIVE_JOBS,
             max_retained: MAX_RETAINED_OUTPUT,
             max_request_keys: MAX_REQUEST_KEYS,
         }
@@ -155,6 +138,13 @@ struct JobData {
     /// Interactive jobs only: the main process ended and the host did not read the rest in
     /// time, so output beyond the window is discarded instead of waited for.
     closing: bool,
+    /// The job's cgroup (or process group) may hold processes: from its reservation until
+    /// the supervisor task saw it empty. Counts against `max_live`; blocks eviction.
+    live: bool,
+    /// Processes left in the cgroup after the main process exited, as last counted.
+    background: u32,
+    /// No byte can follow: finished, cgroup empty, both drains at end of file.
+    output_complete: bool,
 }
 
 /// How a job's stdin, stdout and stderr are connected.
@@ -177,6 +167,12 @@ enum InputSink {
 struct Job {
     id: JobId,
     cgroup: Option<PathBuf>,
+    /// The argv, joined and cut for `JobList`.
+    command: String,
+    /// Woken by a kill, so the supervisor task counts the remaining processes at once.
+    kicked: tokio::sync::Notify,
+    /// Bytes the drains read from the pipes or the terminal so far (kept or not).
+    read_total: AtomicU64,
     data: Mutex<JobData>,
     /// Bumped after every change of `data`.
     changed: watch::Sender<u64>,
@@ -200,6 +196,15 @@ impl Job {
 
     fn is_running(&self) -> bool {
         matches!(self.data().state, JobState::Running)
+    }
+
+    fn is_live(&self) -> bool {
+        self.data().live
+    }
+
+    /// Counts bytes a drain read.
+    fn consumed(&self, n: usize) {
+        self.read_total.fetch_add(n as u64, Ordering::Relaxed);
     }
 
     fn terminal(&self) -> MutexGuard<'_, Option<Arc<pty::Master>>> {
@@ -231,18 +236,21 @@ impl Job {
         }
     }
 
-    /// Kills every process of the job; records `reason` unless one was recorded before.
+    /// Kills every process of the job: a running one with everything it started, a finished
+    /// one's background processes. Records `reason` while the main process runs, unless one
+    /// was recorded before (a finished job's exit status stays its main process's).
     fn kill(&self, reason: Option<KillReason>) {
         let pid = {
             let mut d = self.data();
-            if !matches!(d.state, JobState::Running) {
+            if !d.live {
                 return;
             }
-            if d.kill.is_none() {
+            if d.kill.is_none() && matches!(d.state, JobState::Running) {
                 d.kill = reason;
             }
             d.pid
         };
+        self.kicked.notify_one();
         match &self.cgroup {
             Some(dir) => {
                 if let Err(e) = fs::write(dir.join("cgroup.kill"), b"1") {
@@ -288,7 +296,6 @@ impl Job {
         let take =
             |buf: &[u8], off: usize| buf[off..buf.len().min(off.saturating_add(max))].to_vec();
         let caught_up = out_off == d.stdout.len() && err_off == d.stderr.len();
-        let running = matches!(d.state, JobState::Running);
         let out = JobOutput {
             stdout: take(&d.stdout, out_off),
             stderr: take(&d.stderr, err_off),
@@ -296,7 +303,13 @@ impl Job {
             stderr_retained: d.stderr_base + d.stderr.len() as u64,
             state: d.state,
             truncated: d.truncated,
+            output_complete: d.output_complete,
+            background_processes: d.background,
         };
+        // Waits are for output or the main process's end: once it ended, a read answers at
+        // once (background processes' later output is read by polling), so a reader that
+        // waits for the end never waits on a background process.
+        let running = matches!(d.state, JobState::Running);
         Ok((out, caught_up && running))
     }
 }
@@ -382,65 +395,6 @@ pub fn validate_exec(req: &ExecStart) -> Result<(), GuestError> {
     Ok(())
 }
 
-/// The job's environment: the base environment (with `TERM=xterm-256color` on a terminal)
-/// overridden by the request's entries.
-fn job_env(
-    base: &[(String, String)],
-    extra: &[(String, String)],
-    terminal: bool,
-) -> Vec<(String, String)> {
-    let mut env: BTreeMap<String, String> = BASE_ENV
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .chain(base.iter().cloned())
-        .collect();
-    if terminal {
-        env.insert("TERM".into(), TERMINAL_TERM.into());
-    }
-    for (k, v) in extra {
-        env.insert(k.clone(), v.clone());
-    }
-    env.into_iter().collect()
-}
-
-/// Finds `program` the way `execvp` does: as given when it contains a `/` (relative ones are
-/// resolved by `execve` against the job's working directory), otherwise the first executable
-/// regular file of that name in the job's `PATH`.
-fn resolve_program(program: &str, env: &[(String, String)]) -> io::Result<CString> {
-    let nul = || io::Error::new(io::ErrorKind::InvalidInput, "program contains NUL");
-    if program.contains('/') {
-        return CString::new(program).map_err(|_| nul());
-    }
-    let path = env
-        .iter()
-        .find(|(k, _)| k == "PATH")
-        .map(|(_, v)| v.as_str())
-        .unwrap_or_default();
-    for dir in path.split(':').filter(|d| !d.is_empty()) {
-        let candidate = PathBuf::from(dir).join(program);
-        if let Ok(meta) = fs::metadata(&candidate) {
-            if meta.is_file() && meta.permissions().mode() & 0o111 != 0 {
-                return CString::new(candidate.into_os_string().into_encoded_bytes())
-                    .map_err(|_| nul());
-            }
-        }
-    }
-    Err(io::Error::new(io::ErrorKind::NotFound, "not found in PATH"))
-}
-
-fn spawn_error(program: &str, err: &io::Error) -> GuestError {
-    match err.kind() {
-        io::ErrorKind::NotFound => {
-            GuestError::new(ErrorCode::NotFound, format!("command not found: {program}"))
-        }
-        io::ErrorKind::PermissionDenied => GuestError::new(
-            ErrorCode::PermissionDenied,
-            format!("permission denied: {program}"),
-        ),
-        _ => GuestError::new(ErrorCode::Io, format!("spawn {program}: {err}")),
-    }
-}
-
 fn internal(what: &str, err: impl std::fmt::Display) -> GuestError {
     GuestError::new(ErrorCode::Internal, format!("{what}: {err}"))
 }
@@ -492,6 +446,7 @@ impl JobManager {
         &self,
         key: Option<(String, [u8; 32])>,
         io: JobIo,
+        argv: &[String],
     ) -> Result<Reservation, GuestError> {
         let mut t = self.table();
         if let Some((k, digest)) = &key {
@@ -513,20 +468,29 @@ impl JobManager {
                 format!("at most {} jobs may run at once", self.cfg.max_running),
             ));
         }
+        let live = t.jobs.values().filter(|j| j.is_live()).count();
+        if live >= self.cfg.max_live {
+            return Err(GuestError::new(
+                ErrorCode::QuotaExceeded,
+                format!(
+                    "at most {} jobs may hold processes at once ({} finished with background processes still running); cancel one",
+                    self.cfg.max_live,
+                    live - running
+                ),
+            ));
+        }
         if t.jobs.len() >= self.cfg.max_records {
-            let oldest_finished = t
-                .jobs
-                .iter()
-                .find(|(_, j)| !j.is_running())
-                .map(|(id, _)| *id);
-            match oldest_finished {
+            // Only a record whose processes are all gone goes: a job with background
+            // processes stays listed (and cancellable) while they run.
+            let oldest_done = t.jobs.iter().find(|(_, j)| !j.is_live()).map(|(id, _)| *id);
+            match oldest_done {
                 Some(id) => {
                     t.jobs.remove(&id);
                 }
                 None => {
                     return Err(GuestError::new(
                         ErrorCode::QuotaExceeded,
-                        "job records are full and none has finished",
+                        "job records are full and every one still has processes",
                     ))
                 }
             }
@@ -540,6 +504,9 @@ impl JobManager {
         let job = Arc::new(Job {
             id,
             cgroup,
+            command: leftovers::command_line(argv),
+            kicked: tokio::sync::Notify::new(),
+            read_total: AtomicU64::new(0),
             data: Mutex::new(JobData {
                 stdout: Vec::new(),
                 stderr: Vec::new(),
@@ -550,6 +517,9 @@ impl JobManager {
                 stdout_base: 0,
                 stderr_base: 0,
                 closing: false,
+                live: true,
+                background: 0,
+                output_complete: false,
             }),
             changed: watch::Sender::new(0),
             io,
@@ -591,7 +561,7 @@ impl JobManager {
         // Nothing below awaits: on the agent's single-threaded runtime a start runs to its end
         // before another request is polled, so a duplicate never sees a reserved job whose
         // launch then fails.
-        let job = match self.reserve(key, io)? {
+        let job = match self.reserve(key, io, &req.argv)? {
             Reservation::New(job) => job,
             Reservation::Existing(id) => return Ok(id),
         };
@@ -616,175 +586,6 @@ impl JobManager {
         }
     }
 
-    fn launch(
-        self: &Arc<Self>,
-        job: &Arc<Job>,
-        req: ExecStart,
-        cwd: OwnedFd,
-    ) -> Result<(), GuestError> {
-        let cgroup_procs = match &job.cgroup {
-            Some(dir) => {
-                fs::create_dir(dir).map_err(|e| internal("create job cgroup", e))?;
-                let procs = OpenOptions::new()
-                    .write(true)
-                    .open(dir.join("cgroup.procs"))
-                    .map_err(|e| internal("open cgroup.procs", e))?;
-                Some(OwnedFd::from(procs))
-            }
-            None => None,
-        };
-        let terminal_size = match job.io {
-            JobIo::Terminal(size) => Some(size),
-            JobIo::Batch | JobIo::Pipe => None,
-        };
-        let base = self
-            .extra_env
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let env = job_env(&base, &req.env, terminal_size.is_some());
-        let program =
-            resolve_program(&req.argv[0], &env).map_err(|e| spawn_error(&req.argv[0], &e))?;
-        let to_c = |s: &str| CString::new(s).map_err(|_| invalid("argument contains NUL"));
-        let argv = req
-            .argv
-            .iter()
-            .map(|a| to_c(a))
-            .collect::<Result<Vec<_>, _>>()?;
-        let envp = env
-            .iter()
-            .map(|(k, v)| to_c(&format!("{k}={v}")))
-            .collect::<Result<Vec<_>, _>>()?;
-        let pipe = || {
-            rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
-                .map_err(|e| internal("pipe", io::Error::from(e)))
-        };
-        if let Some(size) = terminal_size {
-            let pair = pty::open(size, self.cfg.files.user)
-                .map_err(|e| internal("open pseudo-terminal", e))?;
-            let setup = ChildSetup {
-                new_session: true,
-                controlling_terminal: true,
-                cgroup_procs,
-                user: self.cfg.files.user,
-                cwd: Some(cwd),
-            };
-            let spawn_req = SpawnRequest {
-                program: &program,
-                argv: &argv,
-                envp: &envp,
-                stdin: pair.slave.as_fd(),
-                stdout: pair.slave.as_fd(),
-                stderr: pair.slave.as_fd(),
-                setup: &setup,
-            };
-            let master =
-                Arc::new(pty::Master::new(pair.master).map_err(|e| internal("terminal", e))?);
-            let (pid, exit) = self
-                .reaper
-                .spawn_with(|| crate::sys::spawn::spawn(&spawn_req))
-                .map_err(|e| spawn_error(&req.argv[0], &e))?;
-            // Only the job holds the slave now: the master reads EIO once it is gone.
-            drop((pair.slave, setup));
-            job.data().pid = Some(pid);
-            *job.terminal() = Some(master.clone());
-            if let Ok(mut input) = job.input.try_lock() {
-                *input = Some(InputSink::Terminal(master.clone()));
-            }
-            let drains = vec![tokio::spawn(interactive::drain_terminal(
-                job.clone(),
-                master,
-                self.cfg.max_retained,
-            ))];
-            self.supervise(job, exit, drains, req.timeout_ms);
-            return Ok(());
-        }
-        let (out_r, out_w) = pipe()?;
-        let (err_r, err_w) = pipe()?;
-        let (stdin_child, stdin_parent) = if req.stdin.is_some() || job.io == JobIo::Pipe {
-            let (r, w) = pipe()?;
-            (r, Some(w))
-        } else {
-            let null = File::open("/dev/null").map_err(|e| internal("open /dev/null", e))?;
-            (OwnedFd::from(null), None)
-        };
-        let setup = ChildSetup {
-            new_session: true,
-            controlling_terminal: false,
-            cgroup_procs,
-            user: self.cfg.files.user,
-            cwd: Some(cwd),
-        };
-        let spawn_req = SpawnRequest {
-            program: &program,
-            argv: &argv,
-            envp: &envp,
-            stdin: stdin_child.as_fd(),
-            stdout: out_w.as_fd(),
-            stderr: err_w.as_fd(),
-            setup: &setup,
-        };
-        let (pid, exit) = self
-            .reaper
-            .spawn_with(|| crate::sys::spawn::spawn(&spawn_req))
-            .map_err(|e| spawn_error(&req.argv[0], &e))?;
-        // The child has its copies; closing ours lets the pipes reach end of file.
-        drop((stdin_child, out_w, err_w, setup));
-        job.data().pid = Some(pid);
-
-        let stdin_parent = match (stdin_parent, job.io) {
-            (Some(fd), JobIo::Pipe) => {
-                let tx = pipe::Sender::from_owned_fd(fd).map_err(|e| internal("stdin pipe", e))?;
-                if let Ok(mut input) = job.input.try_lock() {
-                    *input = Some(InputSink::Pipe(tx));
-                }
-                None
-            }
-            (fd, _) => fd,
-        };
-
-        if let (Some(fd), Some(data)) = (stdin_parent, req.stdin) {
-            match pipe::Sender::from_owned_fd(fd) {
-                Ok(mut tx) => {
-                    tokio::spawn(async move {
-                        // EPIPE when the job does not read everything: fine.
-                        let _ = tx.write_all(&data).await;
-                    });
-                }
-                Err(e) => crate::console::log(format_args!("job {}: stdin: {e}", job.id)),
-            }
-        }
-        let mut drains = Vec::with_capacity(2);
-        for (fd, stream) in [(out_r, Stream::Stdout), (err_r, Stream::Stderr)] {
-            let rx = pipe::Receiver::from_owned_fd(fd).map_err(|e| internal("output pipe", e))?;
-            drains.push(tokio::spawn(drain(
-                job.clone(),
-                rx,
-                stream,
-                self.cfg.max_retained,
-            )));
-        }
-        self.supervise(job, exit, drains, req.timeout_ms);
-        Ok(())
-    }
-
-    /// Starts the task that ends the job (see [`supervise`]).
-    fn supervise(
-        &self,
-        job: &Arc<Job>,
-        exit: oneshot::Receiver<ExitStatus>,
-        drains: Vec<JoinHandle<()>>,
-        timeout_ms: Option<u64>,
-    ) {
-        let timeout = timeout_ms.map(|t| Budget {
-            start: tokio::time::Instant::now(),
-            budget: Duration::from_millis(t),
-            frozen_before: self.suspension.borrow().total,
-            clock: self.suspension.subscribe(),
-        });
-        tokio::spawn(supervise(job.clone(), exit, drains, timeout));
-    }
-
     /// Reads output at the request's cursors, long-polling when asked and nothing is new.
     pub async fn output(&self, req: &JobOutputRequest) -> Result<JobOutput, GuestError> {
         let job = self.get(req.job)?;
@@ -799,13 +600,28 @@ impl JobManager {
         Ok(job.read(req)?.0)
     }
 
-    /// Every retained job and its state, oldest first.
+    /// Every retained job with its state and background processes, oldest first.
     pub fn list(&self) -> Vec<warren_protocol::JobSummary> {
         let jobs: Vec<Arc<Job>> = self.table().jobs.values().cloned().collect();
         jobs.iter()
-            .map(|j| warren_protocol::JobSummary {
-                id: j.id,
-                state: j.data().state,
+            .map(|j| {
+                let (state, background) = {
+                    let d = j.data();
+                    (d.state, d.live && !matches!(d.state, JobState::Running))
+                };
+                // Counted afresh (the supervisor task's count may be up to a poll old).
+                let (background_processes, processes) = if background {
+                    leftovers::processes(j, MAX_LISTED_PROCESSES)
+                } else {
+                    (0, Vec::new())
+                };
+                warren_protocol::JobSummary {
+                    id: j.id,
+                    state,
+                    command: j.command.clone(),
+                    background_processes,
+                    processes,
+                }
             })
             .collect()
     }
@@ -842,7 +658,9 @@ impl JobManager {
         Ok(())
     }
 
-    /// Kills a running job's processes; a finished job is left as it is.
+    /// Kills a job's whole cgroup: a running job and everything it started, or the background
+    /// processes of a finished one (its exit status stays). A job whose processes are all
+    /// gone is left as it is.
     pub fn cancel(&self, id: JobId) -> Result<(), GuestError> {
         self.get(id)?.kill(Some(KillReason::Cancel));
         Ok(())
@@ -879,146 +697,13 @@ impl JobManager {
     }
 }
 
-async fn drain(job: Arc<Job>, mut rx: pipe::Receiver, stream: Stream, max_retained: u64) {
-    let mut buf = vec![0u8; DRAIN_CHUNK];
-    loop {
-        match rx.read(&mut buf).await {
-            Ok(0) => return,
-            Ok(n) if job.io == JobIo::Batch => job.append(stream, &buf[..n], max_retained),
-            Ok(n) => job.append_flow(stream, &buf[..n], max_retained).await,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                crate::console::log(format_args!("job {}: read output: {e}", job.id));
-                return;
-            }
-        }
-    }
-}
-
-/// A job's timeout: `budget` of unfrozen time from `start`.
-struct Budget {
-    start: tokio::time::Instant,
-    budget: Duration,
-    /// Frozen time before the job started (not the job's).
-    frozen_before: Duration,
-    clock: watch::Receiver<Suspension>,
-}
-
-impl Budget {
-    /// Resolves once the job has run for its budget, not counting frozen time.
-    async fn spent(mut self) {
-        loop {
-            let s = *self.clock.borrow_and_update();
-            if s.frozen_since.is_none() {
-                let deadline = self.start + self.budget + (s.total - self.frozen_before);
-                tokio::select! {
-                    () = tokio::time::sleep_until(deadline) => return,
-                    r = self.clock.changed() => if r.is_err() { return },
-                }
-            } else if self.clock.changed().await.is_err() {
-                return;
-            }
-        }
-    }
-}
-
-async fn supervise(
-    job: Arc<Job>,
-    mut exit: oneshot::Receiver<ExitStatus>,
-    drains: Vec<JoinHandle<()>>,
-    timeout: Option<Budget>,
-) {
-    let deadline = async {
-        match timeout {
-            Some(b) => b.spent().await,
-            None => std::future::pending().await,
-        }
-    };
-    tokio::pin!(deadline);
-    let mut timed_out = false;
-    let status = loop {
-        tokio::select! {
-            status = &mut exit => break status.ok(),
-            () = &mut deadline, if !timed_out => {
-                timed_out = true;
-                job.kill(Some(KillReason::Timeout));
-            }
-        }
-    };
-    // The main process ended: whatever it left behind goes too.
-    job.kill(None);
-    let drained = async {
-        for d in drains {
-            let _ = d.await;
-        }
-    };
-    tokio::pin!(drained);
-    // An interactive job's drains wait for the host to read; once its processes are gone,
-    // give the host this long before discarding what does not fit.
-    let closing = tokio::time::sleep(INTERACTIVE_CLOSE_GRACE);
-    tokio::pin!(closing);
-    let mut closed = job.io == JobIo::Batch;
-    loop {
-        tokio::select! {
-            () = &mut drained => break,
-            () = &mut closing, if !closed => {
-                closed = true;
-                job.data().closing = true;
-                job.room.notify_waiters();
-            }
-            () = &mut deadline, if !timed_out => {
-                timed_out = true;
-                job.kill(Some(KillReason::Timeout));
-            }
-        }
-    }
-    {
-        let mut d = job.data();
-        let (code, signal) = match status {
-            Some(ExitStatus::Code(c)) => (Some(c), None),
-            Some(ExitStatus::Signal(s)) => (None, Some(s)),
-            None => (None, None),
-        };
-        d.state = JobState::Finished(JobExit {
-            code,
-            signal,
-            timed_out: d.kill == Some(KillReason::Timeout),
-            cancelled: d.kill == Some(KillReason::Cancel),
-        });
-    }
-    job.bump();
-    // Interactive input ends with the job; a pending `JobInput` saw the bump and gives up
-    // the lock. Dropping the last reference to a terminal master closes it.
-    job.terminal().take();
-    job.input.lock().await.take();
-    if let Some(dir) = &job.cgroup {
-        remove_cgroup(job.id, dir).await;
-    }
-}
-
-async fn remove_cgroup(id: JobId, dir: &std::path::Path) {
-    for _ in 0..CGROUP_RMDIR_ATTEMPTS {
-        match fs::remove_dir(dir) {
-            Ok(()) => return,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return,
-            // EBUSY: killed processes are still leaving the cgroup.
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-                tokio::time::sleep(CGROUP_RMDIR_PAUSE).await;
-            }
-            Err(e) => {
-                crate::console::log(format_args!("job {id}: remove cgroup: {e}"));
-                return;
-            }
-        }
-    }
-    crate::console::log(format_args!(
-        "job {id}: cgroup still populated, left in place"
-    ));
-}
-
-#[path = "jobs_interactive.rs"]
 mod interactive;
+mod launch;
+mod leftovers;
+mod supervise;
 
 #[cfg(test)]
-#[path = "jobs_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+mod leftover_tests;

@@ -12,9 +12,10 @@ use warren_protocol::{ExecInteractive, JobResize};
 
 use super::*;
 use crate::reaper::ReapMode;
+use warren_protocol::JobExit;
 
 /// A cgroup v2 directory for one test, removed on drop.
-struct TestCgroup(PathBuf);
+pub(super) struct TestCgroup(PathBuf);
 
 impl Drop for TestCgroup {
     fn drop(&mut self) {
@@ -30,7 +31,7 @@ impl Drop for TestCgroup {
     }
 }
 
-fn test_cgroup() -> Option<TestCgroup> {
+pub(super) fn test_cgroup() -> Option<TestCgroup> {
     static SEQ: AtomicU32 = AtomicU32::new(0);
     for base in ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"] {
         let base = Path::new(base);
@@ -53,8 +54,8 @@ fn test_cgroup() -> Option<TestCgroup> {
     None
 }
 
-struct Fixture {
-    jobs: Arc<JobManager>,
+pub(super) struct Fixture {
+    pub(super) jobs: Arc<JobManager>,
     ws: TempDir,
     _cgroup: Option<TestCgroup>,
 }
@@ -67,7 +68,10 @@ fn fixture_with(cgroup: Option<TestCgroup>, max_running: usize, max_records: usi
 }
 
 /// A fixture with the protocol's limits, then `edit` applied to its configuration.
-fn fixture_cfg(cgroup: Option<TestCgroup>, edit: impl FnOnce(&mut JobsConfig)) -> Fixture {
+pub(super) fn fixture_cfg(
+    cgroup: Option<TestCgroup>,
+    edit: impl FnOnce(&mut JobsConfig),
+) -> Fixture {
     let ws = tempfile::tempdir().expect("tempdir");
     let containment = match &cgroup {
         Some(cg) => Containment::Cgroup(cg.0.clone()),
@@ -81,6 +85,7 @@ fn fixture_cfg(cgroup: Option<TestCgroup>, edit: impl FnOnce(&mut JobsConfig)) -
         containment,
         max_running: MAX_RUNNING_JOBS,
         max_records: MAX_JOB_RECORDS,
+        max_live: MAX_LIVE_JOBS,
         max_retained: MAX_RETAINED_OUTPUT,
         max_request_keys: MAX_REQUEST_KEYS,
     };
@@ -93,7 +98,7 @@ fn fixture_cfg(cgroup: Option<TestCgroup>, edit: impl FnOnce(&mut JobsConfig)) -
     }
 }
 
-fn fixture() -> Fixture {
+pub(super) fn fixture() -> Fixture {
     fixture_with(test_cgroup(), MAX_RUNNING_JOBS, MAX_JOB_RECORDS)
 }
 
@@ -131,7 +136,7 @@ fn remembered_keys(f: &Fixture) -> usize {
     f.jobs.table().keys.len()
 }
 
-fn sh(script: &str) -> ExecStart {
+pub(super) fn sh(script: &str) -> ExecStart {
     exec(&["sh", "-c", script])
 }
 
@@ -396,7 +401,7 @@ async fn test_timeout_process_group_fallback_kills_job() {
 }
 
 #[tokio::test]
-async fn test_main_exit_kills_background_leftovers() {
+async fn test_main_exit_finishes_job_background_process_runs_on() {
     let f = fixture();
     let started = Instant::now();
     let id = f
@@ -408,6 +413,10 @@ async fn test_main_exit_kills_background_leftovers() {
     assert_eq!(end.stdout, b"done\n");
     assert_eq!(end.exit.code, Some(0));
     assert!(started.elapsed() < Duration::from_secs(10));
+    let o = f.jobs.output(&req(id, 5, 0, 0)).await.expect("output");
+    assert_eq!(o.background_processes, 1, "the sleep runs on");
+    assert!(!o.output_complete, "the sleep holds the pipes");
+    f.jobs.cancel(id).expect("cancel");
 }
 
 #[tokio::test]
