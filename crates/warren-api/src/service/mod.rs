@@ -1,13 +1,19 @@
 //! The one implementation behind both transports: argument validation, authorization,
 //! idempotency and the engine calls. HTTP and MCP only move JSON in and out of [`Service::call`].
 
+mod files;
+mod sessions;
+mod tool_defs;
+
+pub use sessions::session_info;
+pub use tool_defs::{tool_defs, ToolDef};
+
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -49,15 +55,6 @@ fn search_limit(limit: Option<u32>, default: u32) -> Result<u32, ApiError> {
     Ok(limit)
 }
 
-/// One tool as both transports advertise it.
-#[derive(Debug, Clone)]
-pub struct ToolDef {
-    pub name: &'static str,
-    pub description: &'static str,
-    pub input_schema: Map<String, Value>,
-    pub output_schema: Map<String, Value>,
-}
-
 pub struct Service {
     warren: Warren,
     creds: Credentials,
@@ -83,120 +80,6 @@ impl Drop for InFlight<'_> {
             .unwrap_or_else(|p| p.into_inner())
             .remove(&self.key);
     }
-}
-
-fn schema_of<T: JsonSchema>() -> Map<String, Value> {
-    match serde_json::to_value(schemars::schema_for!(T)) {
-        Ok(Value::Object(m)) => m,
-        _ => Map::new(),
-    }
-}
-
-fn tool<A: JsonSchema, R: JsonSchema>(name: &'static str, description: &'static str) -> ToolDef {
-    ToolDef {
-        name,
-        description,
-        input_schema: schema_of::<A>(),
-        output_schema: schema_of::<R>(),
-    }
-}
-
-/// Every tool with its schemas; `vm_create.image` becomes an enum of `images`.
-pub fn tool_defs(images: &[String]) -> Vec<ToolDef> {
-    let mut tools = vec![
-        tool::<VmCreateArgs, VmInfo>(
-            "vm_create",
-            "Create and boot a private Linux VM (Debian) for this workspace. Returns once the guest answers.",
-        ),
-        tool::<NoArgs, VmList>("vm_list", "List this workspace's VMs."),
-        tool::<VmRef, VmStatus>(
-            "vm_status",
-            "A VM's state, image, accelerator, memory, vCPUs, generation, job counts, the jobs that left background processes running, and failure reason.",
-        ),
-        tool::<VmExecArgs, ExecResult>(
-            "vm_exec",
-            "Start a command in a VM as an unprivileged user, in /workspace. With wait_ms, returns its output and exit code if it ends in time; otherwise read more with vm_job_output. Processes it leaves in the background (cmd &, nohup, a server) keep running after it exits, until they exit or vm_job_cancel stops them; their later output stays readable with vm_job_output.",
-        ),
-        tool::<JobRef, JobStatus>(
-            "vm_job_status",
-            "A job's state and exit status. Never wakes a suspended VM: then it is the job as last seen before the suspension (stale: true, with vm_state).",
-        ),
-        tool::<JobOutputArgs, OutputPage>(
-            "vm_job_output",
-            "Read a job's stdout and stderr from byte cursors (pass the previous next_cursor). Non-destructive; at most 16 KiB per stream per call.",
-        ),
-        tool::<JobRef, JobCancelled>(
-            "vm_job_cancel",
-            "Kill a job and every process it started: a running job, or the background processes a finished job left running.",
-        ),
-        tool::<ReadFileArgs, FileContent>(
-            "vm_read_file",
-            "Read up to 128 KiB of a file below /workspace, base64-encoded, with the file's version (SHA-256 of its content).",
-        ),
-        tool::<WriteFileArgs, FileWritten>(
-            "vm_write_file",
-            "Write up to 128 KiB, base64-encoded, to a file below /workspace: atomically replace it (optionally only if it does not exist yet, or only if its version is still expected_version), or append. Returns the new version.",
-        ),
-        tool::<EditFileArgs, FileEdited>(
-            "vm_edit_file",
-            "Replace one exact occurrence of old_string with new_string in a file below /workspace (it must occur exactly once), optionally only if the file's version is still expected_version. Returns the new version.",
-        ),
-        tool::<GlobArgs, GlobOutput>(
-            "vm_glob",
-            "List files below /workspace whose path matches a glob, sorted, skipping .gitignore'd files and .git.",
-        ),
-        tool::<GrepArgs, GrepOutput>(
-            "vm_grep",
-            "Search the text files below /workspace for lines matching a regular expression (Rust regex), skipping .gitignore'd and binary files. Returns path, line number and text, sorted.",
-        ),
-        tool::<VmRef, VmDestroyed>(
-            "vm_destroy",
-            "Stop a VM and delete it with its disk.",
-        ),
-        tool::<VmSuspendArgs, VmInfo>(
-            "vm_suspend",
-            "Suspend a VM: pause (vCPUs stopped, memory kept) or hibernate (memory written to disk, no host memory held). Running processes continue on resume; any later exec or file operation resumes it.",
-        ),
-        tool::<VmRef, VmInfo>(
-            "vm_resume",
-            "Resume a paused or hibernated VM where it was.",
-        ),
-        tool::<SessionCreateArgs, SessionInfo>(
-            "session_create",
-            "Create a session: a private copy of a host git repository (staged, unstaged and untracked files included; ignored ones not) with its own git directory, mounted read-write at /workspace of a new VM; direct mounts the directory itself. The path is checked as the caller (local callers, or the operator's host roots).",
-        ),
-        tool::<NoArgs, SessionList>("session_list", "List this workspace's sessions."),
-        tool::<SessionRef, SessionStatus>(
-            "session_status",
-            "What deleting a session would lose: uncommitted paths and commits not exported to the source repository.",
-        ),
-        tool::<SessionExportArgs, SessionExported>(
-            "session_export",
-            "Bring a session's commits into its source repository as a branch (created, or fast-forwarded only).",
-        ),
-        tool::<SessionDeleteArgs, SessionDeleted>(
-            "session_delete",
-            "Destroy a session's VM and its copy; refused while it has uncommitted changes or unexported commits unless force.",
-        ),
-    ];
-    let names: Vec<Value> = images.iter().map(|n| Value::String(n.clone())).collect();
-    for t in tools
-        .iter_mut()
-        .filter(|t| t.name == "vm_create" || t.name == "session_create")
-    {
-        if let Some(img) = t
-            .input_schema
-            .get_mut("properties")
-            .and_then(|p| p.get_mut("image"))
-        {
-            *img = serde_json::json!({
-                "description": "A configured image name; the default image when omitted.",
-                "type": "string",
-                "enum": names,
-            });
-        }
-    }
-    tools
 }
 
 pub(crate) fn parse<T: DeserializeOwned>(args: Value) -> Result<T, ApiError> {
@@ -263,26 +146,6 @@ fn checked_size(
 /// The workspace's own admission limits (its token policy).
 fn workspace_limits(p: &Principal) -> Limits {
     crate::admission::policy_limits(&p.policy)
-}
-
-/// A session record as the `session_*` tools return it.
-pub fn session_info(s: &warren_core::SessionRecord) -> SessionInfo {
-    let workspace_dir = if s.direct {
-        s.source.clone()
-    } else {
-        warren_session::workspace_dir(&s.dir)
-    };
-    SessionInfo {
-        session_id: s.id.clone(),
-        name: s.name.clone(),
-        source: s.source.to_string_lossy().into_owned(),
-        direct: s.direct,
-        workspace_dir: workspace_dir.to_string_lossy().into_owned(),
-        vm_id: s.vm_id.clone(),
-        created_unix: s.created_unix,
-        storage_mib: (s.storage_mib > 0).then_some(s.storage_mib),
-        generation: s.generation,
-    }
 }
 
 fn to_value<T: Serialize>(v: T) -> Result<Value, ApiError> {
@@ -531,52 +394,8 @@ impl Service {
             "vm_destroy" => self.vm_destroy(p, parse(args)?).await,
             "vm_suspend" => self.vm_suspend(p, parse(args)?).await,
             "session_create" => self.session_create(p, parse(args)?).await,
-            "session_list" => {
-                let _: NoArgs = parse(args)?;
-                let sessions = self
-                    .warren
-                    .list_sessions(Some(&p.workspace))?
-                    .iter()
-                    .map(session_info)
-                    .collect();
-                to_value(SessionList { sessions })
-            }
-            "session_status" => {
-                let a: SessionRef = parse(args)?;
-                let s = self.session(p, &a.session, a.expected_generation)?;
-                let r = self.warren.session_retention(&s).await?;
-                to_value(SessionStatus {
-                    session_id: s.id,
-                    generation: s.generation,
-                    uncommitted: r.uncommitted,
-                    unexported: r.unexported,
-                })
-            }
-            "session_export" => {
-                let a: SessionExportArgs = parse(args)?;
-                let s = self.session(p, &a.session, a.expected_generation)?;
-                // Writing into the source repository needs the caller's write access now.
-                crate::hostpath::authorize(
-                    p,
-                    &self.cfg.host_roots,
-                    &s.source.to_string_lossy(),
-                    crate::hostpath::Access::ReadWrite,
-                )?;
-                let e = self.warren.export_session(&s, a.branch.as_deref()).await?;
-                to_value(SessionExported {
-                    refname: e.refname,
-                    commit: e.commit,
-                    new_commits: e.new_commits as u64,
-                })
-            }
-            "session_delete" => {
-                let a: SessionDeleteArgs = parse(args)?;
-                let s = self.session(p, &a.session, a.expected_generation)?;
-                self.warren.delete_session(&s, a.force).await?;
-                to_value(SessionDeleted {
-                    session_id: s.id,
-                    deleted: true,
-                })
+            "session_list" | "session_status" | "session_export" | "session_delete" => {
+                self.session_tool(p, tool, args).await
             }
             "vm_resume" => {
                 let a: VmRef = parse(args)?;
@@ -629,23 +448,6 @@ impl Service {
             idle_mode: r.idle_mode,
             last_active_unix: r.last_active_unix,
         }
-    }
-
-    /// The caller's session, refused with `conflict` (changing nothing) unless it is at
-    /// `expected_generation` when one is given.
-    fn session(
-        &self,
-        p: &Principal,
-        session: &str,
-        expected_generation: Option<u64>,
-    ) -> Result<warren_core::SessionRecord, ApiError> {
-        let s = self.warren.session(&p.workspace, session)?;
-        warren_core::vm::check_generation(
-            &format!("session {}", s.name),
-            s.generation,
-            expected_generation,
-        )?;
-        Ok(s)
     }
 
     /// The caller's VM: another workspace's VM is indistinguishable from a missing one.
@@ -797,51 +599,6 @@ impl Service {
             )?)),
             None => Ok(None),
         }
-    }
-
-    /// `session_create`: the repository is checked as the caller (host path rules), the
-    /// session belongs to the uid it was checked as, and its VM is admitted under the same
-    /// limits as `vm_create`.
-    async fn session_create(&self, p: &Principal, a: SessionCreateArgs) -> Result<Value, ApiError> {
-        let access = if a.direct {
-            crate::hostpath::Access::ReadWrite
-        } else {
-            crate::hostpath::Access::Read
-        };
-        let host = crate::hostpath::authorize(p, &self.cfg.host_roots, &a.repo, access)?;
-        let gid = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(host.uid))
-            .ok()
-            .flatten()
-            .map(|u| u.gid.as_raw())
-            .ok_or_else(|| {
-                ApiError::forbidden(format!("host path {:?} is not available to you", a.repo))
-            })?;
-        let (name, img) = self.configured_image(p, a.image.as_deref())?;
-        let memory = checked_size(&name, &img, a.memory_mib, a.vcpus)?;
-        let network = self.network_for(p, a.network, a.egress)?;
-        let req = warren_core::CreateSession {
-            repo: host.path,
-            name: a.name,
-            direct: a.direct,
-            devices: warren_core::SessionDevices {
-                image: Some(img.id.clone()),
-                memory_mib: Some(memory),
-                vcpus: a.vcpus,
-                mounts: vec![],
-                network,
-                source_identity: None,
-                objects_identity: None,
-                storage_mib: a.storage_mib,
-            },
-            owner: (host.uid, gid),
-            workspace: p.workspace.clone(),
-            limits: (self.cfg.host_limits(), workspace_limits(p)),
-        };
-        let (s, _vm) = self
-            .warren
-            .create_session(&req, &mut |w| tracing::warn!("{w}"))
-            .await?;
-        to_value(session_info(&s))
     }
 
     /// A configured image the principal may use (the default when `None`).
@@ -1138,153 +895,6 @@ impl Service {
         })
     }
 
-    async fn vm_read_file(&self, p: &Principal, a: ReadFileArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
-        let len = a.max_bytes.unwrap_or(MAX_FILE_CHUNK);
-        if len == 0 || len > MAX_FILE_CHUNK {
-            return Err(ApiError::invalid(format!(
-                "max_bytes must be within 1..={MAX_FILE_CHUNK}"
-            )));
-        }
-        let offset = a.offset.unwrap_or(0);
-        let d = self
-            .warren
-            .read_file_versioned(&rec.id, &a.path, offset, len)
-            .await?;
-        to_value(FileContent {
-            path: a.path,
-            offset,
-            content_base64: base64::engine::general_purpose::STANDARD.encode(&d.data),
-            size: d.size,
-            eof: d.eof,
-            version: d.version.as_ref().map(version_hex),
-        })
-    }
-
-    async fn vm_write_file(&self, p: &Principal, a: WriteFileArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
-        let data = base64::engine::general_purpose::STANDARD
-            .decode(a.content_base64.as_bytes())
-            .map_err(|e| ApiError::invalid(format!("content_base64 is not base64: {e}")))?;
-        if data.len() > MAX_FILE_CHUNK as usize {
-            return Err(ApiError::invalid(format!(
-                "content is {} bytes; at most {MAX_FILE_CHUNK} per call (use append for more)",
-                data.len()
-            )));
-        }
-        let precondition = match (a.create_only, a.expected_version.as_deref()) {
-            (false, None) => Precondition::None,
-            (true, None) => Precondition::CreateOnly,
-            (false, Some(v)) => Precondition::IfVersion(parse_version(v)?),
-            (true, Some(_)) => {
-                return Err(ApiError::invalid(
-                    "give at most one of create_only and expected_version",
-                ))
-            }
-        };
-        if a.append {
-            if precondition != Precondition::None {
-                return Err(ApiError::invalid(
-                    "append cannot be combined with create_only or expected_version",
-                ));
-            }
-            let n = self
-                .warren
-                .write_file_chunk(&rec.id, &a.path, WriteMode::Append, data)
-                .await?;
-            return to_value(FileWritten {
-                path: a.path,
-                bytes_written: n,
-                version: None,
-            });
-        }
-        let v = self
-            .warren
-            .write_file_checked(&rec.id, &a.path, data, precondition)
-            .await?;
-        to_value(FileWritten {
-            path: a.path,
-            bytes_written: v.size,
-            version: Some(version_hex(&v.version)),
-        })
-    }
-
-    async fn vm_edit_file(&self, p: &Principal, a: EditFileArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
-        let expected_version = a
-            .expected_version
-            .as_deref()
-            .map(parse_version)
-            .transpose()?;
-        let v = self
-            .warren
-            .edit_file(
-                &rec.id,
-                EditFile {
-                    path: a.path.clone(),
-                    old: a.old_string,
-                    new: a.new_string,
-                    expected_version,
-                },
-            )
-            .await?;
-        to_value(FileEdited {
-            path: a.path,
-            version: version_hex(&v.version),
-            size: v.size,
-        })
-    }
-
-    async fn vm_glob(&self, p: &Principal, a: GlobArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
-        let limit = search_limit(a.limit, DEFAULT_GLOB_LIMIT)?;
-        let r = self
-            .warren
-            .glob(
-                &rec.id,
-                GlobRequest {
-                    pattern: a.pattern,
-                    path: a.path,
-                    limit,
-                },
-            )
-            .await?;
-        to_value(GlobOutput {
-            paths: r.paths,
-            truncated: r.truncated,
-        })
-    }
-
-    async fn vm_grep(&self, p: &Principal, a: GrepArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
-        let limit = search_limit(a.limit, DEFAULT_GREP_LIMIT)?;
-        let r = self
-            .warren
-            .grep(
-                &rec.id,
-                GrepRequest {
-                    pattern: a.pattern,
-                    glob: a.glob,
-                    path: a.path,
-                    case_insensitive: a.case_insensitive,
-                    limit,
-                },
-            )
-            .await?;
-        to_value(GrepOutput {
-            matches: r
-                .matches
-                .into_iter()
-                .map(|m| GrepLine {
-                    path: m.path,
-                    line: m.line,
-                    text: m.text,
-                })
-                .collect(),
-            truncated: r.truncated,
-        })
-    }
-
     async fn vm_suspend(&self, p: &Principal, a: VmSuspendArgs) -> Result<Value, ApiError> {
         let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         let mode = match a.mode.unwrap_or(SuspendModeArg::Hibernate) {
@@ -1308,33 +918,6 @@ impl Service {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn test_tool_defs_complete_schemas_and_image_enum() {
-        let defs = tool_defs(&["dev".into(), "minimal".into()]);
-        assert_eq!(defs.len(), 20);
-        for d in &defs {
-            assert_eq!(
-                d.input_schema.get("type"),
-                Some(&Value::from("object")),
-                "{}",
-                d.name
-            );
-            assert_eq!(
-                d.output_schema.get("type"),
-                Some(&Value::from("object")),
-                "{}",
-                d.name
-            );
-        }
-        let img = &defs[0].input_schema["properties"]["image"];
-        assert_eq!(img["enum"], serde_json::json!(["dev", "minimal"]));
-        let exec = &defs[3].input_schema;
-        assert_eq!(exec["additionalProperties"], Value::Bool(false));
-        assert!(exec["required"]
-            .as_array()
-            .is_some_and(|r| r.contains(&Value::from("request_id"))));
-    }
 
     #[test]
     fn test_parse_refuses_unknown_fields_and_wrong_types() {
