@@ -11,7 +11,7 @@
 
 mod common;
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,8 +20,7 @@ use common::*;
 use hickory_proto::rr::RecordType;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use warren_egress::{
-    bind_tcp_in, DomainPattern, Egress, EgressConfig, EgressHandle, SecretSource, SecretSpec,
-    UpstreamRoots,
+    DomainPattern, Egress, EgressConfig, EgressHandle, SecretSource, SecretSpec, UpstreamRoots,
 };
 
 const SECRET: &str = "real-secret-value-c0ffee42";
@@ -339,34 +338,6 @@ async fn test_passthrough_tls_fronting_is_the_documented_limit() -> Result<()> {
         .await
         .is_err());
     Ok(())
-}
-
-/// A TCP echo server on `addr` in the namespace at `ns`.
-fn echo_at(ns: &NetNs, addr: Ipv4Addr) -> Result<()> {
-    let l = bind_tcp_in(&ns.path(), SocketAddr::V4(SocketAddrV4::new(addr, 7)))?;
-    l.set_nonblocking(true)?;
-    let l = tokio::net::TcpListener::from_std(l)?;
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let (mut r, mut w) = s.split();
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-            });
-        }
-    });
-    Ok(())
-}
-
-/// Whether the guest gets its bytes echoed from `addr:7`.
-async fn guest_echo(topo: &Topology, addr: Ipv4Addr) -> Result<bool> {
-    let mut s = topo.guest_tcp(addr, 7).await?;
-    let _ = s.write_all(b"ping\r\n").await;
-    let mut buf = [0u8; 6];
-    let n = match tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut buf)).await {
-        Ok(Ok(n)) => n,
-        _ => 0,
-    };
-    Ok(n == 6 && &buf == b"ping\r\n")
 }
 
 #[tokio::test]

@@ -7,17 +7,14 @@
 
 mod common;
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::time::Duration;
+use std::net::{Ipv4Addr, SocketAddr};
 
 use anyhow::Result;
 use common::*;
 use hickory_proto::op::ResponseCode;
 use hickory_proto::rr::{RData, RecordType};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use warren_egress::{
-    bind_tcp_in, ConfigError, DomainPattern, Egress, EgressConfig, EgressHandle, EgressMode,
-    UpstreamRoots,
+    ConfigError, DomainPattern, Egress, EgressConfig, EgressHandle, EgressMode, UpstreamRoots,
 };
 
 /// A private (RFC 1918) address given a stand-in listener for this test.
@@ -48,34 +45,6 @@ fn a_records(m: &hickory_proto::op::Message) -> Vec<Ipv4Addr> {
             _ => None,
         })
         .collect()
-}
-
-/// A TCP echo server on `addr:7` in namespace `ns`.
-fn echo_at(ns: &NetNs, addr: Ipv4Addr) -> Result<()> {
-    let l = bind_tcp_in(&ns.path(), SocketAddr::V4(SocketAddrV4::new(addr, 7)))?;
-    l.set_nonblocking(true)?;
-    let l = tokio::net::TcpListener::from_std(l)?;
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let (mut r, mut w) = s.split();
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-            });
-        }
-    });
-    Ok(())
-}
-
-/// Whether the guest gets its bytes echoed from `addr:7` (decided by address: no name).
-async fn guest_echo(topo: &Topology, addr: Ipv4Addr) -> Result<bool> {
-    let mut s = topo.guest_tcp(addr, 7).await?;
-    let _ = s.write_all(b"ping\r\n").await;
-    let mut buf = [0u8; 6];
-    let n = match tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut buf)).await {
-        Ok(Ok(n)) => n,
-        _ => 0,
-    };
-    Ok(n == 6 && &buf == b"ping\r\n")
 }
 
 /// An HTTP request from the guest to `ip:80` naming `host`: its status, `None` if refused.

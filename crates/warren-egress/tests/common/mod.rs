@@ -1,15 +1,15 @@
 //! Test helpers on top of `warren_egress::standin` (the three-namespace topology and the
-//! stand-in hosts, shared with `warren bench --suite network`): raw HTTP exchanges and a
-//! reachability probe.
+//! stand-in hosts, shared with `warren bench --suite network`): raw HTTP exchanges, a
+//! reachability probe and a TCP echo stand-in.
 
 #![allow(dead_code)]
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
 use anyhow::{bail, Result};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use warren_egress::Outbound;
+use warren_egress::{bind_tcp_in, Outbound};
 
 pub use warren_egress::standin::*;
 
@@ -73,4 +73,32 @@ pub fn post(host: &str, path: &str, extra: &str, body: &str) -> Vec<u8> {
 /// refused stand-in exists: the policy, not reachability, refuses it).
 pub async fn world_reaches(out: &Outbound, ip: Ipv4Addr, port: u16) -> bool {
     out.tcp_connect(SocketAddrV4::new(ip, port)).await.is_ok()
+}
+
+/// A TCP echo server on `addr` in the namespace at `ns`.
+pub fn echo_at(ns: &NetNs, addr: Ipv4Addr) -> Result<()> {
+    let l = bind_tcp_in(&ns.path(), SocketAddr::V4(SocketAddrV4::new(addr, 7)))?;
+    l.set_nonblocking(true)?;
+    let l = tokio::net::TcpListener::from_std(l)?;
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    Ok(())
+}
+
+/// Whether the guest gets its bytes echoed from `addr:7` (decided by address: no name).
+pub async fn guest_echo(topo: &Topology, addr: Ipv4Addr) -> Result<bool> {
+    let mut s = topo.guest_tcp(addr, 7).await?;
+    let _ = s.write_all(b"ping\r\n").await;
+    let mut buf = [0u8; 6];
+    let n = match tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut buf)).await {
+        Ok(Ok(n)) => n,
+        _ => 0,
+    };
+    Ok(n == 6 && &buf == b"ping\r\n")
 }
