@@ -3,8 +3,11 @@
 use anyhow::Result;
 use warren_protocol::{JobState, JobSummary};
 
-/// The list as JSON (`--json`) or as a table, oldest job first.
-pub(crate) fn print_jobs(list: &[JobSummary], json: bool) -> Result<()> {
+use crate::term::Term;
+
+/// The list as JSON (`--json`) or as a table, oldest job first. Commands and process names
+/// are the guest's: each is one escaped field (`--raw` prints them as they are).
+pub(crate) fn print_jobs(t: Term, list: &[JobSummary], json: bool) -> Result<()> {
     if json {
         let v: Vec<serde_json::Value> = list.iter().map(job_json).collect();
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -29,12 +32,17 @@ pub(crate) fn print_jobs(list: &[JobSummary], json: bool) -> Result<()> {
             state_name(j.state),
             exit,
             j.background_processes,
-            j.command
+            t.field(&j.command)
         );
         for p in &j.processes {
             println!(
                 "{:<6} {:<9} {:>4} {:>10}    pid {} {}",
-                "", "", "", "", p.pid, p.name
+                "",
+                "",
+                "",
+                "",
+                p.pid,
+                t.field(&p.name)
             );
         }
     }

@@ -137,6 +137,29 @@ fn test_guest_control_characters_reach_the_terminal_escaped() {
     let refused = cli.check(&["session", "delete", "esc"], true, &NAMES[..3]);
     assert!(refused.starts_with("error["), "{refused}");
 
+    // `vm jobs`: a background process named by the guest (its executable's name is its
+    // `comm`), and a job command carrying raw control characters.
+    let started = ok(
+        env.run(&[
+            "vm",
+            "exec",
+            &vm,
+            "--",
+            "sh",
+            "-c",
+            "n=\"/tmp/$(printf 'a\\033[31mred')\"; cp /bin/sleep \"$n\"; \"$n\" 300 & echo started",
+            "\u{1b}]0;job\u{7}",
+        ]),
+        "background",
+    );
+    assert_eq!(started, "started\n");
+    let jobs = cli.check(
+        &["vm", "jobs", &vm],
+        false,
+        &[NAMES[0], (r"\u{1b}]0;job\u{7}", "\u{1b}]0;job\u{7}")],
+    );
+    assert!(jobs.contains("pid "), "{jobs}");
+
     // The console: a guest user cannot write to it (the console device is root's and the
     // kernel prints nothing, loglevel=0), a guest root can. What it would print goes into the
     // console log the supervisor keeps for `vm logs`.
