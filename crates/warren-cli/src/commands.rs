@@ -559,7 +559,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
         }
         VmCmd::Jobs { vm, json } => {
             let w = open(cli, None)?;
-            crate::jobs_cmd::print_jobs(&w.job_list(vm).await?, *json)?;
+            crate::jobs_cmd::print_jobs(t, &w.job_list(vm).await?, *json)?;
             Ok(0)
         }
         VmCmd::Write {
