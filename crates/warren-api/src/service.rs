@@ -648,6 +648,26 @@ impl Service {
         Ok(s)
     }
 
+    /// [`Service::owned`] for a call that does work in the guest, which wakes a suspended VM.
+    /// With `expected_generation`, a suspended VM is woken here first and the generation
+    /// checked again: a wake whose restore fails boots fresh memory (a new generation), and a
+    /// caller holding the old one must not run on it.
+    async fn owned_for_work(
+        &self,
+        p: &Principal,
+        vm_id: &str,
+        expected_generation: Option<u64>,
+    ) -> Result<VmRecord, ApiError> {
+        let rec = self.owned(p, vm_id, expected_generation)?;
+        if expected_generation.is_none()
+            || !matches!(rec.state, VmState::Paused | VmState::Hibernated)
+        {
+            return Ok(rec);
+        }
+        self.warren.resume_vm(&rec.id).await?;
+        self.owned(p, vm_id, expected_generation)
+    }
+
     /// The caller's VM: another workspace's VM is indistinguishable from a missing one.
     fn owned(
         &self,
@@ -934,7 +954,9 @@ impl Service {
 
     async fn vm_exec(&self, p: &Principal, a: VmExecArgs) -> Result<Value, ApiError> {
         validate_request_id(&a.request_id)?;
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let argv = match (&a.command, &a.argv) {
             (Some(c), None) => vec!["bash".to_string(), "-c".to_string(), c.clone()],
             (None, Some(v)) if !v.is_empty() => v.clone(),
@@ -1092,7 +1114,9 @@ impl Service {
     }
 
     async fn vm_job_output(&self, p: &Principal, a: JobOutputArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let job = parse_job(&a.job_id)?;
         let wait = a.wait_ms.unwrap_or(0);
         if wait > MAX_OUTPUT_WAIT_MS {
@@ -1129,7 +1153,9 @@ impl Service {
     }
 
     async fn vm_job_cancel(&self, p: &Principal, a: JobRef) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let job = parse_job(&a.job_id)?;
         self.warren.job_cancel(&rec.id, job).await?;
         to_value(JobCancelled {
@@ -1139,7 +1165,9 @@ impl Service {
     }
 
     async fn vm_read_file(&self, p: &Principal, a: ReadFileArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let len = a.max_bytes.unwrap_or(MAX_FILE_CHUNK);
         if len == 0 || len > MAX_FILE_CHUNK {
             return Err(ApiError::invalid(format!(
@@ -1162,7 +1190,9 @@ impl Service {
     }
 
     async fn vm_write_file(&self, p: &Principal, a: WriteFileArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let data = base64::engine::general_purpose::STANDARD
             .decode(a.content_base64.as_bytes())
             .map_err(|e| ApiError::invalid(format!("content_base64 is not base64: {e}")))?;
@@ -1210,7 +1240,9 @@ impl Service {
     }
 
     async fn vm_edit_file(&self, p: &Principal, a: EditFileArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let expected_version = a
             .expected_version
             .as_deref()
@@ -1236,7 +1268,9 @@ impl Service {
     }
 
     async fn vm_glob(&self, p: &Principal, a: GlobArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let limit = search_limit(a.limit, DEFAULT_GLOB_LIMIT)?;
         let r = self
             .warren
@@ -1256,7 +1290,9 @@ impl Service {
     }
 
     async fn vm_grep(&self, p: &Principal, a: GrepArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let limit = search_limit(a.limit, DEFAULT_GREP_LIMIT)?;
         let r = self
             .warren
