@@ -664,7 +664,8 @@ impl Service {
         {
             return Ok(rec);
         }
-        self.warren.resume_vm(&rec.id).await?;
+        // As the work itself would wake it: counted as activity first, then resumed.
+        self.warren.awake_client(&rec.id).await?;
         self.owned(p, vm_id, expected_generation)
     }
 
