@@ -281,3 +281,77 @@ fn test_service_background_server_keeps_idle_vm_awake_until_cancelled() {
         || d.call(&t, "vm_status", json!({"vm_id": vm})).body["state"] == "paused",
     );
 }
+
+/// A hostile guest user's background processes: they cannot leave their job's cgroup (for
+/// the root cgroup, the jobs' parent or another job's), one named with an escape sequence
+/// and one whose name is not UTF-8 are both counted and listed (escaped in the table), and
+/// cancel kills them all.
+#[test]
+fn test_background_of_hostile_user_stays_in_its_cgroup_counted_and_cancelled() {
+    let vm = TestVm::boot();
+    let other = vm.sh("sleep 1200 & echo ok");
+    assert_eq!(other.stdout, "ok\n", "{}", other.stderr);
+    let other_job = job_with(&vm, "sleep 1200");
+    let r = vm.sh(
+        "cg=/sys/fs/cgroup$(cut -d: -f3 /proc/self/cgroup); \
+         other=$(for p in /proc/[0-9]*; do grep -qx 'sleep' $p/comm 2>/dev/null && \
+           tr '\\0' ' ' < $p/cmdline | grep -q '^sleep 1200 $' && cut -d: -f3 $p/cgroup; done | head -1); \
+         ln -s /bin/sleep /tmp/\"$(printf '\\033]0;pwn\\007')\"; \
+         ln -s /bin/sleep /tmp/\"$(printf '\\377\\376')\"; \
+         /tmp/\"$(printf '\\033]0;pwn\\007')\" 1300 >/dev/null 2>&1 & a=$!; \
+         /tmp/\"$(printf '\\377\\376')\" 1301 >/dev/null 2>&1 & b=$!; \
+         for dst in /sys/fs/cgroup \"$(dirname $cg)\" \"/sys/fs/cgroup$other\"; do \
+           if echo $a > \"$dst/cgroup.procs\" 2>/dev/null; then echo \"moved to $dst\"; fi; done; \
+         grep -c . \"$cg/cgroup.procs\"; echo \"in $other\"",
+    );
+    assert!(!r.stdout.contains("moved"), "{}: {}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains("in /"),
+        "the other job's cgroup found: {}",
+        r.stdout
+    );
+    wait_until("both listed", 30, || {
+        job_with(&vm, "cg=/sys")["processes"]
+            .as_array()
+            .is_some_and(|p| p.len() == 2 && p.iter().all(|p| p["name"] != "sh"))
+    });
+    let job = job_with(&vm, "cg=/sys");
+    assert_eq!(job["background_processes"], 2, "{job}");
+    let names: Vec<&str> = job["processes"]
+        .as_array()
+        .expect("processes")
+        .iter()
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    assert!(names.contains(&"\u{1b}]0;pwn\u{7}"), "{job}");
+    assert!(names.contains(&"\u{fffd}\u{fffd}"), "{job}");
+    let out = vm.warren(&["vm", "jobs", &vm.id]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !table.contains('\u{1b}') && table.contains("\\u{1b}]0;pwn"),
+        "{table:?}"
+    );
+    let id = job["job_id"].as_str().expect("id").to_string();
+    let out = vm.warren(&["vm", "cancel", &vm.id, &id]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_until("both killed", 30, || {
+        job_with(&vm, "cg=/sys")["background_processes"] == 0
+            && vm
+                .sh(
+                    "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done \
+                     | grep -c ' 130[01] $' || true",
+                )
+                .stdout
+                .trim()
+                == "0"
+    });
+    assert_eq!(
+        job_with(&vm, "sleep 1200")["background_processes"],
+        1,
+        "{other_job}"
+    );
+}

@@ -347,3 +347,54 @@ fn test_job_status_of_suspended_vm_answers_stale_never_wakes() {
         );
     }
 }
+
+/// A call holding the generation a VM had when it was hibernated must not run on the fresh
+/// memory its own wake-up makes when the restore fails: the check is made again after the
+/// wake.
+#[test]
+fn test_stale_generation_refused_when_its_own_wake_boots_fresh() {
+    let d = Daemon::start("");
+    let vm = local_ok(
+        &d,
+        "vm_create",
+        json!({"request_id": "wake-fresh", "idle_seconds": 0}),
+    )["vm_id"]
+        .as_str()
+        .expect("vm")
+        .to_string();
+    let generation = local_ok(&d, "vm_status", json!({"vm_id": vm}))["generation"]
+        .as_u64()
+        .expect("generation");
+    let r = local_ok(
+        &d,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "mark", "command": "echo mem > /tmp/mem",
+               "wait_ms": 20000, "expected_generation": generation}),
+    );
+    assert_eq!(r["exit_code"], 0, "{r}");
+    let r = local_ok(
+        &d,
+        "vm_suspend",
+        json!({"vm_id": vm, "mode": "hibernate", "force": true}),
+    );
+    assert_eq!(r["state"], "hibernated", "{r}");
+    let state = d.env.vm_dir(&vm).join("run/checkpoint.ram");
+    std::fs::write(&state, b"not a migration stream").expect("destroy the checkpoint");
+    // The exec wakes the VM itself; the restore fails and the VM boots fresh.
+    let r = d.local_call(
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "stale", "command": "test -e /tmp/mem && echo kept || echo lost",
+               "wait_ms": 20000, "expected_generation": generation}),
+        &[],
+    );
+    let now = local_ok(&d, "vm_status", json!({"vm_id": vm}))["generation"]
+        .as_u64()
+        .expect("generation");
+    assert_eq!(now, generation + 1, "the restore failed: a fresh boot");
+    assert_eq!(
+        (r.status, r.code()),
+        (409, "conflict"),
+        "a generation-{generation} caller ran on generation {now}'s fresh memory: {}",
+        r.text
+    );
+}

@@ -9,7 +9,9 @@ impl Service {
         p: &Principal,
         a: ReadFileArgs,
     ) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let len = a.max_bytes.unwrap_or(MAX_FILE_CHUNK);
         if len == 0 || len > MAX_FILE_CHUNK {
             return Err(ApiError::invalid(format!(
@@ -36,7 +38,9 @@ impl Service {
         p: &Principal,
         a: WriteFileArgs,
     ) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let data = base64::engine::general_purpose::STANDARD
             .decode(a.content_base64.as_bytes())
             .map_err(|e| ApiError::invalid(format!("content_base64 is not base64: {e}")))?;
@@ -88,7 +92,9 @@ impl Service {
         p: &Principal,
         a: EditFileArgs,
     ) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let expected_version = a
             .expected_version
             .as_deref()
@@ -114,7 +120,9 @@ impl Service {
     }
 
     pub(super) async fn vm_glob(&self, p: &Principal, a: GlobArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let limit = search_limit(a.limit, DEFAULT_GLOB_LIMIT)?;
         let r = self
             .warren
@@ -134,7 +142,9 @@ impl Service {
     }
 
     pub(super) async fn vm_grep(&self, p: &Principal, a: GrepArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let limit = search_limit(a.limit, DEFAULT_GREP_LIMIT)?;
         let r = self
             .warren

@@ -450,6 +450,27 @@ impl Service {
         }
     }
 
+    /// [`Service::owned`] for a call that does work in the guest, which wakes a suspended VM.
+    /// With `expected_generation`, a suspended VM is woken here first and the generation
+    /// checked again: a wake whose restore fails boots fresh memory (a new generation), and a
+    /// caller holding the old one must not run on it.
+    pub(super) async fn owned_for_work(
+        &self,
+        p: &Principal,
+        vm_id: &str,
+        expected_generation: Option<u64>,
+    ) -> Result<VmRecord, ApiError> {
+        let rec = self.owned(p, vm_id, expected_generation)?;
+        if expected_generation.is_none()
+            || !matches!(rec.state, VmState::Paused | VmState::Hibernated)
+        {
+            return Ok(rec);
+        }
+        // As the work itself would wake it: counted as activity first, then resumed.
+        self.warren.awake_client(&rec.id).await?;
+        self.owned(p, vm_id, expected_generation)
+    }
+
     /// The caller's VM: another workspace's VM is indistinguishable from a missing one.
     fn owned(
         &self,
@@ -691,7 +712,9 @@ impl Service {
 
     async fn vm_exec(&self, p: &Principal, a: VmExecArgs) -> Result<Value, ApiError> {
         validate_request_id(&a.request_id)?;
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let argv = match (&a.command, &a.argv) {
             (Some(c), None) => vec!["bash".to_string(), "-c".to_string(), c.clone()],
             (None, Some(v)) if !v.is_empty() => v.clone(),
@@ -849,7 +872,9 @@ impl Service {
     }
 
     async fn vm_job_output(&self, p: &Principal, a: JobOutputArgs) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let job = parse_job(&a.job_id)?;
         let wait = a.wait_ms.unwrap_or(0);
         if wait > MAX_OUTPUT_WAIT_MS {
@@ -886,7 +911,9 @@ impl Service {
     }
 
     async fn vm_job_cancel(&self, p: &Principal, a: JobRef) -> Result<Value, ApiError> {
-        let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
         let job = parse_job(&a.job_id)?;
         self.warren.job_cancel(&rec.id, job).await?;
         to_value(JobCancelled {

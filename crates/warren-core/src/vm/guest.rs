@@ -67,7 +67,7 @@ impl Warren {
     /// The jobs the guest retains, oldest first.
     pub async fn job_list(&self, id: &str) -> Result<Vec<warren_protocol::JobSummary>, CoreError> {
         match self.client(id)?.guest(HostRequest::JobList).await? {
-            GuestResponse::Jobs(j) => Ok(j),
+            GuestResponse::Jobs(j) => Ok(bounded_jobs(j)),
             _ => Err(unexpected()),
         }
     }
@@ -128,5 +128,83 @@ impl Warren {
             GuestResponse::FileWritten(_) => Ok(n),
             _ => Err(unexpected()),
         }
+    }
+}
+
+/// Longest process name kept from a guest's job list, in bytes (a `comm` is at most 15
+/// bytes; U+FFFD replacements of invalid ones can triple that).
+const MAX_PROCESS_NAME_BYTES: usize = 64;
+
+/// `s` cut at a character boundary to at most `max` bytes.
+fn cut(s: &mut String, max: usize) {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+    }
+}
+
+/// A guest's job list held to the limits the protocol promises (a hostile guest may send
+/// anything that fits a message): at most `MAX_JOB_RECORDS` jobs (the oldest, as listed),
+/// `MAX_LISTED_PROCESSES` processes each, commands cut to `MAX_JOB_COMMAND_BYTES` and
+/// process names to [`MAX_PROCESS_NAME_BYTES`]. Everything the host shows or records of the
+/// list (`vm_status`, `vm jobs`, the jobs last seen before a suspension) is this.
+pub(super) fn bounded_jobs(
+    mut list: Vec<warren_protocol::JobSummary>,
+) -> Vec<warren_protocol::JobSummary> {
+    use warren_protocol::limits::{MAX_JOB_COMMAND_BYTES, MAX_JOB_RECORDS, MAX_LISTED_PROCESSES};
+    list.truncate(MAX_JOB_RECORDS);
+    for j in &mut list {
+        cut(&mut j.command, MAX_JOB_COMMAND_BYTES);
+        j.processes.truncate(MAX_LISTED_PROCESSES);
+        for p in &mut j.processes {
+            cut(&mut p.name, MAX_PROCESS_NAME_BYTES);
+        }
+    }
+    list
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use warren_protocol::limits::{MAX_JOB_COMMAND_BYTES, MAX_JOB_RECORDS, MAX_LISTED_PROCESSES};
+    use warren_protocol::{JobState, JobSummary, ProcessInfo};
+
+    #[test]
+    fn test_hostile_job_list_held_to_protocol_limits() {
+        let job = |i: u64| JobSummary {
+            id: JobId(i),
+            state: JobState::Running,
+            command: "é".repeat(1000),
+            background_processes: u32::MAX,
+            processes: (0..40)
+                .map(|pid| ProcessInfo {
+                    pid,
+                    name: "x".repeat(200),
+                })
+                .collect(),
+        };
+        let list = bounded_jobs((0..300).map(job).collect());
+        assert_eq!(list.len(), MAX_JOB_RECORDS);
+        assert_eq!(list[0].id, JobId(0), "the oldest kept");
+        for j in &list {
+            assert!(j.command.len() <= MAX_JOB_COMMAND_BYTES);
+            assert!(j.command.chars().all(|c| c == 'é'));
+            assert_eq!(j.processes.len(), MAX_LISTED_PROCESSES);
+            assert!(j
+                .processes
+                .iter()
+                .all(|p| p.name.len() == MAX_PROCESS_NAME_BYTES));
+        }
+        let fine = bounded_jobs(vec![JobSummary {
+            id: JobId(1),
+            state: JobState::Running,
+            command: "sh -c true".into(),
+            background_processes: 0,
+            processes: vec![],
+        }]);
+        assert_eq!(fine[0].command, "sh -c true");
     }
 }

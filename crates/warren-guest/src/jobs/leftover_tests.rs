@@ -195,3 +195,34 @@ async fn test_finished_with_background_already_holds_all_main_output() {
         f.jobs.cancel(id).expect("cancel");
     }
 }
+
+/// A background process whose name is not UTF-8 (here a program named `\xff`; a
+/// 15-byte cut of a multi-byte name does it too, as does `prctl(PR_SET_NAME)`) still counts:
+/// hidden, its job would be marked complete and cancel and timeouts would no longer reach it.
+#[tokio::test]
+async fn test_background_with_non_utf8_name_counted_and_cancelled() {
+    let f = fixture();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path().display();
+    let id = f
+        .jobs
+        .start(sh(&format!(
+            "ln -s \"$(command -v sleep)\" {d}/\"$(printf '\\377')\" && \
+             {d}/\"$(printf '\\377')\" 60 >/dev/null 2>&1 </dev/null & true"
+        )))
+        .await
+        .expect("start");
+    let o = read_until(&f, id, |o| finished(o) && o.background_processes == 1).await;
+    assert!(!o.output_complete, "{o:?}");
+    let summary = f
+        .jobs
+        .list()
+        .into_iter()
+        .find(|j| j.id == id)
+        .expect("listed");
+    assert_eq!(summary.processes.len(), 1, "{summary:?}");
+    assert_eq!(summary.processes[0].name, "\u{fffd}");
+    f.jobs.cancel(id).expect("cancel");
+    let done = read_until(&f, id, |o| o.output_complete).await;
+    assert_eq!(done.background_processes, 0);
+}

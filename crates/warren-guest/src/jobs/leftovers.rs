@@ -78,8 +78,12 @@ struct Stat {
 }
 
 /// `/proc/<pid>/stat`: name, state and process group; `None` once the process is gone.
+/// Read as bytes: a name need not be UTF-8 (any program name, `prctl(PR_SET_NAME)`, or a
+/// 15-byte cut of a multi-byte name), and a process must never hide from the count by its
+/// name. Invalid bytes become U+FFFD.
 fn stat(pid: u32) -> Option<Stat> {
-    parse_stat(pid, &fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+    let raw = fs::read(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat(pid, &String::from_utf8_lossy(&raw))
 }
 
 /// Parses `pid (comm) state ppid pgrp ...`; `comm` may itself contain spaces and `)`.
