@@ -381,6 +381,24 @@ pub struct BackgroundProcess {
 }
 
 impl JobCounts {
+    /// Counts the jobs the host recorded before a suspension.
+    pub fn of_seen(list: &[warren_core::vm::jobs_seen::SeenJob]) -> Self {
+        let running = list
+            .iter()
+            .filter(|j| j.state == warren_protocol::JobState::Running)
+            .count() as u64;
+        let background: Vec<_> = list.iter().filter(|j| j.background_processes > 0).collect();
+        JobCounts {
+            running,
+            finished: list.len() as u64 - running,
+            with_background: background.len() as u64,
+            background_processes: background
+                .iter()
+                .map(|j| u64::from(j.background_processes))
+                .sum(),
+        }
+    }
+
     /// Counts the guest's job list and names the jobs with background processes.
     pub fn of(list: &[warren_protocol::JobSummary]) -> (Self, Vec<BackgroundJob>) {
         let running = list
@@ -418,10 +436,17 @@ impl JobCounts {
 pub struct VmStatus {
     #[serde(flatten)]
     pub vm: VmInfo,
-    /// Null unless the VM is running.
+    /// The guest's jobs while the VM runs; for a suspended VM, as the host saw them just
+    /// before the suspension (`jobs_stale`; frozen jobs count as running); null when neither
+    /// is known.
     pub jobs: Option<JobCounts>,
-    /// Ids of the jobs the guest still retains.
+    /// Ids of the jobs the guest still retains (or retained when the VM was suspended).
     pub job_ids: Vec<String>,
+    /// True when `jobs` and `job_ids` are the host's record of a suspended VM's jobs.
+    pub jobs_stale: bool,
+    /// When that record was made (host clock, seconds); only when `jobs_stale`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jobs_seen_unix: Option<u64>,
     /// Finished jobs whose background processes still run, oldest first (empty unless the
     /// VM is running).
     pub background_jobs: Vec<BackgroundJob>,

@@ -309,6 +309,19 @@ fn test_job_status_of_suspended_vm_answers_stale_never_wakes() {
         assert_eq!((r.status, r.code()), (404, "not_found"), "{}", r.text);
 
         let st = d.ok(&t, "vm_status", json!({"vm_id": vm}));
+        // Its jobs as the host saw them before the suspension: the sleeper frozen running.
+        assert_eq!(
+            (&st["jobs"]["running"], &st["jobs_stale"]),
+            (&json!(1), &json!(true)),
+            "{mode}: {st}"
+        );
+        assert!(
+            st["job_ids"]
+                .as_array()
+                .is_some_and(|ids| ids.contains(&json!(sleeper)) && ids.contains(&json!(done))),
+            "{mode}: {st}"
+        );
+        assert!(st["jobs_seen_unix"].as_u64().is_some(), "{st}");
         let listed = d.ok(&t, "vm_list", json!({}));
         let in_list = listed["vms"]
             .as_array()
@@ -334,6 +347,8 @@ fn test_job_status_of_suspended_vm_answers_stale_never_wakes() {
         assert_eq!(r["stdout"], "woke\n", "{r}");
         let st = d.ok(&t, "vm_status", json!({"vm_id": vm}));
         assert_eq!(st["state"], "running", "{st}");
+        assert_eq!(st["jobs_stale"], false, "{st}");
+        assert!(st.get("jobs_seen_unix").is_none(), "{st}");
         assert!(
             st["last_active_unix"].as_u64().expect("active") > active,
             "work did not count: {st}"

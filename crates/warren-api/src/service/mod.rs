@@ -691,6 +691,7 @@ impl Service {
     async fn vm_status(&self, p: &Principal, a: VmRef) -> Result<Value, ApiError> {
         let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         let running = rec.state == VmState::Running;
+        let mut seen_unix = None;
         let (jobs, job_ids, background_jobs) = if running {
             let list = self.warren.job_list(&rec.id).await?;
             let (counts, background) = JobCounts::of(&list);
@@ -699,6 +700,20 @@ impl Service {
                 list.iter().map(|j| j.id.to_string()).collect(),
                 background,
             )
+        } else if let Some(seen) = matches!(
+            rec.state,
+            VmState::Paused | VmState::Hibernating | VmState::Hibernated | VmState::Resuming
+        )
+        .then(|| self.warren.jobs_seen(&rec.id))
+        .flatten()
+        {
+            // Never the guest: a status call does not wake a suspended VM.
+            seen_unix = Some(seen.seen_unix);
+            (
+                Some(JobCounts::of_seen(&seen.jobs)),
+                seen.jobs.iter().map(|j| j.job_id.clone()).collect(),
+                vec![],
+            )
         } else {
             (None, vec![], vec![])
         };
@@ -706,6 +721,8 @@ impl Service {
             vm: self.info(rec),
             jobs,
             job_ids,
+            jobs_stale: seen_unix.is_some(),
+            jobs_seen_unix: seen_unix,
             background_jobs,
         })
     }

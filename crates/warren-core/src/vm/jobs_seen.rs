@@ -113,6 +113,11 @@ fn peek(job: JobId) -> HostRequest {
 }
 
 impl Warren {
+    /// The jobs as the host last saw them before `id`'s suspension, if it recorded them.
+    pub fn jobs_seen(&self, id: &str) -> Option<SeenJobs> {
+        read(&self.vm_dir(id))
+    }
+
     /// A job's status without waking the VM or counting as activity: from the guest while
     /// the VM runs, from the record made before its suspension while it is paused,
     /// hibernating, hibernated or resuming (a job frozen while it ran reports `running`).
