@@ -124,7 +124,14 @@ async fn session_via_service(
                     .filter_map(|x| x.as_str().map(str::to_string))
                     .collect()
             };
-            print_retention(t, &list("uncommitted"), &list("unexported"), *json);
+            let generation = v["generation"].as_u64().unwrap_or_default();
+            print_retention(
+                t,
+                generation,
+                &list("uncommitted"),
+                &list("unexported"),
+                *json,
+            );
         }
         SessionCmd::Export { session, branch } => {
             let mut args = json!({"session": session});
@@ -170,16 +177,24 @@ fn print_session_table(t: Term, sessions: &[serde_json::Value]) {
     }
 }
 
-/// The paths are the guest's file names and the commits carry the guest's subjects: each
-/// is printed as one escaped line.
-fn print_retention(t: Term, uncommitted: &[String], unexported: &[String], json: bool) {
+/// The session's generation, then what deleting it would lose. The paths are the guest's
+/// file names and the commits carry the guest's subjects: each is printed as one escaped
+/// line.
+fn print_retention(
+    t: Term,
+    generation: u64,
+    uncommitted: &[String],
+    unexported: &[String],
+    json: bool,
+) {
     if json {
         println!(
             "{}",
-            serde_json::json!({"uncommitted": uncommitted, "unexported": unexported})
+            serde_json::json!({"generation": generation, "uncommitted": uncommitted, "unexported": unexported})
         );
         return;
     }
+    println!("generation: {generation}");
     println!("uncommitted paths: {}", uncommitted.len());
     for p in uncommitted {
         println!("  {}", t.field(p));
@@ -237,7 +252,7 @@ pub async fn session(cli: &Cli, cmd: &SessionCmd) -> Result<i32> {
         SessionCmd::Status { session, json } => {
             let s = w.session(&ws, session)?;
             let r = w.session_retention(&s).await?;
-            print_retention(t, &r.uncommitted, &r.unexported, *json);
+            print_retention(t, s.generation, &r.uncommitted, &r.unexported, *json);
             Ok(0)
         }
         SessionCmd::Export { session, branch } => {

@@ -1080,6 +1080,7 @@ fn test_service_sessions_over_local_socket_checked_as_caller() {
     let out = warren(&[], &["session", "status", "svc", "--json"]);
     let st: Value = serde_json::from_slice(&out.stdout).expect("status JSON");
     assert_eq!(st["unexported"].as_array().map(Vec::len), Some(1), "{st}");
+    assert_eq!(st["generation"], 1, "{st}");
     // Delete refuses with unexported work; export, then delete.
     let out = warren(&[], &["session", "delete", "svc"]);
     assert_eq!(out.status.code(), Some(125));

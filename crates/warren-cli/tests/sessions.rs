@@ -340,6 +340,7 @@ fn test_hostile_guest_git_config_never_runs_on_host() {
         st.contains("guest commit") || st.contains("unexported"),
         "{st}"
     );
+    assert!(st.contains("\"generation\":1"), "{st}");
     assert!(
         !marker.exists(),
         "session status ran guest code on the host"
