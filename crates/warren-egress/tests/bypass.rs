@@ -56,13 +56,7 @@ fn secret_config(topo: &Topology) -> EgressConfig {
 async fn up(
     cfg: impl FnOnce(&Topology) -> EgressConfig,
 ) -> Result<(Topology, Egress, EgressHandle)> {
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_max_level(tracing::Level::DEBUG)
-        .try_init();
-    let topo = Topology::new(SECRET).await?;
-    let egress = Egress::new(cfg(&topo), topo.world_out.clone())?;
-    let handle = egress.spawn(topo.listeners()?)?;
+    let (topo, egress, handle) = up_with(SECRET, cfg).await?;
     // The guest resolved the allowed name: its address is allowed by address from now on,
     // which is what a co-hosted name tries to ride on.
     topo.guest_dns("api.allowed.test", RecordType::A).await?;

@@ -49,23 +49,10 @@ fn base_config(topo: &Topology) -> EgressConfig {
     cfg
 }
 
-async fn start(topo: &Topology, cfg: EgressConfig) -> Result<(Egress, EgressHandle)> {
-    let egress = Egress::new(cfg, topo.world_out.clone())?;
-    let handle = egress.spawn(topo.listeners()?)?;
-    Ok((egress, handle))
-}
-
 async fn up(
     cfg: impl FnOnce(&Topology) -> EgressConfig,
 ) -> Result<(Topology, Egress, EgressHandle)> {
-    // Shown only for failing tests (the test writer is captured).
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_max_level(tracing::Level::DEBUG)
-        .try_init();
-    let topo = Topology::new(SECRET).await?;
-    let (e, h) = start(&topo, cfg(&topo)).await?;
-    Ok((topo, e, h))
+    up_with(SECRET, cfg).await
 }
 
 fn a_records(m: &hickory_proto::op::Message) -> Vec<std::net::Ipv4Addr> {

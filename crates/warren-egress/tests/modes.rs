@@ -27,14 +27,7 @@ fn pat(s: &str) -> DomainPattern {
 async fn up(
     cfg: impl FnOnce(&Topology) -> EgressConfig,
 ) -> Result<(Topology, Egress, EgressHandle)> {
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_max_level(tracing::Level::DEBUG)
-        .try_init();
-    let topo = Topology::new("unused").await?;
-    let egress = Egress::new(cfg(&topo), topo.world_out.clone())?;
-    let handle = egress.spawn(topo.listeners()?)?;
-    Ok((topo, egress, handle))
+    up_with("unused", cfg).await
 }
 
 fn a_records(m: &hickory_proto::op::Message) -> Vec<Ipv4Addr> {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use warren_egress::{bind_tcp_in, Outbound};
+use warren_egress::{bind_tcp_in, Egress, EgressConfig, EgressHandle, Outbound};
 
 pub use warren_egress::standin::*;
 
@@ -101,4 +101,24 @@ pub async fn guest_echo(topo: &Topology, addr: Ipv4Addr) -> Result<bool> {
         _ => 0,
     };
     Ok(n == 6 && &buf == b"ping\r\n")
+}
+
+/// Test logging (shown only for failing tests: the test writer is captured), once.
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_max_level(tracing::Level::DEBUG)
+        .try_init();
+}
+
+/// An egress configured by `cfg` serving a fresh topology whose stand-ins hold `secret`.
+pub async fn up_with(
+    secret: &str,
+    cfg: impl FnOnce(&Topology) -> EgressConfig,
+) -> Result<(Topology, Egress, EgressHandle)> {
+    init_tracing();
+    let topo = Topology::new(secret).await?;
+    let egress = Egress::new(cfg(&topo), topo.world_out.clone())?;
+    let handle = egress.spawn(topo.listeners()?)?;
+    Ok((topo, egress, handle))
 }
