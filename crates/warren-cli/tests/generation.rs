@@ -39,13 +39,7 @@ fn session_entry(d: &Daemon, name: &str) -> Value {
 #[test]
 fn test_generation_recreate_and_failed_restore_fresh_boot_refuse_stale_callers() {
     let d = Daemon::start("");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let repo = dir.path().canonicalize().expect("canonical");
-    let git = |args: &[&str]| common::git(&repo, args);
-    git(&["init", "-q", "-b", "main"]);
-    std::fs::write(repo.join("a.txt"), "committed\n").expect("write");
-    git(&["add", "-A"]);
-    git(&["commit", "-qm", "initial"]);
+    let (_dir, repo) = common::one_commit_repo();
     let repo_arg = repo.to_str().expect("utf-8");
 
     // 1. A new session and its VM are at generation 1.

@@ -61,13 +61,7 @@ fn test_planted_fifo_and_dev_zero_in_a_session_stall_only_that_session() {
     common::ensure_image("minimal");
     let d = Daemon::start("");
     let other = d.token("tok-other", &[]);
-    let dir = tempfile::tempdir().expect("tempdir");
-    let repo = dir.path().canonicalize().expect("canonical");
-    let git = |args: &[&str]| common::git(&repo, args);
-    git(&["init", "-q", "-b", "main"]);
-    std::fs::write(repo.join("a.txt"), "committed\n").expect("write");
-    git(&["add", "-A"]);
-    git(&["commit", "-qm", "initial"]);
+    let (_dir, repo) = common::one_commit_repo();
     let r = d.local_call(
         "session_create",
         json!({"repo": repo.to_str().expect("utf-8"), "name": "hostile"}),

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use common::*;
 use hickory_proto::op::ResponseCode;
-use hickory_proto::rr::{RData, RecordType};
+use hickory_proto::rr::RecordType;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use warren_egress::{
     DomainPattern, Egress, EgressConfig, EgressHandle, InterceptRule, SecretSource, SecretSpec,
@@ -53,16 +53,6 @@ async fn up(
     cfg: impl FnOnce(&Topology) -> EgressConfig,
 ) -> Result<(Topology, Egress, EgressHandle)> {
     up_with(SECRET, cfg).await
-}
-
-fn a_records(m: &hickory_proto::op::Message) -> Vec<std::net::Ipv4Addr> {
-    m.answers
-        .iter()
-        .filter_map(|r| match &r.data {
-            RData::A(a) => Some(a.0),
-            _ => None,
-        })
-        .collect()
 }
 
 #[tokio::test]

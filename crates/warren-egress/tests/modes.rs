@@ -12,7 +12,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use anyhow::Result;
 use common::*;
 use hickory_proto::op::ResponseCode;
-use hickory_proto::rr::{RData, RecordType};
+use hickory_proto::rr::RecordType;
 use warren_egress::{
     ConfigError, DomainPattern, Egress, EgressConfig, EgressHandle, EgressMode, UpstreamRoots,
 };
@@ -28,16 +28,6 @@ async fn up(
     cfg: impl FnOnce(&Topology) -> EgressConfig,
 ) -> Result<(Topology, Egress, EgressHandle)> {
     up_with("unused", cfg).await
-}
-
-fn a_records(m: &hickory_proto::op::Message) -> Vec<Ipv4Addr> {
-    m.answers
-        .iter()
-        .filter_map(|r| match &r.data {
-            RData::A(a) => Some(a.0),
-            _ => None,
-        })
-        .collect()
 }
 
 /// An HTTP request from the guest to `ip:80` naming `host`: its status, `None` if refused.

@@ -407,3 +407,15 @@ pub fn git(dir: &Path, args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// A fresh repository (canonical path) with one commit, "initial", holding `a.txt`
+/// ("committed\n"); the directory lives as long as the returned guard.
+pub fn one_commit_repo() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let repo = dir.path().canonicalize().expect("canonical");
+    git(&repo, &["init", "-q", "-b", "main"]);
+    std::fs::write(repo.join("a.txt"), "committed\n").expect("write");
+    git(&repo, &["add", "-A"]);
+    git(&repo, &["commit", "-qm", "initial"]);
+    (dir, repo)
+}

@@ -122,3 +122,14 @@ pub async fn up_with(
     let handle = egress.spawn(topo.listeners()?)?;
     Ok((topo, egress, handle))
 }
+
+/// The IPv4 addresses of `m`'s A answers.
+pub fn a_records(m: &hickory_proto::op::Message) -> Vec<Ipv4Addr> {
+    m.answers
+        .iter()
+        .filter_map(|r| match &r.data {
+            hickory_proto::rr::RData::A(a) => Some(a.0),
+            _ => None,
+        })
+        .collect()
+}
