@@ -331,6 +331,29 @@ impl Credentials {
         })
     }
 
+    /// Whether `p`'s credential still holds: a long-lived stream asks every few seconds, so
+    /// a revoked or expired token stops it. The local socket's callers always hold.
+    pub fn recheck(&self, p: &Principal) -> Result<(), ApiError> {
+        let Via::Token { token_id } = &p.via else {
+            return Ok(());
+        };
+        let unauth = |m: &str| ApiError::new("unauthenticated", m);
+        let row: Option<(Option<i64>, i64)> = self
+            .conn()
+            .query_row(
+                "SELECT expires_unix, revoked FROM tokens WHERE id = ?1",
+                [token_id],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?;
+        match row {
+            None => Err(unauth("the token no longer exists")),
+            Some((_, revoked)) if revoked != 0 => Err(unauth("the token was revoked")),
+            Some((Some(e), _)) if (e as u64) <= now_unix() => Err(unauth("the token expired")),
+            Some(_) => Ok(()),
+        }
+    }
+
     /// The operator's explicit change of an existing workspace's internet grant (a reissue
     /// never changes a policy). Granting it grants networking too; taking it away leaves
     /// networking. Every token of the workspace acts on the new policy from its next

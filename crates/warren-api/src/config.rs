@@ -59,6 +59,67 @@ pub struct ServiceConfig {
     /// The operator's egress address policy for every networked VM.
     #[serde(default)]
     pub egress: EgressSettings,
+    /// Guest streams (`GET /v1/vms/{vm_id}/streams/{port}`): ports and limits.
+    #[serde(default)]
+    pub streams: StreamsConfig,
+}
+
+/// `[streams]`: which guest ports a caller may open streams to, and how many at once.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamsConfig {
+    /// Inclusive port ranges; `[]` disables port streams (copies still work).
+    #[serde(default = "default_stream_ports")]
+    pub ports: Vec<[u16; 2]>,
+    /// Open streams at once, host-wide.
+    #[serde(default = "default_max_streams")]
+    pub max_streams: usize,
+    #[serde(default = "default_max_streams_per_workspace")]
+    pub max_streams_per_workspace: usize,
+    #[serde(default = "default_max_streams_per_vm")]
+    pub max_streams_per_vm: usize,
+    /// Bytes per second in each direction of one stream; 0 is unlimited.
+    #[serde(default = "default_stream_rate")]
+    pub rate_bytes: u64,
+}
+
+impl Default for StreamsConfig {
+    fn default() -> Self {
+        StreamsConfig {
+            ports: default_stream_ports(),
+            max_streams: default_max_streams(),
+            max_streams_per_workspace: default_max_streams_per_workspace(),
+            max_streams_per_vm: default_max_streams_per_vm(),
+            rate_bytes: default_stream_rate(),
+        }
+    }
+}
+
+impl StreamsConfig {
+    /// Whether a stream to `port` may be opened (never ports 0..=1024).
+    pub fn allows_port(&self, port: u16) -> bool {
+        port > crate::streams::LOWEST_STREAM_PORT - 1
+            && self
+                .ports
+                .iter()
+                .any(|[lo, hi]| (*lo..=*hi).contains(&port))
+    }
+}
+
+fn default_stream_ports() -> Vec<[u16; 2]> {
+    vec![[1025, 65535]]
+}
+fn default_max_streams() -> usize {
+    32
+}
+fn default_max_streams_per_workspace() -> usize {
+    8
+}
+fn default_max_streams_per_vm() -> usize {
+    4
+}
+fn default_stream_rate() -> u64 {
+    32 << 20
 }
 
 /// `[egress]`: what only the operator decides about the network of every VM the service
@@ -296,6 +357,24 @@ impl ServiceConfig {
     }
 
     fn validate(&self) -> Result<(), String> {
+        let st = &self.streams;
+        for [lo, hi] in &st.ports {
+            if lo > hi || *lo < crate::streams::LOWEST_STREAM_PORT {
+                return Err(format!(
+                    "streams.ports [{lo}, {hi}]: ranges are [low, high] with low >= {}",
+                    crate::streams::LOWEST_STREAM_PORT
+                ));
+            }
+        }
+        for (key, n) in [
+            ("max_streams", st.max_streams),
+            ("max_streams_per_workspace", st.max_streams_per_workspace),
+            ("max_streams_per_vm", st.max_streams_per_vm),
+        ] {
+            if n > 4096 {
+                return Err(format!("streams.{key} {n} is above 4096"));
+            }
+        }
         if self.images.is_empty() {
             return Err("no [images.<name>] table: configure at least one image".into());
         }

@@ -16,9 +16,10 @@
 //!   body ends ([`Guarded`]), so a long-poll, a `vm_create` booting for minutes, or an MCP GET
 //!   event stream (which rmcp keeps alive with an SSE ping every 15 s) is never cut by it.
 //! - **HTTP/2** connections get keep-alive pings; an unanswered ping closes the connection.
-//! - **No upgrades.** Connections are served without upgrade support and no route upgrades, so
-//!   every connection stays counted for its whole life; a WebSocket route would need its own
-//!   cap and pings here first.
+//! - **Upgrades** (guest streams over WebSocket, `crate::ws`) are the only ones: once a
+//!   connection is upgraded, hyper hands its socket over and the connection's task ends, so
+//!   it no longer counts under `max_connections`. Streams have caps of their own (`[streams]`
+//!   quotas, taken before the upgrade is accepted) and their own pings.
 //!
 //! Why by hand: `axum::serve` has none of these knobs. hyper provides the header timeout and
 //! HTTP/2 pings, hyper-util the protocol choice and the tower adapter, tokio the semaphore;
@@ -190,7 +191,7 @@ impl Connection {
         });
         let conn = self
             .builder
-            .serve_connection(TokioIo::new(io), TowerToHyperService::new(svc));
+            .serve_connection_with_upgrades(TokioIo::new(io), TowerToHyperService::new(svc));
         tokio::pin!(conn);
         tokio::select! {
             r = conn.as_mut() => {

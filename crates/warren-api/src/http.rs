@@ -7,8 +7,10 @@ use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
 use axum::extract::connect_info::{ConnectInfo, Connected};
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, Request, State};
+use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
+use axum::extract::ws::WebSocketUpgrade;
+use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -87,6 +89,8 @@ fn routes(st: AppState) -> Router {
     Router::new()
         .route("/v1/tools/{tool}", post(call_tool))
         .route("/v1/openapi.json", get(openapi))
+        .route("/v1/vms/{vm_id}/streams/{port}", get(stream_port))
+        .route("/v1/vms/{vm_id}/copy/{direction}", get(stream_copy))
         .merge(crate::mcp::router(st.service.clone()))
         .method_not_allowed_fallback(|| async {
             error_response(&ApiError::new(
@@ -286,4 +290,52 @@ async fn call_tool(
 
 async fn openapi(State(st): State<AppState>) -> Response {
     Json(crate::openapi::document(st.service.tools())).into_response()
+}
+
+/// `GET /v1/vms/{vm_id}/streams/{port}` (WebSocket): `crate::ws`.
+async fn stream_port(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path((vm_id, port)): Path<(String, String)>,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Response {
+    crate::ws::serve(
+        st.service,
+        p,
+        vm_id,
+        crate::ws::Request::Port(port),
+        ws.ok(),
+    )
+    .await
+}
+
+#[derive(serde::Deserialize)]
+struct CopyQuery {
+    path: Option<String>,
+}
+
+/// `GET /v1/vms/{vm_id}/copy/{in|out}?path=P` (WebSocket): a tar archive into the guest
+/// directory `P`, or of the guest path `P`.
+async fn stream_copy(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path((vm_id, direction)): Path<(String, String)>,
+    query: Result<Query<CopyQuery>, QueryRejection>,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Response {
+    let path = match query {
+        Ok(Query(q)) => q.path,
+        Err(e) => return error_response(&ApiError::invalid(e.body_text())),
+    };
+    let req = match direction.as_str() {
+        "in" => crate::ws::Request::CopyIn(path),
+        "out" => crate::ws::Request::CopyOut(path),
+        _ => {
+            return error_response(&ApiError::new(
+                "not_found",
+                "copies are /v1/vms/{vm_id}/copy/in or /copy/out",
+            ))
+        }
+    };
+    crate::ws::serve(st.service, p, vm_id, req, ws.ok()).await
 }

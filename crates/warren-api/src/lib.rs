@@ -23,7 +23,9 @@ pub mod openapi;
 pub mod receipts;
 pub mod serve;
 pub mod service;
+pub mod streams;
 pub mod tools;
+pub mod ws;
 
 pub use error::ApiError;
 pub use service::Service;

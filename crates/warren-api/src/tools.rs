@@ -450,6 +450,9 @@ pub struct VmStatus {
     /// Finished jobs whose background processes still run, oldest first (empty unless the
     /// VM is running).
     pub background_jobs: Vec<BackgroundJob>,
+    /// Guest streams open to the VM through this service (WebSocket streams and copies).
+    #[serde(default)]
+    pub open_streams: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]

@@ -68,6 +68,28 @@ pub enum Command {
     /// Runs a coding agent (or a shell, or CMD) in the current project's session VM,
     /// creating the session on first use. Interactive with a terminal, streamed otherwise.
     Run(RunArgs),
+    /// Bridges stdin and stdout to a TCP port on the guest's loopback (a guest stdio MCP
+    /// server behind a listener becomes an MCP client's command). Exits 0 when the guest
+    /// closes normally, 1 otherwise.
+    Attach {
+        vm: String,
+        #[arg(long)]
+        port: u16,
+        /// Keep the stream open after stdin ends (for downloads: the guest closes it).
+        #[arg(long)]
+        ignore_stdin_eof: bool,
+        #[command(flatten)]
+        service: crate::stream_link::ServiceArgs,
+    },
+    /// Forwards connections to a host loopback port to a guest port: `[LOCAL:]GUEST`
+    /// (LOCAL 0 picks a free port; the address is printed first). Runs until Ctrl-C.
+    PortForward {
+        vm: String,
+        #[arg(value_name = "[LOCAL:]GUEST")]
+        ports: String,
+        #[command(flatten)]
+        service: crate::stream_link::ServiceArgs,
+    },
     /// Answers an agent's OAuth refresh from the host credential file (run by the egress
     /// for wired credentials, not by hand).
     #[command(hide = true)]
@@ -345,6 +367,16 @@ pub enum VmCmd {
         detach: bool,
         #[arg(last = true, required = true)]
         command: Vec<String>,
+    },
+    /// Copies a file or directory tree (modes and symlinks kept) between the host and a
+    /// VM: `vm cp HOST_PATH VM:/guest/dir` or `vm cp VM:/guest/path HOST_DIR`. The copy
+    /// lands in the destination directory (created when missing) under its own name, and
+    /// never replaces an existing one.
+    Cp {
+        src: String,
+        dst: String,
+        #[command(flatten)]
+        service: crate::stream_link::ServiceArgs,
     },
     /// Reads a job's retained output at byte cursors, as JSON.
     Output {

@@ -87,6 +87,15 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::Session(cmd) => crate::session_cmd::session(&cli, cmd).await,
         Command::Run(args) => crate::session_cmd::run(&cli, args).await,
         Command::Shutdown { .. } => shutdown(&cli).await,
+        Command::Attach {
+            vm,
+            port,
+            ignore_stdin_eof,
+            service,
+        } => crate::stream_cmd::attach(&cli, service, vm, *port, *ignore_stdin_eof).await,
+        Command::PortForward { vm, ports, service } => {
+            crate::stream_cmd::port_forward(&cli, service, vm, ports).await
+        }
         Command::Supervise { .. } | Command::InterceptRefresh { .. } => {
             unreachable!("handled before the runtime starts")
         }
@@ -437,6 +446,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             }
             Ok(0)
         }
+        VmCmd::Cp { src, dst, service } => crate::stream_cmd::cp(cli, service, src, dst).await,
         VmCmd::List { json } => {
             let w = open(cli, None)?;
             print_vms(&w, t, &w.list_vms()?, *json)?;

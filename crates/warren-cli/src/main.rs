@@ -14,9 +14,12 @@ mod bench_workspace;
 mod cli;
 mod client;
 mod commands;
+mod copy;
 mod egress_file;
 mod jobs_cmd;
 mod session_cmd;
+mod stream_cmd;
+mod stream_link;
 mod term;
 
 use clap::Parser;

@@ -17,6 +17,7 @@ mod pty;
 mod reaper;
 mod request_keys;
 mod session;
+mod streams;
 mod sys;
 mod trust;
 mod workspace_ops;

@@ -135,6 +135,11 @@ async fn handle(
     req: http::Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
 ) {
+    if req.uri().path() == warren_protocol::stream::STREAM_PATH {
+        let authenticated = matches!(*lock(&auth), AuthState::Authenticated);
+        // A reset stream or a session end drops this task (and with it the target).
+        return crate::streams::serve(agent, authenticated, req, respond).await;
+    }
     let work = answer(&agent, &auth, req);
     tokio::pin!(work);
     let reply = tokio::select! {

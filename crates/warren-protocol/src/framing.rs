@@ -39,7 +39,7 @@ pub enum Event {
 pub fn encode_data(data: &[u8], out: &mut Vec<u8>) {
     out.reserve(data.len() + data.len() / 64 + 2);
     let mut rest = data;
-    while let Some(pos) = rest.iter().position(|&b| b == ESC) {
+    while let Some(pos) = memchr::memchr(ESC, rest) {
         out.extend_from_slice(&rest[..pos]);
         out.extend_from_slice(&[ESC, KIND_DATA_ESC]);
         rest = &rest[pos + 1..];
@@ -97,7 +97,7 @@ impl Decoder {
             match self.state {
                 State::Plain => {
                     let rest = &input[i..];
-                    match rest.iter().position(|&b| b == ESC) {
+                    match memchr::memchr(ESC, rest) {
                         Some(pos) => {
                             data.extend_from_slice(&rest[..pos]);
                             self.state = State::Escaped;

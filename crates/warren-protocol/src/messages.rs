@@ -547,6 +547,9 @@ pub enum CodecError {
     TooLarge(usize),
     #[error("malformed message")]
     Malformed(#[from] postcard::Error),
+    /// A header value that is not lowercase hex of even length.
+    #[error("malformed header value")]
+    BadHeader,
 }
 
 /// Encodes a message body.
@@ -861,6 +864,20 @@ mod tests {
             (
                 "rsp.error.too_large",
                 rsp(Err(GuestError::new(ErrorCode::TooLarge, "x"))),
+            ),
+            (
+                "stream.tcp",
+                encode(&crate::stream::StreamTarget::Tcp { port: 5000 }).expect("encode"),
+            ),
+            (
+                "stream.tar_extract",
+                encode(&crate::stream::StreamTarget::TarExtract { dir: "/d".into() })
+                    .expect("encode"),
+            ),
+            (
+                "stream.tar_create",
+                encode(&crate::stream::StreamTarget::TarCreate { path: "/p".into() })
+                    .expect("encode"),
             ),
         ]
     }

@@ -229,6 +229,58 @@ impl GuestChannel {
         Ok(response)
     }
 
+    /// Opens a guest stream (`warren_protocol::stream`): the send half carries the guest's
+    /// input, the receive half its output and then the exit trailers. A refusal is the
+    /// guest's error.
+    pub async fn open_stream(
+        &self,
+        target: &warren_protocol::stream::StreamTarget,
+    ) -> Result<Result<(h2::SendStream<Bytes>, h2::RecvStream), GuestError>, ChannelError> {
+        use warren_protocol::stream::{STREAM_HEADER, STREAM_PATH};
+        let limit = crate::deadline::CONTROL_LIMIT;
+        let open = async {
+            let header = target.to_header()?;
+            let mut sender = self.sender.clone().ready().await?;
+            let request = http::Request::post(STREAM_PATH)
+                .header(STREAM_HEADER, header)
+                .body(())
+                .map_err(|_| ChannelError::Unexpected("stream target header"))?;
+            let (response, send) = sender.send_request(request, false)?;
+            let response = response.await?;
+            let status = response.status();
+            let mut body = response.into_body();
+            if status == http::StatusCode::OK {
+                return Ok(Ok((send, body)));
+            }
+            let mut buf = Vec::new();
+            while let Some(chunk) = body.data().await {
+                let chunk = chunk?;
+                let _ = body.flow_control().release_capacity(chunk.len());
+                if buf.len() + chunk.len() > 64 * 1024 {
+                    return Err(
+                        warren_protocol::CodecError::TooLarge(buf.len() + chunk.len()).into(),
+                    );
+                }
+                buf.extend_from_slice(&chunk);
+            }
+            let mut err = match decode::<GuestError>(&buf) {
+                Ok(e) => e,
+                // An agent of protocol version 3 has no stream path.
+                Err(_) if status == http::StatusCode::NOT_FOUND => GuestError::new(
+                    warren_protocol::ErrorCode::WrongType,
+                    "the guest agent has no streams (an image built before protocol \
+                     version 4): rebuild the image",
+                ),
+                Err(e) => return Err(e.into()),
+            };
+            cut_message(&mut err.message);
+            Ok(Err(err))
+        };
+        tokio::time::timeout(limit, open)
+            .await
+            .map_err(|_| ChannelError::Timeout(limit))?
+    }
+
     /// Resolves once the session is gone (guest reset, corrupt stream, VMM exit).
     pub async fn closed(&self) {
         let mut rx = self.closed.clone();

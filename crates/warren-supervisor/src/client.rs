@@ -82,6 +82,32 @@ impl SupervisorClient {
         }
     }
 
+    /// Opens a guest stream on a connection of its own (`crate::stream_frame`).
+    pub async fn open_stream(
+        &self,
+        target: warren_protocol::stream::StreamTarget,
+    ) -> Result<crate::stream_frame::GuestStream, ClientError> {
+        let req = SupervisorRequest::OpenStream(target);
+        let limit = crate::deadline::client_limit(&req);
+        let open = async {
+            let mut s = self.connect().await?;
+            write_frame(&mut s, &req).await?;
+            let reply: Reply = read_frame(&mut s).await?;
+            match reply? {
+                SupervisorResponse::StreamOpened => Ok(s),
+                _ => Err(ClientError::Unexpected),
+            }
+        };
+        let s = tokio::time::timeout(limit, open)
+            .await
+            .map_err(|_| ClientError::Timeout(limit))??;
+        let (rd, wr) = s.into_split();
+        Ok(crate::stream_frame::GuestStream {
+            reader: crate::stream_frame::StreamReader(rd),
+            writer: crate::stream_frame::StreamWriter(wr),
+        })
+    }
+
     /// Sends a request to the guest agent.
     pub async fn guest(&self, req: HostRequest) -> Result<GuestResponse, ClientError> {
         match self.request(&SupervisorRequest::Guest(req)).await? {

@@ -91,6 +91,8 @@ pub fn client_limit(req: &SupervisorRequest) -> Duration {
         SupervisorRequest::Guest(r) => RECONNECT_WAIT + guest_limit(r),
         SupervisorRequest::Pause | SupervisorRequest::Resume => SUSPEND_LIMIT,
         SupervisorRequest::Hibernate => HIBERNATE_LIMIT,
+        // Until the stream is open; the open stream itself has no deadline.
+        SupervisorRequest::OpenStream(_) => RECONNECT_WAIT + CONTROL_LIMIT,
     };
     work + CLIENT_MARGIN
 }

@@ -25,6 +25,8 @@ pub mod log;
 pub mod network;
 pub mod proto;
 mod server;
+mod stream;
+pub mod stream_frame;
 
 pub use client::SupervisorClient;
 pub use layout::{ExitRecord, SupervisorConfig, VmDir};

@@ -27,6 +27,9 @@ pub enum SupervisorRequest {
     /// Writes the VM's memory and device state to `run/checkpoint.ram`, fsyncs it, records
     /// the checkpoint, and ends the VMM and the supervisor.
     Hibernate,
+    /// Opens a guest stream; once answered `StreamOpened`, the connection carries stream
+    /// frames ([`crate::stream_frame`]).
+    OpenStream(warren_protocol::stream::StreamTarget),
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -37,6 +40,7 @@ pub enum SupervisorResponse {
     Paused,
     Resumed,
     Hibernated(CheckpointInfo),
+    StreamOpened,
 }
 
 /// A completed checkpoint, as recorded in `checkpoint.json` (after the state was fsynced).
@@ -109,6 +113,8 @@ pub enum FrameError {
     TooLarge(usize),
     #[error("malformed frame")]
     Codec(#[from] postcard::Error),
+    #[error("unexpected stream frame")]
+    BadStreamFrame,
 }
 
 pub async fn write_frame<W: AsyncWriteExt + Unpin, T: Serialize>(

@@ -509,6 +509,10 @@ async fn handle(conn: UnixStream, shared: Arc<Shared>) {
             return;
         }
     };
+    if let SupervisorRequest::OpenStream(target) = req {
+        let channel = shared.channel(RECONNECT_WAIT).await;
+        return crate::stream::serve(channel, target, rd, wr).await;
+    }
     // A client that goes away cancels its request (and with it the guest's HTTP/2 stream).
     let gone = async {
         let mut b = [0u8; 1];
@@ -549,6 +553,9 @@ async fn process(req: SupervisorRequest, shared: &Shared) -> Reply {
             let _l = shared.lifecycle.lock().await;
             hibernate(shared).await
         }
+        SupervisorRequest::OpenStream(_) => Err(SupervisorError::Refused(
+            "a stream is opened on a connection of its own".into(),
+        )),
         SupervisorRequest::Guest(HostRequest::Hello(_) | HostRequest::Auth(_)) => Err(
             SupervisorError::Refused("session requests belong to the supervisor".into()),
         ),

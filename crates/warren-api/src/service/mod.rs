@@ -3,6 +3,7 @@
 
 mod files;
 mod sessions;
+pub mod streams;
 mod tool_defs;
 
 pub use sessions::session_info;
@@ -65,6 +66,8 @@ pub struct Service {
     in_flight: Mutex<HashSet<String>>,
     /// Per-credential caps on requests and long-polls in flight.
     caps: CallerCaps,
+    /// Open guest streams (`crate::streams`).
+    streams: crate::streams::Streams,
 }
 
 /// Removes an in-flight key when the request ends, however it ends.
@@ -204,6 +207,7 @@ impl Service {
                 cfg.http.max_requests_per_token,
                 cfg.http.max_long_polls_per_token,
             ),
+            streams: crate::streams::Streams::new(cfg.streams.clone()),
             cfg,
             in_flight: Mutex::new(HashSet::new()),
         })
@@ -246,6 +250,11 @@ impl Service {
                 _ = tick.tick() => {
                     for (vm, mode) in self.warren.idle_vms() {
                         if busy.values().any(|b| *b == vm) {
+                            continue;
+                        }
+                        if self.streams.count(&vm) > 0 {
+                            // An open stream is activity: the idle clock starts again.
+                            self.warren.note_activity(&vm);
                             continue;
                         }
                         let service = self.clone();
@@ -690,6 +699,7 @@ impl Service {
 
     async fn vm_status(&self, p: &Principal, a: VmRef) -> Result<Value, ApiError> {
         let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        let rec_id = rec.id.clone();
         let running = rec.state == VmState::Running;
         let mut seen_unix = None;
         let (jobs, job_ids, background_jobs) = if running {
@@ -724,6 +734,7 @@ impl Service {
             jobs_stale: seen_unix.is_some(),
             jobs_seen_unix: seen_unix,
             background_jobs,
+            open_streams: self.streams.count(&rec_id),
         })
     }
 
@@ -945,12 +956,23 @@ impl Service {
             SuspendModeArg::Pause => warren_core::SuspendMode::Pause,
             SuspendModeArg::Hibernate => warren_core::SuspendMode::Hibernate,
         };
+        let open = self.streams.count(&rec.id);
+        if open > 0 && !a.force {
+            return Err(ApiError::new(
+                "busy",
+                format!("{open} stream(s) are open to the VM; close them or pass force"),
+            ));
+        }
+        self.streams
+            .close_vm(&rec.id, crate::streams::CloseReason::Suspended);
         let rec = self.warren.suspend_vm(&rec.id, mode, a.force).await?;
         to_value(self.info(rec))
     }
 
     async fn vm_destroy(&self, p: &Principal, a: VmRef) -> Result<Value, ApiError> {
         let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
+        self.streams
+            .close_vm(&rec.id, crate::streams::CloseReason::Destroyed);
         self.warren.destroy_vm(&rec.id).await?;
         to_value(VmDestroyed {
             vm_id: rec.id,

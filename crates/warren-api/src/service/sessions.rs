@@ -140,6 +140,10 @@ impl Service {
             "session_delete" => {
                 let a: SessionDeleteArgs = parse(args)?;
                 let s = self.session(p, &a.session, a.expected_generation)?;
+                if let Some(vm) = &s.vm_id {
+                    self.streams
+                        .close_vm(vm, crate::streams::CloseReason::Destroyed);
+                }
                 self.warren.delete_session(&s, a.force).await?;
                 to_value(SessionDeleted {
                     session_id: s.id,

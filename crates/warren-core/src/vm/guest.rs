@@ -23,6 +23,13 @@ impl Warren {
         self.client(id)
     }
 
+    /// Counts as work on the VM now (its idle clock starts again), without waking it.
+    pub fn note_activity(&self, id: &str) {
+        if let Err(e) = self.store.touch(id, now_unix()) {
+            tracing::warn!(vm = id, error = %e, "recording activity failed");
+        }
+    }
+
     /// A client for a running VM.
     pub fn client(&self, id: &str) -> Result<SupervisorClient, CoreError> {
         let rec = self.get_vm(id)?;
@@ -34,6 +41,16 @@ impl Warren {
             });
         }
         Ok(SupervisorClient::new(&self.vm_dir(id).socket()))
+    }
+
+    /// Opens a guest stream (a TCP port on the guest's loopback, or a `tar` of a guest
+    /// path). Opening wakes a suspended VM and counts as activity.
+    pub async fn open_stream(
+        &self,
+        id: &str,
+        target: warren_protocol::stream::StreamTarget,
+    ) -> Result<warren_supervisor::stream_frame::GuestStream, CoreError> {
+        Ok(self.awake_client(id).await?.open_stream(target).await?)
     }
 
     pub async fn exec_start(&self, id: &str, req: ExecStart) -> Result<JobId, CoreError> {

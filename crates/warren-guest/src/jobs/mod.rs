@@ -666,6 +666,32 @@ impl JobManager {
         Ok(())
     }
 
+    /// Spawns a helper the agent runs for the host outside job accounting (a guest stream's
+    /// `tar`): as the guest user, with the jobs' base environment, in `/`. The caller sets
+    /// its standard streams and owns the child (kill it to abandon it).
+    pub fn spawn_helper(
+        &self,
+        cmd: &mut Command,
+    ) -> std::io::Result<(
+        std::process::Child,
+        tokio::sync::oneshot::Receiver<crate::reaper::ExitStatus>,
+    )> {
+        let extra = self
+            .extra_env
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        cmd.env_clear()
+            .envs(launch::job_env(&extra, &[], false))
+            .current_dir("/");
+        if let Some(id) = self.cfg.files.user {
+            // std's plain fork path: it drops supplementary groups, then sets gid and uid.
+            std::os::unix::process::CommandExt::uid(cmd, id);
+            std::os::unix::process::CommandExt::gid(cmd, id);
+        }
+        self.reaper.spawn(cmd)
+    }
+
     /// Times `iterations` spawns and waits of `/bin/true` as the guest user, outside job
     /// accounting.
     pub async fn bench_fork_exec_wait(&self, iterations: u32) -> Result<BenchReply, GuestError> {

@@ -1,0 +1,272 @@
+//! Open guest streams: admission against the host, workspace and VM quotas of `[streams]`,
+//! the per-VM registry that lifecycle operations close (suspend, destroy), and the
+//! per-direction rate limit. The WebSocket side is `crate::ws`.
+//!
+//! A stream holds a [`Ticket`] from admission until it ends; dropping the ticket frees its
+//! place. Closing a VM's streams sends each of them its reason over a watch channel; the
+//! stream's own task closes the WebSocket with it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::config::StreamsConfig;
+use crate::error::ApiError;
+
+/// Ports below this are never streamed to (the reference keeps 1023 and 1024 for the broker
+/// pipe and the guest supervisor; Warren keeps the whole privileged range out).
+pub const LOWEST_STREAM_PORT: u16 = 1025;
+
+/// Why the service closes a stream (the WebSocket close reason).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloseReason {
+    Suspended,
+    Destroyed,
+}
+
+impl CloseReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CloseReason::Suspended => "suspended",
+            CloseReason::Destroyed => "destroyed",
+        }
+    }
+}
+
+struct Entry {
+    workspace: String,
+    vm: String,
+    close: watch::Sender<Option<CloseReason>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    next_id: u64,
+    open: HashMap<u64, Entry>,
+}
+
+/// Every open stream of the service.
+#[derive(Clone)]
+pub struct Streams {
+    cfg: StreamsConfig,
+    inner: Arc<Mutex<Inner>>,
+}
+
+/// One admitted stream's place; dropping it frees the place.
+pub struct Ticket {
+    id: u64,
+    inner: Arc<Mutex<Inner>>,
+    /// Turns `Some` when the service closes the stream.
+    pub closed: watch::Receiver<Option<CloseReason>>,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        lock(&self.inner).open.remove(&self.id);
+    }
+}
+
+fn lock(inner: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
+    inner.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Streams {
+    pub fn new(cfg: StreamsConfig) -> Streams {
+        Streams {
+            cfg,
+            inner: Arc::default(),
+        }
+    }
+
+    pub fn config(&self) -> &StreamsConfig {
+        &self.cfg
+    }
+
+    /// Checks that `port` may be streamed to: `forbidden` otherwise.
+    pub fn check_port(&self, port: u16) -> Result<(), ApiError> {
+        if self.cfg.allows_port(port) {
+            return Ok(());
+        }
+        Err(ApiError::forbidden(if port < LOWEST_STREAM_PORT {
+            format!("port {port}: ports below {LOWEST_STREAM_PORT} are never streamed to")
+        } else {
+            format!("port {port} is outside the service's stream ports")
+        }))
+    }
+
+    /// Takes a place for a stream of `workspace` to `vm`, or `busy` when a quota is full.
+    pub fn admit(&self, workspace: &str, vm: &str) -> Result<Ticket, ApiError> {
+        let mut inner = lock(&self.inner);
+        let total = inner.open.len();
+        let of_ws = inner
+            .open
+            .values()
+            .filter(|e| e.workspace == workspace)
+            .count();
+        let of_vm = inner.open.values().filter(|e| e.vm == vm).count();
+        for (what, n, max) in [
+            ("the host", total, self.cfg.max_streams),
+            ("the workspace", of_ws, self.cfg.max_streams_per_workspace),
+            ("the VM", of_vm, self.cfg.max_streams_per_vm),
+        ] {
+            if n >= max {
+                return Err(ApiError::new(
+                    "busy",
+                    format!("{what} has {n} of its {max} streams open; close one first"),
+                ));
+            }
+        }
+        inner.next_id += 1;
+        let id = inner.next_id;
+        let (close, closed) = watch::channel(None);
+        inner.open.insert(
+            id,
+            Entry {
+                workspace: workspace.to_string(),
+                vm: vm.to_string(),
+                close,
+            },
+        );
+        Ok(Ticket {
+            id,
+            inner: self.inner.clone(),
+            closed,
+        })
+    }
+
+    /// Open streams to `vm`.
+    pub fn count(&self, vm: &str) -> usize {
+        lock(&self.inner)
+            .open
+            .values()
+            .filter(|e| e.vm == vm)
+            .count()
+    }
+
+    /// Closes every stream to `vm` with `reason`; returns how many.
+    pub fn close_vm(&self, vm: &str, reason: CloseReason) -> usize {
+        let inner = lock(&self.inner);
+        let mut n = 0;
+        for e in inner.open.values().filter(|e| e.vm == vm) {
+            e.close.send_replace(Some(reason));
+            n += 1;
+        }
+        n
+    }
+}
+
+/// A token bucket for one direction of one stream: `rate` bytes a second with a burst of
+/// one second's worth (at least 1 MiB); `rate` 0 is unlimited.
+pub struct RateLimit {
+    rate: u64,
+    tokens: f64,
+    last: tokio::time::Instant,
+}
+
+impl RateLimit {
+    pub fn new(rate: u64) -> RateLimit {
+        RateLimit {
+            rate,
+            tokens: Self::burst(rate),
+            last: tokio::time::Instant::now(),
+        }
+    }
+
+    fn burst(rate: u64) -> f64 {
+        rate.max(1 << 20) as f64
+    }
+
+    /// Waits until `n` bytes may pass.
+    pub async fn take(&mut self, n: usize) {
+        if self.rate == 0 {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        let refill = now.duration_since(self.last).as_secs_f64() * self.rate as f64;
+        self.tokens = (self.tokens + refill).min(Self::burst(self.rate));
+        self.last = now;
+        self.tokens -= n as f64;
+        if self.tokens < 0.0 {
+            let wait = -self.tokens / self.rate as f64;
+            tokio::time::sleep(Duration::from_secs_f64(wait)).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> StreamsConfig {
+        StreamsConfig {
+            ports: vec![[2000, 3000]],
+            max_streams: 3,
+            max_streams_per_workspace: 2,
+            max_streams_per_vm: 1,
+            rate_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn test_admit_quotas_and_release_on_drop() {
+        let s = Streams::new(cfg());
+        let a = s.admit("w1", "vm1").expect("first");
+        let e = s.admit("w1", "vm1").err().expect("vm quota");
+        assert_eq!(e.code, "busy");
+        assert!(e.message.contains("the VM"), "{}", e.message);
+        let _b = s.admit("w1", "vm2").expect("other vm");
+        let e = s.admit("w1", "vm3").err().expect("workspace quota");
+        assert!(e.message.contains("the workspace"), "{}", e.message);
+        let _c = s.admit("w2", "vm4").expect("other workspace");
+        let e = s.admit("w3", "vm5").err().expect("host quota");
+        assert!(e.message.contains("the host"), "{}", e.message);
+        assert_eq!(s.count("vm1"), 1);
+        drop(a);
+        assert_eq!(s.count("vm1"), 0);
+        s.admit("w1", "vm1").expect("freed");
+    }
+
+    #[test]
+    fn test_close_vm_signals_only_that_vm() {
+        let s = Streams::new(StreamsConfig {
+            max_streams_per_vm: 4,
+            max_streams_per_workspace: 4,
+            ..cfg()
+        });
+        let a = s.admit("w", "vm1").expect("a");
+        let b = s.admit("w", "vm2").expect("b");
+        assert_eq!(s.close_vm("vm1", CloseReason::Destroyed), 1);
+        assert_eq!(*a.closed.borrow(), Some(CloseReason::Destroyed));
+        assert_eq!(*b.closed.borrow(), None);
+    }
+
+    #[test]
+    fn test_ports_checked() {
+        let s = Streams::new(cfg());
+        assert!(s.check_port(2500).is_ok());
+        assert_eq!(s.check_port(1999).expect_err("outside").code, "forbidden");
+        assert_eq!(s.check_port(1023).expect_err("low").code, "forbidden");
+        let open = Streams::new(StreamsConfig::default());
+        assert!(open.check_port(1024).is_err() && open.check_port(1025).is_ok());
+        assert!(open.check_port(65535).is_ok());
+    }
+
+    #[tokio::test]
+    async fn test_rate_limit_paces_after_the_burst() {
+        let mut r = RateLimit::new(1 << 20);
+        r.take(1 << 20).await;
+        let t0 = tokio::time::Instant::now();
+        r.take(512 << 10).await;
+        assert!(
+            t0.elapsed() >= Duration::from_millis(400),
+            "{:?}",
+            t0.elapsed()
+        );
+        let mut free = RateLimit::new(0);
+        let t1 = tokio::time::Instant::now();
+        free.take(1 << 30).await;
+        assert!(t1.elapsed() < Duration::from_millis(100));
+    }
+}

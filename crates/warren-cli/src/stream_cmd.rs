@@ -1,0 +1,478 @@
+//! `warren attach`, `warren port-forward` and `warren vm cp`: guest streams from the command
+//! line (`crate::stream_link` opens them through the service or in process).
+
+use std::io::{IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use warren_protocol::stream::StreamTarget;
+
+use crate::cli::Cli;
+use crate::stream_link::{Chunk, Opener, Rx, ServiceArgs};
+
+/// Chunk size moved at once.
+const CHUNK: usize = 256 * 1024;
+
+/// `warren attach`: stdin to the guest port, the port to stdout. Exit 0 when the guest
+/// closed normally, 1 otherwise.
+pub async fn attach(
+    cli: &Cli,
+    service: &ServiceArgs,
+    vm: &str,
+    port: u16,
+    ignore_stdin_eof: bool,
+) -> Result<i32> {
+    let opener = Opener::new(cli, service).await?;
+    let (mut tx, mut rx) = opener.open(vm, &StreamTarget::Tcp { port }).await?;
+    // A thread of its own: a blocking stdin read must not hold the process at exit.
+    let (in_tx, mut in_rx) = tokio::sync::mpsc::channel::<Option<Vec<u8>>>(4);
+    std::thread::Builder::new()
+        .name("stdin".into())
+        .spawn(move || {
+            let mut stdin = std::io::stdin().lock();
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                match stdin.read(&mut buf) {
+                    Ok(0) | Err(_) => {
+                        let _ = in_tx.blocking_send(None);
+                        return;
+                    }
+                    Ok(n) => {
+                        if in_tx.blocking_send(Some(buf[..n].to_vec())).is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        })?;
+    let up = async {
+        while let Some(Some(data)) = in_rx.recv().await {
+            tx.send(&data).await?;
+        }
+        if !ignore_stdin_eof {
+            tx.eof().await?;
+        }
+        std::future::pending::<()>().await;
+        Ok::<(), anyhow::Error>(())
+    };
+    let down = async {
+        let mut out = tokio::io::stdout();
+        loop {
+            match rx.next().await? {
+                Chunk::Data(d) => {
+                    out.write_all(&d).await?;
+                    out.flush().await?;
+                }
+                Chunk::End { ok, reason } => return Ok::<_, anyhow::Error>((ok, reason)),
+            }
+        }
+    };
+    let (ok, reason) = tokio::select! {
+        r = down => r?,
+        r = up => { r?; unreachable!("the input side never ends on its own") }
+    };
+    if ok {
+        Ok(0)
+    } else {
+        eprintln!("warren: stream closed: {reason}");
+        Ok(1)
+    }
+}
+
+/// Parses `[LOCAL:]GUEST`.
+pub fn parse_forward(spec: &str) -> Result<(u16, u16)> {
+    let bad = || anyhow!("{spec:?}: give [LOCAL:]GUEST ports");
+    match spec.split_once(':') {
+        Some((l, g)) => Ok((l.parse().map_err(|_| bad())?, g.parse().map_err(|_| bad())?)),
+        None => {
+            let g: u16 = spec.parse().map_err(|_| bad())?;
+            Ok((g, g))
+        }
+    }
+}
+
+/// `warren port-forward`: each connection to host loopback's LOCAL goes to the guest's
+/// GUEST port, until interrupted. Prints the listening address first.
+pub async fn port_forward(cli: &Cli, service: &ServiceArgs, vm: &str, spec: &str) -> Result<i32> {
+    let (local, guest) = parse_forward(spec)?;
+    let opener = std::sync::Arc::new(Opener::new(cli, service).await?);
+    let listener = tokio::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, local))
+        .await
+        .with_context(|| format!("listening on 127.0.0.1:{local}"))?;
+    let addr = listener.local_addr()?;
+    println!("{addr}");
+    let _ = std::io::stdout().flush();
+    eprintln!("warren: forwarding {addr} to port {guest} of VM {vm}; Ctrl-C stops");
+    loop {
+        let (conn, peer) = tokio::select! {
+            r = listener.accept() => r?,
+            _ = tokio::signal::ctrl_c() => return Ok(0),
+        };
+        let opener = opener.clone();
+        let vm = vm.to_string();
+        tokio::spawn(async move {
+            if let Err(e) = forward_one(&opener, &vm, guest, conn).await {
+                eprintln!("warren: connection from {peer}: {e:#}");
+            }
+        });
+    }
+}
+
+async fn forward_one(
+    opener: &Opener,
+    vm: &str,
+    port: u16,
+    conn: tokio::net::TcpStream,
+) -> Result<()> {
+    let _ = conn.set_nodelay(true);
+    let (mut tx, mut rx) = opener.open(vm, &StreamTarget::Tcp { port }).await?;
+    let (mut rd, mut wr) = conn.into_split();
+    let up = async {
+        let mut buf = vec![0u8; CHUNK];
+        loop {
+            let n = rd.read(&mut buf).await?;
+            if n == 0 {
+                tx.eof().await?;
+                std::future::pending::<()>().await;
+            }
+            tx.send(&buf[..n]).await?;
+        }
+        #[allow(unreachable_code)]
+        Ok::<(), anyhow::Error>(())
+    };
+    let down = async {
+        loop {
+            match rx.next().await? {
+                Chunk::Data(d) => wr.write_all(&d).await?,
+                Chunk::End { ok, reason } => {
+                    let _ = wr.shutdown().await;
+                    if !ok {
+                        bail!("stream closed: {reason}");
+                    }
+                    return Ok::<(), anyhow::Error>(());
+                }
+            }
+        }
+    };
+    tokio::select! {
+        r = down => r,
+        r = up => r,
+    }
+}
+
+/// A `vm cp` operand: a host path, or `VM:/absolute/guest/path`.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Place {
+    Host(PathBuf),
+    Guest { vm: String, path: String },
+}
+
+pub fn parse_place(s: &str) -> Place {
+    if let Some((vm, path)) = s.split_once(':') {
+        let vm_like = !vm.is_empty()
+            && vm
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        if vm_like && path.starts_with('/') {
+            return Place::Guest {
+                vm: vm.to_string(),
+                path: path.to_string(),
+            };
+        }
+    }
+    Place::Host(PathBuf::from(s))
+}
+
+/// Shows bytes moved on a terminal (stderr), at most a few times a second.
+struct Progress {
+    label: String,
+    total: u64,
+    done: u64,
+    started: Instant,
+    shown: Instant,
+    on: bool,
+}
+
+impl Progress {
+    fn new(label: String, total: u64) -> Progress {
+        let now = Instant::now();
+        Progress {
+            label,
+            total,
+            done: 0,
+            started: now,
+            shown: now,
+            on: std::io::stderr().is_terminal(),
+        }
+    }
+
+    fn add(&mut self, n: usize) {
+        self.done += n as u64;
+        if self.on && self.shown.elapsed() >= Duration::from_millis(250) {
+            self.shown = Instant::now();
+            self.show("");
+        }
+    }
+
+    fn show(&self, end: &str) {
+        let mib = self.done as f64 / (1 << 20) as f64;
+        let rate = mib / self.started.elapsed().as_secs_f64().max(1e-3);
+        let of = if self.total > 0 {
+            format!(" of {:.1} MiB", self.total as f64 / (1 << 20) as f64)
+        } else {
+            String::new()
+        };
+        eprint!("\r{}: {mib:.1} MiB{of} ({rate:.1} MiB/s){end}", self.label);
+    }
+
+    fn finish(&self) {
+        if self.on {
+            self.show("\n");
+        }
+    }
+}
+
+/// `warren vm cp SRC DST`: a host file or tree into a guest directory, or a guest file or
+/// tree into a host directory (both created when missing). The copy lands under its own
+/// name; an existing one is never replaced.
+pub async fn cp(cli: &Cli, service: &ServiceArgs, src: &str, dst: &str) -> Result<i32> {
+    match (parse_place(src), parse_place(dst)) {
+        (Place::Host(from), Place::Guest { vm, path }) => {
+            let opener = Opener::new(cli, service).await?;
+            upload(&opener, &from, &vm, &path).await
+        }
+        (Place::Guest { vm, path }, Place::Host(to)) => {
+            let opener = Opener::new(cli, service).await?;
+            download(&opener, &vm, &path, &to).await
+        }
+        _ => bail!("one side of vm cp is VM:/absolute/path, the other a host path"),
+    }
+}
+
+async fn upload(opener: &Opener, from: &Path, vm: &str, dir: &str) -> Result<i32> {
+    if from.file_name().is_none() {
+        bail!("{}: name a file or directory", from.display());
+    }
+    std::fs::symlink_metadata(from).with_context(|| from.display().to_string())?;
+    let total = crate::copy::content_size(from);
+    let (mut tx, mut rx) = opener
+        .open(vm, &StreamTarget::TarExtract { dir: dir.into() })
+        .await?;
+    let (chunks_tx, mut chunks) = tokio::sync::mpsc::channel::<Vec<u8>>(8);
+    let src = from.to_path_buf();
+    let packer = tokio::task::spawn_blocking(move || {
+        let w = ChannelWriter {
+            tx: chunks_tx,
+            buf: Vec::with_capacity(CHUNK),
+        };
+        crate::copy::pack(&src, w)
+    });
+    let mut progress = Progress::new(format!("{} -> {vm}:{dir}", from.display()), total);
+    let send = async {
+        while let Some(c) = chunks.recv().await {
+            progress.add(c.len());
+            tx.send(&c).await?;
+        }
+        tx.eof().await?;
+        Ok::<(), anyhow::Error>(())
+    };
+    let sent = tokio::select! {
+        r = send => r,
+        end = wait_end(&mut rx) => {
+            end?;
+            bail!("the guest ended the copy before it was sent");
+        }
+    };
+    let packed = packer.await.map_err(|e| anyhow!("packing: {e}"))?;
+    progress.finish();
+    sent?;
+    packed?;
+    wait_end(&mut rx).await?;
+    Ok(0)
+}
+
+/// Waits for the guest's end of the stream: an error unless it ended normally. Data before
+/// it is unexpected on an upload and dropped.
+async fn wait_end(rx: &mut Rx) -> Result<()> {
+    loop {
+        match rx.next().await? {
+            Chunk::Data(_) => {}
+            Chunk::End { ok: true, .. } => return Ok(()),
+            Chunk::End { ok: false, reason } => bail!("the guest side failed: {reason}"),
+        }
+    }
+}
+
+async fn download(opener: &Opener, vm: &str, path: &str, to: &Path) -> Result<i32> {
+    let name = Path::new(path)
+        .file_name()
+        .ok_or_else(|| anyhow!("{path}: name a guest file or directory"))?
+        .to_owned();
+    std::fs::create_dir_all(to).with_context(|| to.display().to_string())?;
+    let dest = to.join(&name);
+    if std::fs::symlink_metadata(&dest).is_ok() {
+        bail!("{} exists; remove it or copy elsewhere", dest.display());
+    }
+    let staging = tempdir_in(to)?;
+    let result = download_into(opener, vm, path, &staging).await;
+    let moved = result.and_then(|n| {
+        nix::fcntl::renameat2(
+            nix::fcntl::AT_FDCWD,
+            &staging.join(&name),
+            nix::fcntl::AT_FDCWD,
+            &dest,
+            nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+        )
+        .with_context(|| format!("moving the copy to {}", dest.display()))?;
+        Ok(n)
+    });
+    let _ = std::fs::remove_dir_all(&staging);
+    let done = moved?;
+    if done.skipped > 0 {
+        eprintln!(
+            "warren: {} device, FIFO or unknown entries were left out",
+            done.skipped
+        );
+    }
+    Ok(0)
+}
+
+async fn download_into(
+    opener: &Opener,
+    vm: &str,
+    path: &str,
+    staging: &Path,
+) -> Result<crate::copy::Unpacked> {
+    let (mut tx, mut rx) = opener
+        .open(vm, &StreamTarget::TarCreate { path: path.into() })
+        .await?;
+    tx.eof().await?;
+    let (chunks_tx, chunks) = std::sync::mpsc::sync_channel::<Vec<u8>>(8);
+    let root = staging.to_path_buf();
+    let unpacker = tokio::task::spawn_blocking(move || {
+        let r = ChannelReader {
+            rx: chunks,
+            cur: Vec::new(),
+            pos: 0,
+        };
+        crate::copy::unpack(r, &root, u64::MAX)
+    });
+    let mut progress = Progress::new(format!("{vm}:{path}"), 0);
+    let received = async {
+        loop {
+            match rx.next().await? {
+                Chunk::Data(d) => {
+                    progress.add(d.len());
+                    let tx = chunks_tx.clone();
+                    // The unpacker may lag: hand over without blocking the runtime.
+                    tokio::task::spawn_blocking(move || tx.send(d))
+                        .await
+                        .map_err(|e| anyhow!("{e}"))?
+                        .map_err(|_| anyhow!("the unpacker stopped"))?;
+                }
+                Chunk::End { ok: true, .. } => return Ok::<(), anyhow::Error>(()),
+                Chunk::End { ok: false, reason } => bail!("the guest side failed: {reason}"),
+            }
+        }
+    };
+    let received = received.await;
+    drop(chunks_tx);
+    progress.finish();
+    let unpacked = unpacker.await.map_err(|e| anyhow!("unpacking: {e}"))?;
+    received?;
+    unpacked
+}
+
+/// A private directory in `parent` for a copy being made.
+fn tempdir_in(parent: &Path) -> Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    for n in 0..100u32 {
+        let p = parent.join(format!(".warren-cp-{}-{n}", std::process::id()));
+        match std::fs::DirBuilder::new().mode(0o700).create(&p) {
+            Ok(()) => return Ok(p),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e).with_context(|| p.display().to_string()),
+        }
+    }
+    bail!("no staging directory could be made in {}", parent.display())
+}
+
+/// `Write` into a channel of chunks (the packer runs on a blocking thread).
+struct ChannelWriter {
+    tx: tokio::sync::mpsc::Sender<Vec<u8>>,
+    buf: Vec<u8>,
+}
+
+impl Write for ChannelWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(data);
+        if self.buf.len() >= CHUNK {
+            self.flush()?;
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let chunk = std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK));
+        self.tx
+            .blocking_send(chunk)
+            .map_err(|_| std::io::Error::other("the stream closed"))
+    }
+}
+
+impl Drop for ChannelWriter {
+    fn drop(&mut self) {
+        let _ = self.flush();
+    }
+}
+
+/// `Read` from a channel of chunks (the unpacker runs on a blocking thread).
+struct ChannelReader {
+    rx: std::sync::mpsc::Receiver<Vec<u8>>,
+    cur: Vec<u8>,
+    pos: usize,
+}
+
+impl Read for ChannelReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.pos == self.cur.len() {
+            match self.rx.recv() {
+                Ok(c) => {
+                    self.cur = c;
+                    self.pos = 0;
+                }
+                Err(_) => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.cur.len() - self.pos);
+        out[..n].copy_from_slice(&self.cur[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_places_and_forward_specs() {
+        assert_eq!(
+            parse_place("abc-12:/tmp/x"),
+            Place::Guest {
+                vm: "abc-12".into(),
+                path: "/tmp/x".into()
+            }
+        );
+        assert_eq!(parse_place("./a:/b"), Place::Host("./a:/b".into()));
+        assert_eq!(parse_place("vm:rel"), Place::Host("vm:rel".into()));
+        assert_eq!(parse_forward("8080").expect("one"), (8080, 8080));
+        assert_eq!(parse_forward("0:3000").expect("two"), (0, 3000));
+        assert!(parse_forward("x:1").is_err());
+    }
+}

@@ -1,0 +1,352 @@
+//! Guest streams: the guest end of `warren_protocol::stream` (see its module docs for the
+//! wire steps).
+//!
+//! One task per stream, run by the session that accepted it (a resync or a host reset drops
+//! it). The task opens the target, answers 200, then moves bytes both ways until the target
+//! ends its output:
+//! - host -> target: request body chunks are written to the target and only then released
+//!   to the HTTP/2 window, so a slow target slows the host down; the end of the body shuts
+//!   the target's input (TCP half-close, or `tar`'s standard input closed);
+//! - target -> host: the target is read in chunks no larger than the window the host grants
+//!   ([`warren_protocol::stream::send_paced`]); its end of output ends the body, followed by
+//!   the exit trailers.
+//!
+//! A `tar` helper runs as the guest user outside job accounting and is killed when the
+//! stream is abandoned (the [`Helper`] guard).
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use h2::server::SendResponse;
+use h2::{RecvStream, SendStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use warren_protocol::stream::{
+    self, StreamTarget, ERROR_TRAILER, EXIT_TRAILER, MAX_STREAM_PATH, STREAM_HEADER,
+};
+use warren_protocol::{ErrorCode, GuestError};
+
+use crate::reaper::ExitStatus;
+use crate::session::Agent;
+
+/// How long connecting to a guest port may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Largest chunk read from a target at once.
+const READ_CHUNK: usize = 128 * 1024;
+/// The unpacking helper (`$1` is the directory).
+const EXTRACT_SCRIPT: &str = r#"set -e
+mkdir -p -- "$1"
+t=$(mktemp -d -- "$1/.warren-cp.XXXXXX")
+trap 'rm -rf -- "$t"' EXIT
+tar -x -p -f - -C "$t"
+for e in "$t"/* "$t"/.[!.]* "$t"/..?*; do
+  [ -e "$e" ] || [ -L "$e" ] || continue
+  n=${e##*/}
+  if [ -e "$1/$n" ] || [ -L "$1/$n" ]; then
+    echo "$1/$n exists; remove it or copy elsewhere" >&2
+    exit 17
+  fi
+  mv -- "$e" "$1/$n"
+done"#;
+
+/// Most of a `tar` helper's standard error kept for the error trailer.
+const MAX_STDERR: usize = 4096;
+
+/// Serves one stream request. `authenticated` is the session's state when it arrived.
+pub async fn serve(
+    agent: Arc<Agent>,
+    authenticated: bool,
+    req: http::Request<RecvStream>,
+    mut respond: SendResponse<Bytes>,
+) {
+    let opened = if authenticated {
+        open(&agent, &req).await
+    } else {
+        Err(GuestError::new(
+            ErrorCode::Unauthenticated,
+            "authenticate with Hello and Auth first",
+        ))
+    };
+    let target = match opened {
+        Ok(t) => t,
+        Err(e) => return refuse(&mut respond, e),
+    };
+    let head = http::Response::builder()
+        .status(http::StatusCode::OK)
+        .body(())
+        .expect("invariant: static response parts are valid");
+    let Ok(send) = respond.send_response(head, false) else {
+        return;
+    };
+    let body = req.into_body();
+    match target {
+        Opened::Tcp(tcp) => {
+            let (rd, wr) = tcp.into_split();
+            let outcome = pump(body, wr, rd, send, |_| async { (0, None) }).await;
+            if let Err(e) = outcome {
+                crate::console::log(format_args!("stream ended: {e}"));
+            }
+        }
+        Opened::Tar(mut helper) => {
+            let (Some(stdin), Some(stdout)) = (helper.stdin.take(), helper.stdout.take()) else {
+                return;
+            };
+            let stdin = tokio::process::ChildStdin::from_std(stdin);
+            let stdout = tokio::process::ChildStdout::from_std(stdout);
+            let (Ok(stdin), Ok(stdout)) = (stdin, stdout) else {
+                return;
+            };
+            let outcome = pump(body, stdin, stdout, send, |_| helper.finish()).await;
+            if let Err(e) = outcome {
+                crate::console::log(format_args!("tar stream ended: {e}"));
+            }
+        }
+    }
+}
+
+enum Opened {
+    Tcp(TcpStream),
+    Tar(Helper),
+}
+
+async fn open(agent: &Agent, req: &http::Request<RecvStream>) -> Result<Opened, GuestError> {
+    let header = req
+        .headers()
+        .get(STREAM_HEADER)
+        .ok_or_else(|| invalid("no stream target"))?;
+    let target = StreamTarget::from_header(header.as_bytes())
+        .map_err(|e| invalid(format!("stream target: {e}")))?;
+    match target {
+        StreamTarget::Tcp { port } => {
+            let connect = TcpStream::connect((std::net::Ipv4Addr::LOCALHOST, port));
+            match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
+                Ok(Ok(tcp)) => {
+                    let _ = tcp.set_nodelay(true);
+                    Ok(Opened::Tcp(tcp))
+                }
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    Err(GuestError::new(
+                        ErrorCode::NotFound,
+                        format!("nothing listens on 127.0.0.1:{port} in the guest"),
+                    ))
+                }
+                Ok(Err(e)) => Err(GuestError::new(
+                    ErrorCode::Io,
+                    format!("connecting to 127.0.0.1:{port}: {e}"),
+                )),
+                Err(_) => Err(GuestError::new(
+                    ErrorCode::Io,
+                    format!("connecting to 127.0.0.1:{port} timed out"),
+                )),
+            }
+        }
+        StreamTarget::TarExtract { dir } => {
+            check_path(&dir)?;
+            // As the guest user: the directory is made (as `mkdir -p`), tar unpacks into a
+            // staging directory in it keeping modes (`-p`) but not owners, and only a whole
+            // archive is moved into place, never over an existing name.
+            let mut cmd = std::process::Command::new("/bin/sh");
+            cmd.args(["-c", EXTRACT_SCRIPT, "sh", &dir]);
+            Helper::spawn(agent, cmd).map(Opened::Tar)
+        }
+        StreamTarget::TarCreate { path } => {
+            check_path(&path)?;
+            let p = std::path::Path::new(&path);
+            let (parent, name) = match (p.parent(), p.file_name()) {
+                (Some(parent), Some(name)) => (
+                    parent.to_string_lossy().into_owned(),
+                    name.to_string_lossy().into_owned(),
+                ),
+                _ => ("/".to_string(), ".".to_string()),
+            };
+            std::fs::symlink_metadata(&path).map_err(|e| {
+                GuestError::new(
+                    if e.kind() == std::io::ErrorKind::NotFound {
+                        ErrorCode::NotFound
+                    } else {
+                        ErrorCode::Io
+                    },
+                    format!("{path}: {e}"),
+                )
+            })?;
+            let mut cmd = std::process::Command::new("tar");
+            cmd.args(["-c", "-f", "-", "-C", &parent, "--", &name]);
+            Helper::spawn(agent, cmd).map(Opened::Tar)
+        }
+    }
+}
+
+fn check_path(path: &str) -> Result<(), GuestError> {
+    if !path.starts_with('/') {
+        return Err(invalid("the guest path must be absolute"));
+    }
+    if path.len() > MAX_STREAM_PATH || path.contains('\0') {
+        return Err(invalid("the guest path is too long or contains NUL"));
+    }
+    Ok(())
+}
+
+fn invalid(msg: impl Into<String>) -> GuestError {
+    GuestError::new(ErrorCode::InvalidArgument, msg)
+}
+
+/// Answers a refused stream: a status for the code and one postcard `GuestError` body.
+fn refuse(respond: &mut SendResponse<Bytes>, err: GuestError) {
+    let status = match err.code {
+        ErrorCode::Unauthenticated => http::StatusCode::UNAUTHORIZED,
+        ErrorCode::InvalidArgument => http::StatusCode::BAD_REQUEST,
+        ErrorCode::NotFound => http::StatusCode::NOT_FOUND,
+        _ => http::StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    let Ok(head) = http::Response::builder().status(status).body(()) else {
+        return;
+    };
+    let Ok(mut send) = respond.send_response(head, false) else {
+        return;
+    };
+    if let Ok(body) = warren_protocol::encode(&err) {
+        let _ = send.send_data(Bytes::from(body), true);
+    }
+}
+
+/// Moves bytes both ways (see the module docs) and sends the trailers once `from_target`
+/// ended; `finish` gives the exit status and error text after the target's output ended.
+async fn pump<W, R, F, Fut>(
+    mut body: RecvStream,
+    mut to_target: W,
+    mut from_target: R,
+    mut send: SendStream<Bytes>,
+    finish: F,
+) -> Result<(), h2::Error>
+where
+    W: AsyncWrite + Unpin,
+    R: AsyncRead + Unpin,
+    F: FnOnce(()) -> Fut,
+    Fut: std::future::Future<Output = (i32, Option<String>)>,
+{
+    let inbound = async {
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk?;
+            let n = chunk.len();
+            if to_target.write_all(&chunk).await.is_err() {
+                // The target stopped reading: drop the rest, keep the window open.
+                let _ = body.flow_control().release_capacity(n);
+                continue;
+            }
+            let _ = body.flow_control().release_capacity(n);
+        }
+        let _ = to_target.shutdown().await;
+        drop(to_target);
+        // The host ended its input; the output side decides when the stream ends.
+        std::future::pending::<()>().await;
+        Ok::<(), h2::Error>(())
+    };
+    let outbound = async {
+        let mut buf = vec![0u8; READ_CHUNK];
+        let mut read_error = None;
+        loop {
+            let n = match from_target.read(&mut buf).await {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) => {
+                    read_error = Some(format!("reading the guest end: {e}"));
+                    break;
+                }
+            };
+            stream::send_paced(&mut send, Bytes::copy_from_slice(&buf[..n])).await?;
+        }
+        let (mut code, mut error) = finish(()).await;
+        if let Some(e) = read_error {
+            code = if code == 0 { -1 } else { code };
+            error = Some(error.map_or(e.clone(), |x| format!("{x}; {e}")));
+        }
+        let mut trailers = http::HeaderMap::new();
+        if let Ok(v) = http::HeaderValue::from_str(&code.to_string()) {
+            trailers.insert(EXIT_TRAILER, v);
+        }
+        if let Some(e) = error {
+            if let Ok(v) = http::HeaderValue::from_str(&stream::trailer_text(&e)) {
+                trailers.insert(ERROR_TRAILER, v);
+            }
+        }
+        send.send_trailers(trailers)?;
+        Ok::<(), h2::Error>(())
+    };
+    tokio::select! {
+        r = inbound => r,
+        r = outbound => r,
+    }
+}
+
+/// A `tar` helper process, killed on drop unless it exited.
+struct Helper {
+    child: std::process::Child,
+    exit: Option<tokio::sync::oneshot::Receiver<ExitStatus>>,
+    stdin: Option<std::process::ChildStdin>,
+    stdout: Option<std::process::ChildStdout>,
+    stderr: Option<std::process::ChildStderr>,
+    exited: bool,
+}
+
+impl Helper {
+    fn spawn(agent: &Agent, mut cmd: std::process::Command) -> Result<Self, GuestError> {
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let (mut child, exit) = agent
+            .jobs
+            .spawn_helper(&mut cmd)
+            .map_err(|e| GuestError::new(ErrorCode::Internal, format!("starting tar: {e}")))?;
+        Ok(Self {
+            stdin: child.stdin.take(),
+            stdout: child.stdout.take(),
+            stderr: child.stderr.take(),
+            child,
+            exit: Some(exit),
+            exited: false,
+        })
+    }
+
+    /// Waits for the exit after the output ended: its code (128+N for a signal) and, on a
+    /// failure, the start of standard error.
+    async fn finish(&mut self) -> (i32, Option<String>) {
+        let mut text = Vec::new();
+        if let Some(stderr) = self.stderr.take() {
+            if let Ok(mut stderr) = tokio::process::ChildStderr::from_std(stderr) {
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = stderr.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    let room = MAX_STDERR.saturating_sub(text.len());
+                    text.extend_from_slice(&buf[..n.min(room)]);
+                }
+            }
+        }
+        let status = match self.exit.take() {
+            Some(rx) => rx.await.ok(),
+            None => None,
+        };
+        self.exited = status.is_some();
+        let message = String::from_utf8_lossy(&text).trim().to_string();
+        match status {
+            Some(ExitStatus::Code(0)) => (0, None),
+            Some(ExitStatus::Code(c)) => (c, Some(format!("tar exited with {c}: {message}"))),
+            Some(ExitStatus::Signal(s)) => (
+                128 + s,
+                Some(format!("tar was killed by signal {s}: {message}")),
+            ),
+            None => (-1, Some("tar's exit status was lost".into())),
+        }
+    }
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        if !self.exited {
+            let _ = self.child.kill();
+        }
+    }
+}
