@@ -33,6 +33,15 @@ pub enum CoreError {
     GuestProtocol(String),
     #[error("cannot resume: {0}")]
     CheckpointIncompatible(String),
+    /// The QEMU binary, firmware or kernel a VM was created with is not what the host has
+    /// now (`vm/artifacts.rs`): the launch is refused and nothing changes.
+    #[error("VM {vm} was created with another {artifact}: recorded {recorded}, found {found}; launch refused")]
+    ArtifactChanged {
+        vm: String,
+        artifact: &'static str,
+        recorded: String,
+        found: String,
+    },
     #[error("no session {0}")]
     SessionNotFound(String),
     /// A job a suspended VM's record of its jobs does not hold.
@@ -93,6 +102,7 @@ impl CoreError {
             CoreError::GuestProtocol(_) => "unavailable",
             CoreError::Conflict(_) => "conflict",
             CoreError::CheckpointIncompatible(_) => "conflict",
+            CoreError::ArtifactChanged { .. } => "integrity",
             CoreError::SessionNotFound(_) => "not_found",
             CoreError::JobNotFound(_) => "not_found",
             CoreError::Session(_) => "internal",

@@ -90,6 +90,8 @@ pub struct ImageInfo {
 pub struct VerifiedImage {
     pub id: ImageId,
     pub kernel: PathBuf,
+    /// SHA-256 of `kernel`, as the manifest records it (and as verified just now).
+    pub kernel_sha256: String,
     pub initramfs: PathBuf,
     pub rootfs: PathBuf,
     pub rootfs_virtual_size: u64,
@@ -331,6 +333,7 @@ impl ImageStore {
         Ok(VerifiedImage {
             id: id.clone(),
             kernel: dir.join(VMLINUX_FILE),
+            kernel_sha256: manifest.files[VMLINUX_FILE].sha256.clone(),
             initramfs: dir.join(INITRAMFS_FILE),
             rootfs: dir.join(ROOTFS_FILE),
             rootfs_virtual_size: manifest.rootfs_virtual_size,

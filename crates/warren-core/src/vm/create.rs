@@ -161,6 +161,7 @@ impl Warren {
             Ok(())
         };
         give(&run)?;
+        self.record_artifacts(&dir, image)?;
 
         let disk = run.join("disk.qcow2");
         warren_vmm::disk::create_overlay(&image.rootfs, &disk)?;

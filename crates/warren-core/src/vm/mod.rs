@@ -1,7 +1,8 @@
 //! Actions on VMs, split by concern: creation and boot (`create`), records and their
 //! reconciliation with the supervisors, re-adoption and destroy (`reconcile`), suspension,
 //! resume and the idle policy (`suspend`), guest work (`guest`), shares and the network
-//! description (`mounts`), and the host's record of the jobs it last saw (`jobs_seen`).
+//! description (`mounts`), the host's record of the jobs it last saw (`jobs_seen`), and the
+//! QEMU, firmware and kernel each VM is held to at every launch (`artifacts`).
 //! Whole-file operations with versions, edits and searches are in `workspace_ops`.
 
 use std::os::unix::fs::PermissionsExt;
@@ -16,6 +17,7 @@ use warren_vmm::Accel;
 use crate::error::CoreError;
 use crate::store::{MountSpec, Store, Usage};
 
+pub mod artifacts;
 mod create;
 mod guest;
 pub mod jobs_seen;

@@ -127,7 +127,9 @@ impl Warren {
                 // The disk overlay's backing file is the image's root filesystem: it must
                 // still be the image the VM was created from.
                 let image_id = warren_image::ImageId::parse(&rec.image_id)?;
-                self.images.verify(&image_id)?;
+                let image = self.images.verify(&image_id)?;
+                // The QEMU, firmware and kernel it was created with, exactly.
+                self.check_artifacts(id, &dir, &image)?;
                 let (qemu, firmware) = warren_supervisor::vmm_digests();
                 if ck.qemu_sha256 != qemu || ck.firmware_sha256 != firmware {
                     return Err(CoreError::CheckpointIncompatible(format!(
@@ -174,7 +176,7 @@ impl Warren {
                     // The checkpoint cannot be restored: its memory is lost. Never retried
                     // onto another memory image; the VM boots fresh on its disk instead.
                     tracing::warn!(vm = %id, error = %e, "restoring the checkpoint failed; booting the VM fresh");
-                    match self.boot_fresh(&dir, cfg).await {
+                    match self.boot_fresh(&dir, cfg, &image).await {
                         Ok((generation, boot_ms)) => {
                             self.store
                                 .set_state(id, VmState::Running, None, Some(boot_ms))?;
@@ -259,6 +261,7 @@ impl Warren {
         &self,
         dir: &warren_supervisor::VmDir,
         mut cfg: SupervisorConfig,
+        image: &warren_image::VerifiedImage,
     ) -> Result<(u64, u64), CoreError> {
         // The restoring supervisor was stopped (or killed) by the failed launch.
         if !wait_supervisor_exit(dir, Duration::from_secs(10)).await {
@@ -281,6 +284,8 @@ impl Warren {
                 Err(e) => return Err(CoreError::io("remove", p, e)),
             }
         }
+        // Checked again: the failed restore may have taken long, and this is a new launch.
+        self.check_artifacts(&cfg.vm_id, dir, image)?;
         let generation = self.store.bump_generation(&cfg.vm_id)?;
         tracing::warn!(vm = %cfg.vm_id, generation, "memory lost: fresh boot");
         cfg.restore = false;
