@@ -41,8 +41,8 @@ pub const MAX_MESSAGE: usize = 1 << 20;
 pub const RECHECK: Duration = Duration::from_secs(5);
 /// Ping interval, and how long a client may stay silent (pongs included) before it is
 /// dropped.
-const PING_EVERY: Duration = Duration::from_secs(15);
-const PING_TIMEOUT: Duration = Duration::from_secs(45);
+pub const PING_EVERY: Duration = Duration::from_secs(15);
+pub const PING_TIMEOUT: Duration = Duration::from_secs(45);
 
 /// WebSocket close codes used here (RFC 6455).
 const NORMAL: u16 = 1000;
