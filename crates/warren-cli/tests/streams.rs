@@ -186,16 +186,7 @@ fn test_streams_attach_refusals_copy_forward_and_lifecycle_closes() {
     );
 
     // Two held streams fill the VM's quota; a third is refused; status counts them.
-    let mut held: Vec<Child> = (0..2)
-        .map(|_| {
-            attach(&d, &tf, &vm, "5000", &["--ignore-stdin-eof"])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("held attach")
-        })
-        .collect();
+    let mut held: Vec<Child> = (0..2).map(|_| held_attach(&d, &tf, &vm)).collect();
     let t0 = Instant::now();
     loop {
         let st = d.ok(&t, "vm_status", json!({"vm_id": vm}));
@@ -329,22 +320,10 @@ fn test_streams_attach_refusals_copy_forward_and_lifecycle_closes() {
         "vm_exec",
         json!({"vm_id": vm2, "request_id": "e5", "argv": ["python3", "-c", UPPER], "wait_ms": 0}),
     );
-    let mut c = attach(&d, &tf, &vm, "5000", &["--ignore-stdin-eof"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("attach");
+    let mut c = held_attach(&d, &tf, &vm);
     std::thread::sleep(Duration::from_secs(2));
     d.ok(&t, "vm_destroy", json!({"vm_id": vm}));
-    let status = wait_exit(&mut c, Duration::from_secs(30)).expect("destroy closes the stream");
-    assert_eq!(status.code(), Some(1));
-    let mut err = String::new();
-    c.stderr
-        .take()
-        .expect("stderr")
-        .read_to_string(&mut err)
-        .expect("stderr");
+    let err = closed(&mut c, "destroy closes the stream");
     assert!(err.contains("1001 destroyed"), "{err}");
 
     let before = token_ids(&d);
@@ -356,12 +335,7 @@ fn test_streams_attach_refusals_copy_forward_and_lifecycle_closes() {
         .expect("new token id");
     let t0 = Instant::now();
     let mut c = loop {
-        let mut c = attach(&d, &tf2, &vm2, "5000", &["--ignore-stdin-eof"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("attach");
+        let mut c = held_attach(&d, &tf2, &vm2);
         // Until the second VM's listener is up, the attach is refused at once.
         match wait_exit(&mut c, Duration::from_secs(3)) {
             None => break c,
@@ -375,12 +349,29 @@ fn test_streams_attach_refusals_copy_forward_and_lifecycle_closes() {
         String::from_utf8_lossy(&out.stderr)
     );
     let revoked = Instant::now();
-    let status = wait_exit(&mut c, Duration::from_secs(30)).expect("revocation closes the stream");
+    let err = closed(&mut c, "revocation closes the stream");
     assert!(
         revoked.elapsed() < Duration::from_secs(12),
         "{:?}",
         revoked.elapsed()
     );
+    assert!(err.contains("1008"), "{err}");
+    d.ok(&t, "vm_destroy", json!({"vm_id": vm2}));
+}
+
+/// An attach to port 5000 held open after its (empty) stdin ends; stderr kept.
+fn held_attach(d: &Daemon, token_file: &std::path::Path, vm: &str) -> Child {
+    attach(d, token_file, vm, "5000", &["--ignore-stdin-eof"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("attach")
+}
+
+/// Waits (at most 30 s) for a held attach the service closed: it exits 1; its stderr.
+fn closed(c: &mut Child, what: &str) -> String {
+    let status = wait_exit(c, Duration::from_secs(30)).expect(what);
     assert_eq!(status.code(), Some(1));
     let mut err = String::new();
     c.stderr
@@ -388,8 +379,7 @@ fn test_streams_attach_refusals_copy_forward_and_lifecycle_closes() {
         .expect("stderr")
         .read_to_string(&mut err)
         .expect("stderr");
-    assert!(err.contains("1008"), "{err}");
-    d.ok(&t, "vm_destroy", json!({"vm_id": vm2}));
+    err
 }
 
 /// Runs a shell script in the guest to its end: its stdout and final output page.
