@@ -390,5 +390,259 @@ fn test_job_streams_live_output_terminals_and_exec_through_the_service() {
     assert_eq!(last["exit_code"], 3, "{last}");
     let st = d.ok(&t, "vm_status", json!({"vm_id": vm}));
     assert_eq!(st["open_streams"], 0, "{st}");
+
+    broker_pipe(&d, &t, &other, &vm);
     d.ok(&t, "vm_destroy", json!({"vm_id": vm}));
+}
+
+/// The broker job: three small exchanges, then 300,000 bytes each way, each on a connection
+/// of its own that it half-closes before reading the reply; then it waits to be told to end.
+const BROKER_JOB: &str = r#"
+import hashlib, os, socket, sys, time
+path = os.environ["WARREN_BROKER_SOCKET"]
+print("pid", os.getpid(), flush=True)
+def call(payload):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.sendall(payload)
+    s.shutdown(socket.SHUT_WR)
+    got = b""
+    while True:
+        x = s.recv(65536)
+        if not x:
+            break
+        got += x
+    s.close()
+    return got
+for i in range(3):
+    print(call(b"ping %d\n" % i).decode().strip(), flush=True)
+big = bytes((i * 7) % 251 for i in range(300000))
+reply = call(b"big\n" + big)
+digest, echo = reply.split(b"\n", 1)
+print("big", digest.decode() == hashlib.sha256(big).hexdigest() and echo == big, flush=True)
+while not os.path.exists("/tmp/broker-done"):
+    time.sleep(0.1)
+"#;
+
+/// Another job trying to reach the broker job's socket: by the job's root, by the agent's
+/// directory, and where its own would be.
+const INTRUDER: &str = r#"
+import socket, sys
+pid, job = sys.argv[1], sys.argv[2]
+for p in ["/proc/%s/root/run/warren-broker/broker.sock" % pid,
+          "/run/warren/broker/%s/broker.sock" % job,
+          "/run/warren-broker/broker.sock"]:
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(10)
+        s.connect(p)
+        s.sendall(b"ping 9\n")
+        s.shutdown(socket.SHUT_WR)
+        got = s.recv(100)
+        print("served" if got else "closed", flush=True)
+    except Exception as e:
+        print("refused", type(e).__name__, flush=True)
+"#;
+
+/// The controller's frames, as the test reassembles them.
+#[derive(Debug)]
+enum Frame {
+    Open(u32),
+    Data(u32, Vec<u8>),
+    Close,
+}
+
+fn frames(buf: &mut Vec<u8>) -> Vec<Frame> {
+    let mut out = Vec::new();
+    loop {
+        if buf.len() < 5 {
+            return out;
+        }
+        let id = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]);
+        match buf[0] {
+            1 => {
+                out.push(Frame::Open(id));
+                buf.drain(..5);
+            }
+            3 => {
+                out.push(Frame::Close);
+                buf.drain(..5);
+            }
+            2 => {
+                if buf.len() < 9 {
+                    return out;
+                }
+                let len = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]) as usize;
+                if buf.len() < 9 + len {
+                    return out;
+                }
+                out.push(Frame::Data(id, buf[9..9 + len].to_vec()));
+                buf.drain(..9 + len);
+            }
+            k => panic!("frame type {k}"),
+        }
+    }
+}
+
+fn data(id: u32, bytes: &[u8]) -> Vec<u8> {
+    let mut v = Vec::new();
+    for c in bytes.chunks(65536) {
+        v.push(2);
+        v.extend_from_slice(&id.to_be_bytes());
+        v.extend_from_slice(&(c.len() as u32).to_be_bytes());
+        v.extend_from_slice(c);
+    }
+    v
+}
+
+fn close(id: u32) -> Vec<u8> {
+    let mut v = vec![3];
+    v.extend_from_slice(&id.to_be_bytes());
+    v
+}
+
+fn broker_pipe(d: &Daemon, t: &str, other: &str, vm: &str) {
+    let token = "brokerTOKEN_0123456789-abcdefghijklmnopqrstuvwxyz";
+    let r = d.call(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "bad-token", "argv": ["true"], "broker_pipe_token": "short"}),
+    );
+    assert_eq!(
+        (r.status, r.code()),
+        (400, "invalid_argument"),
+        "{}",
+        r.text
+    );
+    let started = d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "broker", "argv": ["python3", "-c", BROKER_JOB],
+               "broker_pipe_token": token}),
+    );
+    assert_eq!(started["broker_pipe"], true, "{started}");
+    let job = started["job_id"].as_str().expect("job").to_string();
+    // The token is kept nowhere on disk (receipts, state).
+    let hits = Command::new("grep")
+        .args(["-rlF", token])
+        .arg(d.env.state.path())
+        .output()
+        .expect("grep");
+    assert!(
+        hits.stdout.is_empty(),
+        "token on disk: {}",
+        String::from_utf8_lossy(&hits.stdout)
+    );
+
+    let path = format!("/v1/vms/{vm}/jobs/{job}/broker");
+    let attach = |who: &str, tok: &str| {
+        WsClient::connect_with(&d.addr, who, &path, &[("x-broker-pipe", tok)])
+    };
+    assert_eq!(attach(t, &token.replace('b', "c")).err(), Some(404));
+    assert_eq!(attach(other, token).err(), Some(404));
+    assert_eq!(
+        WsClient::connect(&d.addr, t, &path).err(),
+        Some(404),
+        "no token"
+    );
+    let mut ctl = attach(t, token).expect("attach");
+    assert_eq!(attach(t, token).err(), Some(409), "a second controller");
+
+    // Serve: one reply per connection once its request is whole, then close.
+    let mut buf = Vec::new();
+    let mut reqs: std::collections::HashMap<u32, Vec<u8>> = Default::default();
+    let mut served = 0;
+    let t0 = Instant::now();
+    while served < 4 {
+        assert!(t0.elapsed() < WAIT, "served {served} of 4");
+        match ctl.next(WAIT) {
+            Got::Binary(b) => buf.extend_from_slice(&b),
+            other => {
+                let o = d.call(t, "vm_job_output", json!({"vm_id": vm, "job_id": job}));
+                panic!("controller got {other:?}; the job: {}", o.text)
+            }
+        }
+        for f in frames(&mut buf) {
+            match f {
+                Frame::Open(id) => {
+                    reqs.insert(id, Vec::new());
+                }
+                Frame::Data(id, b) => {
+                    let r = reqs.get_mut(&id).expect("data for an opened connection");
+                    r.extend_from_slice(&b);
+                    let reply = if r.starts_with(b"ping ") && r.ends_with(b"\n") {
+                        Some([b"pong".as_slice(), &r[4..]].concat())
+                    } else if r.len() == 4 + 300_000 && r.starts_with(b"big\n") {
+                        let body = &r[4..];
+                        let mut v = format!("{:x}\n", Sha256::digest(body)).into_bytes();
+                        v.extend_from_slice(body);
+                        Some(v)
+                    } else {
+                        None
+                    };
+                    if let Some(reply) = reply {
+                        let mut out = data(id, &reply);
+                        out.extend(close(id));
+                        ctl.send_binary(&out);
+                        served += 1;
+                    }
+                }
+                Frame::Close => {}
+            }
+        }
+    }
+    // An intruder job gets nothing through, and the controller sees no connection of it.
+    let pid = {
+        // The job prints its verdict once it read the last reply.
+        let t0 = Instant::now();
+        let out = loop {
+            let o = d.ok(
+                t,
+                "vm_job_output",
+                json!({"vm_id": vm, "job_id": job, "wait_ms": 2000}),
+            );
+            let out = o["stdout"].as_str().unwrap_or_default().to_string();
+            if out.contains("big ") || t0.elapsed() > WAIT {
+                break out;
+            }
+        };
+        assert!(
+            out.contains("pong 0") && out.contains("pong 2") && out.contains("big True"),
+            "{out}"
+        );
+        out.lines()
+            .find_map(|l| l.strip_prefix("pid "))
+            .expect("pid line")
+            .to_string()
+    };
+    let o = d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "intruder", "argv": ["python3", "-c", INTRUDER, pid, job],
+               "wait_ms": 30000}),
+    );
+    let out = o["stdout"].as_str().unwrap_or_default();
+    assert!(!out.contains("served"), "{out}");
+    assert_eq!(out.lines().count(), 3, "{o}");
+    let extra = ctl.until(Duration::from_secs(2), |g| !g.is_empty());
+    assert!(
+        !extra
+            .iter()
+            .any(|g| matches!(g, Got::Binary(b) if b.first() == Some(&1))),
+        "the intruder reached the controller: {extra:?}"
+    );
+
+    // The job ends: the attachment closes, and the pipe is gone.
+    d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "done", "argv": ["touch", "/tmp/broker-done"], "wait_ms": 10000}),
+    );
+    let got = ctl.until(WAIT, |g| matches!(g.last(), Some(Got::Close(..))));
+    assert_eq!(
+        got.last(),
+        Some(&Got::Close(1001, "job finished".into())),
+        "{got:?}"
+    );
+    assert_eq!(attach(t, token).err(), Some(404));
 }
