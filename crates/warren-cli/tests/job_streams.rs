@@ -71,7 +71,8 @@ fn exec_http(d: &Daemon, tf: &std::path::Path, vm: &str, extra: &[&str]) -> Comm
 
 #[test]
 fn test_job_streams_live_output_terminals_and_exec_through_the_service() {
-    let mut d = Daemon::start("");
+    // Streams pass at most 2 MiB/s each way (the rate limit's check below).
+    let mut d = Daemon::start("[streams]\nrate_bytes = 2097152\n");
     let t = d.token("alice", &[]);
     let other = d.token("bob", &[]);
     let tf = d.token_file(&t);
@@ -391,6 +392,8 @@ fn test_job_streams_live_output_terminals_and_exec_through_the_service() {
     let st = d.ok(&t, "vm_status", json!({"vm_id": vm}));
     assert_eq!(st["open_streams"], 0, "{st}");
 
+    mcp_through_attach(&d, &t, &tf, &vm);
+    rate_and_suspend(&d, &t, &tf, &vm);
     broker_pipe(&d, &t, &other, &vm);
     d.ok(&t, "vm_destroy", json!({"vm_id": vm}));
 }
@@ -645,4 +648,162 @@ fn broker_pipe(d: &Daemon, t: &str, other: &str, vm: &str) {
         "{got:?}"
     );
     assert_eq!(attach(t, token).err(), Some(404));
+}
+
+/// A guest stdio MCP server with no dependencies: JSON-RPC lines on stdin and stdout, one tool.
+const MCP_SERVER: &str = r#"import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    method, mid = msg.get("method"), msg["id"]
+    if method == "initialize":
+        result = {"protocolVersion": msg["params"]["protocolVersion"],
+                  "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "guest-upper", "version": "1.0"}}
+    elif method == "tools/list":
+        result = {"tools": [{"name": "upper", "description": "Upper-cases text",
+                             "inputSchema": {"type": "object",
+                                             "properties": {"text": {"type": "string"}},
+                                             "required": ["text"]}}]}
+    elif method == "tools/call":
+        text = msg["params"]["arguments"]["text"].upper()
+        result = {"content": [{"type": "text", "text": text}], "isError": False}
+    elif method == "ping":
+        result = {}
+    else:
+        print(json.dumps({"jsonrpc": "2.0", "id": mid,
+                          "error": {"code": -32601, "message": "no such method"}}), flush=True)
+        continue
+    print(json.dumps({"jsonrpc": "2.0", "id": mid, "result": result}), flush=True)
+"#;
+
+/// The one-line listener: each connection gets a fresh server process on its socket.
+const MCP_LISTENER: &str = "import socket,subprocess\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('127.0.0.1',5300));s.listen(4)\nwhile 1:\n c,_=s.accept();subprocess.Popen(['python3','/tmp/mcp_server.py'],stdin=c.fileno(),stdout=c.fileno());c.close()";
+
+/// The official MCP SDK's stdio client, running `warren attach` as its server command.
+const MCP_CLIENT: &str = r#"import asyncio, json, sys
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+async def main():
+    params = StdioServerParameters(command=sys.argv[1], args=sys.argv[2:])
+    async with stdio_client(params) as (r, w):
+        async with ClientSession(r, w) as s:
+            init = await s.initialize()
+            tools = await s.list_tools()
+            res = await s.call_tool("upper", {"text": "hello from the host"})
+            print(json.dumps({"server": init.server_info.name,
+                              "tools": [t.name for t in tools.tools],
+                              "text": res.content[0].text}))
+asyncio.run(main())
+"#;
+
+fn mcp_through_attach(d: &Daemon, t: &str, tf: &std::path::Path, vm: &str) {
+    let wrote = d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "mcp-server", "argv": ["sh", "-c", "cat > /tmp/mcp_server.py"],
+               "stdin": MCP_SERVER, "wait_ms": 20000}),
+    );
+    assert_eq!(wrote["exit_code"], 0, "{wrote}");
+    d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "mcp-listener", "argv": ["python3", "-c", MCP_LISTENER]}),
+    );
+    let ready = d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "mcp-ready", "wait_ms": 30000, "command":
+               "for i in $(seq 100); do python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 5300)).close()' 2>/dev/null && exit 0; sleep 0.2; done; exit 1"}),
+    );
+    assert_eq!(ready["exit_code"], 0, "{ready}");
+    let out = Command::new(common::mcp_python())
+        .args([
+            "-c",
+            MCP_CLIENT,
+            WARREN,
+            "attach",
+            vm,
+            "--port",
+            "5300",
+            "--endpoint",
+        ])
+        .arg(format!("http://{}", d.addr))
+        .arg("--token-file")
+        .arg(tf)
+        .output()
+        .expect("MCP client");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    assert_eq!(
+        v,
+        json!({"server": "guest-upper", "tools": ["upper"], "text": "HELLO FROM THE HOST"}),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn rate_and_suspend(d: &Daemon, t: &str, tf: &std::path::Path, vm: &str) {
+    // 8 MiB from the guest at 2 MiB/s (after a burst of one second's worth) takes >= 3 s;
+    // unlimited it takes a fraction of that.
+    const SENDER: &str = "import socket\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('127.0.0.1',5400));s.listen(1)\nc,_=s.accept();c.sendall(b'x'*(8<<20));c.close()";
+    d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "sender", "argv": ["python3", "-c", SENDER]}),
+    );
+    let t0 = Instant::now();
+    let out = loop {
+        let out = Command::new(WARREN)
+            .args([
+                "attach",
+                vm,
+                "--port",
+                "5400",
+                "--ignore-stdin-eof",
+                "--endpoint",
+            ])
+            .arg(format!("http://{}", d.addr))
+            .arg("--token-file")
+            .arg(tf)
+            .stdin(Stdio::null())
+            .output()
+            .expect("attach");
+        // Until the listener is up, the service answers 409 (nothing listens).
+        if out.status.success() || t0.elapsed() > WAIT {
+            break out;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let took = t0.elapsed();
+    assert_eq!(
+        out.stdout.len(),
+        8 << 20,
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        took >= Duration::from_millis(2900),
+        "8 MiB at 2 MiB/s took {took:?}"
+    );
+
+    // Suspension closes a job's open output stream with 1001 `suspended`.
+    let job = start(d, t, vm, "sleeper", json!({"argv": ["sleep", "60"]}));
+    let mut ws =
+        WsClient::connect(&d.addr, t, &format!("/v1/vms/{vm}/jobs/{job}/output")).expect("output");
+    let r = d.call(t, "vm_suspend", json!({"vm_id": vm, "mode": "pause"}));
+    assert_eq!((r.status, r.code()), (409, "busy"), "{}", r.text);
+    d.ok(
+        t,
+        "vm_suspend",
+        json!({"vm_id": vm, "mode": "pause", "force": true}),
+    );
+    let got = ws.until(WAIT, |g| matches!(g.last(), Some(Got::Close(..))));
+    assert_eq!(
+        got.last(),
+        Some(&Got::Close(1001, "suspended".into())),
+        "{got:?}"
+    );
+    // Cancelling wakes the VM; the job ends.
+    d.ok(t, "vm_job_cancel", json!({"vm_id": vm, "job_id": job}));
 }
