@@ -807,3 +807,63 @@ fn rate_and_suspend(d: &Daemon, t: &str, tf: &std::path::Path, vm: &str) {
     // Cancelling wakes the VM; the job ends.
     d.ok(t, "vm_job_cancel", json!({"vm_id": vm, "job_id": job}));
 }
+
+/// `warren run` through the service's socket: the project's session is made through
+/// `session_create`, the command runs in it with stdin streamed, from the matching
+/// directory of the copy, with the agents' state directories in its environment; its exit
+/// code is the run's; a second run reuses the session.
+#[test]
+fn test_run_through_the_service_socket() {
+    let d = Daemon::start("");
+    let (_guard, repo) = common::one_commit_repo();
+    std::fs::create_dir(repo.join("sub")).expect("mkdir");
+    std::fs::write(repo.join("sub/b.txt"), "untracked\n").expect("write");
+    let run = |script: &str, input: &[u8]| {
+        let mut c = d.env.cmd();
+        c.args(["--socket", d.socket.to_str().expect("socket")])
+            .args(["run", "--", "sh", "-c", script])
+            .current_dir(repo.join("sub"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = c.spawn().expect("warren run");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(input)
+            .expect("input");
+        child.wait_with_output().expect("run")
+    };
+    let out = run(
+        "cat ../a.txt; pwd; echo \"$CLAUDE_CONFIG_DIR\"; cat; exit 4",
+        b"streamed\n",
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "committed\n/workspace/sub\n/agent-state/claude\nstreamed\n",
+        "{stderr}"
+    );
+    assert_eq!(out.status.code(), Some(4), "{stderr}");
+    assert!(stderr.contains("warren: session"), "{stderr}");
+    let out = run("echo again", b"");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "again\n");
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("warren: session"),
+        "a second session was made"
+    );
+    let list = d.local_call("session_list", json!({}), &[]);
+    assert_eq!(
+        list.body["sessions"].as_array().map(Vec::len),
+        Some(1),
+        "{}",
+        list.text
+    );
+    let s = &list.body["sessions"][0];
+    d.local_call(
+        "session_delete",
+        json!({"session": s["session_id"], "force": true}),
+        &[],
+    );
+}
