@@ -27,10 +27,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::response::Response;
 use futures_util::stream::SplitStream;
-use futures_util::{SinkExt, StreamExt};
+use futures_util::StreamExt;
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::AbortHandle;
 use warren_protocol::stream::{StreamTarget, BROKER_ACCEPTED};
@@ -44,7 +44,7 @@ use crate::http::error_response;
 use crate::service::job_streams::BrokerOpen;
 use crate::service::Service;
 use crate::streams::RateLimit;
-use crate::ws::{cut_reason, Lifeline, GOING_AWAY, INTERNAL, MAX_MESSAGE, NORMAL, POLICY};
+use crate::ws::{Lifeline, GOING_AWAY, INTERNAL, MAX_MESSAGE, NORMAL, POLICY};
 
 /// Guest connections one attachment carries at once.
 pub const MAX_CONNECTIONS: usize = 64;
@@ -169,8 +169,9 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
                 let Some(frame) = frame else { break (INTERNAL, "internal error".into()) };
                 limit.take(frame.len()).await;
                 counters.down.fetch_add(frame.len() as u64, Ordering::Relaxed);
-                if sink.send(Message::Binary(frame.into())).await.is_err() {
-                    break (GOING_AWAY, "client gone".into());
+                let msg = Message::Binary(frame.into());
+                if let Some(end) = life.send(&service, &p, &mut sink, &mut ticket.closed, msg).await {
+                    break end;
                 }
             }
             end = &mut accept => break end.unwrap_or((INTERNAL, "internal error".into())),
@@ -199,12 +200,7 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
     if reason == "job finished" {
         service.broker_pipes().remove(&vm_id, job);
     }
-    let frame = CloseFrame {
-        code,
-        reason: cut_reason(&reason).into(),
-    };
-    let _ = sink.send(Message::Close(Some(frame))).await;
-    let _ = sink.close().await;
+    crate::ws::close(&mut sink, code, &reason).await;
     service.stream_activity(&vm_id);
     tracing::info!(
         workspace = %p.workspace,

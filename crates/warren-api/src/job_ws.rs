@@ -31,10 +31,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::response::Response;
 use futures_util::stream::SplitStream;
-use futures_util::{SinkExt, StreamExt};
+use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use warren_core::output::Cursor;
@@ -47,7 +47,7 @@ use crate::http::error_response;
 use crate::service::job_streams::JobStream;
 use crate::service::Service;
 use crate::streams::RateLimit;
-use crate::ws::{cut_reason, Lifeline, GOING_AWAY, INTERNAL, MAX_MESSAGE, NORMAL, POLICY};
+use crate::ws::{Lifeline, GOING_AWAY, INTERNAL, MAX_MESSAGE, NORMAL, POLICY};
 
 /// Tag of a binary message carrying stdout bytes.
 pub const STDOUT: u8 = 1;
@@ -257,14 +257,16 @@ async fn run(
                     let mut msg = Vec::with_capacity(data.len() + 1);
                     msg.push(tag);
                     msg.extend_from_slice(&data);
-                    if sink.send(Message::Binary(msg.into())).await.is_err() {
-                        break (GOING_AWAY, "client gone".into());
+                    let msg = Message::Binary(msg.into());
+                    if let Some(end) = life.send(&service, &p, &mut sink, &mut ticket.closed, msg).await {
+                        break end;
                     }
                 }
                 Some(Read::Exit(ev)) => {
                     let text = serde_json::to_string(&ev).unwrap_or_default();
-                    if sink.send(Message::Text(text.into())).await.is_err() {
-                        break (GOING_AWAY, "client gone".into());
+                    let msg = Message::Text(text.into());
+                    if let Some(end) = life.send(&service, &p, &mut sink, &mut ticket.closed, msg).await {
+                        break end;
                     }
                     break (NORMAL, "job finished".into());
                 }
@@ -289,12 +291,7 @@ async fn run(
     };
     reader.abort();
     upstream.abort();
-    let frame = CloseFrame {
-        code,
-        reason: cut_reason(&reason).into(),
-    };
-    let _ = sink.send(Message::Close(Some(frame))).await;
-    let _ = sink.close().await;
+    crate::ws::close(&mut sink, code, &reason).await;
     service.stream_activity(&vm_id);
     tracing::info!(
         workspace = %p.workspace,

@@ -14,7 +14,9 @@
 //!   guest's end closes with 1000 when it closed normally (1011 and its reason otherwise),
 //!   the service's lifecycle closes with 1001 `suspended`/`destroyed`, a credential that no
 //!   longer holds (rechecked every [`RECHECK`]) with 1008, and a client that answers no ping
-//!   for [`PING_TIMEOUT`] with 1001.
+//!   for [`PING_TIMEOUT`] with 1001. A send to the client never blocks these: it waits on
+//!   them too (`Lifeline::send`), and a client that takes no message for [`SEND_STALL`] is
+//!   dropped (1001 `the client stopped reading`).
 //!
 //! Each direction passes `[streams] rate_bytes` a second at most. Open and close are logged
 //! with workspace, VM, target, duration, byte counts and reason, never payload.
@@ -37,6 +39,11 @@ use crate::streams::RateLimit;
 
 /// Largest client message.
 pub const MAX_MESSAGE: usize = 1 << 20;
+/// How long one message to the client may take to go out: a client that takes nothing for
+/// this long is dropped (its connection would otherwise hold the stream open for ever).
+pub const SEND_STALL: Duration = PING_TIMEOUT;
+/// How long the closing frame may take to go out.
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
 /// How often an open stream's credential is checked again.
 pub const RECHECK: Duration = Duration::from_secs(5);
 /// Ping interval, and how long a client may stay silent (pongs included) before it is
@@ -164,23 +171,26 @@ async fn run(
     ));
     let mut reader = stream.reader;
     let mut limit = RateLimit::new(rate);
+    // Set once the guest stopped taking input: what it still sends is passed on, then its end.
+    let mut guest_gone = false;
     let (code, reason): (u16, String) = loop {
         tokio::select! {
             next = next_down(&mut reader) => match next {
                 Ok(data) => {
                     limit.take(data.len()).await;
                     counters.down.fetch_add(data.len() as u64, Ordering::Relaxed);
-                    if sink.send(Message::Binary(data.into())).await.is_err() {
-                        break (GOING_AWAY, "client gone".into());
+                    let msg = Message::Binary(data.into());
+                    if let Some(end) = life.send(&service, &p, &mut sink, &mut ticket.closed, msg).await {
+                        break end;
                     }
                 }
                 Err(end) => break end,
             },
-            up = &mut upstream => match up {
+            up = &mut upstream, if !guest_gone => match up {
                 Ok(Upstream::ClientGone) => break (NORMAL, "client closed".into()),
                 Ok(Upstream::Violation(why)) => break (POLICY, why.into()),
                 // The guest stopped reading; its end frame follows on the reader.
-                Ok(Upstream::GuestGone) => break drain_end(&mut reader, &mut sink, &counters).await,
+                Ok(Upstream::GuestGone) => guest_gone = true,
                 Err(_) => break (INTERNAL, "internal error".into()),
             },
             _ = ticket.closed.changed() => {
@@ -195,12 +205,7 @@ async fn run(
         }
     };
     upstream.abort();
-    let frame = CloseFrame {
-        code,
-        reason: cut_reason(&reason).into(),
-    };
-    let _ = sink.send(Message::Close(Some(frame))).await;
-    let _ = sink.close().await;
+    close(&mut sink, code, &reason).await;
     service.stream_activity(&vm_id);
     tracing::info!(
         workspace = %p.workspace,
@@ -229,27 +234,6 @@ async fn next_down(reader: &mut StreamReader) -> Result<Vec<u8>, (u16, String)> 
                 .unwrap_or_else(|| format!("guest end failed ({})", end.code)),
         )),
         Err(e) => Err((INTERNAL, format!("stream: {e}"))),
-    }
-}
-
-/// After the guest stopped taking input: pass on what it still sends, then its end.
-async fn drain_end(
-    reader: &mut StreamReader,
-    sink: &mut futures_util::stream::SplitSink<WebSocket, Message>,
-    counters: &Counters,
-) -> (u16, String) {
-    loop {
-        match next_down(reader).await {
-            Ok(data) => {
-                counters
-                    .down
-                    .fetch_add(data.len() as u64, Ordering::Relaxed);
-                if sink.send(Message::Binary(data.into())).await.is_err() {
-                    return (GOING_AWAY, "client gone".into());
-                }
-            }
-            Err(end) => return end,
-        }
     }
 }
 
@@ -363,13 +347,64 @@ impl Lifeline {
                 if self.heard.silent_for() > PING_TIMEOUT {
                     return Some((GOING_AWAY, "the client answered no ping".into()));
                 }
-                if sink.send(Message::Ping(Default::default())).await.is_err() {
+                let ping = sink.send(Message::Ping(Default::default()));
+                if !matches!(tokio::time::timeout(SEND_STALL, ping).await, Ok(Ok(()))) {
                     return Some((GOING_AWAY, "client gone".into()));
                 }
                 None
             }
         }
     }
+
+    /// Sends `msg` to the client, still rechecking the credential and watching `closed`
+    /// (the stream's ticket) while it waits: a client that stopped reading never holds the
+    /// stream open past its end (nor keeps its other task, e.g. terminal input, running).
+    /// `Some` close code and reason when the stream must end, the message then possibly
+    /// unsent; a client that takes nothing for [`SEND_STALL`] is dropped.
+    pub(crate) async fn send(
+        &mut self,
+        service: &Service,
+        p: &Principal,
+        sink: &mut Sink,
+        closed: &mut tokio::sync::watch::Receiver<Option<crate::streams::CloseReason>>,
+        msg: Message,
+    ) -> Option<(u16, String)> {
+        let send = sink.send(msg);
+        tokio::pin!(send);
+        let stall = tokio::time::sleep(SEND_STALL);
+        tokio::pin!(stall);
+        loop {
+            tokio::select! {
+                sent = &mut send => return sent.err().map(|_| (GOING_AWAY, "client gone".into())),
+                () = &mut stall => return Some((GOING_AWAY, "the client stopped reading".into())),
+                _ = closed.changed() => {
+                    let why = closed.borrow().map(|r| r.as_str()).unwrap_or("closed");
+                    return Some((GOING_AWAY, why.into()));
+                }
+                _ = self.recheck.tick() => {
+                    if let Err(e) = service.credentials().recheck(p) {
+                        return Some((POLICY, e.message));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The client's half of a WebSocket, as the stream tasks send on it.
+pub(crate) type Sink = futures_util::stream::SplitSink<WebSocket, Message>;
+
+/// Sends the closing frame and closes, giving a client that reads nothing [`CLOSE_WAIT`].
+pub(crate) async fn close(sink: &mut Sink, code: u16, reason: &str) {
+    let frame = CloseFrame {
+        code,
+        reason: cut_reason(reason).into(),
+    };
+    let _ = tokio::time::timeout(CLOSE_WAIT, async {
+        let _ = sink.send(Message::Close(Some(frame))).await;
+        let _ = sink.close().await;
+    })
+    .await;
 }
 
 /// A close reason fits in 123 bytes.
@@ -384,6 +419,142 @@ pub(crate) fn cut_reason(reason: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A service on a fresh state directory (no VM is ever started).
+    pub(crate) fn test_service(dir: &std::path::Path) -> Arc<Service> {
+        let text = format!(
+            "state_dir = {:?}\naccel = \"tcg\"\n[images.dev]\nid = \"{}\"\n",
+            dir.join("state"),
+            "0".repeat(64)
+        );
+        let cfg = crate::config::ServiceConfig::parse(std::path::Path::new("t.toml"), &text)
+            .expect("config");
+        Arc::new(Service::open(cfg, dir.join("no-supervisor")).expect("open the service"))
+    }
+
+    /// A WebSocket client on loopback that completes the handshake and then never reads;
+    /// `serve` runs on the server's socket. Returns the client's connection.
+    pub(crate) async fn stalled_client<F, Fut>(serve: F) -> tokio::net::TcpStream
+    where
+        F: FnOnce(WebSocket) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        use tokio::io::AsyncWriteExt;
+        let serve = Arc::new(std::sync::Mutex::new(Some(serve)));
+        let app = axum::Router::new().route(
+            "/s",
+            axum::routing::get(move |ws: WebSocketUpgrade| {
+                let serve = serve.lock().expect("lock").take();
+                async move { ws.on_upgrade(serve.expect("one client")) }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let mut c = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        c.write_all(
+            b"GET /s HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+              Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+        )
+        .await
+        .expect("handshake");
+        c
+    }
+
+    /// Waits until `written` stops growing for a second: the sender is stuck.
+    pub(crate) async fn until_stuck(written: &AtomicU64) {
+        let mut last = u64::MAX;
+        let mut still = 0;
+        for _ in 0..600 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let now = written.load(Ordering::Relaxed);
+            if now == last && now > 0 {
+                still += 1;
+                if still >= 10 {
+                    return;
+                }
+            } else {
+                still = 0;
+            }
+            last = now;
+        }
+        panic!("the sender never stalled ({last} bytes)");
+    }
+
+    /// A guest stream of `p` to vm1 whose guest sends as fast as it is taken, to a client
+    /// that reads nothing, once nothing moves any more. Returns when `run` ended, and the
+    /// client's connection (to keep).
+    async fn stuck_stream(
+        service: &Arc<Service>,
+        p: Principal,
+    ) -> (tokio::sync::oneshot::Receiver<()>, tokio::net::TcpStream) {
+        let ticket = service.streams().admit(&p.workspace, "vm1").expect("admit");
+        let (ours, guest) = tokio::net::UnixStream::pair().expect("pair");
+        let opened = crate::service::streams::Opened {
+            vm_id: "vm1".into(),
+            stream: warren_supervisor::stream_frame::GuestStream::from_connected(ours),
+            ticket,
+        };
+        let written = Arc::new(AtomicU64::new(0));
+        let w = written.clone();
+        tokio::spawn(async move {
+            let mut guest = guest;
+            let chunk = vec![7u8; 64 * 1024];
+            while warren_supervisor::stream_frame::write_data(&mut guest, &chunk)
+                .await
+                .is_ok()
+            {
+                w.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            }
+        });
+        let (done_tx, done) = tokio::sync::oneshot::channel();
+        let s = service.clone();
+        let client = stalled_client(move |socket| async move {
+            run(s, p, opened, "port 5000".into(), socket).await;
+            let _ = done_tx.send(());
+        })
+        .await;
+        until_stuck(&written).await;
+        (done, client)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn test_stream_to_a_client_that_stopped_reading_still_closes_on_suspend() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let service = test_service(dir.path());
+        let (done, _client) = stuck_stream(&service, Principal::local(0)).await;
+        assert_eq!(
+            service
+                .streams()
+                .close_vm("vm1", crate::streams::CloseReason::Suspended),
+            1
+        );
+        tokio::time::timeout(Duration::from_secs(20), done)
+            .await
+            .expect("the stream ends although its client reads nothing")
+            .expect("ended");
+        assert_eq!(service.streams().count("vm1"), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn test_stream_to_a_client_that_stopped_reading_still_closes_on_revocation() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let service = test_service(dir.path());
+        let (info, secret) = service
+            .credentials()
+            .issue("alice", None, &crate::auth::PolicyRequest::default())
+            .expect("issue");
+        let p = service.credentials().authenticate(&secret).expect("token");
+        let (done, _client) = stuck_stream(&service, p).await;
+        service.credentials().revoke(&info.id).expect("revoke");
+        // Rechecked every RECHECK; the close frame then gets CLOSE_WAIT.
+        tokio::time::timeout(RECHECK + CLOSE_WAIT + Duration::from_secs(5), done)
+            .await
+            .expect("revocation ends the stream although its client reads nothing")
+            .expect("ended");
+    }
 
     #[test]
     fn test_cut_reason_fits_a_close_frame() {

@@ -123,6 +123,18 @@ pub struct GuestStream {
     pub writer: StreamWriter,
 }
 
+impl GuestStream {
+    /// A stream over a connection already past `StreamOpened` whose peer speaks the stream
+    /// frames (a stand-in for the supervisor in the service's tests).
+    pub fn from_connected(s: tokio::net::UnixStream) -> GuestStream {
+        let (rd, wr) = s.into_split();
+        GuestStream {
+            reader: StreamReader(rd),
+            writer: StreamWriter(wr),
+        }
+    }
+}
+
 /// Receives what the guest sends.
 pub struct StreamReader(pub(crate) OwnedReadHalf);
 
