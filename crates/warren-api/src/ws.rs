@@ -189,8 +189,12 @@ async fn run(
             up = &mut upstream, if !guest_gone => match up {
                 Ok(Upstream::ClientGone) => break (NORMAL, "client closed".into()),
                 Ok(Upstream::Violation(why)) => break (POLICY, why.into()),
-                // The guest stopped reading; its end frame follows on the reader.
-                Ok(Upstream::GuestGone) => guest_gone = true,
+                // The guest stopped reading; its end frame follows on the reader. The client's
+                // messages (pongs included) are no longer read, so its silence proves nothing.
+                Ok(Upstream::GuestGone) => {
+                    guest_gone = true;
+                    life.heard().unheard();
+                }
                 Err(_) => break (INTERNAL, "internal error".into()),
             },
             _ = ticket.closed.changed() => {
@@ -288,6 +292,11 @@ impl Heard {
     pub(crate) fn now(&self) {
         self.at_ms
             .store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// The client's messages are no longer read: never count it silent.
+    fn unheard(&self) {
+        self.at_ms.store(u64::MAX, Ordering::Relaxed);
     }
 
     fn silent_for(&self) -> Duration {
@@ -554,6 +563,17 @@ mod tests {
             .await
             .expect("revocation ends the stream although its client reads nothing")
             .expect("ended");
+    }
+
+    #[test]
+    fn test_unheard_client_is_never_silent() {
+        let heard = Heard {
+            started: Instant::now() - PING_TIMEOUT * 2,
+            at_ms: Arc::new(AtomicU64::new(0)),
+        };
+        assert!(heard.silent_for() > PING_TIMEOUT);
+        heard.unheard();
+        assert_eq!(heard.silent_for(), Duration::ZERO);
     }
 
     #[test]
