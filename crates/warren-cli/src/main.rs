@@ -19,6 +19,7 @@ mod egress_file;
 mod host_keys;
 mod jobs_cmd;
 mod refresh;
+mod remote_exec;
 mod session_cmd;
 mod stream_cmd;
 mod stream_link;
