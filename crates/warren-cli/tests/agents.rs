@@ -4,7 +4,7 @@
 //! session defaults to the `agents` image). The browser block: the Chrome DevTools MCP
 //! server, started in the guest as the guest user the way the agents' MCP configuration
 //! names it, drives the image's Chromium to a page served inside the guest and returns a
-//! screenshot of it. One VM per test.
+//! screenshot of it. One VM for the whole file.
 
 mod common;
 
@@ -62,7 +62,6 @@ mcp.stdin.flush()
 out['server'] = init.get('serverInfo', {})
 out['tools'] = [x['name'] for x in rpc('tools/list')['tools']]
 out['t_init'] = round(time.time() - t, 1)
-print('browser probe: MCP server up after %ss' % out['t_init'], file=sys.stderr, flush=True)
 for _ in range(60):
     try:
         urllib.request.urlopen('http://127.0.0.1:9222/json/version', timeout=5)
@@ -70,7 +69,6 @@ for _ in range(60):
     except Exception:
         time.sleep(2)
 out['t_browser'] = round(time.time() - t, 1)
-print('browser probe: browser up after %ss' % out['t_browser'], file=sys.stderr, flush=True)
 page = None
 for attempt in range(4):
     r = rpc('tools/call', {'name': 'new_page', 'arguments': {'url': 'http://127.0.0.1:8765/', 'timeout': 50000}})
@@ -81,7 +79,6 @@ for attempt in range(4):
         break
 out['pages'] = pages
 out['t_page'] = round(time.time() - t, 1)
-print('browser probe: page open after %ss' % out['t_page'], file=sys.stderr, flush=True)
 snap = ''
 for attempt in range(4):
     snap = text(rpc('tools/call', {'name': 'take_snapshot', 'arguments': {'pageId': page}}))
@@ -150,8 +147,10 @@ fn warren_run(env: &TestEnv, proj: &Path, args: &[&str]) -> Output {
         .expect("warren run")
 }
 
-/// A fresh git project directory (canonical path).
-fn project() -> (tempfile::TempDir, std::path::PathBuf) {
+#[test]
+fn test_agents_image_clis_report_pinned_versions() {
+    common::ensure_image("agents");
+    let env = TestEnv::new();
     let dir = tempfile::tempdir().expect("tempdir");
     let proj = dir.path().canonicalize().expect("canonical");
     let git = Command::new("git")
@@ -160,14 +159,6 @@ fn project() -> (tempfile::TempDir, std::path::PathBuf) {
         .status()
         .expect("git init");
     assert!(git.success());
-    (dir, proj)
-}
-
-#[test]
-fn test_agents_image_clis_report_pinned_versions() {
-    common::ensure_image("agents");
-    let env = TestEnv::new();
-    let (_dir, proj) = project();
     let _guard = SessionGuard { env: &env };
 
     // No --image: the first run creates the session, whose VM gets the agents image; the
@@ -205,23 +196,7 @@ fn test_agents_image_clis_report_pinned_versions() {
             "{stdout}"
         );
     }
-    let list = ok(env.run(&["session", "list", "--json"]), "session list");
-    let v: serde_json::Value = serde_json::from_str(&list).expect("json");
-    assert_eq!(v.as_array().map(Vec::len), Some(1), "{v}");
-}
-
-/// The browser block, in a VM of its own (the CLIs' test already spends minutes of guest CPU
-/// on opencode's start). The probe's progress goes to the test's stderr as it happens.
-#[test]
-fn test_agents_image_devtools_mcp_screenshots_a_guest_page() {
-    common::ensure_image("agents");
-    let env = TestEnv::new();
-    let (_dir, proj) = project();
-    let _guard = SessionGuard { env: &env };
-    let agents = common::image_id("agents");
-    let first = warren_run(&env, &proj, &["--image", &agents, "shell", "--", "true"]);
-    ok(first, "session VM");
-    // The agents' MCP configuration names the wrapper, which runs the
+    // The browser block: the agents' MCP configuration names the wrapper, which runs the
     // pinned DevTools MCP server on Chromium; gh is there too.
     let out = warren_run(
         &env,
@@ -250,14 +225,11 @@ fn test_agents_image_devtools_mcp_screenshots_a_guest_page() {
         "{stdout}"
     );
     let started = std::time::Instant::now();
-    let out = env
-        .cmd()
-        .args(["run", "shell", "--", "python3", "-c", BROWSER_PROBE])
-        .current_dir(&proj)
-        .stdin(Stdio::null())
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("warren run");
+    let out = warren_run(
+        &env,
+        &proj,
+        &["shell", "--", "python3", "-c", BROWSER_PROBE],
+    );
     let stdout = ok(out, "browser probe");
     let v: serde_json::Value =
         serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
@@ -281,4 +253,8 @@ fn test_agents_image_devtools_mcp_screenshots_a_guest_page() {
     assert_eq!(v["png_magic"], true, "{v}");
     // The page's background, so the image is of the guest's page.
     assert_eq!(v["pixel"], serde_json::json!([0, 255, 0]), "{v}");
+
+    let list = ok(env.run(&["session", "list", "--json"]), "session list");
+    let v: serde_json::Value = serde_json::from_str(&list).expect("json");
+    assert_eq!(v.as_array().map(Vec::len), Some(1), "{v}");
 }
