@@ -315,36 +315,6 @@ fn argv_for(agent: &str, command: &[String], tty: bool) -> Vec<String> {
     v
 }
 
-/// Points the agent at the image's browser MCP server (`warren_image::browser`) when the
-/// guest has its configuration: Claude Code by `--mcp-config`, Codex by a `-c` override,
-/// opencode by `OPENCODE_CONFIG`.
-async fn browser_mcp(
-    w: &Warren,
-    vm: &str,
-    agent: &str,
-    argv: &mut Vec<String>,
-    env: &mut Vec<(String, String)>,
-) {
-    use warren_image::browser::{MCP_CONFIG, MCP_WRAPPER, OPENCODE_CONFIG};
-    if !matches!(agent, "claude" | "codex" | "opencode")
-        || w.read_file_chunk(vm, MCP_CONFIG, 0, 1).await.is_err()
-    {
-        return;
-    }
-    let extra = match agent {
-        "claude" => vec!["--mcp-config".to_string(), MCP_CONFIG.to_string()],
-        "codex" => vec![
-            "-c".to_string(),
-            format!("mcp_servers.chrome-devtools.command=\"{MCP_WRAPPER}\""),
-        ],
-        _ => {
-            env.push(("OPENCODE_CONFIG".into(), OPENCODE_CONFIG.into()));
-            vec![]
-        }
-    };
-    argv.splice(1..1, extra);
-}
-
 /// The image a new session gets when `--image` is not given: the `agents` recipe (which
 /// installs the agent CLIs) for an agent, else the engine's default (`dev`).
 fn default_image_for(agent: Option<&str>) -> Option<&'static str> {
@@ -420,12 +390,11 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
         crate::agents::write_files(&state, &wiring.files, (s.owner_uid, s.owner_gid))?;
     }
     let tty = std::io::stdin().is_terminal() && std::io::stdout().is_terminal();
-    let mut argv = argv_for(agent, &args.command, tty);
+    let argv = argv_for(agent, &args.command, tty);
     let mut env = agent_env();
     if let Some(wiring) = wiring {
         env.extend(wiring.env);
     }
-    browser_mcp(&w, &vm.id, agent, &mut argv, &mut env).await;
     tracing::info!(session = %s.id, vm = %vm.id, ?argv, tty, "run");
     run_in(&w, &vm.id, argv, env, rel, tty).await
 }

@@ -259,10 +259,6 @@ pub fn install(cli: &NpmAgentCli, tarball: &Path, root: &Path) -> Result<u64, Im
             cli.binary
         )));
     }
-    // Executable whatever the archive said, as npm makes a package's bins (a Node.js
-    // package's bin is a script with a `#!/usr/bin/env node` line, 0644 in the tarball).
-    std::fs::set_permissions(&binary, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .map_err(ImageError::io("chmod", &binary))?;
     let bin_dir = root.join("usr/local/bin");
     std::fs::create_dir_all(&bin_dir).map_err(ImageError::io("create", &bin_dir))?;
     let link = bin_dir.join(cli.command);

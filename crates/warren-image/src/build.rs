@@ -188,7 +188,7 @@ fn build_stage(
     // 0. Agent CLI tarballs, verified against their pins.
     let registry = agent_cli::registry();
     let mut tarballs = Vec::new();
-    for cli in recipe.agent_clis().iter().chain(recipe.npm_tools()) {
+    for cli in recipe.agent_clis() {
         progress(BuildProgress::new(
             "agents",
             format!("fetching {} from {registry}", cli.spec()),
@@ -227,7 +227,7 @@ fn build_stage(
     let packages = recipe.packages();
     if !packages.is_empty() {
         let apt = ["apt-get", "-q", "-y", "--no-install-recommends", "install"];
-        chroot_install(&root, &log, "packages", &apt, &packages, progress)?;
+        chroot_install(&root, &log, "packages", &apt, packages, progress)?;
     }
     for (link, target) in recipe.links() {
         let at = root.join(link.trim_start_matches('/'));
@@ -251,8 +251,6 @@ fn build_stage(
             ),
         ));
     }
-
-    crate::browser::write_files(&root, recipe.files())?;
 
     // 3. Kernel and modules.
     let kernel_package = kernel::resolve_kernel_package(&root, recipe::KERNEL_METAPACKAGE)?;

@@ -6,7 +6,6 @@
 //!
 //! - [`recipe`]: what goes into an image (`minimal`, `dev`, `agents`) and its canonical digest.
 //! - [`agent_cli`]: the agent CLIs' pinned npm packages: fetch, verify, unpack.
-//! - [`browser`]: the `agents` recipe's browser block (Chromium, the DevTools MCP server).
 //! - [`build`]: debootstrap, kernel and module staging, rootfs creation (the slow part, cached).
 //! - [`kernel`]: fetching the Debian cloud kernel, extracting `vmlinux`, module closure.
 //! - [`initramfs`]: the newc cpio writer and the per-VM secret archive.
@@ -15,7 +14,6 @@
 #![forbid(unsafe_code)]
 
 pub mod agent_cli;
-pub mod browser;
 pub mod build;
 mod command;
 pub mod digest;

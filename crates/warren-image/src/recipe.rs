@@ -113,13 +113,6 @@ pub struct RecipeDescription {
     /// when empty, like `agent_clis`.
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     pub links: &'static [(&'static str, &'static str)],
-    /// More pinned npm packages (the browser block's MCP server). Left out when empty.
-    #[serde(skip_serializing_if = "<[_]>::is_empty")]
-    pub npm_tools: &'static [NpmAgentCli],
-    /// Files written into the root tree last (the browser block's wrapper and MCP
-    /// configuration). Left out when empty.
-    #[serde(skip_serializing_if = "<[_]>::is_empty")]
-    pub files: &'static [crate::browser::RootFile],
 }
 
 impl Recipe {
@@ -136,28 +129,10 @@ impl Recipe {
     }
 
     /// Packages installed on top of `debootstrap --variant=minbase`.
-    pub fn packages(self) -> Vec<&'static str> {
+    pub fn packages(self) -> &'static [&'static str] {
         match self {
-            Recipe::Minimal => vec![],
-            Recipe::Dev => DEV_PACKAGES.to_vec(),
-            // The browser block (`browser.rs`).
-            Recipe::Agents => [DEV_PACKAGES, crate::browser::PACKAGES].concat(),
-        }
-    }
-
-    /// More pinned npm packages: the browser block's MCP server (`agents` only).
-    pub fn npm_tools(self) -> &'static [NpmAgentCli] {
-        match self {
-            Recipe::Minimal | Recipe::Dev => &[],
-            Recipe::Agents => crate::browser::NPM,
-        }
-    }
-
-    /// Files written into the root tree last (`agents` only: the browser block's).
-    pub fn files(self) -> &'static [crate::browser::RootFile] {
-        match self {
-            Recipe::Minimal | Recipe::Dev => &[],
-            Recipe::Agents => crate::browser::FILES,
+            Recipe::Minimal => &[],
+            Recipe::Dev | Recipe::Agents => DEV_PACKAGES,
         }
     }
 
@@ -182,8 +157,8 @@ impl Recipe {
         match self {
             Recipe::Minimal => 2 * GIB,
             Recipe::Dev => 4 * GIB,
-            // The agent CLIs' binaries add ~1.1 GiB, the browser block ~0.5 GiB.
-            Recipe::Agents => 7 * GIB,
+            // The agent CLIs' binaries add ~1.1 GiB.
+            Recipe::Agents => 6 * GIB,
         }
     }
 
@@ -195,15 +170,13 @@ impl Recipe {
             suite: SUITE,
             mirror: MIRROR,
             variant: "minbase",
-            packages: self.packages(),
+            packages: self.packages().to_vec(),
             rootfs_size: self.rootfs_size(),
             kernel_package: KERNEL_METAPACKAGE,
             modules: AGENT_MODULES.to_vec(),
             user_id: USER_ID,
             agent_clis: self.agent_clis(),
             links: self.links(),
-            npm_tools: self.npm_tools(),
-            files: self.files(),
         }
     }
 
