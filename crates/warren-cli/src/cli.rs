@@ -94,10 +94,9 @@ pub enum Command {
     /// for wired credentials, not by hand).
     #[command(hide = true)]
     InterceptRefresh {
-        #[arg(long)]
-        agent: String,
-        #[arg(long)]
-        credentials: PathBuf,
+        /// `LOGIN=FILE` (repeatable): a login this endpoint may refresh and its host file.
+        #[arg(long = "source", required = true)]
+        sources: Vec<String>,
     },
     /// Runs the per-VM supervisor (started by `vm create`, not by hand).
     #[command(hide = true)]
@@ -191,10 +190,12 @@ pub struct RunArgs {
     /// Mount the project directory itself instead of a copy (first run only).
     #[arg(long)]
     pub direct: bool,
-    /// Wire these host credentials (claude or codex; repeatable): real tokens stay on the
-    /// host, the VM gets placeholders. Default for claude, codex and opencode: both, where the
-    /// host has them (the same for every agent, so they share the project's VM).
-    #[arg(long = "credentials", value_parser = ["claude", "codex"])]
+    /// Wire these host credentials (repeatable): the agents' logins (claude, codex, opencode), the API
+    /// keys (anthropic-api-key, openai-api-key) and GitHub (github-token). Real values stay
+    /// on the host, the VM gets placeholders. Default for claude, codex and opencode: all of
+    /// them the host has (the same for every agent, so they share the project's VM).
+    #[arg(long = "credentials", value_parser = ["claude", "codex", "opencode",
+          "anthropic-api-key", "openai-api-key", "github-token"])]
     pub credentials: Vec<String>,
     /// Wire no credentials (the agent logs in inside the VM, or not at all).
     #[arg(long, conflicts_with = "credentials")]

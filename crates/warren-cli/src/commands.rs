@@ -27,8 +27,8 @@ pub fn run(cli: Cli) -> Result<i32> {
         warren_supervisor::run(vm_dir.clone()).context("supervisor")?;
         return Ok(0);
     }
-    if let Command::InterceptRefresh { agent, credentials } = &cli.command {
-        return crate::agents::intercept_refresh(agent, credentials);
+    if let Command::InterceptRefresh { sources } = &cli.command {
+        return crate::refresh::intercept_refresh(sources);
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -16,12 +16,15 @@ mod client;
 mod commands;
 mod copy;
 mod egress_file;
+mod host_keys;
 mod jobs_cmd;
+mod refresh;
 mod remote_exec;
 mod session_cmd;
 mod stream_cmd;
 mod stream_link;
 mod term;
+mod user_config;
 
 use clap::Parser;
 use tracing_subscriber::filter::{self, FilterExt};

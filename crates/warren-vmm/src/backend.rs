@@ -102,6 +102,10 @@ pub struct NetSpec {
     /// egress, and in the guest's trust bundle.
     #[serde(default)]
     pub host_ca_store: bool,
+    /// Header names besides `Authorization` in which the placeholders of secrets that name
+    /// no headers of their own are substituted (`x-api-key`).
+    #[serde(default)]
+    pub secret_headers: Vec<String>,
 }
 
 /// A networked VM's egress mode (a VM without network has no NIC: that is "off").
@@ -162,6 +166,10 @@ pub struct NetSecret {
     /// (`/claudeAiOauth/accessToken`), so an agent's own credential file is used in place.
     #[serde(default)]
     pub json_pointer: Option<String>,
+    /// Request headers the value is substituted into (empty: `Authorization` and the VM's
+    /// `secret_headers`). A `Basic` credential in `Authorization` is substituted inside.
+    #[serde(default)]
+    pub headers: Vec<String>,
 }
 
 /// One host directory shared into the guest (virtio-fs). The guest mounts it by `tag`.

@@ -283,6 +283,13 @@ impl Warren {
             )
             // Its own session: terminal signals to the CLI never reach it.
             .process_group(0);
+        // Credentials in the caller's environment (`ANTHROPIC_API_KEY`, `GH_TOKEN`, ...) stay
+        // with the caller: the supervisor, QEMU and virtiofsd never hold them.
+        for (name, _) in std::env::vars_os() {
+            if name.to_str().is_none_or(credential_variable) {
+                cmd.env_remove(&name);
+            }
+        }
         let mut child = cmd
             .spawn()
             .map_err(|e| CoreError::io("spawn", &self.cfg.supervisor_exe, e))?;
@@ -296,5 +303,41 @@ impl Warren {
             let _ = child.wait();
         });
         Ok(pidfd)
+    }
+}
+
+/// Whether an environment variable's name says it holds a credential (`*_API_KEY`,
+/// `*_TOKEN`, `*_SECRET`, `*_PASSWORD`, any case); such variables are not passed on to
+/// the supervisor.
+pub(crate) fn credential_variable(name: &str) -> bool {
+    let n = name.to_ascii_uppercase();
+    ["_API_KEY", "_TOKEN", "_SECRET", "_PASSWORD", "_CREDENTIALS"]
+        .iter()
+        .any(|s| n.ends_with(s))
+        || matches!(n.as_str(), "API_KEY" | "TOKEN" | "PASSWORD")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn test_credential_variables_recognised() {
+        for v in [
+            "ANTHROPIC_API_KEY",
+            "OPENAI_API_KEY",
+            "GH_TOKEN",
+            "github_token",
+            "DB_PASSWORD",
+        ] {
+            assert!(super::credential_variable(v), "{v}");
+        }
+        for v in [
+            "PATH",
+            "RUST_LOG",
+            "HOME",
+            "WARREN_QEMU",
+            "TOKENIZERS_PARALLELISM",
+        ] {
+            assert!(!super::credential_variable(v), "{v}");
+        }
     }
 }

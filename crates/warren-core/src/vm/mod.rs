@@ -127,6 +127,10 @@ pub struct NetworkRequest {
     /// upstream TLS against it and the guest's trust bundle gets its extra CAs.
     #[serde(default)]
     pub host_ca_store: bool,
+    /// Header names besides `Authorization` where placeholders are substituted, for secrets
+    /// that name no headers of their own.
+    #[serde(default)]
+    pub secret_headers: Vec<String>,
 }
 
 fn error_text(e: &dyn std::error::Error) -> String {

@@ -287,6 +287,7 @@ mod tests {
             intercept_all_tls: false,
             mode: Default::default(),
             host_ca_store: false,
+            secret_headers: vec![],
         });
         let s = qemu_args(&sp, Attach::Fds, 1).join(" ");
         assert!(s.contains("-netdev tap,id=net0,fd=3,vhost=off"));
