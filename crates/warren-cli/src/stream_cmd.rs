@@ -251,7 +251,7 @@ pub async fn cp(cli: &Cli, service: &ServiceArgs, src: &str, dst: &str) -> Resul
     }
 }
 
-async fn upload(opener: &Opener, from: &Path, vm: &str, dir: &str) -> Result<i32> {
+pub(crate) async fn upload(opener: &Opener, from: &Path, vm: &str, dir: &str) -> Result<i32> {
     if from.file_name().is_none() {
         bail!("{}: name a file or directory", from.display());
     }
@@ -305,7 +305,7 @@ async fn wait_end(rx: &mut Rx) -> Result<()> {
     }
 }
 
-async fn download(opener: &Opener, vm: &str, path: &str, to: &Path) -> Result<i32> {
+pub(crate) async fn download(opener: &Opener, vm: &str, path: &str, to: &Path) -> Result<i32> {
     let name = Path::new(path)
         .file_name()
         .ok_or_else(|| anyhow!("{path}: name a guest file or directory"))?
