@@ -7,7 +7,9 @@
 //! port and a TCP port on the guest's loopback, and the host drives both with the same
 //! commands (sink N bytes and acknowledge, send N bytes, echo single bytes):
 //! (r) raw port: host->guest and guest->host MiB/s, 1-byte round trip;
-//! (s) guest stream (`StreamTarget::Tcp`, through the supervisor and the channel): the same;
+//! (s) guest stream (`StreamTarget::Tcp`, through the supervisor and the channel): the same,
+//!     with the guest's own loopback TCP between two pumps as its ceiling (every stream ends
+//!     in a guest TCP connection, which costs the guest's vCPU as much again);
 //! (p) channel ping (one supervisor request) against the port's round trip;
 //! (f) file API: `FileWrite`/`FileRead` in 128 KiB chunks through the engine (what
 //!     `vm_write_file` appends and the CLI's file commands use), a 1-byte read's latency;
@@ -34,8 +36,10 @@ use warren_supervisor::stream_frame::GuestStream;
 use crate::bench::{discard_private_warren, exec_true, median, private_warren, run_argv, wait_job};
 use crate::cli::{BenchArgs, Cli};
 
-/// The guest's TCP port for the stream measurements.
+/// The guest's TCP port for the stream measurements, and a second pump for the guest's own
+/// loopback TCP rate.
 const PUMP_PORT: u16 = 7700;
+const LOCAL_PORT: u16 = 7701;
 const MIB: f64 = 1024.0 * 1024.0;
 /// Largest piece the host writes at once.
 const PIECE: usize = 1 << 20;
@@ -43,7 +47,9 @@ const PIECE: usize = 1 << 20;
 /// The guest's byte pump (perl is in every Debian image): `port DEV` serves the raw port,
 /// `tcp PORT` a loopback listener, one connection after another. Commands are one letter
 /// and a big-endian u64: `s N` reads N bytes then answers `k`; `g N` sends N bytes;
-/// `e N` echoes N single bytes. On the port it first says `R` (ready).
+/// `e N` echoes N single bytes. On the port it first says `R` (ready). `local PORT N` is a
+/// guest client of a `tcp` pump moving N bytes each way and printing the seconds each took
+/// (`/proc/uptime`, 10 ms resolution): the guest's own loopback TCP, a stream's ceiling.
 const PUMP: &str = r#"
 use strict; use warnings; use Socket qw(IPPROTO_TCP TCP_NODELAY);
 my ($mode, $arg) = @ARGV;
@@ -61,6 +67,17 @@ sub serve { my ($fh) = @_;
     elsif ($c eq 'g') { while ($n > 0) { my $k = $n < 1048576 ? $n : 1048576; wr($fh, substr($blk, 0, $k)); $n -= $k } }
     elsif ($c eq 'e') { for (1 .. $n) { my $b = rd($fh, 1); return unless defined $b; wr($fh, $b) } }
     else { return } } }
+sub now { open(my $f, '<', '/proc/uptime') or die; my $l = <$f>; (split ' ', $l)[0] }
+if ($mode eq 'local') {
+  require IO::Socket::INET;
+  my $c = IO::Socket::INET->new(PeerAddr => '127.0.0.1', PeerPort => $arg) or die "connect: $!";
+  setsockopt($c, IPPROTO_TCP, TCP_NODELAY, 1); my $n = $ARGV[2]; my $t = now();
+  wr($c, 's' . pack('Q>', $n)); my $left = $n;
+  while ($left > 0) { my $k = $left < 1048576 ? $left : 1048576; wr($c, substr($blk, 0, $k)); $left -= $k }
+  rd($c, 1) eq 'k' or die "no ack"; my $s = now() - $t; $t = now();
+  wr($c, 'g' . pack('Q>', $n)); $left = $n; my $b;
+  while ($left > 0) { my $got = sysread($c, $b, $left < 1048576 ? $left : 1048576); die "eof" unless $got; $left -= $got }
+  printf "%.3f %.3f\n", $s, now() - $t; exit 0 }
 if ($mode eq 'port') {
   open(my $fh, '+<', $arg) or die "$arg: $!"; binmode $fh; wr($fh, 'R');
   while (1) { serve($fh); select(undef, undef, undef, 0.01) } }
@@ -82,6 +99,8 @@ struct Report {
     stream_rtt_us_p50: f64,
     stream_h2g_vs_raw: f64,
     stream_g2h_vs_raw: f64,
+    guest_tcp_h2g_mib_s: f64,
+    guest_tcp_g2h_mib_s: f64,
     ping_us_p50: f64,
     ping_vs_raw_rtt: f64,
     file_write_mib_s: f64,
@@ -130,6 +149,10 @@ fn print_report(r: &Report) {
     println!(
         "stream          host->guest {:7.1} MiB/s   guest->host {:7.1} MiB/s   round trip {:6.0} us   vs raw {:.2} / {:.2} (target >= 0.5)",
         r.stream_h2g_mib_s, r.stream_g2h_mib_s, r.stream_rtt_us_p50, r.stream_h2g_vs_raw, r.stream_g2h_vs_raw
+    );
+    println!(
+        "guest-local TCP (pump to pump, a stream's ceiling: every stream ends in it)   {:7.1} / {:7.1} MiB/s",
+        r.guest_tcp_h2g_mib_s, r.guest_tcp_g2h_mib_s
     );
     println!(
         "channel ping    {:6.0} us   {:.2}x the raw round trip (target <= 3)",
@@ -318,7 +341,9 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
     }
     pump.argv[3] = "tcp".into();
     pump.argv[4] = PUMP_PORT.to_string();
-    let tcp_job = w.exec_start(&vm, pump).await?;
+    let tcp_job = w.exec_start(&vm, pump.clone()).await?;
+    pump.argv[4] = LOCAL_PORT.to_string();
+    let local_job = w.exec_start(&vm, pump.clone()).await?;
     let mut stream = open_pump(w, &vm).await?;
 
     let mut raw_rates = Rates::default();
@@ -329,6 +354,7 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
     let mut cp_down = Vec::new();
     let mut tar_c = Vec::new();
     let mut tar_x = Vec::new();
+    let mut local = Rates::default();
     // vm cp's own path: an opener on the same private state directory.
     let mut cfg = WarrenConfig::new(state.to_path_buf(), std::env::current_exe()?);
     cfg.image_dir = w.config().image_dir.clone();
@@ -369,6 +395,9 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
         let (c, x) = guest_tar(w, &vm, i, mib).await?;
         tar_c.push(c);
         tar_x.push(x);
+        let (h2g, g2h) = guest_tcp(w, &vm, &pump.argv[2], bytes).await?;
+        local.h2g.push(mib / h2g);
+        local.g2h.push(mib / g2h);
     }
 
     let raw_rtt = median(&mut raw.echo(args.iterations).await?);
@@ -389,7 +418,7 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
         small.push(t.elapsed().as_secs_f64() * 1e6);
     }
     let (idle, loaded) = exec_under_load(w, &vm, stream, args).await?;
-    for job in [raw_job, tcp_job] {
+    for job in [raw_job, tcp_job, local_job] {
         let _ = w.job_cancel(&vm, job).await;
     }
     w.destroy_vm(&vm).await?;
@@ -404,6 +433,8 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
         stream_h2g_mib_s: median(&mut stream_rates.h2g),
         stream_g2h_mib_s: median(&mut stream_rates.g2h),
         stream_rtt_us_p50: stream_rtt,
+        guest_tcp_h2g_mib_s: median(&mut local.h2g),
+        guest_tcp_g2h_mib_s: median(&mut local.g2h),
         ping_us_p50: median(&mut ping),
         file_write_mib_s: median(&mut file_w),
         file_read_mib_s: median(&mut file_r),
@@ -484,6 +515,38 @@ async fn guest_tar(w: &Warren, vm: &str, i: usize, mib: f64) -> Result<(f64, f64
         bail!("no tar timings in {out:?}");
     };
     Ok((mib / (c / 1e9), mib / (x / 1e9)))
+}
+
+/// Seconds the guest's own loopback TCP takes to move `bytes` into and out of a pump
+/// (`local` mode of the pump against the `tcp` pump on [`LOCAL_PORT`], once it listens).
+async fn guest_tcp(w: &Warren, vm: &str, pump: &str, bytes: usize) -> Result<(f64, f64)> {
+    let t = Instant::now();
+    let out = loop {
+        let argv = vec![
+            "perl".into(),
+            "-e".into(),
+            pump.into(),
+            "local".into(),
+            LOCAL_PORT.to_string(),
+            bytes.to_string(),
+        ];
+        match run_argv(w, vm, argv).await {
+            Ok(out) => break out,
+            Err(e) if t.elapsed() < Duration::from_secs(60) => {
+                tracing::debug!(error = %e, "local pump not listening yet");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e).context("the guest's loopback pump"),
+        }
+    };
+    let s: Vec<f64> = out
+        .split_whitespace()
+        .filter_map(|x| x.parse::<f64>().ok())
+        .collect();
+    match s[..] {
+        [h2g, g2h] if h2g > 0.0 && g2h > 0.0 => Ok((h2g, g2h)),
+        _ => bail!("no loopback timings in {out:?}"),
+    }
 }
 
 /// Exec round trips of `true`: idle, then while the stream sends guest->host at full rate.

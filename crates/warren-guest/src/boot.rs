@@ -621,9 +621,7 @@ pub async fn serve(booted: Booted) -> Result<(), (&'static str, Box<dyn Error>)>
             shares: crate::coherence::Shares::new(booted.share_mounts, jobs_cgroup()),
         },
     });
-    let reader = booted.port.try_clone().map_err(|e| ("port", e.into()))?;
-    let manager =
-        crate::channel::start(reader, booted.port, agent).map_err(|e| ("serve", e.into()))?;
+    let manager = crate::channel::start(booted.port, agent).map_err(|e| ("serve", e.into()))?;
     println!("{READY_LINE}");
     load_deferred_modules(booted.deferred_modules);
     match manager.await {
