@@ -361,16 +361,22 @@ async fn download_into(
     });
     let mut progress = Progress::new(format!("{vm}:{path}"), 0);
     let received = async {
+        let mut unpacker_done = false;
         loop {
             match rx.next().await? {
                 Chunk::Data(d) => {
                     progress.add(d.len());
+                    if unpacker_done {
+                        continue;
+                    }
                     let tx = chunks_tx.clone();
-                    // The unpacker may lag: hand over without blocking the runtime.
-                    tokio::task::spawn_blocking(move || tx.send(d))
+                    // The unpacker may lag: hand over without blocking the runtime. It stops
+                    // at the archive's end marker (or an error, reported below): what follows
+                    // (tar pads its output to whole records) is read and dropped.
+                    unpacker_done = tokio::task::spawn_blocking(move || tx.send(d))
                         .await
                         .map_err(|e| anyhow!("{e}"))?
-                        .map_err(|_| anyhow!("the unpacker stopped"))?;
+                        .is_err();
                 }
                 Chunk::End { ok: true, .. } => return Ok::<(), anyhow::Error>(()),
                 Chunk::End { ok: false, reason } => bail!("the guest side failed: {reason}"),
