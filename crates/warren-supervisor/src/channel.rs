@@ -348,6 +348,8 @@ struct ChannelIo {
     wait: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     /// Data read together with the acknowledgement, delivered first.
     leftover: Vec<u8>,
+    /// A marker arrived mid-session: reads fail from now on (after the data before it).
+    corrupt: Option<String>,
     /// Escaped bytes; `out[pos..]` is not written yet.
     out: Vec<u8>,
     pos: usize,
@@ -364,6 +366,7 @@ impl ChannelIo {
             meter,
             wait: None,
             leftover,
+            corrupt: None,
             out: Vec::new(),
             pos: 0,
         }
@@ -427,6 +430,9 @@ impl AsyncRead for ChannelIo {
             this.leftover.drain(..n);
             return Poll::Ready(Ok(()));
         }
+        if let Some(why) = &this.corrupt {
+            return Poll::Ready(Err(std::io::Error::other(why.clone())));
+        }
         if let Some(wait) = this.wait.as_mut() {
             ready!(wait.as_mut().poll(cx));
             this.wait = None;
@@ -442,10 +448,9 @@ impl AsyncRead for ChannelIo {
                 .decoder
                 .decode_in_place(&mut buf.filled_mut()[start..end]);
             if let Some(marker) = got.marker {
-                // The guest never sends markers mid-session.
-                return Poll::Ready(Err(std::io::Error::other(format!(
-                    "unexpected {marker:?} on the channel"
-                ))));
+                // The guest never sends markers mid-session: the session ends, after the data
+                // before the marker (an answer already sent stays answered).
+                this.corrupt = Some(format!("unexpected {marker:?} on the channel"));
             }
             buf.set_filled(start + got.data);
             let frames = this.meter.count(&buf.filled()[start..]);
@@ -455,6 +460,9 @@ impl AsyncRead for ChannelIo {
             }
             if got.data > 0 {
                 return Poll::Ready(Ok(()));
+            }
+            if let Some(why) = &this.corrupt {
+                return Poll::Ready(Err(std::io::Error::other(why.clone())));
             }
         }
     }
