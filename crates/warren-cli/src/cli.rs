@@ -498,8 +498,10 @@ pub struct BenchArgs {
     /// the host with and without the proxy (use --image dev; --iterations new connections
     /// per case, --boots downloads of --mib MiB); `load`: --clients clients of --workspaces
     /// workspaces (one VM each) make --requests mixed requests each through HTTP and MCP,
-    /// reporting p50/p99 per operation, errors and crossed outputs (exit 1 if any).
-    #[arg(long, default_value = "core", value_parser = ["core", "service", "suspend", "workspace", "network", "load"])]
+    /// reporting p50/p99 per operation, errors and crossed outputs (exit 1 if any);
+    /// `streams`: guest streams, `vm cp` and the file API against a raw virtio-serial port of
+    /// the same VM (--boots repetitions of --mib MiB each way, --iterations round trips).
+    #[arg(long, default_value = "core", value_parser = ["core", "service", "suspend", "workspace", "network", "load", "streams"])]
     pub suite: String,
     /// Image to boot.
     #[arg(long, default_value = "minimal")]

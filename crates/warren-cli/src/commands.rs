@@ -78,6 +78,9 @@ async fn run_async(cli: Cli) -> Result<i32> {
             crate::bench_network::run(&cli, args).await
         }
         Command::Bench(args) if args.suite == "load" => crate::bench_load::run(&cli, args).await,
+        Command::Bench(args) if args.suite == "streams" => {
+            crate::bench_streams::run(&cli, args).await
+        }
         Command::Bench(args) if args.suite == "service" => {
             crate::bench_service::run(&cli, args).await
         }

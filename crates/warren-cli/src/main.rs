@@ -9,6 +9,7 @@ mod bench;
 mod bench_load;
 mod bench_network;
 mod bench_service;
+mod bench_streams;
 mod bench_suspend;
 mod bench_workspace;
 mod cli;

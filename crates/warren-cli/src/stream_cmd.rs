@@ -251,7 +251,7 @@ pub async fn cp(cli: &Cli, service: &ServiceArgs, src: &str, dst: &str) -> Resul
     }
 }
 
-async fn upload(opener: &Opener, from: &Path, vm: &str, dir: &str) -> Result<i32> {
+pub(crate) async fn upload(opener: &Opener, from: &Path, vm: &str, dir: &str) -> Result<i32> {
     if from.file_name().is_none() {
         bail!("{}: name a file or directory", from.display());
     }
@@ -305,7 +305,7 @@ async fn wait_end(rx: &mut Rx) -> Result<()> {
     }
 }
 
-async fn download(opener: &Opener, vm: &str, path: &str, to: &Path) -> Result<i32> {
+pub(crate) async fn download(opener: &Opener, vm: &str, path: &str, to: &Path) -> Result<i32> {
     let name = Path::new(path)
         .file_name()
         .ok_or_else(|| anyhow!("{path}: name a guest file or directory"))?
@@ -369,16 +369,28 @@ async fn download_into(
     });
     let mut progress = Progress::new(format!("{vm}:{path}"), 0);
     let received = async {
+        let mut unpacker_done = false;
+        let mut dropped = 0u64;
         loop {
             match rx.next().await? {
                 Chunk::Data(d) => {
                     progress.add(d.len());
+                    if unpacker_done {
+                        // Bounded: a guest that goes on sending after the archive is refused.
+                        dropped += d.len() as u64;
+                        if dropped > MAX_TRAILING {
+                            bail!("more than {MAX_TRAILING} bytes follow the end of the archive");
+                        }
+                        continue;
+                    }
                     let tx = chunks_tx.clone();
-                    // The unpacker may lag: hand over without blocking the runtime.
-                    tokio::task::spawn_blocking(move || tx.send(d))
+                    // The unpacker may lag: hand over without blocking the runtime. It stops
+                    // at the archive's end marker (or an error, reported below): what follows
+                    // (tar pads its output to whole records) is read and dropped.
+                    unpacker_done = tokio::task::spawn_blocking(move || tx.send(d))
                         .await
                         .map_err(|e| anyhow!("{e}"))?
-                        .map_err(|_| anyhow!("the unpacker stopped"))?;
+                        .is_err();
                 }
                 Chunk::End { ok: true, .. } => return Ok::<(), anyhow::Error>(()),
                 Chunk::End { ok: false, reason } => bail!("the guest side failed: {reason}"),

@@ -357,10 +357,12 @@ impl Store {
             .optional()
     }
 
-    /// Records work on a VM now (keeps it from idling out).
+    /// Records work on a VM now (keeps it from idling out). A VM already touched this second
+    /// is left as it is: an update that changes no row writes nothing (no journal sync), so a
+    /// burst of calls (file chunks, output polls) costs one write a second, not one each.
     pub fn touch(&self, id: &str, now_unix: u64) -> Result<(), rusqlite::Error> {
         self.conn().execute(
-            "UPDATE vms SET last_active_unix = ?2 WHERE id = ?1",
+            "UPDATE vms SET last_active_unix = ?2 WHERE id = ?1 AND last_active_unix < ?2",
             params![id, now_unix as i64],
         )?;
         Ok(())

@@ -87,10 +87,12 @@ pub enum SessionError {
     Connection(#[source] h2::Error),
 }
 
-/// h2 settings: windows large enough for a file chunk in flight on a ~200 MB/s port.
+/// h2 settings: windows large enough for a file chunk in flight on a ~200 MB/s port; the
+/// host's frames are at most 64 KiB, so a stream's target gets data while the next frame
+/// arrives, and a short request is not queued behind much of a stream's data.
 const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
 const CONNECTION_WINDOW: u32 = 8 * 1024 * 1024;
-const MAX_FRAME: u32 = 256 * 1024;
+const MAX_FRAME: u32 = 64 * 1024;
 
 /// Serves one session over `io` until the host goes away or the task is aborted.
 pub async fn serve<IO>(agent: Arc<Agent>, io: IO) -> Result<(), SessionError>

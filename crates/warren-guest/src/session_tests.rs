@@ -66,7 +66,7 @@ async fn start_agent() -> Wire {
         },
     });
     let (guest, host) = StdUnixStream::pair().expect("socketpair");
-    crate::channel::start(guest.try_clone().expect("clone"), guest, agent.clone()).expect("start");
+    crate::channel::start(guest, agent.clone()).expect("start");
     host.set_nonblocking(true).expect("nonblocking");
     let stream = UnixStream::from_std(host).expect("tokio");
     Wire::over(stream, Some(agent), Some(ws))

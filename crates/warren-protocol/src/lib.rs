@@ -36,6 +36,16 @@ pub const MIN_PROTOCOL_VERSION: u32 = 3;
 /// Name of the virtio-serial port carrying the channel (`/sys/class/virtio-ports/*/name`).
 pub const PORT_NAME: &str = "org.warren.agent.0";
 
+/// Bench and tests only: a second virtio-serial port, byte for byte the same kind as
+/// [`PORT_NAME`] but without Warren's protocol on it, the raw-port baseline of
+/// `warren bench --suite streams`. Normal VMs never have it.
+pub const BENCH_PORT_NAME: &str = "org.warren.bench.0";
+
+/// Kernel argument telling the agent that the VM has the [`BENCH_PORT_NAME`] port: it waits
+/// for it at boot and hands its device node to the guest user, so a job can pump bytes
+/// through it.
+pub const BENCH_PORT_ARG: &str = "warren.bench_port";
+
 /// HTTP/2 request path used for every operation; the operation is the body's enum variant.
 pub const RPC_PATH: &str = "/warren/v1";
 

@@ -126,8 +126,11 @@ pub async fn write_frame<W: AsyncWriteExt + Unpin, T: Serialize>(
         return Err(FrameError::TooLarge(body.len()));
     }
     let len = u32::try_from(body.len()).map_err(|_| FrameError::TooLarge(body.len()))?;
-    w.write_all(&len.to_be_bytes()).await?;
-    w.write_all(&body).await?;
+    // One write for the length and the body: one wakeup of the reader, not two.
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&len.to_be_bytes());
+    frame.extend_from_slice(&body);
+    w.write_all(&frame).await?;
     w.flush().await?;
     Ok(())
 }

@@ -57,6 +57,11 @@ pub struct LaunchSpec {
     /// at all.
     #[serde(default)]
     pub network: Option<NetSpec>,
+    /// Bench and tests only, never set for normal VMs: a second virtio-serial port
+    /// (`org.warren.bench.0`) on a UNIX socket chardev QEMU listens on at this path (in the
+    /// run directory), the raw-port baseline of `warren bench --suite streams`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bench_port: Option<PathBuf>,
 }
 
 /// A VM's network: its namespace (created by the supervisor, which also runs the egress

@@ -588,6 +588,7 @@ impl Service {
             ram_file: a.ram_file,
             network,
             generation: None,
+            raw_bench_port: false,
         };
         let r = self
             .warren

@@ -116,7 +116,11 @@ impl Warren {
                 req.host_limits
                     .check("host", vmstore::usage(tx, None)?, add)
             })?;
-        match self.start(&rec, &image, accel, virtiofsd, network).await {
+        let bench_port = req.raw_bench_port;
+        match self
+            .start(&rec, &image, accel, virtiofsd, network, bench_port)
+            .await
+        {
             Ok(boot_ms) => {
                 self.store
                     .set_state(&id, VmState::Running, None, Some(boot_ms))?;
@@ -140,6 +144,7 @@ impl Warren {
         accel: Accel,
         virtiofsd: Option<PathBuf>,
         network: Option<warren_vmm::NetSpec>,
+        bench_port: bool,
     ) -> Result<u64, CoreError> {
         let dir = self.vm_dir(&rec.id);
         // The VM directory is root's (0711: the VMM may only traverse it); the VMM's own
@@ -185,6 +190,9 @@ impl Warren {
         if network.is_some() {
             extra_cmdline.push(warren_supervisor::network::guest_kernel_arg());
         }
+        if bench_port {
+            extra_cmdline.push(warren_protocol::BENCH_PORT_ARG.to_string());
+        }
         let cfg = SupervisorConfig {
             vm_id: rec.id.clone(),
             launch: LaunchSpec {
@@ -206,6 +214,7 @@ impl Warren {
                 virtiofsd,
                 ram_file: rec.ram_file.then(|| run.join("guest.ram")),
                 network,
+                bench_port: bench_port.then(|| run.join("bench-port.sock")),
             },
             boot_timeout_ms: self.cfg.boot_timeout.as_millis() as u64,
             restore: false,

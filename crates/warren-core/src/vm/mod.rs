@@ -92,6 +92,10 @@ pub struct CreateVm {
     /// The generation the VM starts at (default 1): a session's next VM continues the
     /// session's lineage.
     pub generation: Option<u64>,
+    /// Bench and tests only (`warren bench --suite streams`), never offered by the CLI or the
+    /// service: a second, raw virtio-serial port the guest user can pump bytes through
+    /// (`LaunchSpec::bench_port`).
+    pub raw_bench_port: bool,
 }
 
 /// A VM's network and egress settings (see `docs/egress.md`). Secret values stay in host

@@ -133,6 +133,15 @@ pub fn qemu_args(spec: &LaunchSpec, attach: Attach<'_>, tsc_khz: u64) -> Vec<Str
         "-device",
         "virtserialport,chardev=agent,name=org.warren.agent.0",
     ]);
+    if let Some(path) = &spec.bench_port {
+        // The raw-port baseline: the same device and chardev kind, no protocol on it.
+        push(&[
+            "-chardev",
+            &format!("socket,id=bench,path={},server=on,wait=off", path.display()),
+            "-device",
+            "virtserialport,chardev=bench,name=org.warren.bench.0",
+        ]);
+    }
     push(&[
         "-drive",
         &format!(
@@ -225,6 +234,7 @@ mod tests {
             virtiofsd: None,
             ram_file: None,
             network: None,
+            bench_port: None,
         }
     }
 
@@ -249,6 +259,18 @@ mod tests {
         let old = qemu_args(&legacy, Attach::Fds, 2_000_000).join(" ");
         assert!(!old.contains("-cpu"), "{old}");
         assert!(!s.contains("-netdev"), "no NIC without network");
+        assert!(
+            !s.contains("org.warren.bench"),
+            "no bench port in a normal VM"
+        );
+        let mut bench = spec();
+        bench.bench_port = Some(PathBuf::from("/r/bench.sock"));
+        let b = qemu_args(&bench, Attach::Fds, 1).join(" ");
+        assert!(
+            b.contains("socket,id=bench,path=/r/bench.sock,server=on,wait=off")
+                && b.contains("virtserialport,chardev=bench,name=org.warren.bench.0"),
+            "{b}"
+        );
     }
 
     #[test]
