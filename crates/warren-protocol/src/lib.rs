@@ -25,12 +25,14 @@ pub use messages::*;
 
 /// Protocol version spoken by this build. Bump on any incompatible change of [`messages`]
 /// (see `PROTOCOL.md`); the schema snapshot test fails until the bump is deliberate.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Oldest protocol version this build still speaks. Version 3 added fields to `JobOutput`
 /// and `JobSummary` (background processes) and neither side keeps the version-2 encoding.
 /// Version 4 only adds guest streams ([`stream`]), so a version-3 peer is still spoken to
-/// (it has no streams).
+/// (it has no streams). Version 5 only appends `Rekey` -> `Rekeyed` (restored copies take
+/// their own identity); a version-3 or -4 guest answers it `InvalidArgument`, so its images
+/// cannot serve templates or forks.
 pub const MIN_PROTOCOL_VERSION: u32 = 3;
 
 /// Name of the virtio-serial port carrying the channel (`/sys/class/virtio-ports/*/name`).

@@ -2,6 +2,7 @@
 //! idempotency and the engine calls. HTTP and MCP only move JSON in and out of [`Service::call`].
 
 mod files;
+mod instant;
 mod sessions;
 pub mod streams;
 mod tool_defs;
@@ -402,6 +403,11 @@ impl Service {
             "vm_grep" => self.vm_grep(p, parse(args)?).await,
             "vm_destroy" => self.vm_destroy(p, parse(args)?).await,
             "vm_suspend" => self.vm_suspend(p, parse(args)?).await,
+            "vm_fork" => self.vm_fork(p, parse(args)?).await,
+            "pool_status" => {
+                parse::<NoArgs>(args)?;
+                self.pool_status()
+            }
             "session_create" => self.session_create(p, parse(args)?).await,
             "session_list" | "session_status" | "session_export" | "session_delete" => {
                 self.session_tool(p, tool, args).await
@@ -568,6 +574,7 @@ impl Service {
             ram_file: a.ram_file,
             network,
             generation: None,
+            template: img.template || img.pool > 0,
         };
         let r = self
             .warren

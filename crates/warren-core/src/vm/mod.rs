@@ -19,11 +19,14 @@ use crate::store::{MountSpec, Store, Usage};
 
 pub mod artifacts;
 mod create;
+pub mod fork;
 mod guest;
 pub mod jobs_seen;
 mod mounts;
+pub mod pool;
 mod reconcile;
 mod suspend;
+pub mod template;
 
 pub use mounts::{parse_mount, validate_mounts, MAX_MOUNTS};
 
@@ -92,6 +95,9 @@ pub struct CreateVm {
     /// The generation the VM starts at (default 1): a session's next VM continues the
     /// session's lineage.
     pub generation: Option<u64>,
+    /// Restore from the template of this shape (built first if there is none) instead of
+    /// booting, when templates serve the shape (`template.rs`); other shapes boot cold.
+    pub template: bool,
 }
 
 /// A VM's network and egress settings (see `docs/egress.md`). Secret values stay in host
