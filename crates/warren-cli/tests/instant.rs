@@ -168,20 +168,21 @@ fn test_template_clones_isolated_rekeyed_and_never_on_other_artifacts() {
     rec["artifacts"]["qemu"]["sha256"] = serde_json::Value::String("0".repeat(64));
     std::fs::write(&rec_path, serde_json::to_vec(&rec).expect("json")).expect("tamper");
     let c = create_template_vm(&env);
-    let fresh = std::fs::read(tpl.join("secret")).expect("new template secret");
-    assert_ne!(fresh, tsecret, "a new template was built");
-    let retired: Vec<_> = std::fs::read_dir(env.state.path().join("templates"))
-        .expect("templates")
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("retired-"))
-        .collect();
-    assert_eq!(
-        retired.len(),
-        1,
-        "the stale template is kept aside while clones use it"
+    let fresh = template_dir(&env);
+    assert_ne!(fresh, tpl, "a new template was built");
+    assert_ne!(
+        std::fs::read(fresh.join("secret")).expect("new template secret"),
+        tsecret
+    );
+    assert!(
+        tpl.exists(),
+        "the stale template stays while a clone's disk backs onto it"
     );
     assert_eq!(line(&c, "echo ok"), "ok");
+    assert_eq!(line(&a, "cat /workspace/disk-a"), "a");
     a.destroy();
+    let _ = template_dir(&env);
+    assert!(!tpl.exists(), "the stale template goes once no VM uses it");
     c.destroy();
 }
 
@@ -195,6 +196,17 @@ fn test_pool_handouts_distinct_and_fork_counters_independent() {
         env.run(&["vm", "pool", "--image", &image, "--size", "8"]),
         "fill the pool",
     );
+    let listed: serde_json::Value =
+        serde_json::from_str(&ok(env.run(&["vm", "list", "--json"]), "list")).expect("json");
+    let mut pool_ids: Vec<String> = listed
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter(|r| r["workspace"] == "warren-pool" && r["state"] == "running")
+        .map(|r| r["id"].as_str().expect("id").to_string())
+        .collect();
+    pool_ids.sort();
+    assert_eq!(pool_ids.len(), 8, "{listed}");
     let creates: Vec<_> = (0..8)
         .map(|_| {
             env.cmd()
@@ -217,7 +229,17 @@ fn test_pool_handouts_distinct_and_fork_counters_independent() {
     assert_eq!(distinct.len(), 8, "{ids:?}");
     let status: serde_json::Value =
         serde_json::from_str(&ok(env.run(&["vm", "pool"]), "pool status")).expect("json");
-    assert_eq!(status[0]["ready"], 0, "all 8 handed out: {status}");
+    assert!(
+        status
+            .as_array()
+            .expect("array")
+            .iter()
+            .all(|p| p["ready"] == 0),
+        "all 8 handed out: {status}"
+    );
+    let mut handed = ids.clone();
+    handed.sort();
+    assert_eq!(handed, pool_ids, "the creates took the pool's VMs");
     let list: serde_json::Value =
         serde_json::from_str(&ok(env.run(&["vm", "list", "--json"]), "list")).expect("json");
     for id in &ids {

@@ -21,7 +21,7 @@ use warren_vmm::VmControl;
 
 use crate::proto::{Reply, SupervisorError, SupervisorResponse};
 use crate::server::{
-    error_chain, guest_call, migration_done, qmp, ready_info, refused, thaw, Shared,
+    capabilities, error_chain, guest_call, migration_done, qmp, ready_info, refused, thaw, Shared,
 };
 
 pub(crate) async fn save(shared: &Shared, state: &Path, disk: &Path) -> Reply {
@@ -45,11 +45,7 @@ pub(crate) async fn save(shared: &Shared, state: &Path, disk: &Path) -> Reply {
     let saved: Result<u64, String> = async {
         q.pause().await.map_err(|e| error_chain(&e))?;
         let _ = std::fs::remove_file(state);
-        let caps = serde_json::json!({"capabilities": [
-            {"capability": "x-ignore-shared", "state": false},
-            {"capability": "mapped-ram", "state": true},
-        ]});
-        q.execute("migrate-set-capabilities", Some(caps))
+        q.execute("migrate-set-capabilities", Some(capabilities(false)))
             .await
             .map_err(|e| error_chain(&e))?;
         q.execute(
@@ -75,15 +71,6 @@ pub(crate) async fn save(shared: &Shared, state: &Path, disk: &Path) -> Reply {
         Ok(size)
     }
     .await;
-    // A later hibernation sets the capability it needs; this one must not linger.
-    let _ = q
-        .execute(
-            "migrate-set-capabilities",
-            Some(serde_json::json!({"capabilities": [
-                {"capability": "mapped-ram", "state": false},
-            ]})),
-        )
-        .await;
     // The parent runs on whatever happened: the migration left it stopped.
     let resumed = q.resume().await;
     let thawed = thaw(&ch).await;

@@ -784,14 +784,15 @@ pub(crate) async fn migration_done(q: &mut Qmp) -> Result<(), String> {
 }
 
 /// Migration capabilities of a checkpoint: `mapped-ram` (RAM written into the state file at
-/// fixed offsets) or, for standby, `x-ignore-shared` (the shared RAM file is left as it is).
-fn capabilities(standby: bool) -> serde_json::Value {
-    let cap = if standby {
-        "x-ignore-shared"
-    } else {
-        "mapped-ram"
-    };
-    serde_json::json!({"capabilities": [{"capability": cap, "state": true}]})
+/// fixed offsets) or, for standby and template restores, `x-ignore-shared` (the shared RAM
+/// file is left as it is). Both are always set, one on and one off: capabilities outlive a
+/// migration in the VMM, and a restored template clone (which took `x-ignore-shared` to
+/// load) must not carry it into its own checkpoints, whose reader would not expect it.
+pub(crate) fn capabilities(standby: bool) -> serde_json::Value {
+    serde_json::json!({"capabilities": [
+        {"capability": "x-ignore-shared", "state": standby},
+        {"capability": "mapped-ram", "state": !standby},
+    ]})
 }
 
 fn sha256_file(path: &std::path::Path) -> String {

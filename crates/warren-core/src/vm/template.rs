@@ -12,9 +12,12 @@
 //! normal cold create with guest RAM in a file (counted against the host limits while it
 //! runs), then a fast-standby hibernation (vCPUs stopped, device state saved, the RAM file
 //! flushed). Its RAM file, device state, disk overlay (the frozen disk layer, over the
-//! image) and secret move to `STATE/templates/<key digest>/` with `template.json` (the key
-//! and the QEMU, firmware and kernel the template was made on), and the build VM is
-//! destroyed. The directory is published by one rename, so a template is complete or absent.
+//! image) and secret move to a new directory `STATE/templates/t-<key digest>-<random>/` with
+//! `template.json` (the key and the QEMU, firmware and kernel the template was made on), and
+//! the build VM is destroyed. The pointer `STATE/templates/<key digest>.current` (the
+//! directory's name) is then replaced by one rename, so a create sees a complete template or
+//! none. A template directory never changes or moves: clones' disks name its layer as their
+//! backing file.
 //!
 //! **Files and access.** Root's, group [`TEMPLATE_GID`]: the directory 0750, the RAM file and
 //! the disk layer 0440 (a clone's VMM, in that group, maps the one and reads the other as
@@ -33,8 +36,8 @@
 //! **Invalidation.** A template is used only while the image (its id is the manifest
 //! digest, which covers the root filesystem, kernel and initramfs), the QEMU binary, the
 //! firmware and the kernel are byte-for-byte the ones it was made on: any difference retires
-//! it (renamed aside, deleted once no clone's disk still backs onto it) and the next create
-//! builds a new one.
+//! it (its pointer is removed; the directory is deleted once no VM's disk backs onto it,
+//! which each VM's `template` marker records) and the next create builds a new one.
 
 use std::os::unix::fs::{chown, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -162,16 +165,31 @@ impl Warren {
         })
     }
 
+    /// The pointer to the current template of `key`: a file holding its directory's name.
+    fn current_path(&self, key: &TemplateKey) -> PathBuf {
+        self.templates_dir()
+            .join(format!("{}.current", key.digest()))
+    }
+
     /// The valid template for `key`, if there is one. One made on other artifacts is retired.
     pub(super) fn find_template(
         &self,
         key: &TemplateKey,
         image: &VerifiedImage,
     ) -> Result<Option<Template>, CoreError> {
-        let dir = self.templates_dir().join(key.digest());
-        if !dir.join(RECORD).exists() {
-            return Ok(None);
+        let current = self.current_path(key);
+        let name = match std::fs::read_to_string(&current) {
+            Ok(n) => n.trim().to_string(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(CoreError::io("read", &current, e)),
+        };
+        if !valid_dir_name(&name) {
+            return Err(CoreError::InvalidArgument(format!(
+                "{}: not a template directory name",
+                current.display()
+            )));
         }
+        let dir = self.templates_dir().join(&name);
         let record = read_record(&dir)?;
         let now = RuntimeArtifacts::current(image, &super::probe_cache_dir(&self.cfg.state_dir))?;
         if record.key != *key || record.artifacts != now {
@@ -179,42 +197,41 @@ impl Warren {
                 template = %dir.display(),
                 "the template was made on another image, QEMU, firmware or kernel; retiring it"
             );
-            self.retire_template(&dir)?;
+            std::fs::remove_file(&current).map_err(io("remove", &current))?;
+            self.collect_templates();
             return Ok(None);
         }
         Ok(Some(Template { dir, record }))
     }
 
-    /// Moves a template aside (no create uses it again) and deletes the retired ones no clone
-    /// backs onto any more.
-    fn retire_template(&self, dir: &Path) -> Result<(), CoreError> {
-        let mut id = [0u8; 4];
-        rand::rng().fill_bytes(&mut id);
-        let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("t");
-        let aside = self
-            .templates_dir()
-            .join(format!("retired-{name}-{}", hex::encode(id)));
-        std::fs::rename(dir, &aside).map_err(io("rename", dir))?;
-        self.collect_templates();
-        Ok(())
-    }
-
-    /// Deletes retired templates that no VM's disk backs onto.
+    /// Deletes template directories that are neither current nor backing any VM's disk.
     fn collect_templates(&self) {
-        let Ok(entries) = std::fs::read_dir(self.templates_dir()) else {
+        let root = self.templates_dir();
+        let Ok(entries) = std::fs::read_dir(&root) else {
             return;
         };
-        let used: Vec<String> = std::fs::read_dir(self.cfg.state_dir.join("vms"))
+        let mut used: Vec<String> = std::fs::read_dir(self.cfg.state_dir.join("vms"))
             .into_iter()
             .flatten()
             .flatten()
             .filter_map(|e| std::fs::read_to_string(e.path().join(TEMPLATE_MARKER)).ok())
+            .map(|s| s.trim().to_string())
             .collect();
+        let mut dirs = Vec::new();
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with("retired-") && !used.iter().any(|u| u.trim() == name) {
-                if let Err(err) = std::fs::remove_dir_all(e.path()) {
-                    tracing::warn!(error = %err, dir = %e.path().display(), "removing a retired template");
+            if name.ends_with(".current") {
+                if let Ok(n) = std::fs::read_to_string(e.path()) {
+                    used.push(n.trim().to_string());
+                }
+            } else if valid_dir_name(&name) {
+                dirs.push(name);
+            }
+        }
+        for name in dirs {
+            if !used.contains(&name) {
+                if let Err(err) = std::fs::remove_dir_all(root.join(&name)) {
+                    tracing::warn!(error = %err, %name, "removing an unused template");
                 }
             }
         }
@@ -322,7 +339,7 @@ impl Warren {
             (vm.secret(), "secret", 0o400),
         ];
         let root_user = nix::unistd::geteuid().is_root();
-        let result = (|| -> Result<(), CoreError> {
+        let result = (|| -> Result<PathBuf, CoreError> {
             for (from, to, mode) in &moves {
                 let dest = staging.join(to);
                 std::fs::rename(from, &dest).map_err(io("rename", from))?;
@@ -350,37 +367,49 @@ impl Warren {
                     .and_then(|f| f.sync_all())
                     .map_err(io("fsync", &staging))?;
             }
-            let dest = root.join(key.digest());
-            // A retired or half-built one never stands in the way.
-            if dest.exists() {
-                self.retire_template(&dest)?;
-            }
-            std::fs::rename(&staging, &dest).map_err(io("rename", &staging))?;
+            let name = format!("t-{}-{}", key.digest(), hex::encode(id));
+            std::fs::rename(&staging, root.join(&name)).map_err(io("rename", &staging))?;
+            // Published by one rename of the pointer: a create sees the old template or the
+            // new one, complete.
+            let current = self.current_path(key);
+            let tmp = root.join(format!("{}.current.tmp", key.digest()));
+            let _ = std::fs::remove_file(&tmp);
+            write_private(&tmp, name.as_bytes())?;
+            std::fs::rename(&tmp, &current).map_err(io("rename", &tmp))?;
             std::fs::File::open(&root)
                 .and_then(|f| f.sync_all())
                 .map_err(io("fsync", &root))?;
-            Ok(())
+            Ok(root.join(name))
         })();
-        if let Err(e) = result {
+        if result.is_err() {
             let _ = std::fs::remove_dir_all(&staging);
-            return Err(e);
         }
-        Ok(root.join(key.digest()))
+        self.collect_templates();
+        result
     }
 
-    /// Lists the templates (valid: made on the host's current QEMU and firmware).
+    /// Lists the current templates (valid: made on the host's current QEMU and firmware),
+    /// deleting unused ones first.
     pub fn list_templates(&self) -> Result<Vec<TemplateInfo>, CoreError> {
+        self.collect_templates();
         let mut out = Vec::new();
         let Ok(entries) = std::fs::read_dir(self.templates_dir()) else {
             return Ok(out);
         };
         let (qemu, firmware) = warren_supervisor::vmm_digests();
         for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name.contains('.') || name.starts_with("building-") || name.starts_with("retired-") {
+            let file = e.file_name().to_string_lossy().into_owned();
+            if !file.ends_with(".current") {
                 continue;
             }
-            if let Ok(r) = read_record(&e.path()) {
+            let Ok(name) = std::fs::read_to_string(e.path()) else {
+                continue;
+            };
+            let name = name.trim().to_string();
+            if !valid_dir_name(&name) {
+                continue;
+            }
+            if let Ok(r) = read_record(&self.templates_dir().join(&name)) {
                 out.push(TemplateInfo {
                     name,
                     valid: r.artifacts.qemu.sha256 == qemu
@@ -503,6 +532,17 @@ pub(super) fn settle_copy(
     cfg.clone = None;
     cfg.restore_from = None;
     replace_config(dir, cfg)
+}
+
+/// A template directory's name: `t-<32 hex>-<8 hex>`.
+fn valid_dir_name(name: &str) -> bool {
+    name.len() == 2 + 32 + 1 + 8
+        && name.starts_with("t-")
+        && name.as_bytes()[34] == b'-'
+        && name[2..34]
+            .bytes()
+            .chain(name[35..].bytes())
+            .all(|b| b.is_ascii_hexdigit())
 }
 
 /// Rewrites a VM's supervisor config through a temporary file and a rename.
