@@ -15,7 +15,8 @@
 //! 5. derives the new secret from the old one and the host's contribution
 //!    (`warren_protocol::auth::rekey`) and replaces the old one, which from then on neither
 //!    proves nor verifies anything: a later `Hello`/`Auth` made with it fails;
-//! 6. sets the hostname (and `/etc/hostname`) and writes `/etc/machine-id`;
+//! 6. sets the hostname (and `/etc/hostname`) and writes `/etc/machine-id` (temp file and
+//!    rename);
 //! 7. answers with a proof made with the new secret.
 
 use std::io::Write;
@@ -149,8 +150,10 @@ fn set_identity(hostname: &str, machine_id: &str) {
     }
 }
 
-/// Writes `path` through a temporary file in the same directory, fsynced and renamed over
-/// it (root's, 0444: neither is the guest user's to change).
+/// Writes `path` through a temporary file in the same directory renamed over it (root's,
+/// 0444: neither is the guest user's to change). Not fsynced: a flush through the clone's
+/// fresh disk layer would cost the restore more than the file is worth, and after a crash
+/// the file holds the old identity or the new one (ext4 orders the rename after the data).
 fn replace_file(path: &str, content: &[u8]) -> std::io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = format!("{path}.warren-tmp");
@@ -162,7 +165,6 @@ fn replace_file(path: &str, content: &[u8]) -> std::io::Result<()> {
         .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
         .open(&tmp)?;
     f.write_all(content)?;
-    f.sync_all()?;
     std::fs::rename(&tmp, path)
 }
 

@@ -779,7 +779,8 @@ pub(crate) async fn migration_done(q: &mut Qmp) -> Result<(), String> {
                 "migration did not finish within {MIGRATION_LIMIT:?}"
             ));
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        // A restore of device state only takes a few ms: poll finely.
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
 
@@ -968,7 +969,7 @@ async fn restore_checkpoint(
         match Qmp::connect(control).await {
             Ok(q) => break q,
             Err(e) if Instant::now() > deadline => return Err(error_chain(&e)),
-            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
         }
     };
     q.execute("migrate-set-capabilities", Some(capabilities(standby)))

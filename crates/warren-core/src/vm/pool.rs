@@ -14,7 +14,8 @@
 //! supervisor died meanwhile is marked failed and the next one is taken.
 //!
 //! **Refill** ([`Warren::fill_pool`]): creates template clones until the shape has the
-//! configured number of pool VMs; `warren serve` calls it in the background.
+//! configured number of pool VMs, and runs `true` once in each (its VMM translates the exec
+//! path before a caller's first exec needs it); `warren serve` calls it in the background.
 
 use rusqlite::OptionalExtension;
 use serde::Serialize;
@@ -179,7 +180,14 @@ impl Warren {
                 ..CreateVm::default()
             };
             let mut ignore = |_: &str| {};
-            self.create_vm(&req, &mut ignore).await?;
+            let rec = self.create_vm(&req, &mut ignore).await?;
+            // Its VMM translates the exec path now, so a caller's first exec finds it warm;
+            // the warm-up job is the only record in its list (then evictable).
+            if let Err(e) = self.warm(&rec.id, &["true"]).await {
+                tracing::warn!(vm = %rec.id, error = %e, "warming a pool VM failed; destroying it");
+                let _ = self.destroy_vm(&rec.id).await;
+                return Err(e);
+            }
             started += 1;
         }
     }

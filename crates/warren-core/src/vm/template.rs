@@ -320,6 +320,9 @@ impl Warren {
 
     /// Hibernates the build VM `rec` (fast standby) and moves its files into the template.
     async fn save_template(&self, key: &TemplateKey, rec: &VmRecord) -> Result<PathBuf, CoreError> {
+        // What every clone's first exec needs (the shell, the job path, libc) is then in the
+        // template's page cache instead of on its disk.
+        self.warm(&rec.id, &["sh", "-c", "true"]).await?;
         self.suspend_vm(&rec.id, SuspendMode::Hibernate, true)
             .await?;
         let vm = self.vm_dir(&rec.id);
@@ -532,6 +535,48 @@ pub(super) fn settle_copy(
     cfg.clone = None;
     cfg.restore_from = None;
     replace_config(dir, cfg)
+}
+
+impl Warren {
+    /// Runs `argv` in VM `id` and waits for it (at most a minute): a restored VM's VMM
+    /// translates the exec path once, before a caller's first exec needs it.
+    pub(super) async fn warm(&self, id: &str, argv: &[&str]) -> Result<(), CoreError> {
+        let job = self
+            .exec_start(
+                id,
+                warren_protocol::ExecStart {
+                    argv: argv.iter().map(|a| a.to_string()).collect(),
+                    env: vec![],
+                    cwd: None,
+                    stdin: None,
+                    timeout_ms: Some(60_000),
+                    request_key: None,
+                },
+            )
+            .await?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while std::time::Instant::now() < deadline {
+            let out = self
+                .job_output(
+                    id,
+                    warren_protocol::JobOutputRequest {
+                        job,
+                        stdout_cursor: 0,
+                        stderr_cursor: 0,
+                        max_bytes: 0,
+                        wait_ms: 5_000,
+                    },
+                )
+                .await?;
+            if matches!(out.state, warren_protocol::JobState::Finished(_)) {
+                return Ok(());
+            }
+        }
+        Err(CoreError::BootFailed(format!(
+            "warming {id}: `{}` did not finish",
+            argv.join(" ")
+        )))
+    }
 }
 
 /// A template directory's name: `t-<32 hex>-<8 hex>`.
