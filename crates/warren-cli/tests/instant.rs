@@ -333,3 +333,79 @@ fn test_pool_handouts_distinct_and_fork_counters_independent() {
     }
     parent.destroy();
 }
+
+/// Through the service: a configured warm pool fills in the background and is reported by
+/// `pool_status`; `vm_create` of its shape hands out a pool VM; `vm_fork` makes copies,
+/// idempotently under its request id, and only of the caller's own VMs.
+#[test]
+fn test_service_pool_status_handout_and_vm_fork() {
+    use common::daemon::Daemon;
+    use serde_json::json;
+    let d = Daemon::start_minimal("[images.pooled]\nid = \"{minimal}\"\npool = 2\n");
+    let t = d.token("alice", &[]);
+    common::wait_until("the warm pool is ready", 600, || {
+        d.ok(&t, "pool_status", json!({}))["pools"][0]["ready"] == 2
+    });
+    let pools = d.ok(&t, "pool_status", json!({}));
+    assert_eq!(pools["pools"][0]["image"], "pooled", "{pools}");
+    assert_eq!(pools["pools"][0]["size"], 2, "{pools}");
+
+    let vm = d.ok(
+        &t,
+        "vm_create",
+        json!({"request_id": "c1", "image": "pooled"}),
+    );
+    let id = vm["vm_id"].as_str().expect("vm_id").to_string();
+    let r = d.ok(
+        &t,
+        "vm_exec",
+        json!({"vm_id": id, "request_id": "e1", "command": "hostname", "wait_ms": 30000}),
+    );
+    assert_eq!(r["stdout"], format!("{id}\n"), "{r}");
+
+    let fork = json!({"request_id": "f1", "vm_id": id, "count": 2});
+    let f = d.ok(&t, "vm_fork", fork.clone());
+    let copies: Vec<String> = f["vms"]
+        .as_array()
+        .expect("vms")
+        .iter()
+        .map(|v| v["vm_id"].as_str().expect("id").to_string())
+        .collect();
+    assert_eq!(copies.len(), 2, "{f}");
+    assert_ne!(copies[0], copies[1]);
+    assert!(!copies.contains(&id));
+    assert_eq!(
+        d.ok(&t, "vm_fork", fork),
+        f,
+        "a retry answers the same copies"
+    );
+    let r = d.call(
+        &t,
+        "vm_fork",
+        json!({"request_id": "f1", "vm_id": id, "count": 1}),
+    );
+    assert_eq!(r.code(), "conflict", "{}", r.text);
+    for c in &copies {
+        let r = d.ok(
+            &t,
+            "vm_exec",
+            json!({"vm_id": c, "request_id": format!("e-{c}"), "command": "hostname", "wait_ms": 30000}),
+        );
+        assert_eq!(r["stdout"], format!("{c}\n"), "{r}");
+    }
+    let bob = d.token("bob", &[]);
+    let r = d.call(
+        &bob,
+        "vm_fork",
+        json!({"request_id": "f2", "vm_id": id, "count": 1}),
+    );
+    assert_eq!(r.code(), "not_found", "{}", r.text);
+    let r = d.call(
+        &t,
+        "vm_fork",
+        json!({"request_id": "f3", "vm_id": id, "count": 17}),
+    );
+    assert_eq!(r.code(), "invalid_argument", "{}", r.text);
+    let listed = d.ok(&t, "vm_list", json!({}));
+    assert_eq!(listed["vms"].as_array().expect("vms").len(), 3, "{listed}");
+}

@@ -146,7 +146,7 @@ mod tests {
     #[test]
     fn test_tool_defs_complete_schemas_and_image_enum() {
         let defs = tool_defs(&["dev".into(), "minimal".into()]);
-        assert_eq!(defs.len(), 20);
+        assert_eq!(defs.len(), 22);
         for d in &defs {
             assert_eq!(
                 d.input_schema.get("type"),

@@ -6,8 +6,8 @@
 //! layer, channel secret, entropy, hostname (its id) and machine id; nothing of it is shared
 //! with another VM. Its idle policy is off while it waits.
 //!
-//! **Hand-out** ([`Warren::take_from_pool`]): one immediate SQLite transaction picks the
-//! oldest running pool VM of the requested shape (image, memory, vCPUs; no shares, no NIC,
+//! **Hand-out** (`Warren::take_from_pool`, called by `create_vm`): one immediate SQLite
+//! transaction picks the oldest running pool VM of the requested shape (image, memory, vCPUs; no shares, no NIC,
 //! no RAM file), checks the caller's workspace limits and moves the record into the
 //! caller's workspace with its request id and idle settings. Two callers can never get the
 //! same VM: the second transaction no longer finds it in the pool. A pool VM whose
