@@ -18,6 +18,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod hostpath;
 pub mod http;
+pub mod job_ws;
 pub mod mcp;
 pub mod openapi;
 pub mod receipts;

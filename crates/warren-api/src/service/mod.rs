@@ -3,6 +3,7 @@
 
 mod files;
 mod instant;
+pub mod job_streams;
 mod sessions;
 pub mod streams;
 mod tool_defs;
@@ -30,8 +31,8 @@ use warren_protocol::limits::{
     MAX_FILE_CHUNK, MAX_OUTPUT_WAIT_MS, MAX_READ_PER_STREAM, MAX_STDIN_BYTES,
 };
 use warren_protocol::{
-    EditFile, ExecStart, GlobRequest, GrepRequest, JobId, JobOutput, JobOutputRequest, JobState,
-    Precondition, WriteMode,
+    EditFile, ExecInteractive, ExecStart, GlobRequest, GrepRequest, JobId, JobOutput,
+    JobOutputRequest, JobState, Precondition, WindowSize, WriteMode,
 };
 use warren_vmm::accel::AccelChoice;
 
@@ -770,6 +771,17 @@ impl Service {
         if a.timeout_ms == Some(0) {
             return Err(ApiError::invalid("timeout_ms must be at least 1"));
         }
+        let interactive = a.interactive || a.tty.is_some();
+        if interactive && a.stdin.is_some() {
+            return Err(ApiError::invalid(
+                "stdin cannot be given to an interactive job: send it through its terminal",
+            ));
+        }
+        if a.tty.is_some_and(|t| t.rows == 0 || t.cols == 0) {
+            return Err(ApiError::invalid(
+                "tty needs at least one row and one column",
+            ));
+        }
         // The retry of a request with the same id and arguments must not depend on wait_ms.
         let hash = args_hash(&VmExecArgs {
             wait_ms: None,
@@ -807,7 +819,19 @@ impl Service {
             timeout_ms: a.timeout_ms,
             request_key: Some(key),
         };
-        match self.warren.exec_start(&rec.id, start).await {
+        let started = if interactive {
+            let req = ExecInteractive {
+                start,
+                tty: a.tty.map(|t| WindowSize {
+                    rows: t.rows,
+                    cols: t.cols,
+                }),
+            };
+            self.warren.exec_interactive(&rec.id, req).await
+        } else {
+            self.warren.exec_start(&rec.id, start).await
+        };
+        match started {
             Ok(job) => {
                 let stored =
                     serde_json::json!({ "ok": { "vm_id": rec.id, "job_id": job.to_string() } });

@@ -95,6 +95,24 @@ pub(super) fn spawn_error(program: &str, err: &io::Error) -> GuestError {
     }
 }
 
+/// The job's broker directory for the spawn, when it has a pipe; the mount point is made
+/// once (an empty directory everyone else sees).
+fn broker_dir(job: &Job) -> Result<Option<CString>, GuestError> {
+    let broker = job
+        .broker
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    let Some(b) = broker else {
+        return Ok(None);
+    };
+    fs::create_dir_all(super::broker::BROKER_MOUNT)
+        .map_err(|e| internal("create the broker mount point", e))?;
+    CString::new(b.dir().as_os_str().as_encoded_bytes())
+        .map(Some)
+        .map_err(|_| invalid("broker directory contains NUL"))
+}
+
 impl JobManager {
     pub(super) fn launch(
         self: &Arc<Self>,
@@ -148,6 +166,7 @@ impl JobManager {
                 cgroup_procs,
                 user: self.cfg.files.user,
                 cwd: Some(cwd),
+                broker_dir: None,
             };
             let spawn_req = SpawnRequest {
                 program: &program,
@@ -201,6 +220,7 @@ impl JobManager {
             cgroup_procs,
             user: self.cfg.files.user,
             cwd: Some(cwd),
+            broker_dir: broker_dir(job)?,
         };
         let spawn_req = SpawnRequest {
             program: &program,
