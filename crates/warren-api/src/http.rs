@@ -347,16 +347,24 @@ async fn job_stream(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
     Path((vm_id, job_id, what)): Path<(String, String, String)>,
+    headers: HeaderMap,
     query: Result<Query<crate::job_ws::JobQuery>, QueryRejection>,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
+    if what == "broker" {
+        let token = headers
+            .get(crate::broker_ws::TOKEN_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        return crate::broker_ws::serve(st.service, p, vm_id, job_id, token, ws.ok()).await;
+    }
     let kind = match what.as_str() {
         "output" => crate::job_ws::Kind::Output,
         "terminal" => crate::job_ws::Kind::Terminal,
         _ => {
             return error_response(&ApiError::new(
                 "not_found",
-                "job streams are /v1/vms/{vm_id}/jobs/{job_id}/output or /terminal",
+                "job streams are /v1/vms/{vm_id}/jobs/{job_id}/output, /terminal or /broker",
             ))
         }
     };

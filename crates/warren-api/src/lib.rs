@@ -9,6 +9,8 @@
 
 pub mod admission;
 pub mod auth;
+pub mod broker;
+pub mod broker_ws;
 pub mod caps;
 pub mod config;
 mod conn;

@@ -146,6 +146,14 @@ pub struct VmExecArgs {
     /// empty message ends it); stdout and stderr stay apart. Not with `stdin`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub interactive: bool,
+    /// A one-time secret (43-128 characters of A-Z a-z 0-9 _ -) that gives its holder the
+    /// job's broker pipe: the job sees a UNIX socket at /run/warren-broker/broker.sock
+    /// (WARREN_BROKER_SOCKET), and the holder takes its connections at
+    /// `GET /v1/vms/{vm_id}/jobs/{job_id}/broker` with `X-Broker-Pipe`. Only its hash is
+    /// kept, in memory. The answer then has `broker_pipe`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 43, max = 128))]
+    pub broker_pipe_token: Option<String>,
 }
 
 /// A terminal's size in character cells.

@@ -71,7 +71,8 @@ fn exec_http(d: &Daemon, tf: &std::path::Path, vm: &str, extra: &[&str]) -> Comm
 
 #[test]
 fn test_job_streams_live_output_terminals_and_exec_through_the_service() {
-    let mut d = Daemon::start("");
+    // Streams pass at most 2 MiB/s each way (the rate limit's check below).
+    let mut d = Daemon::start("[streams]\nrate_bytes = 2097152\n");
     let t = d.token("alice", &[]);
     let other = d.token("bob", &[]);
     let tf = d.token_file(&t);
@@ -390,5 +391,479 @@ fn test_job_streams_live_output_terminals_and_exec_through_the_service() {
     assert_eq!(last["exit_code"], 3, "{last}");
     let st = d.ok(&t, "vm_status", json!({"vm_id": vm}));
     assert_eq!(st["open_streams"], 0, "{st}");
+
+    mcp_through_attach(&d, &t, &tf, &vm);
+    rate_and_suspend(&d, &t, &tf, &vm);
+    broker_pipe(&d, &t, &other, &vm);
     d.ok(&t, "vm_destroy", json!({"vm_id": vm}));
+}
+
+/// The broker job: three small exchanges, then 300,000 bytes each way, each on a connection
+/// of its own that it half-closes before reading the reply; then it waits to be told to end.
+const BROKER_JOB: &str = r#"
+import hashlib, os, socket, sys, time
+path = os.environ["WARREN_BROKER_SOCKET"]
+print("pid", os.getpid(), flush=True)
+def call(payload):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.sendall(payload)
+    s.shutdown(socket.SHUT_WR)
+    got = b""
+    while True:
+        x = s.recv(65536)
+        if not x:
+            break
+        got += x
+    s.close()
+    return got
+for i in range(3):
+    print(call(b"ping %d\n" % i).decode().strip(), flush=True)
+big = bytes((i * 7) % 251 for i in range(300000))
+reply = call(b"big\n" + big)
+digest, echo = reply.split(b"\n", 1)
+print("big", digest.decode() == hashlib.sha256(big).hexdigest() and echo == big, flush=True)
+while not os.path.exists("/tmp/broker-done"):
+    time.sleep(0.1)
+"#;
+
+/// Another job trying to reach the broker job's socket: by the job's root, by the agent's
+/// directory, and where its own would be.
+const INTRUDER: &str = r#"
+import socket, sys
+pid, job = sys.argv[1], sys.argv[2]
+for p in ["/proc/%s/root/run/warren-broker/broker.sock" % pid,
+          "/run/warren/broker/%s/broker.sock" % job,
+          "/run/warren-broker/broker.sock"]:
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(10)
+        s.connect(p)
+        s.sendall(b"ping 9\n")
+        s.shutdown(socket.SHUT_WR)
+        got = s.recv(100)
+        print("served" if got else "closed", flush=True)
+    except Exception as e:
+        print("refused", type(e).__name__, flush=True)
+"#;
+
+/// The controller's frames, as the test reassembles them.
+#[derive(Debug)]
+enum Frame {
+    Open(u32),
+    Data(u32, Vec<u8>),
+    Close,
+}
+
+fn frames(buf: &mut Vec<u8>) -> Vec<Frame> {
+    let mut out = Vec::new();
+    loop {
+        if buf.len() < 5 {
+            return out;
+        }
+        let id = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]);
+        match buf[0] {
+            1 => {
+                out.push(Frame::Open(id));
+                buf.drain(..5);
+            }
+            3 => {
+                out.push(Frame::Close);
+                buf.drain(..5);
+            }
+            2 => {
+                if buf.len() < 9 {
+                    return out;
+                }
+                let len = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]) as usize;
+                if buf.len() < 9 + len {
+                    return out;
+                }
+                out.push(Frame::Data(id, buf[9..9 + len].to_vec()));
+                buf.drain(..9 + len);
+            }
+            k => panic!("frame type {k}"),
+        }
+    }
+}
+
+fn data(id: u32, bytes: &[u8]) -> Vec<u8> {
+    let mut v = Vec::new();
+    for c in bytes.chunks(65536) {
+        v.push(2);
+        v.extend_from_slice(&id.to_be_bytes());
+        v.extend_from_slice(&(c.len() as u32).to_be_bytes());
+        v.extend_from_slice(c);
+    }
+    v
+}
+
+fn close(id: u32) -> Vec<u8> {
+    let mut v = vec![3];
+    v.extend_from_slice(&id.to_be_bytes());
+    v
+}
+
+fn broker_pipe(d: &Daemon, t: &str, other: &str, vm: &str) {
+    let token = "brokerTOKEN_0123456789-abcdefghijklmnopqrstuvwxyz";
+    let r = d.call(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "bad-token", "argv": ["true"], "broker_pipe_token": "short"}),
+    );
+    assert_eq!(
+        (r.status, r.code()),
+        (400, "invalid_argument"),
+        "{}",
+        r.text
+    );
+    let started = d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "broker", "argv": ["python3", "-c", BROKER_JOB],
+               "broker_pipe_token": token}),
+    );
+    assert_eq!(started["broker_pipe"], true, "{started}");
+    let job = started["job_id"].as_str().expect("job").to_string();
+    // The token is kept nowhere on disk (receipts, state).
+    let hits = Command::new("grep")
+        .args(["-rlF", token])
+        .arg(d.env.state.path())
+        .output()
+        .expect("grep");
+    assert!(
+        hits.stdout.is_empty(),
+        "token on disk: {}",
+        String::from_utf8_lossy(&hits.stdout)
+    );
+
+    let path = format!("/v1/vms/{vm}/jobs/{job}/broker");
+    let attach = |who: &str, tok: &str| {
+        WsClient::connect_with(&d.addr, who, &path, &[("x-broker-pipe", tok)])
+    };
+    assert_eq!(attach(t, &token.replace('b', "c")).err(), Some(404));
+    assert_eq!(attach(other, token).err(), Some(404));
+    assert_eq!(
+        WsClient::connect(&d.addr, t, &path).err(),
+        Some(404),
+        "no token"
+    );
+    let mut ctl = attach(t, token).expect("attach");
+    assert_eq!(attach(t, token).err(), Some(409), "a second controller");
+
+    // Serve: one reply per connection once its request is whole, then close.
+    let mut buf = Vec::new();
+    let mut reqs: std::collections::HashMap<u32, Vec<u8>> = Default::default();
+    let mut served = 0;
+    let t0 = Instant::now();
+    while served < 4 {
+        assert!(t0.elapsed() < WAIT, "served {served} of 4");
+        match ctl.next(WAIT) {
+            Got::Binary(b) => buf.extend_from_slice(&b),
+            other => {
+                let o = d.call(t, "vm_job_output", json!({"vm_id": vm, "job_id": job}));
+                panic!("controller got {other:?}; the job: {}", o.text)
+            }
+        }
+        for f in frames(&mut buf) {
+            match f {
+                Frame::Open(id) => {
+                    reqs.insert(id, Vec::new());
+                }
+                Frame::Data(id, b) => {
+                    let r = reqs.get_mut(&id).expect("data for an opened connection");
+                    r.extend_from_slice(&b);
+                    let reply = if r.starts_with(b"ping ") && r.ends_with(b"\n") {
+                        Some([b"pong".as_slice(), &r[4..]].concat())
+                    } else if r.len() == 4 + 300_000 && r.starts_with(b"big\n") {
+                        let body = &r[4..];
+                        let mut v = format!("{:x}\n", Sha256::digest(body)).into_bytes();
+                        v.extend_from_slice(body);
+                        Some(v)
+                    } else {
+                        None
+                    };
+                    if let Some(reply) = reply {
+                        let mut out = data(id, &reply);
+                        out.extend(close(id));
+                        ctl.send_binary(&out);
+                        served += 1;
+                    }
+                }
+                Frame::Close => {}
+            }
+        }
+    }
+    // An intruder job gets nothing through, and the controller sees no connection of it.
+    let pid = {
+        // The job prints its verdict once it read the last reply.
+        let t0 = Instant::now();
+        let out = loop {
+            let o = d.ok(
+                t,
+                "vm_job_output",
+                json!({"vm_id": vm, "job_id": job, "wait_ms": 2000}),
+            );
+            let out = o["stdout"].as_str().unwrap_or_default().to_string();
+            if out.contains("big ") || t0.elapsed() > WAIT {
+                break out;
+            }
+        };
+        assert!(
+            out.contains("pong 0") && out.contains("pong 2") && out.contains("big True"),
+            "{out}"
+        );
+        out.lines()
+            .find_map(|l| l.strip_prefix("pid "))
+            .expect("pid line")
+            .to_string()
+    };
+    let o = d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "intruder", "argv": ["python3", "-c", INTRUDER, pid, job],
+               "wait_ms": 30000}),
+    );
+    let out = o["stdout"].as_str().unwrap_or_default();
+    assert!(!out.contains("served"), "{out}");
+    assert_eq!(out.lines().count(), 3, "{o}");
+    let extra = ctl.until(Duration::from_secs(2), |g| !g.is_empty());
+    assert!(
+        !extra
+            .iter()
+            .any(|g| matches!(g, Got::Binary(b) if b.first() == Some(&1))),
+        "the intruder reached the controller: {extra:?}"
+    );
+
+    // The job ends: the attachment closes, and the pipe is gone.
+    d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "done", "argv": ["touch", "/tmp/broker-done"], "wait_ms": 10000}),
+    );
+    let got = ctl.until(WAIT, |g| matches!(g.last(), Some(Got::Close(..))));
+    assert_eq!(
+        got.last(),
+        Some(&Got::Close(1001, "job finished".into())),
+        "{got:?}"
+    );
+    assert_eq!(attach(t, token).err(), Some(404));
+}
+
+/// A guest stdio MCP server with no dependencies: JSON-RPC lines on stdin and stdout, one tool.
+const MCP_SERVER: &str = r#"import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    method, mid = msg.get("method"), msg["id"]
+    if method == "initialize":
+        result = {"protocolVersion": msg["params"]["protocolVersion"],
+                  "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "guest-upper", "version": "1.0"}}
+    elif method == "tools/list":
+        result = {"tools": [{"name": "upper", "description": "Upper-cases text",
+                             "inputSchema": {"type": "object",
+                                             "properties": {"text": {"type": "string"}},
+                                             "required": ["text"]}}]}
+    elif method == "tools/call":
+        text = msg["params"]["arguments"]["text"].upper()
+        result = {"content": [{"type": "text", "text": text}], "isError": False}
+    elif method == "ping":
+        result = {}
+    else:
+        print(json.dumps({"jsonrpc": "2.0", "id": mid,
+                          "error": {"code": -32601, "message": "no such method"}}), flush=True)
+        continue
+    print(json.dumps({"jsonrpc": "2.0", "id": mid, "result": result}), flush=True)
+"#;
+
+/// The one-line listener: each connection gets a fresh server process on its socket.
+const MCP_LISTENER: &str = "import socket,subprocess\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('127.0.0.1',5300));s.listen(4)\nwhile 1:\n c,_=s.accept();subprocess.Popen(['python3','/tmp/mcp_server.py'],stdin=c.fileno(),stdout=c.fileno());c.close()";
+
+/// The official MCP SDK's stdio client, running `warren attach` as its server command.
+const MCP_CLIENT: &str = r#"import asyncio, json, sys
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+async def main():
+    params = StdioServerParameters(command=sys.argv[1], args=sys.argv[2:])
+    async with stdio_client(params) as (r, w):
+        async with ClientSession(r, w) as s:
+            init = await s.initialize()
+            tools = await s.list_tools()
+            res = await s.call_tool("upper", {"text": "hello from the host"})
+            print(json.dumps({"server": init.server_info.name,
+                              "tools": [t.name for t in tools.tools],
+                              "text": res.content[0].text}))
+asyncio.run(main())
+"#;
+
+fn mcp_through_attach(d: &Daemon, t: &str, tf: &std::path::Path, vm: &str) {
+    let wrote = d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "mcp-server", "argv": ["sh", "-c", "cat > /tmp/mcp_server.py"],
+               "stdin": MCP_SERVER, "wait_ms": 20000}),
+    );
+    assert_eq!(wrote["exit_code"], 0, "{wrote}");
+    d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "mcp-listener", "argv": ["python3", "-c", MCP_LISTENER]}),
+    );
+    let ready = d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "mcp-ready", "wait_ms": 30000, "command":
+               "for i in $(seq 100); do python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 5300)).close()' 2>/dev/null && exit 0; sleep 0.2; done; exit 1"}),
+    );
+    assert_eq!(ready["exit_code"], 0, "{ready}");
+    let out = Command::new(common::mcp_python())
+        .args([
+            "-c",
+            MCP_CLIENT,
+            WARREN,
+            "attach",
+            vm,
+            "--port",
+            "5300",
+            "--endpoint",
+        ])
+        .arg(format!("http://{}", d.addr))
+        .arg("--token-file")
+        .arg(tf)
+        .output()
+        .expect("MCP client");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    assert_eq!(
+        v,
+        json!({"server": "guest-upper", "tools": ["upper"], "text": "HELLO FROM THE HOST"}),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn rate_and_suspend(d: &Daemon, t: &str, tf: &std::path::Path, vm: &str) {
+    // 8 MiB from the guest at 2 MiB/s (after a burst of one second's worth) takes >= 3 s;
+    // unlimited it takes a fraction of that.
+    const SENDER: &str = "import socket\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('127.0.0.1',5400));s.listen(1)\nc,_=s.accept();c.sendall(b'x'*(8<<20));c.close()";
+    d.ok(
+        t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "sender", "argv": ["python3", "-c", SENDER]}),
+    );
+    let t0 = Instant::now();
+    let out = loop {
+        let out = Command::new(WARREN)
+            .args([
+                "attach",
+                vm,
+                "--port",
+                "5400",
+                "--ignore-stdin-eof",
+                "--endpoint",
+            ])
+            .arg(format!("http://{}", d.addr))
+            .arg("--token-file")
+            .arg(tf)
+            .stdin(Stdio::null())
+            .output()
+            .expect("attach");
+        // Until the listener is up, the service answers 409 (nothing listens).
+        if out.status.success() || t0.elapsed() > WAIT {
+            break out;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let took = t0.elapsed();
+    assert_eq!(
+        out.stdout.len(),
+        8 << 20,
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        took >= Duration::from_millis(2900),
+        "8 MiB at 2 MiB/s took {took:?}"
+    );
+
+    // Suspension closes a job's open output stream with 1001 `suspended`.
+    let job = start(d, t, vm, "sleeper", json!({"argv": ["sleep", "60"]}));
+    let mut ws =
+        WsClient::connect(&d.addr, t, &format!("/v1/vms/{vm}/jobs/{job}/output")).expect("output");
+    let r = d.call(t, "vm_suspend", json!({"vm_id": vm, "mode": "pause"}));
+    assert_eq!((r.status, r.code()), (409, "busy"), "{}", r.text);
+    d.ok(
+        t,
+        "vm_suspend",
+        json!({"vm_id": vm, "mode": "pause", "force": true}),
+    );
+    let got = ws.until(WAIT, |g| matches!(g.last(), Some(Got::Close(..))));
+    assert_eq!(
+        got.last(),
+        Some(&Got::Close(1001, "suspended".into())),
+        "{got:?}"
+    );
+    // Cancelling wakes the VM; the job ends.
+    d.ok(t, "vm_job_cancel", json!({"vm_id": vm, "job_id": job}));
+}
+
+/// `warren run` through the service's socket: the project's session is made through
+/// `session_create`, the command runs in it with stdin streamed, from the matching
+/// directory of the copy, with the agents' state directories in its environment; its exit
+/// code is the run's; a second run reuses the session.
+#[test]
+fn test_run_through_the_service_socket() {
+    let d = Daemon::start("");
+    let (_guard, repo) = common::one_commit_repo();
+    std::fs::create_dir(repo.join("sub")).expect("mkdir");
+    std::fs::write(repo.join("sub/b.txt"), "untracked\n").expect("write");
+    let run = |script: &str, input: &[u8]| {
+        let mut c = d.env.cmd();
+        c.args(["--socket", d.socket.to_str().expect("socket")])
+            .args(["run", "--", "sh", "-c", script])
+            .current_dir(repo.join("sub"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = c.spawn().expect("warren run");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(input)
+            .expect("input");
+        child.wait_with_output().expect("run")
+    };
+    let out = run(
+        "cat ../a.txt; pwd; echo \"$CLAUDE_CONFIG_DIR\"; cat; exit 4",
+        b"streamed\n",
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "committed\n/workspace/sub\n/agent-state/claude\nstreamed\n",
+        "{stderr}"
+    );
+    assert_eq!(out.status.code(), Some(4), "{stderr}");
+    assert!(stderr.contains("warren: session"), "{stderr}");
+    let out = run("echo again", b"");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "again\n");
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("warren: session"),
+        "a second session was made"
+    );
+    let list = d.local_call("session_list", json!({}), &[]);
+    assert_eq!(
+        list.body["sessions"].as_array().map(Vec::len),
+        Some(1),
+        "{}",
+        list.text
+    );
+    let s = &list.body["sessions"][0];
+    d.local_call(
+        "session_delete",
+        json!({"session": s["session_id"], "force": true}),
+        &[],
+    );
 }

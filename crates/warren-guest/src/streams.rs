@@ -168,9 +168,69 @@ async fn serve_broker(
     {
         return;
     }
-    let (rd, wr) = conn.into_split();
-    if let Err(e) = pump(req.into_body(), wr, rd, send, |_| async { (0, None) }).await {
+    if let Err(e) = pump_broker(req.into_body(), conn, send).await {
         crate::console::log(format_args!("broker stream ended: {e}"));
+    }
+}
+
+/// How often a broker connection whose job shut its writing side is checked for a full
+/// close.
+const HANGUP_POLL: Duration = Duration::from_millis(200);
+
+/// [`pump`] for a broker connection, where the job's half-close is not the end: a client
+/// that shut its writing side still reads the reply. The stream ends when the job closed
+/// the connection altogether (a hangup) or the host ended its input and the job then
+/// closed.
+async fn pump_broker(
+    mut body: RecvStream,
+    conn: tokio::net::UnixStream,
+    mut send: SendStream<Bytes>,
+) -> Result<(), h2::Error> {
+    use std::os::fd::AsFd;
+    let (mut rd, mut wr) = conn.into_split();
+    let inbound = async {
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk?;
+            let n = chunk.len();
+            let _ = wr.write_all(&chunk).await;
+            let _ = body.flow_control().release_capacity(n);
+        }
+        let _ = wr.shutdown().await;
+        std::future::pending::<()>().await;
+        Ok::<(), h2::Error>(())
+    };
+    let outbound = async {
+        let mut buf = vec![0u8; READ_CHUNK];
+        while let Ok(n) = rd.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            stream::send_paced(&mut send, Bytes::copy_from_slice(&buf[..n])).await?;
+        }
+        loop {
+            let mut fds = [nix::poll::PollFd::new(
+                rd.as_ref().as_fd(),
+                nix::poll::PollFlags::empty(),
+            )];
+            let hung_up = match nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO) {
+                Ok(_) => fds[0].revents().is_some_and(|r| {
+                    r.intersects(nix::poll::PollFlags::POLLHUP | nix::poll::PollFlags::POLLERR)
+                }),
+                Err(_) => true,
+            };
+            if hung_up {
+                break;
+            }
+            tokio::time::sleep(HANGUP_POLL).await;
+        }
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert(EXIT_TRAILER, http::HeaderValue::from_static("0"));
+        send.send_trailers(trailers)?;
+        Ok::<(), h2::Error>(())
+    };
+    tokio::select! {
+        r = inbound => r,
+        r = outbound => r,
     }
 }
 

@@ -12,6 +12,14 @@ use warren_protocol::WindowSize;
 use super::*;
 use crate::streams::Ticket;
 
+/// An attached broker pipe, admitted under the stream quotas.
+pub struct BrokerOpen {
+    pub vm_id: String,
+    pub job: JobId,
+    pub ticket: Ticket,
+    pub attachment: crate::broker::Attachment,
+}
+
 /// A job stream admitted under the quotas.
 pub struct JobStream {
     pub vm_id: String,
@@ -47,6 +55,51 @@ impl Service {
             job,
             ticket,
         })
+    }
+
+    /// The service's broker pipes.
+    pub fn broker_pipes(&self) -> &crate::broker::Pipes {
+        &self.pipes
+    }
+
+    /// Attaches the controller holding `token` to job `job`'s broker pipe (see
+    /// `crate::broker` for the refusals), waking a suspended VM; a pipe whose job's
+    /// processes are all gone is forgotten and refused.
+    pub async fn open_broker(
+        &self,
+        p: &Principal,
+        vm_id: &str,
+        job: JobId,
+        token: &str,
+    ) -> Result<BrokerOpen, ApiError> {
+        let rec = self.owned(p, vm_id, None)?;
+        let attachment = self.pipes.attach(&p.workspace, &rec.id, job, token)?;
+        let ticket = self.streams.admit(&p.workspace, &rec.id)?;
+        if self.broker_job_done(&rec.id, job).await {
+            self.pipes.remove(&rec.id, job);
+            return Err(ApiError::new(
+                "not_found",
+                format!("no broker pipe for job {job}"),
+            ));
+        }
+        Ok(BrokerOpen {
+            vm_id: rec.id,
+            job,
+            ticket,
+            attachment,
+        })
+    }
+
+    /// Whether job `job`'s processes are all gone (or the guest no longer knows it), so its
+    /// broker pipe has ended.
+    pub async fn broker_job_done(&self, vm: &str, job: JobId) -> bool {
+        match self
+            .read(vm, job, Cursor::default(), 0, Duration::ZERO)
+            .await
+        {
+            Ok(o) => o.output_complete,
+            Err(e) => e.code == "not_found",
+        }
     }
 
     /// The job exists and the cursors lie within its output: asked without waiting (a

@@ -29,6 +29,16 @@ pub struct WsClient {
 impl WsClient {
     /// Opens `path` on the service at `addr` with `token`; the refusal's status otherwise.
     pub fn connect(addr: &str, token: &str, path: &str) -> Result<WsClient, u16> {
+        Self::connect_with(addr, token, path, &[])
+    }
+
+    /// [`WsClient::connect`] with extra request headers.
+    pub fn connect_with(
+        addr: &str,
+        token: &str,
+        path: &str,
+        headers: &[(&'static str, &str)],
+    ) -> Result<WsClient, u16> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -42,6 +52,9 @@ impl WsClient {
                 "authorization",
                 format!("Bearer {token}").parse().expect("header"),
             );
+            for (k, v) in headers {
+                req.headers_mut().insert(*k, v.parse().expect("header"));
+            }
             match tokio_tungstenite::client_async(req, s).await {
                 Ok((ws, _)) => Ok(ws),
                 Err(tokio_tungstenite::tungstenite::Error::Http(r)) => Err(r.status().as_u16()),

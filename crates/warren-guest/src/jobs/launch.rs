@@ -140,6 +140,23 @@ impl JobManager {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
+        let mut base = base;
+        if job
+            .broker
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some()
+        {
+            // Where the job finds its pipe (a request's own `env` may still override it).
+            base.push((
+                "WARREN_BROKER_SOCKET".into(),
+                format!(
+                    "{}/{}",
+                    super::broker::BROKER_MOUNT,
+                    super::broker::BROKER_SOCKET
+                ),
+            ));
+        }
         let env = job_env(&base, &req.env, terminal_size.is_some());
         let program =
             resolve_program(&req.argv[0], &env).map_err(|e| spawn_error(&req.argv[0], &e))?;
