@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::response::Response;
 use futures_util::stream::SplitStream;
 use futures_util::{SinkExt, StreamExt};
@@ -44,7 +44,7 @@ use crate::http::error_response;
 use crate::service::job_streams::BrokerOpen;
 use crate::service::Service;
 use crate::streams::RateLimit;
-use crate::ws::{cut_reason, Lifeline, GOING_AWAY, INTERNAL, MAX_MESSAGE, NORMAL, POLICY};
+use crate::ws::{Lifeline, GOING_AWAY, INTERNAL, MAX_MESSAGE, NORMAL, POLICY};
 
 /// Guest connections one attachment carries at once.
 pub const MAX_CONNECTIONS: usize = 64;
@@ -199,13 +199,7 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
     if reason == "job finished" {
         service.broker_pipes().remove(&vm_id, job);
     }
-    let frame = CloseFrame {
-        code,
-        reason: cut_reason(&reason).into(),
-    };
-    let _ = sink.send(Message::Close(Some(frame))).await;
-    let _ = sink.close().await;
-    service.stream_activity(&vm_id);
+    crate::ws::close(&service, &vm_id, &mut sink, code, &reason).await;
     tracing::info!(
         workspace = %p.workspace,
         vm = %vm_id,

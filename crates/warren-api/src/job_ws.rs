@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::response::Response;
 use futures_util::stream::SplitStream;
 use futures_util::{SinkExt, StreamExt};
@@ -47,7 +47,7 @@ use crate::http::error_response;
 use crate::service::job_streams::JobStream;
 use crate::service::Service;
 use crate::streams::RateLimit;
-use crate::ws::{cut_reason, Lifeline, GOING_AWAY, INTERNAL, MAX_MESSAGE, NORMAL, POLICY};
+use crate::ws::{Lifeline, GOING_AWAY, INTERNAL, MAX_MESSAGE, NORMAL, POLICY};
 
 /// Tag of a binary message carrying stdout bytes.
 pub const STDOUT: u8 = 1;
@@ -289,13 +289,7 @@ async fn run(
     };
     reader.abort();
     upstream.abort();
-    let frame = CloseFrame {
-        code,
-        reason: cut_reason(&reason).into(),
-    };
-    let _ = sink.send(Message::Close(Some(frame))).await;
-    let _ = sink.close().await;
-    service.stream_activity(&vm_id);
+    crate::ws::close(&service, &vm_id, &mut sink, code, &reason).await;
     tracing::info!(
         workspace = %p.workspace,
         vm = %vm_id,

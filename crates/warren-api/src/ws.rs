@@ -195,13 +195,7 @@ async fn run(
         }
     };
     upstream.abort();
-    let frame = CloseFrame {
-        code,
-        reason: cut_reason(&reason).into(),
-    };
-    let _ = sink.send(Message::Close(Some(frame))).await;
-    let _ = sink.close().await;
-    service.stream_activity(&vm_id);
+    close(&service, &vm_id, &mut sink, code, &reason).await;
     tracing::info!(
         workspace = %p.workspace,
         vm = %vm_id,
@@ -370,6 +364,24 @@ impl Lifeline {
             }
         }
     }
+}
+
+/// Ends a WebSocket: the close frame with `code` and `reason` (cut to fit), then the
+/// stream counts as activity on its VM one last time.
+pub(crate) async fn close(
+    service: &Service,
+    vm_id: &str,
+    sink: &mut futures_util::stream::SplitSink<WebSocket, Message>,
+    code: u16,
+    reason: &str,
+) {
+    let frame = CloseFrame {
+        code,
+        reason: cut_reason(reason).into(),
+    };
+    let _ = sink.send(Message::Close(Some(frame))).await;
+    let _ = sink.close().await;
+    service.stream_activity(vm_id);
 }
 
 /// A close reason fits in 123 bytes.

@@ -346,14 +346,16 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
     let mut want = devices(&args.devices)?;
     let agent = args.agent.as_deref().unwrap_or("shell");
     let wiring = wire_credentials(t, args, agent, &project, &want)?;
-    // Through the service when one listens, unless host credentials are to be wired: the
-    // service takes no credential files from a caller, so wiring stays in this process.
-    let opener = match &wiring {
-        None => {
+    // Through the service when one listens, unless host credentials are to be wired (the
+    // service takes no credential files from a caller), the VM is to be recreated or host
+    // directories mounted: those stay in this process, which has the engine's full reach.
+    let in_process = wiring.is_some() || args.recreate || !args.devices.mounts.is_empty();
+    let opener = match in_process {
+        false => {
             crate::stream_link::Opener::new(cli, &crate::stream_link::ServiceArgs::default())
                 .await?
         }
-        Some(_) => crate::stream_link::Opener::Local(Box::new(open(cli, None)?)),
+        true => crate::stream_link::Opener::Local(Box::new(open(cli, None)?)),
     };
     let w = match opener {
         crate::stream_link::Opener::Local(w) => w,
@@ -420,9 +422,6 @@ async fn run_via_service(
 ) -> Result<i32> {
     use serde_json::json;
     let d = &args.devices;
-    if !d.mounts.is_empty() {
-        anyhow::bail!("--mount is not available through the service");
-    }
     let mut tools = opener.tools(None).await?;
     let list = tools.post("session_list", &json!({})).await?;
     let source = project.to_string_lossy();
@@ -438,10 +437,10 @@ async fn run_via_service(
                 || d.memory_mib.is_some()
                 || d.vcpus.is_some()
                 || d.storage_mib.is_some();
-            if args.recreate || devices_given {
+            if devices_given {
                 anyhow::bail!(
-                    "through the service a session's VM keeps its devices: --recreate and device \
-                     options apply when the session is created (warren session delete first)"
+                    "through the service a session's VM keeps its devices: device options apply \
+                     when the session is created (or with --recreate, run in process)"
                 );
             }
             s

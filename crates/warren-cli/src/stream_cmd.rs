@@ -352,12 +352,20 @@ async fn download_into(
     let (chunks_tx, chunks) = std::sync::mpsc::sync_channel::<Vec<u8>>(8);
     let root = staging.to_path_buf();
     let unpacker = tokio::task::spawn_blocking(move || {
-        let r = ChannelReader {
+        let mut r = ChannelReader {
             rx: chunks,
             cur: Vec::new(),
             pos: 0,
         };
-        crate::copy::unpack(r, &root, u64::MAX)
+        let unpacked = crate::copy::unpack(&mut r, &root, u64::MAX)?;
+        // tar pads its output to whole records after the end-of-archive blocks, and that
+        // padding may arrive after the unpacker saw the end: take it (bounded) so the
+        // sender does not find the unpacker gone.
+        let trailing = std::io::copy(&mut (&mut r).take(MAX_TRAILING + 1), &mut std::io::sink())?;
+        if trailing > MAX_TRAILING {
+            bail!("more than {MAX_TRAILING} bytes follow the end of the archive");
+        }
+        Ok(unpacked)
     });
     let mut progress = Progress::new(format!("{vm}:{path}"), 0);
     let received = async {
@@ -381,8 +389,10 @@ async fn download_into(
     drop(chunks_tx);
     progress.finish();
     let unpacked = unpacker.await.map_err(|e| anyhow!("unpacking: {e}"))?;
+    // The unpacker's own error says why it stopped taking data; report that one first.
+    let unpacked = unpacked?;
     received?;
-    unpacked
+    Ok(unpacked)
 }
 
 /// A private directory in `parent` for a copy being made.
@@ -432,6 +442,9 @@ impl Drop for ChannelWriter {
 }
 
 /// `Read` from a channel of chunks (the unpacker runs on a blocking thread).
+/// Bytes accepted after a downloaded archive's end (tar's record padding is at most 10 KiB).
+const MAX_TRAILING: u64 = 1 << 20;
+
 struct ChannelReader {
     rx: std::sync::mpsc::Receiver<Vec<u8>>,
     cur: Vec<u8>,

@@ -165,6 +165,22 @@ pub(crate) fn parse_job(id: &str) -> Result<JobId, ApiError> {
         .map_err(|_| ApiError::invalid(format!("job_id {id:?} is not a job id")))
 }
 
+/// A `JobOutput` read at `at`, waiting at most `wait` (capped at the protocol's maximum).
+pub(crate) fn output_request(
+    job: JobId,
+    at: Cursor,
+    max_bytes: u32,
+    wait: Duration,
+) -> JobOutputRequest {
+    JobOutputRequest {
+        job,
+        stdout_cursor: at.stdout,
+        stderr_cursor: at.stderr,
+        max_bytes,
+        wait_ms: wait.as_millis().min(u128::from(MAX_OUTPUT_WAIT_MS)) as u32,
+    }
+}
+
 /// A receipt's stored outcome: `{"ok": value}` or `{"error": {"code", "message"}}`.
 fn replay(stored: Value) -> Result<Value, ApiError> {
     if let Some(v) = stored.get("ok") {
@@ -917,13 +933,7 @@ impl Service {
         max_bytes: u32,
         wait: Duration,
     ) -> Result<JobOutput, ApiError> {
-        let req = JobOutputRequest {
-            job,
-            stdout_cursor: at.stdout,
-            stderr_cursor: at.stderr,
-            max_bytes,
-            wait_ms: wait.as_millis().min(u128::from(MAX_OUTPUT_WAIT_MS)) as u32,
-        };
+        let req = output_request(job, at, max_bytes, wait);
         Ok(self.warren.job_output(vm, req).await?)
     }
 
