@@ -281,6 +281,15 @@ pub struct ImageConfig {
     pub min_memory_mib: Option<u32>,
     /// Memory when `vm_create` names none.
     pub memory_mib: Option<u32>,
+    /// `vm_create` restores VMs of this image from a template of their shape (built on the
+    /// first create of a shape) instead of booting them (`docs/instant.md`).
+    #[serde(default)]
+    pub template: bool,
+    /// Warm pool: this many restored VMs of the image's default shape kept ready for
+    /// `vm_create` (implies `template`; refilled in the background, counted against the
+    /// host limits).
+    #[serde(default)]
+    pub pool: u32,
 }
 
 #[derive(Debug, Clone, Deserialize)]

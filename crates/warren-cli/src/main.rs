@@ -6,6 +6,8 @@
 
 mod agents;
 mod bench;
+mod bench_floor;
+mod bench_instant;
 mod bench_load;
 mod bench_network;
 mod bench_service;

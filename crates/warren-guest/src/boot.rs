@@ -409,7 +409,7 @@ fn read_secret() -> Phase<Secret> {
             bytes.len()
         ))
     })?;
-    Ok(Secret(secret))
+    Ok(Secret::new(secret))
 }
 
 fn wait_for(path: &Path, limit: Duration) -> bool {

@@ -62,6 +62,19 @@ pub struct LaunchSpec {
     /// run directory), the raw-port baseline of `warren bench --suite streams`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bench_port: Option<PathBuf>,
+    /// Guest RAM is a private (copy-on-write) mapping of this read-only file: a template's
+    /// RAM, which the clone restored from the template's device state starts with. Writes
+    /// stay in the clone's own memory; the file is never changed.
+    #[serde(default)]
+    pub template_ram: Option<PathBuf>,
+    /// Anonymous guest RAM under the backend id `mem` (instead of the machine's own RAM
+    /// block), so checkpoints of a VM that started from a template (whose RAM block is
+    /// `mem`) load into it.
+    #[serde(default)]
+    pub named_ram: bool,
+    /// Supplementary groups of the VMM process (the templates' group for a clone).
+    #[serde(default)]
+    pub groups: Vec<u32>,
 }
 
 /// A VM's network: its namespace (created by the supervisor, which also runs the egress

@@ -2,6 +2,7 @@
 //! idempotency and the engine calls. HTTP and MCP only move JSON in and out of [`Service::call`].
 
 mod files;
+mod instant;
 pub mod job_streams;
 mod sessions;
 pub mod streams;
@@ -422,6 +423,11 @@ impl Service {
             "vm_grep" => self.vm_grep(p, parse(args)?).await,
             "vm_destroy" => self.vm_destroy(p, parse(args)?).await,
             "vm_suspend" => self.vm_suspend(p, parse(args)?).await,
+            "vm_fork" => self.vm_fork(p, parse(args)?).await,
+            "pool_status" => {
+                parse::<NoArgs>(args)?;
+                self.pool_status()
+            }
             "session_create" => self.session_create(p, parse(args)?).await,
             "session_list" | "session_status" | "session_export" | "session_delete" => {
                 self.session_tool(p, tool, args).await
@@ -589,6 +595,7 @@ impl Service {
             network,
             generation: None,
             raw_bench_port: false,
+            template: img.template || img.pool > 0,
         };
         let r = self
             .warren

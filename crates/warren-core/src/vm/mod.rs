@@ -19,11 +19,14 @@ use crate::store::{MountSpec, Store, Usage};
 
 pub mod artifacts;
 mod create;
+pub mod fork;
 mod guest;
 pub mod jobs_seen;
 mod mounts;
+pub mod pool;
 mod reconcile;
 mod suspend;
+pub mod template;
 
 pub use mounts::{parse_mount, validate_mounts, MAX_MOUNTS};
 
@@ -96,6 +99,9 @@ pub struct CreateVm {
     /// service: a second, raw virtio-serial port the guest user can pump bytes through
     /// (`LaunchSpec::bench_port`).
     pub raw_bench_port: bool,
+    /// Restore from the template of this shape (built first if there is none) instead of
+    /// booting, when templates serve the shape (`template.rs`); other shapes boot cold.
+    pub template: bool,
 }
 
 /// A VM's network and egress settings (see `docs/egress.md`). Secret values stay in host
