@@ -200,8 +200,7 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
     if reason == "job finished" {
         service.broker_pipes().remove(&vm_id, job);
     }
-    crate::ws::close(&mut sink, code, &reason).await;
-    service.stream_activity(&vm_id);
+    crate::ws::close(&service, &vm_id, &mut sink, code, &reason).await;
     tracing::info!(
         workspace = %p.workspace,
         vm = %vm_id,

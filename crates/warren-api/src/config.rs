@@ -142,6 +142,10 @@ pub struct EgressSettings {
     /// guest's trust bundle (its certificates outside the public roots). Off by default.
     #[serde(default)]
     pub host_ca_store: bool,
+    /// Header names besides `Authorization` in which placeholders are substituted, for
+    /// secrets that name no `headers` of their own (`["x-api-key"]`).
+    #[serde(default)]
+    pub secret_headers: Vec<String>,
     /// Per workspace (`name = ["CIDR", ...]`), the ranges its callers may name in
     /// `egress.allow`. A workspace without an entry may allow no CIDR at all.
     #[serde(default)]
@@ -196,6 +200,10 @@ pub struct SecretConfig {
     /// The file is JSON and the value is the string at this JSON pointer.
     #[serde(default)]
     pub json_pointer: Option<String>,
+    /// The only request headers the value is substituted into (default: `Authorization`
+    /// and `[egress] secret_headers`).
+    #[serde(default)]
+    pub headers: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -273,6 +281,15 @@ pub struct ImageConfig {
     pub min_memory_mib: Option<u32>,
     /// Memory when `vm_create` names none.
     pub memory_mib: Option<u32>,
+    /// `vm_create` restores VMs of this image from a template of their shape (built on the
+    /// first create of a shape) instead of booting them (`docs/instant.md`).
+    #[serde(default)]
+    pub template: bool,
+    /// Warm pool: this many restored VMs of the image's default shape kept ready for
+    /// `vm_create` (implies `template`; refilled in the background, counted against the
+    /// host limits).
+    #[serde(default)]
+    pub pool: u32,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -449,6 +466,19 @@ impl ServiceConfig {
             }
             if r.timeout_secs == 0 {
                 return Err(format!("intercepts[{i}].timeout_secs must be positive"));
+            }
+        }
+        let header_ok = |h: &String| {
+            !h.is_empty()
+                && h.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+        };
+        if let Some(h) = self.egress.secret_headers.iter().find(|h| !header_ok(h)) {
+            return Err(format!("egress.secret_headers: {h:?} is not a header name"));
+        }
+        for s in &self.secrets {
+            if let Some(h) = s.headers.iter().find(|h| !header_ok(h)) {
+                return Err(format!("secrets {}: {h:?} is not a header name", s.name));
             }
         }
         for c in &self.egress.blocked_cidrs {
@@ -680,10 +710,18 @@ mod tests {
         }
         let c = parse(&format!(
             "{base}[[secrets]]\nworkspace = \"w\"\nname = \"n\"\nplaceholder = \"PLACEHOLDER1\"\n\
-             hosts = [\"a.example\"]\nfile = \"/f.json\"\njson_pointer = \"/t\"\n"
+             hosts = [\"a.example\"]\nfile = \"/f.json\"\njson_pointer = \"/t\"\n\
+             headers = [\"x-api-key\"]\n"
         ))
         .expect("JSON-field secret");
         assert_eq!(c.secrets[0].json_pointer.as_deref(), Some("/t"));
+        assert_eq!(c.secrets[0].headers, ["x-api-key"]);
+        let e = parse(&format!(
+            "{base}[[secrets]]\nworkspace = \"w\"\nname = \"n\"\nplaceholder = \"PLACEHOLDER1\"\n\
+             hosts = [\"a.example\"]\nfile = \"/f\"\nheaders = [\"x api key\"]\n"
+        ))
+        .expect_err("bad header name");
+        assert!(e.to_string().contains("header name"), "{e}");
     }
 
     #[test]
@@ -691,12 +729,13 @@ mod tests {
         let base = format!("state_dir = \"/s\"\n[images.dev]\nid = \"{ID}\"\n");
         let c = parse(&format!(
             "{base}[egress]\nblocked_cidrs = [\"198.51.100.0/24\", \"192.0.2.1\"]\n\
-             intercept_all_tls = true\nhost_ca_store = true\n\
+             intercept_all_tls = true\nhost_ca_store = true\nsecret_headers = [\"x-api-key\"]\n\
              [egress.cidr_grants]\nci = [\"203.0.113.0/24\"]\n"
         ))
         .expect("egress settings");
         assert_eq!(c.egress.blocked_cidrs, ["198.51.100.0/24", "192.0.2.1"]);
         assert!(c.egress.intercept_all_tls && c.egress.host_ca_store);
+        assert_eq!(c.egress.secret_headers, ["x-api-key"]);
         assert_eq!(c.egress.cidr_grants["ci"], ["203.0.113.0/24"]);
         let none = parse(&base).expect("defaults");
         assert!(none.egress.blocked_cidrs.is_empty() && none.egress.cidr_grants.is_empty());

@@ -60,6 +60,7 @@ pub(crate) fn network_request(
         blocked_cidrs: cfg.egress.blocked_cidrs.clone(),
         intercept_all_tls: cfg.egress.intercept_all_tls,
         host_ca_store: cfg.egress.host_ca_store,
+        secret_headers: cfg.egress.secret_headers.clone(),
         secrets: cfg
             .secrets
             .iter()
@@ -70,6 +71,7 @@ pub(crate) fn network_request(
                 hosts: s.hosts.clone(),
                 file: s.file.clone(),
                 json_pointer: s.json_pointer.clone(),
+                headers: s.headers.clone(),
             })
             .collect(),
         intercepts: cfg
@@ -140,7 +142,7 @@ mod tests {
     fn test_network_request_carries_operator_settings() {
         let c = cfg(
             "[egress]\nblocked_cidrs = [\"198.51.100.0/24\"]\nintercept_all_tls = true\n\
-             host_ca_store = true\n",
+             host_ca_store = true\nsecret_headers = [\"x-api-key\"]\n",
         );
         let p = Principal::local(1000);
         let args = EgressArgs {
@@ -151,6 +153,7 @@ mod tests {
             network_request(&c, &p, warren_vmm::NetMode::Internet, Some(args)).expect("request");
         assert_eq!(net.blocked_cidrs, ["198.51.100.0/24"]);
         assert!(net.intercept_all_tls && net.host_ca_store);
+        assert_eq!(net.secret_headers, ["x-api-key"]);
         assert_eq!(net.mode, warren_vmm::NetMode::Internet);
         assert_eq!(net.allow, ["api.example.com"]);
         let args = EgressArgs {

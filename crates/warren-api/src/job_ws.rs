@@ -291,8 +291,7 @@ async fn run(
     };
     reader.abort();
     upstream.abort();
-    crate::ws::close(&mut sink, code, &reason).await;
-    service.stream_activity(&vm_id);
+    crate::ws::close(&service, &vm_id, &mut sink, code, &reason).await;
     tracing::info!(
         workspace = %p.workspace,
         vm = %vm_id,

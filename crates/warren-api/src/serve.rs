@@ -50,6 +50,8 @@ impl ServeError {
     }
 }
 
+/// How often the warm pools are topped up.
+const POOL_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
 /// How often idle VMs are looked for.
 const IDLE_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -136,6 +138,10 @@ pub async fn serve(
         let service = service.clone();
         tokio::spawn(async move { service.idle_loop(IDLE_CHECK).await })
     };
+    let pools = {
+        let service = service.clone();
+        tokio::spawn(async move { service.pool_loop(POOL_CHECK).await })
+    };
     let tcp_app = http::tcp_router(service.clone(), hosts);
     let unix_app = http::unix_router(service.clone());
     let limits = ConnLimits::from_config(&cfg.http);
@@ -167,6 +173,7 @@ pub async fn serve(
     })
     .await;
     idle.abort();
+    pools.abort();
     let _ = std::fs::remove_file(&socket_path);
     Ok(())
 }

@@ -768,3 +768,47 @@ mod tests {
         assert_eq!(bg[0].command, "job 2");
     }
 }
+
+/// `vm_fork`: copies of a running VM.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VmForkArgs {
+    /// Idempotency key: a retry with the same id and arguments returns the original copies.
+    /// 1-128 characters of A-Z a-z 0-9 . _ : -
+    pub request_id: String,
+    pub vm_id: String,
+    /// How many copies (1-16), admitted against the limits as one request.
+    #[schemars(range(min = 1, max = 16))]
+    pub count: u32,
+    /// Refuse with `conflict` unless the VM's generation (its memory lineage) is this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_generation: Option<u64>,
+}
+
+/// The copies a fork made.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct VmForked {
+    pub vms: Vec<VmInfo>,
+}
+
+/// The warm pools, by shape.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct PoolReport {
+    pub pools: Vec<PoolEntry>,
+}
+
+/// One warm pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct PoolEntry {
+    /// The configured image name (null if the image is no longer configured).
+    pub image: Option<String>,
+    pub image_id: String,
+    pub memory_mib: u32,
+    pub vcpus: u32,
+    /// The operator's target size.
+    pub size: u32,
+    /// VMs ready to be handed out.
+    pub ready: u32,
+    /// VMs being restored.
+    pub starting: u32,
+}

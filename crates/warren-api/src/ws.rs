@@ -209,8 +209,7 @@ async fn run(
         }
     };
     upstream.abort();
-    close(&mut sink, code, &reason).await;
-    service.stream_activity(&vm_id);
+    close(&service, &vm_id, &mut sink, code, &reason).await;
     tracing::info!(
         workspace = %p.workspace,
         vm = %vm_id,
@@ -403,8 +402,16 @@ impl Lifeline {
 /// The client's half of a WebSocket, as the stream tasks send on it.
 pub(crate) type Sink = futures_util::stream::SplitSink<WebSocket, Message>;
 
-/// Sends the closing frame and closes, giving a client that reads nothing [`CLOSE_WAIT`].
-pub(crate) async fn close(sink: &mut Sink, code: u16, reason: &str) {
+/// Ends a WebSocket: the close frame with `code` and `reason` (cut to fit; a client that
+/// reads nothing gets [`CLOSE_WAIT`] for it), then the stream counts as activity on its VM
+/// one last time.
+pub(crate) async fn close(
+    service: &Service,
+    vm_id: &str,
+    sink: &mut Sink,
+    code: u16,
+    reason: &str,
+) {
     let frame = CloseFrame {
         code,
         reason: cut_reason(reason).into(),
@@ -414,6 +421,7 @@ pub(crate) async fn close(sink: &mut Sink, code: u16, reason: &str) {
         let _ = sink.close().await;
     })
     .await;
+    service.stream_activity(vm_id);
 }
 
 /// A close reason fits in 123 bytes.

@@ -343,7 +343,7 @@ pub(crate) async fn wait_job(w: &Warren, vm: &str, job: warren_protocol::JobId) 
 /// Boots QEMU directly with Warren's own command line for a VM directory prepared by
 /// `vm create` (same kernel, per-VM initramfs and a fresh overlay of the same base), and
 /// returns seconds from spawn to the agent's ready line.
-async fn raw_boot(vm_dir: &std::path::Path, accel: warren_vmm::Accel) -> Result<f64> {
+pub(crate) async fn raw_boot(vm_dir: &std::path::Path, accel: warren_vmm::Accel) -> Result<f64> {
     let cfg: warren_supervisor::SupervisorConfig =
         serde_json::from_slice(&std::fs::read(vm_dir.join("supervisor.json"))?)?;
     let run_dir = tempfile_dir()?.join("raw");

@@ -229,6 +229,7 @@ fn host_egress(topo: &Topology, files: &NetFiles) -> Result<Egress> {
         placeholder: PLACEHOLDER.into(),
         hosts: vec![SECRET_HOST.parse()?],
         source: SecretSource::File(files.secret.clone()),
+        headers: vec![],
     }];
     // Every decision is logged at info (below this process's default level) instead of
     // being rate-limited, which would print a warning for each dry spell.
@@ -247,6 +248,7 @@ fn vm_network(topo: &Topology, files: &NetFiles) -> NetworkRequest {
             hosts: vec![SECRET_HOST.into()],
             file: files.secret.clone(),
             json_pointer: None,
+            headers: vec![],
         }],
         upstream_dns: Some(SocketAddr::V4(SocketAddrV4::new(DNS, 53))),
         outbound_netns: Some(topo.world.path()),

@@ -94,10 +94,9 @@ pub enum Command {
     /// for wired credentials, not by hand).
     #[command(hide = true)]
     InterceptRefresh {
-        #[arg(long)]
-        agent: String,
-        #[arg(long)]
-        credentials: PathBuf,
+        /// `LOGIN=FILE` (repeatable): a login this endpoint may refresh and its host file.
+        #[arg(long = "source", required = true)]
+        sources: Vec<String>,
     },
     /// Runs the per-VM supervisor (started by `vm create`, not by hand).
     #[command(hide = true)]
@@ -191,10 +190,12 @@ pub struct RunArgs {
     /// Mount the project directory itself instead of a copy (first run only).
     #[arg(long)]
     pub direct: bool,
-    /// Wire these host credentials (claude or codex; repeatable): real tokens stay on the
-    /// host, the VM gets placeholders. Default for claude, codex and opencode: both, where the
-    /// host has them (the same for every agent, so they share the project's VM).
-    #[arg(long = "credentials", value_parser = ["claude", "codex"])]
+    /// Wire these host credentials (repeatable): the agents' logins (claude, codex, opencode), the API
+    /// keys (anthropic-api-key, openai-api-key) and GitHub (github-token). Real values stay
+    /// on the host, the VM gets placeholders. Default for claude, codex and opencode: all of
+    /// them the host has (the same for every agent, so they share the project's VM).
+    #[arg(long = "credentials", value_parser = ["claude", "codex", "opencode",
+          "anthropic-api-key", "openai-api-key", "github-token"])]
     pub credentials: Vec<String>,
     /// Wire no credentials (the agent logs in inside the VM, or not at all).
     #[arg(long, conflicts_with = "credentials")]
@@ -317,6 +318,11 @@ pub enum VmCmd {
         /// standby (device state only; the RAM file is flushed and counts as storage).
         #[arg(long)]
         ram_file: bool,
+        /// Restore from the template of this VM's shape (image, memory, vCPUs, NIC), built
+        /// on first use, instead of booting: each clone gets its own disk layer, channel
+        /// secret, entropy, hostname and machine id. Shapes with shares or a RAM file boot.
+        #[arg(long, env = "WARREN_TEMPLATES")]
+        template: bool,
         /// Give the VM a NIC behind Warren's fail-closed egress: `allowlist` (bare
         /// `--network`: nothing is reachable unless `--egress` allows it), `internet` (every
         /// public destination over TCP, minus the `--egress` deny list) or `off` (the
@@ -485,6 +491,29 @@ pub enum VmCmd {
     Resume { vm: String },
     /// Stops the VM and removes its disk, sockets, cgroup and directory.
     Destroy { vm: String },
+    /// Makes COUNT independent copies of a running VM (processes, memory, files), each with
+    /// its own identity, secret and disk; prints their ids. The VM pauses briefly and runs on.
+    Fork {
+        vm: String,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Lists the templates `vm create --template` restores from.
+    Templates {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Tops up the warm pool of an image's default shape to SIZE ready VMs (`warren serve`
+    /// does this in the background for configured pools), then prints every pool's state.
+    Pool {
+        /// Image id, prefix or recipe name.
+        #[arg(long)]
+        image: Option<String>,
+        #[arg(long)]
+        size: Option<u32>,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -497,8 +526,13 @@ pub struct BenchArgs {
     /// the host with and without the proxy (use --image dev; --iterations new connections
     /// per case, --boots downloads of --mib MiB); `load`: --clients clients of --workspaces
     /// workspaces (one VM each) make --requests mixed requests each through HTTP and MCP,
-    /// reporting p50/p99 per operation, errors and crossed outputs (exit 1 if any).
-    #[arg(long, default_value = "core", value_parser = ["core", "service", "suspend", "workspace", "network", "load"])]
+    /// reporting p50/p99 per operation, errors and crossed outputs (exit 1 if any);
+    /// `streams`: guest streams, `vm cp` and the file API against a raw virtio-serial port of
+    /// the same VM (--boots repetitions of --mib MiB each way, --iterations round trips).
+    /// `instant`: create to first exec cold vs from a template vs from the warm pool, 8
+    /// concurrent creates, a fork of 4 and resume from fast standby, with the restore's
+    /// breakdown (use --boots 20 for p50/p99 over 20).
+    #[arg(long, default_value = "core", value_parser = ["core", "service", "suspend", "workspace", "network", "load", "streams", "instant"])]
     pub suite: String,
     /// Image to boot.
     #[arg(long, default_value = "minimal")]

@@ -27,8 +27,8 @@ pub fn run(cli: Cli) -> Result<i32> {
         warren_supervisor::run(vm_dir.clone()).context("supervisor")?;
         return Ok(0);
     }
-    if let Command::InterceptRefresh { agent, credentials } = &cli.command {
-        return crate::agents::intercept_refresh(agent, credentials);
+    if let Command::InterceptRefresh { sources } = &cli.command {
+        return crate::refresh::intercept_refresh(sources);
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -78,6 +78,12 @@ async fn run_async(cli: Cli) -> Result<i32> {
             crate::bench_network::run(&cli, args).await
         }
         Command::Bench(args) if args.suite == "load" => crate::bench_load::run(&cli, args).await,
+        Command::Bench(args) if args.suite == "streams" => {
+            crate::bench_streams::run(&cli, args).await
+        }
+        Command::Bench(args) if args.suite == "instant" => {
+            crate::bench_instant::run(&cli, args).await
+        }
         Command::Bench(args) if args.suite == "service" => {
             crate::bench_service::run(&cli, args).await
         }
@@ -406,6 +412,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             idle_mode,
             mounts,
             ram_file,
+            template,
             network,
             egress,
             accel,
@@ -425,6 +432,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             let req = CreateVm {
                 mounts,
                 ram_file: *ram_file,
+                template: *template,
                 network,
                 image: image.clone(),
                 memory_mib: *memory_mib,
@@ -759,6 +767,62 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
         VmCmd::Destroy { vm } => {
             let w = open(cli, None)?;
             w.destroy_vm(vm).await?;
+            Ok(0)
+        }
+        VmCmd::Fork { vm, count, json } => {
+            let w = open(cli, None)?;
+            let copies = w
+                .fork_vm(&warren_core::ForkVm {
+                    vm_id: vm.clone(),
+                    count: *count,
+                    ..Default::default()
+                })
+                .await?;
+            let ids: Vec<&str> = copies.iter().map(|c| c.id.as_str()).collect();
+            if *json {
+                println!("{}", serde_json::json!({ "vm_ids": ids }));
+            } else {
+                for id in ids {
+                    println!("{id}");
+                }
+            }
+            Ok(0)
+        }
+        VmCmd::Templates { json } => {
+            let w = open(cli, None)?;
+            let list = w.list_templates()?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                for t in list {
+                    println!(
+                        "{}  image {}  {} MiB  {} vCPU  {} {}  nic {}  {}",
+                        t.name,
+                        &t.key.image_id[..12.min(t.key.image_id.len())],
+                        t.key.memory_mib,
+                        t.key.vcpus,
+                        t.key.accel,
+                        t.key.cpu,
+                        t.key.network,
+                        if t.valid { "valid" } else { "stale" }
+                    );
+                }
+            }
+            Ok(0)
+        }
+        VmCmd::Pool { image, size } => {
+            let w = open(cli, None)?;
+            if let Some(size) = size {
+                let shape = warren_core::PoolShape {
+                    image: image
+                        .clone()
+                        .unwrap_or_else(|| warren_core::vm::DEFAULT_IMAGE.into()),
+                    memory_mib: None,
+                    vcpus: None,
+                };
+                w.fill_pool(&shape, *size, Default::default()).await?;
+            }
+            println!("{}", serde_json::to_string_pretty(&w.pool_status()?)?);
             Ok(0)
         }
     }

@@ -25,6 +25,10 @@ struct EgressFile {
     /// Trust the host's CA store too (hosts behind TLS inspection).
     #[serde(default)]
     host_ca_store: bool,
+    /// Header names besides `Authorization` where placeholders of secrets without `headers`
+    /// of their own are substituted.
+    #[serde(default)]
+    secret_headers: Vec<String>,
     upstream_dns: Option<std::net::SocketAddr>,
     outbound_netns: Option<std::path::PathBuf>,
     upstream_roots: Option<std::path::PathBuf>,
@@ -61,6 +65,9 @@ struct EgressSecret {
     hosts: Vec<String>,
     file: std::path::PathBuf,
     json_pointer: Option<String>,
+    /// The only headers this secret is substituted into.
+    #[serde(default)]
+    headers: Vec<String>,
 }
 
 /// The network of `--network [MODE]` and `--egress FILE`: `None` (no NIC) without either
@@ -104,6 +111,7 @@ pub(crate) fn load(path: &std::path::Path) -> Result<warren_core::NetworkRequest
         blocked_cidrs: f.blocked_cidrs,
         intercept_all_tls: f.intercept_all_tls,
         host_ca_store: f.host_ca_store,
+        secret_headers: f.secret_headers,
         mode: warren_vmm::NetMode::Allowlist,
         upstream_dns: f.upstream_dns,
         outbound_netns: f.outbound_netns,
@@ -118,6 +126,7 @@ pub(crate) fn load(path: &std::path::Path) -> Result<warren_core::NetworkRequest
                     hosts: s.hosts,
                     file: abs(s.file)?,
                     json_pointer: s.json_pointer,
+                    headers: s.headers,
                 })
             })
             .collect::<Result<_>>()?,
@@ -170,6 +179,15 @@ mod tests {
         assert!(net.blocked_cidrs.is_empty() && !net.intercept_all_tls);
         std::fs::write(&f, "blocked = [\"203.0.113.0/24\"]\n").expect("write");
         assert!(load(&f).is_err(), "unknown key");
+        std::fs::write(
+            &f,
+            "secret_headers = [\"x-api-key\"]\n[[secrets]]\nname = \"k\"\nplaceholder = \"PH-123456\"\n\
+             hosts = [\"a.test\"]\nfile = \"/dev/null\"\nheaders = [\"x-goog-api-key\"]\n",
+        )
+        .expect("write");
+        let net = load(&f).expect("parse");
+        assert_eq!(net.secret_headers, ["x-api-key"]);
+        assert_eq!(net.secrets[0].headers, ["x-goog-api-key"]);
         std::fs::write(&f, "deny = [\"x.test\"]\nhost_ca_store = true\n").expect("write");
         let net = network_request(Some("internet"), Some(&f))
             .expect("parse")

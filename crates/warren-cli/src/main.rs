@@ -6,9 +6,12 @@
 
 mod agents;
 mod bench;
+mod bench_floor;
+mod bench_instant;
 mod bench_load;
 mod bench_network;
 mod bench_service;
+mod bench_streams;
 mod bench_suspend;
 mod bench_workspace;
 mod cli;
@@ -16,12 +19,15 @@ mod client;
 mod commands;
 mod copy;
 mod egress_file;
+mod host_keys;
 mod jobs_cmd;
+mod refresh;
 mod remote_exec;
 mod session_cmd;
 mod stream_cmd;
 mod stream_link;
 mod term;
+mod user_config;
 
 use clap::Parser;
 use tracing_subscriber::filter::{self, FilterExt};

@@ -345,15 +345,21 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
     let project = project_of(&cwd)?;
     let mut want = devices(&args.devices)?;
     let agent = args.agent.as_deref().unwrap_or("shell");
-    let wiring = wire_credentials(t, args, agent, &project, &want)?;
-    // Through the service when one listens, unless host credentials are to be wired: the
-    // service takes no credential files from a caller, so wiring stays in this process.
-    let opener = match &wiring {
-        None => {
+    let state = cli
+        .state_dir
+        .clone()
+        .unwrap_or_else(crate::commands::default_state_dir);
+    let wiring = wire_credentials(t, &state, args, agent, &project, &want)?;
+    // Through the service when one listens, unless host credentials are to be wired (the
+    // service takes no credential files from a caller), the VM is to be recreated or host
+    // directories mounted: those stay in this process, which has the engine's full reach.
+    let in_process = wiring.is_some() || args.recreate || !args.devices.mounts.is_empty();
+    let opener = match in_process {
+        false => {
             crate::stream_link::Opener::new(cli, &crate::stream_link::ServiceArgs::default())
                 .await?
         }
-        Some(_) => crate::stream_link::Opener::Local(Box::new(open(cli, None)?)),
+        true => crate::stream_link::Opener::Local(Box::new(open(cli, None)?)),
     };
     let w = match opener {
         crate::stream_link::Opener::Local(w) => w,
@@ -403,8 +409,12 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
     }
     let tty = std::io::stdin().is_terminal() && std::io::stdout().is_terminal();
     let argv = argv_for(agent, &args.command, tty);
+    let mut env = agent_env();
+    if let Some(wiring) = wiring {
+        env.extend(wiring.env);
+    }
     tracing::info!(session = %s.id, vm = %vm.id, ?argv, tty, "run");
-    run_in(&w, &vm.id, argv, rel, tty).await
+    run_in(&w, &vm.id, argv, env, rel, tty).await
 }
 
 /// `warren run` through the service: the project's session of the caller's workspace (made
@@ -420,9 +430,6 @@ async fn run_via_service(
 ) -> Result<i32> {
     use serde_json::json;
     let d = &args.devices;
-    if !d.mounts.is_empty() {
-        anyhow::bail!("--mount is not available through the service");
-    }
     let mut tools = opener.tools(None).await?;
     let list = tools.post("session_list", &json!({})).await?;
     let source = project.to_string_lossy();
@@ -438,10 +445,10 @@ async fn run_via_service(
                 || d.memory_mib.is_some()
                 || d.vcpus.is_some()
                 || d.storage_mib.is_some();
-            if args.recreate || devices_given {
+            if devices_given {
                 anyhow::bail!(
-                    "through the service a session's VM keeps its devices: --recreate and device \
-                     options apply when the session is created (warren session delete first)"
+                    "through the service a session's VM keeps its devices: device options apply \
+                     when the session is created (or with --recreate, run in process)"
                 );
             }
             s
@@ -506,32 +513,39 @@ async fn run_via_service(
 /// when the run asks for no network.
 fn wire_credentials(
     t: Term,
+    state: &Path,
     args: &RunArgs,
     agent: &str,
     project: &Path,
     devices: &SessionDevices,
 ) -> Result<Option<crate::agents::Wiring>> {
     use crate::agents::Provider;
-    // An agent gets every provider's credentials the host has, the same set whichever agent
-    // runs, so all agents of a project share its VM (opencode talks to either provider).
-    let providers: Vec<Provider> = if args.no_credentials {
-        Vec::new()
+    use crate::host_keys::KeyKind;
+    // An agent gets every credential the host has, the same set whichever agent runs, so all
+    // agents of a project share its VM (opencode talks to either provider).
+    let (providers, keys): (Vec<Provider>, Vec<KeyKind>) = if args.no_credentials {
+        (Vec::new(), Vec::new())
     } else if !args.credentials.is_empty() {
-        let mut v: Vec<Provider> = Vec::new();
-        for p in args.credentials.iter().filter_map(|c| Provider::parse(c)) {
-            if !v.contains(&p) {
-                v.push(p);
+        let (mut v, mut k) = (Vec::new(), Vec::new());
+        for c in &args.credentials {
+            match (Provider::parse(c), KeyKind::parse(c)) {
+                (Some(p), _) if !v.contains(&p) => v.push(p),
+                (_, Some(kind)) if !k.contains(&kind) => k.push(kind),
+                _ => {}
             }
         }
-        v
+        (v, k)
     } else if matches!(agent, "claude" | "codex" | "opencode") {
-        vec![Provider::Claude, Provider::Codex]
+        (
+            vec![Provider::Claude, Provider::Codex, Provider::Opencode],
+            KeyKind::ALL.to_vec(),
+        )
     } else {
-        Vec::new()
+        (Vec::new(), Vec::new())
     };
     let mode = crate::egress_file::parse_mode(args.network.as_deref().filter(|m| *m != "off"))?;
     if args.network.as_deref() == Some("off") {
-        if !providers.is_empty() || args.egress.is_some() {
+        if !providers.is_empty() || !keys.is_empty() || args.egress.is_some() {
             anyhow::bail!(
                 "--network off: wired credentials and --egress need a network \
                  (add --no-credentials, drop --egress)"
@@ -539,7 +553,7 @@ fn wire_credentials(
         }
         return Ok(None);
     }
-    if providers.is_empty() && args.network.is_none() && args.egress.is_none() {
+    if providers.is_empty() && keys.is_empty() && args.network.is_none() && args.egress.is_none() {
         return Ok(None);
     }
     let mut mounted: Vec<PathBuf> = devices.mounts.iter().map(|m| m.host.clone()).collect();
@@ -549,6 +563,17 @@ fn wire_credentials(
     let home = caller_home()?;
     let mut wiring =
         crate::agents::wire(&providers, &home, caller(), &mounted, &mut |m| t.warn(m))?;
+    let user = crate::user_config::load(&home)?;
+    let sources = crate::host_keys::HostSources {
+        home: &home,
+        files: &user.credentials,
+        store: state.join("credentials").join(my_workspace()),
+        owner: caller(),
+        mounted: &mounted,
+    };
+    for k in crate::host_keys::wire(&keys, &sources, &mut wiring.network, &mut wiring.env)? {
+        tracing::info!(credential = k.kind.name(), origin = ?k.origin, "wired");
+    }
     if let Some(file) = &args.egress {
         let mut net = crate::egress_file::load(file)?;
         net.allow.append(&mut wiring.network.allow);
@@ -579,12 +604,13 @@ async fn run_in(
     w: &Warren,
     vm: &str,
     argv: Vec<String>,
+    env: Vec<(String, String)>,
     cwd: Option<String>,
     tty: bool,
 ) -> Result<i32> {
     let spec = warren_core::InteractiveSpec {
         argv,
-        env: agent_env(),
+        env,
         cwd,
         timeout_ms: None,
         tty,

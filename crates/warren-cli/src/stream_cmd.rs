@@ -251,7 +251,7 @@ pub async fn cp(cli: &Cli, service: &ServiceArgs, src: &str, dst: &str) -> Resul
     }
 }
 
-async fn upload(opener: &Opener, from: &Path, vm: &str, dir: &str) -> Result<i32> {
+pub(crate) async fn upload(opener: &Opener, from: &Path, vm: &str, dir: &str) -> Result<i32> {
     if from.file_name().is_none() {
         bail!("{}: name a file or directory", from.display());
     }
@@ -305,7 +305,7 @@ async fn wait_end(rx: &mut Rx) -> Result<()> {
     }
 }
 
-async fn download(opener: &Opener, vm: &str, path: &str, to: &Path) -> Result<i32> {
+pub(crate) async fn download(opener: &Opener, vm: &str, path: &str, to: &Path) -> Result<i32> {
     let name = Path::new(path)
         .file_name()
         .ok_or_else(|| anyhow!("{path}: name a guest file or directory"))?
@@ -352,25 +352,45 @@ async fn download_into(
     let (chunks_tx, chunks) = std::sync::mpsc::sync_channel::<Vec<u8>>(8);
     let root = staging.to_path_buf();
     let unpacker = tokio::task::spawn_blocking(move || {
-        let r = ChannelReader {
+        let mut r = ChannelReader {
             rx: chunks,
             cur: Vec::new(),
             pos: 0,
         };
-        crate::copy::unpack(r, &root, u64::MAX)
+        let unpacked = crate::copy::unpack(&mut r, &root, u64::MAX)?;
+        // tar pads its output to whole records after the end-of-archive blocks, and that
+        // padding may arrive after the unpacker saw the end: take it (bounded) so the
+        // sender does not find the unpacker gone.
+        let trailing = std::io::copy(&mut (&mut r).take(MAX_TRAILING + 1), &mut std::io::sink())?;
+        if trailing > MAX_TRAILING {
+            bail!("more than {MAX_TRAILING} bytes follow the end of the archive");
+        }
+        Ok(unpacked)
     });
     let mut progress = Progress::new(format!("{vm}:{path}"), 0);
     let received = async {
+        let mut unpacker_done = false;
+        let mut dropped = 0u64;
         loop {
             match rx.next().await? {
                 Chunk::Data(d) => {
                     progress.add(d.len());
+                    if unpacker_done {
+                        // Bounded: a guest that goes on sending after the archive is refused.
+                        dropped += d.len() as u64;
+                        if dropped > MAX_TRAILING {
+                            bail!("more than {MAX_TRAILING} bytes follow the end of the archive");
+                        }
+                        continue;
+                    }
                     let tx = chunks_tx.clone();
-                    // The unpacker may lag: hand over without blocking the runtime.
-                    tokio::task::spawn_blocking(move || tx.send(d))
+                    // The unpacker may lag: hand over without blocking the runtime. It stops
+                    // at the archive's end marker (or an error, reported below): what follows
+                    // (tar pads its output to whole records) is read and dropped.
+                    unpacker_done = tokio::task::spawn_blocking(move || tx.send(d))
                         .await
                         .map_err(|e| anyhow!("{e}"))?
-                        .map_err(|_| anyhow!("the unpacker stopped"))?;
+                        .is_err();
                 }
                 Chunk::End { ok: true, .. } => return Ok::<(), anyhow::Error>(()),
                 Chunk::End { ok: false, reason } => bail!("the guest side failed: {reason}"),
@@ -381,8 +401,10 @@ async fn download_into(
     drop(chunks_tx);
     progress.finish();
     let unpacked = unpacker.await.map_err(|e| anyhow!("unpacking: {e}"))?;
+    // The unpacker's own error says why it stopped taking data; report that one first.
+    let unpacked = unpacked?;
     received?;
-    unpacked
+    Ok(unpacked)
 }
 
 /// A private directory in `parent` for a copy being made.
@@ -432,6 +454,9 @@ impl Drop for ChannelWriter {
 }
 
 /// `Read` from a channel of chunks (the unpacker runs on a blocking thread).
+/// Bytes accepted after a downloaded archive's end (tar's record padding is at most 10 KiB).
+const MAX_TRAILING: u64 = 1 << 20;
+
 struct ChannelReader {
     rx: std::sync::mpsc::Receiver<Vec<u8>>,
     cur: Vec<u8>,

@@ -1,5 +1,5 @@
-//! Guest streams through the service on one real VM: `warren attach` with half-close, every
-//! refusal before the guest, the VM quota, `vm cp` both ways (modes, symlinks, checksums),
+//! Guest streams through the service on one real VM: `warren attach` with half-close, 100 MiB
+//! each way through one stream with checksums on both ends, every refusal before the guest, the VM quota, `vm cp` both ways (modes, symlinks, checksums),
 //! `warren port-forward` of a guest HTTP server, suspend refused while a stream is open,
 //! revocation closing an open stream within the recheck period, and destroy closing with
 //! 1001 `destroyed`.
@@ -33,6 +33,26 @@ while True:
     c, _ = s.accept()
     threading.Thread(target=serve, args=(c,), daemon=True).start()
 "#;
+
+/// A guest listener on 127.0.0.1:5002 that echoes its input and, once it ended, writes the
+/// SHA-256 of what it received to /tmp/echo.sha256 before closing.
+const ECHO: &str = r#"
+import socket, hashlib
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 5002)); s.listen(4)
+while True:
+    c, _ = s.accept()
+    h = hashlib.sha256()
+    while True:
+        x = c.recv(1 << 20)
+        if not x: break
+        h.update(x); c.sendall(x)
+    open("/tmp/echo.sha256", "w").write(h.hexdigest())
+    c.close()
+"#;
+
+/// Bytes each way through one stream.
+const BULK: usize = 100 << 20;
 
 fn attach(
     d: &Daemon,
@@ -77,13 +97,18 @@ fn test_streams_attach_refusals_copy_forward_and_lifecycle_closes() {
         json!({"vm_id": vm, "request_id": "e1", "argv": ["python3", "-c", UPPER], "wait_ms": 0}),
     );
     assert!(started["job_id"].is_string(), "{started}");
-    // The listener is up once a connect succeeds.
+    d.ok(
+        &t,
+        "vm_exec",
+        json!({"vm_id": vm, "request_id": "e0", "argv": ["python3", "-c", ECHO], "wait_ms": 0}),
+    );
+    // The listeners are up once a connect succeeds.
     let (_, ready) = sh(
         &d,
         &t,
         &vm,
         "r1",
-        "for i in $(seq 100); do python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 5000)).close()' 2>/dev/null && exit 0; sleep 0.2; done; exit 1",
+        "for i in $(seq 100); do python3 -c 'import socket; [socket.create_connection((\"127.0.0.1\", p)).close() for p in (5000, 5002)]' 2>/dev/null && exit 0; sleep 0.2; done; exit 1",
     );
     assert_eq!(ready["exit_code"], 0, "{ready}");
 
@@ -105,6 +130,48 @@ fn test_streams_attach_refusals_copy_forward_and_lifecycle_closes() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(out.status.code(), Some(0));
+
+    // 100 MiB each way through one stream: sent, echoed, checksummed on both ends.
+    let started = Instant::now();
+    let mut echo = attach(&d, &tf, &vm, "5002", &[])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("attach");
+    let mut stdin = echo.stdin.take().expect("stdin");
+    let writer = std::thread::spawn(move || {
+        let mut sent = Sha256::new();
+        for i in 0..(BULK >> 20) as u32 {
+            let piece: Vec<u8> = (0..1u32 << 20)
+                .map(|j| ((i << 20 | j).wrapping_mul(2654435761) >> 13) as u8)
+                .collect();
+            sent.update(&piece);
+            stdin.write_all(&piece).expect("send");
+        }
+        hex::encode(sent.finalize())
+    });
+    let mut stdout = echo.stdout.take().expect("stdout");
+    let (mut got, mut back) = (0usize, Sha256::new());
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = stdout.read(&mut buf).expect("receive");
+        if n == 0 {
+            break;
+        }
+        back.update(&buf[..n]);
+        got += n;
+    }
+    let sent = writer.join().expect("writer");
+    let status = echo.wait().expect("attach exit");
+    let mut err = String::new();
+    let _ = echo.stderr.take().expect("stderr").read_to_string(&mut err);
+    assert_eq!((status.code(), got), (Some(0), BULK), "{err}");
+    assert_eq!(hex::encode(back.finalize()), sent, "the echo differs");
+    let (guest_sum, check) = sh(&d, &t, &vm, "x1", "cat /tmp/echo.sha256");
+    assert_eq!(check["exit_code"], 0, "{check}");
+    assert_eq!(guest_sum.trim(), sent, "the guest received other bytes");
+    eprintln!("100 MiB each way in {:?}", started.elapsed());
 
     // Refusals, all before the guest is asked to connect anything.
     let path = |port: &str| format!("/v1/vms/{vm}/streams/{port}");

@@ -21,6 +21,8 @@ pub use error::CoreError;
 pub use interactive::InteractiveSpec;
 pub use session::{CreateSession, SessionDevices};
 pub use store::{MountSpec, SessionRecord};
+pub use vm::fork::ForkVm;
+pub use vm::pool::{PoolShape, PoolStatus};
 pub use vm::{
     local_workspace, validate_mounts, CreateVm, Limits, NetworkRequest, SuspendMode, Warren,
     WarrenConfig,

@@ -239,52 +239,24 @@ impl Store {
         uid_base: u32,
         admit: impl FnOnce(&Transaction<'_>) -> Result<(), E>,
     ) -> Result<(), E> {
+        self.immediate(|tx| {
+            admit(tx)?;
+            insert_in(tx, rec, uid_base)?;
+            Ok(())
+        })
+    }
+
+    /// Runs `f` in one immediate transaction (committed when it succeeds): admission checks
+    /// and the changes they allow are one step for every concurrent creator.
+    pub(crate) fn immediate<T, E: From<rusqlite::Error>>(
+        &self,
+        f: impl FnOnce(&Transaction<'_>) -> Result<T, E>,
+    ) -> Result<T, E> {
         let mut conn = self.conn();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        admit(&tx)?;
-        let used: Vec<u32> = {
-            let mut st = tx.prepare("SELECT uid FROM vms ORDER BY uid")?;
-            let rows = st.query_map([], |r| r.get(0))?;
-            rows.collect::<Result<_, _>>()?
-        };
-        let mut uid = uid_base;
-        for u in used {
-            if u == uid {
-                uid += 1;
-            } else if u > uid {
-                break;
-            }
-        }
-        rec.uid = uid;
-        tx.execute(
-            "INSERT INTO vms (id, image_id, state, reason, memory_mib, vcpus, accel, uid, created_unix, boot_ms,
-                              workspace, disk_mib, generation, request_id, idle_seconds, idle_mode,
-                              last_active_unix, mounts, ram_file)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)",
-            params![
-                rec.id,
-                rec.image_id,
-                rec.state.as_str(),
-                rec.reason,
-                rec.memory_mib,
-                rec.vcpus,
-                rec.accel,
-                rec.uid,
-                rec.created_unix as i64,
-                rec.boot_ms.map(|b| b as i64),
-                rec.workspace,
-                rec.disk_mib as i64,
-                rec.generation as i64,
-                rec.request_id,
-                rec.idle_seconds,
-                rec.idle_mode,
-                rec.last_active_unix as i64,
-                serde_json::to_string(&rec.mounts).expect("invariant: mounts serialise"),
-                rec.ram_file,
-            ],
-        )?;
+        let out = f(&tx)?;
         tx.commit()?;
-        Ok(())
+        Ok(out)
     }
 
     /// Moves `id` from state `from` to `to` after `admit` approved it inside the same
@@ -357,10 +329,12 @@ impl Store {
             .optional()
     }
 
-    /// Records work on a VM now (keeps it from idling out).
+    /// Records work on a VM now (keeps it from idling out). A VM already touched this second
+    /// is left as it is: an update that changes no row writes nothing (no journal sync), so a
+    /// burst of calls (file chunks, output polls) costs one write a second, not one each.
     pub fn touch(&self, id: &str, now_unix: u64) -> Result<(), rusqlite::Error> {
         self.conn().execute(
-            "UPDATE vms SET last_active_unix = ?2 WHERE id = ?1",
+            "UPDATE vms SET last_active_unix = ?2 WHERE id = ?1 AND last_active_unix < ?2",
             params![id, now_unix as i64],
         )?;
         Ok(())
@@ -483,6 +457,57 @@ impl Store {
     }
 }
 
+/// Inserts `rec` with the lowest free uid at or above `uid_base` (part of a caller's
+/// transaction, after its admission check).
+pub(crate) fn insert_in(
+    tx: &Transaction<'_>,
+    rec: &mut VmRecord,
+    uid_base: u32,
+) -> Result<(), rusqlite::Error> {
+    let used: Vec<u32> = {
+        let mut st = tx.prepare("SELECT uid FROM vms ORDER BY uid")?;
+        let rows = st.query_map([], |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()?
+    };
+    let mut uid = uid_base;
+    for u in used {
+        if u == uid {
+            uid += 1;
+        } else if u > uid {
+            break;
+        }
+    }
+    rec.uid = uid;
+    tx.execute(
+        "INSERT INTO vms (id, image_id, state, reason, memory_mib, vcpus, accel, uid, created_unix, boot_ms,
+                          workspace, disk_mib, generation, request_id, idle_seconds, idle_mode,
+                          last_active_unix, mounts, ram_file)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)",
+        params![
+            rec.id,
+            rec.image_id,
+            rec.state.as_str(),
+            rec.reason,
+            rec.memory_mib,
+            rec.vcpus,
+            rec.accel,
+            rec.uid,
+            rec.created_unix as i64,
+            rec.boot_ms.map(|b| b as i64),
+            rec.workspace,
+            rec.disk_mib as i64,
+            rec.generation as i64,
+            rec.request_id,
+            rec.idle_seconds,
+            rec.idle_mode,
+            rec.last_active_unix as i64,
+            serde_json::to_string(&rec.mounts).expect("invariant: mounts serialise"),
+            rec.ram_file,
+        ],
+    )?;
+    Ok(())
+}
+
 /// Sums what admitted VMs and sessions hold; `workspace` restricts it to one workspace.
 pub fn usage(tx: &Transaction<'_>, workspace: Option<&str>) -> Result<Usage, rusqlite::Error> {
     tx.query_row(
@@ -550,7 +575,7 @@ fn session_row(r: &rusqlite::Row<'_>) -> Result<SessionRecord, rusqlite::Error> 
     })
 }
 
-fn row(r: &rusqlite::Row<'_>) -> Result<VmRecord, rusqlite::Error> {
+pub(crate) fn row(r: &rusqlite::Row<'_>) -> Result<VmRecord, rusqlite::Error> {
     Ok(VmRecord {
         id: r.get("id")?,
         image_id: r.get("image_id")?,

@@ -26,7 +26,8 @@ pub struct EgressConfig {
     pub upstream_dns: SocketAddr,
     /// Host-held secrets substituted into request headers.
     pub secrets: Vec<SecretSpec>,
-    /// Extra header names (besides `Authorization`) in which placeholders are substituted.
+    /// Extra header names (besides `Authorization`) in which placeholders are substituted,
+    /// for secrets that name no headers of their own ([`SecretSpec::headers`]).
     pub secret_headers: Vec<String>,
     /// Requests answered by a host command instead of the upstream.
     pub intercepts: Vec<InterceptRule>,
@@ -81,7 +82,8 @@ impl EgressConfig {
                 return Err(ConfigError::SecretHosts(s.name.clone()));
             }
         }
-        for h in &self.secret_headers {
+        let named = self.secrets.iter().flat_map(|s| s.headers.iter());
+        for h in self.secret_headers.iter().chain(named) {
             if h.is_empty() || !h.bytes().all(is_token_byte) {
                 return Err(ConfigError::HeaderName(h.clone()));
             }
@@ -123,6 +125,12 @@ pub struct SecretSpec {
     pub hosts: Vec<DomainPattern>,
     /// Where the real value lives.
     pub source: SecretSource,
+    /// The request headers the value is substituted into (case-insensitive names). Empty:
+    /// `Authorization` and the configuration's `secret_headers`. An API key that its provider
+    /// takes in one header (`x-api-key`) names only that one, so a placeholder the guest puts
+    /// in any other header goes out unsubstituted. In `Authorization`, a `Basic` credential is
+    /// decoded, substituted and re-encoded (git over HTTPS sends tokens that way).
+    pub headers: Vec<String>,
 }
 
 /// Where a secret's real value comes from.
@@ -169,6 +177,17 @@ impl fmt::Debug for SecretValue {
 }
 
 impl SecretSpec {
+    /// Whether the value may be substituted into header `name` (given the configuration's
+    /// `secret_headers`).
+    pub(crate) fn substitutes_in(&self, name: &str, secret_headers: &[String]) -> bool {
+        if self.headers.is_empty() {
+            name.eq_ignore_ascii_case("authorization")
+                || secret_headers.iter().any(|h| h.eq_ignore_ascii_case(name))
+        } else {
+            self.headers.iter().any(|h| h.eq_ignore_ascii_case(name))
+        }
+    }
+
     /// Reads the current value (the file for [`SecretSource::File`]).
     pub(crate) fn resolve(&self) -> Result<SecretValue, SecretError> {
         let raw = match &self.source {
@@ -279,6 +298,7 @@ mod tests {
             placeholder: "PLACEHOLDER-1".into(),
             hosts: vec!["api.test".parse().expect("pattern")],
             source,
+            headers: vec![],
         }
     }
 

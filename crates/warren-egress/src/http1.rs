@@ -384,6 +384,32 @@ pub(crate) fn parse_request(head: &[u8]) -> Option<Request> {
     })
 }
 
+/// The decoded user-pass of a `Basic` credential (`Basic <base64>`, scheme in any case), or
+/// `None` for any other value or invalid base64.
+fn basic_credential(value: &[u8]) -> Option<Vec<u8>> {
+    use base64::Engine as _;
+    let v = value.trim_ascii();
+    let (scheme, rest) = v.split_at(v.iter().position(|b| *b == b' ')?);
+    if !scheme.eq_ignore_ascii_case(b"basic") {
+        return None;
+    }
+    base64::engine::general_purpose::STANDARD
+        .decode(rest.trim_ascii())
+        .ok()
+}
+
+/// `Basic <base64 of user_pass>`.
+fn encode_basic(user_pass: &[u8]) -> Vec<u8> {
+    use base64::Engine as _;
+    let mut out = b"Basic ".to_vec();
+    out.extend_from_slice(
+        base64::engine::general_purpose::STANDARD
+            .encode(user_pass)
+            .as_bytes(),
+    );
+    out
+}
+
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
 }
@@ -505,12 +531,21 @@ impl Session {
         };
         let inner = self.inner.clone();
         let secrets = &inner.cfg.secrets;
+        // A placeholder anywhere in the head, including inside a `Basic` credential of
+        // `Authorization` (the only encoded place it is ever substituted).
+        let basics: Vec<Vec<u8>> = req
+            .headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case("authorization"))
+            .filter_map(|(_, v)| basic_credential(v))
+            .collect();
         let present = |p: &[u8]| {
             contains(req.path.as_bytes(), p)
                 || req
                     .headers
                     .iter()
                     .any(|(n, v)| contains(n.as_bytes(), p) || contains(v, p))
+                || basics.iter().any(|b| contains(b, p))
         };
 
         // The request must name the host the connection was decided for: a second request,
@@ -618,17 +653,20 @@ impl Session {
                 }
                 continue;
             }
-            let substitutable = name.eq_ignore_ascii_case("authorization")
-                || inner
-                    .cfg
-                    .secret_headers
-                    .iter()
-                    .any(|h| h.eq_ignore_ascii_case(name));
             let mut value = value.clone();
-            if self.substitute && substitutable {
+            if self.substitute {
+                // A `Basic` credential is substituted inside (decoded, re-encoded), and only
+                // in `Authorization`; every other value as sent.
+                let basic = name
+                    .eq_ignore_ascii_case("authorization")
+                    .then(|| basic_credential(&value))
+                    .flatten();
+                let mut text = basic.clone().unwrap_or_else(|| value.clone());
                 for &i in &used {
                     let p = secrets[i].placeholder.as_bytes();
-                    if !contains(&value, p) {
+                    if !contains(&text, p)
+                        || !secrets[i].substitutes_in(name, &inner.cfg.secret_headers)
+                    {
                         continue;
                     }
                     if let std::collections::hash_map::Entry::Vacant(slot) = self.values.entry(i) {
@@ -643,9 +681,14 @@ impl Session {
                         }
                     }
                     if let Some(v) = self.values.get(&i) {
-                        value = replace(&value, p, v.0.as_bytes());
+                        text = replace(&text, p, v.0.as_bytes());
                     }
                 }
+                value = match basic {
+                    Some(decoded) if decoded != text => encode_basic(&text),
+                    Some(_) => value,
+                    None => text,
+                };
             }
             out_headers.push((name.as_str(), value));
         }
@@ -734,6 +777,25 @@ impl Session {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_basic_credential_decoded_only_for_basic() {
+        assert_eq!(
+            basic_credential(b"Basic eC1hY2Nlc3MtdG9rZW46UEg=").as_deref(),
+            Some(&b"x-access-token:PH"[..])
+        );
+        assert_eq!(
+            basic_credential(b"  bAsIc   eC1hY2Nlc3MtdG9rZW46UEg=  ").as_deref(),
+            Some(&b"x-access-token:PH"[..])
+        );
+        assert!(basic_credential(b"Bearer eC1hY2Nlc3MtdG9rZW46UEg=").is_none());
+        assert!(basic_credential(b"Basic not*base64").is_none());
+        assert!(basic_credential(b"Basic").is_none());
+        assert_eq!(
+            basic_credential(&encode_basic(b"u:real")).as_deref(),
+            Some(&b"u:real"[..])
+        );
+    }
 
     fn h(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
         pairs

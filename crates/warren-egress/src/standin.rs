@@ -40,6 +40,9 @@ use tokio::net::TcpStream;
 
 use crate::{bind_tcp_in, bind_udp_in, EgressError, Listeners, Outbound};
 
+mod git;
+pub use git::{GitSeen, MAX_BODY as GIT_MAX_BODY};
+
 /// The proxy's port in the `vm` namespace.
 pub const PROXY_PORT: u16 = 15001;
 /// The resolver's port in the `vm` namespace.
@@ -54,6 +57,9 @@ pub const OAUTH: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 12);
 pub const DNS: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 53);
 /// A TCP echo host (`echo.allowed.test`).
 pub const ECHO: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 20);
+/// The stand-in git host (`github.com`): `git http-backend` behind HTTPS, started by
+/// [`Topology::serve_git`].
+pub const GIT: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 20);
 /// The cloud metadata address (`meta.allowed.test`), always denied.
 pub const META: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
 /// A private address (`private.allowed.test`), always denied.
@@ -122,8 +128,13 @@ pub fn zone() -> HashMap<&'static str, Ipv4Addr> {
         // The agents' providers, for `warren run`'s credential wiring tests.
         ("api.anthropic.com", API),
         ("platform.claude.com", OAUTH),
+        ("console.anthropic.com", OAUTH),
         ("api.openai.com", API),
         ("auth.openai.com", OAUTH),
+        // GitHub: git over HTTPS on the git stand-in, the API on the echo stand-in.
+        ("github.com", GIT),
+        ("api.github.com", API),
+        ("uploads.github.com", API),
         // Hosts of the allow-list presets, for the presets' tests.
         ("pypi.org", API),
         ("files.pythonhosted.org", API),
@@ -330,7 +341,7 @@ impl Topology {
         for net in REMOTE_ROUTES {
             world.ip(&["route", "add", net, "via", &UPLINK_PEER.to_string()])?;
         }
-        for a in [API, OTHER, OAUTH, DNS, ECHO, META, PRIVATE] {
+        for a in [API, OTHER, OAUTH, DNS, ECHO, META, PRIVATE, GIT] {
             remote.ip(&["addr", "add", &format!("{a}/32"), "dev", "lo"])?;
         }
         let pki = standin_pki()?;

@@ -76,6 +76,7 @@ async fn test_bench_proxy_vs_direct() -> Result<()> {
         placeholder: "WARREN_PLACEHOLDER_BENCH".into(),
         hosts: vec!["secret.allowed.test".parse()?],
         source: SecretSource::Static("bench-secret".into()),
+        headers: vec![],
     }];
     cfg.log_burst = 1;
     cfg.log_per_second = 1;

@@ -49,6 +49,7 @@ fn secret_config(topo: &Topology) -> EgressConfig {
         placeholder: PLACEHOLDER.into(),
         hosts: vec![pat("secret.allowed.test")],
         source: SecretSource::Static(SECRET.into()),
+        headers: vec![],
     }];
     cfg
 }

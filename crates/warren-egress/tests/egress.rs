@@ -37,12 +37,14 @@ fn base_config(topo: &Topology) -> EgressConfig {
             placeholder: PLACEHOLDER.into(),
             hosts: vec![pat("secret.allowed.test")],
             source: SecretSource::Static(SECRET.into()),
+            headers: vec![],
         },
         SecretSpec {
             name: "other-key".into(),
             placeholder: OTHER_PLACEHOLDER.into(),
             hosts: vec![pat("elsewhere.allowed.test")],
             source: SecretSource::Static("other-real-value-55".into()),
+            headers: vec![],
         },
     ];
     cfg.secret_headers = vec!["x-api-key".into()];

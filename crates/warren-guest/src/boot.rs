@@ -27,7 +27,9 @@ use nix::kmod::{finit_module, ModuleInitFlags};
 use nix::mount::{mount, MsFlags};
 use nix::sys::reboot::{reboot, RebootMode};
 use warren_protocol::limits::GUEST_USER_ID;
-use warren_protocol::{PORT_NAME, READY_LINE, SECRET_LEN, SECRET_PATH};
+use warren_protocol::{
+    BENCH_PORT_ARG, BENCH_PORT_NAME, PORT_NAME, READY_LINE, SECRET_LEN, SECRET_PATH,
+};
 
 use crate::files::FilesConfig;
 use crate::jobs::{JobManager, JobsConfig};
@@ -133,6 +135,9 @@ pub fn boot() -> Result<Booted, (&'static str, BootError)> {
         network_setup(net).map_err(|e| ("network", e))?;
     }
     let port = open_port().map_err(|e| ("port", e))?;
+    if cmdline.split_whitespace().any(|a| a == BENCH_PORT_ARG) {
+        grant_bench_port().map_err(|e| ("port", e))?;
+    }
     Ok(Booted {
         port,
         secret,
@@ -404,7 +409,7 @@ fn read_secret() -> Phase<Secret> {
             bytes.len()
         ))
     })?;
-    Ok(Secret(secret))
+    Ok(Secret::new(secret))
 }
 
 fn wait_for(path: &Path, limit: Duration) -> bool {
@@ -550,10 +555,10 @@ fn jobs_cgroup() -> PathBuf {
     Path::new(CGROUP_ROOT).join("jobs")
 }
 
-fn find_port() -> Option<PathBuf> {
+fn find_port(wanted: &str) -> Option<PathBuf> {
     for entry in fs::read_dir(VIRTIO_PORTS).ok()?.flatten() {
         let name = fs::read_to_string(entry.path().join("name")).unwrap_or_default();
-        if name.trim() == PORT_NAME {
+        if name.trim() == wanted {
             let dev = Path::new("/dev").join(entry.file_name());
             if dev.exists() {
                 return Some(dev);
@@ -563,19 +568,33 @@ fn find_port() -> Option<PathBuf> {
     None
 }
 
-fn open_port() -> Phase<File> {
+/// Waits (at most [`PORT_WAIT`]) for the virtio port named `name`; its device node.
+fn wait_port(name: &str) -> Phase<PathBuf> {
     let start = Instant::now();
-    let dev = loop {
-        if let Some(dev) = find_port() {
-            break dev;
+    loop {
+        if let Some(dev) = find_port(name) {
+            return Ok(dev);
         }
         if start.elapsed() >= PORT_WAIT {
             return Err(BootError::Other(format!(
-                "virtio port {PORT_NAME} did not appear within {PORT_WAIT:?}"
+                "virtio port {name} did not appear within {PORT_WAIT:?}"
             )));
         }
         std::thread::sleep(POLL);
-    };
+    }
+}
+
+/// The bench VM's raw port (only with [`BENCH_PORT_ARG`]) goes to the guest user, who pumps
+/// bytes through it with ordinary programs.
+fn grant_bench_port() -> Phase<()> {
+    let dev = wait_port(BENCH_PORT_NAME)?;
+    let id = Some(nix::unistd::Uid::from_raw(GUEST_USER_ID));
+    nix::unistd::chown(&dev, id, Some(nix::unistd::Gid::from_raw(GUEST_USER_ID)))
+        .map_err(|e| BootError::Other(format!("chown {}: {e}", dev.display())))
+}
+
+fn open_port() -> Phase<File> {
+    let dev = wait_port(PORT_NAME)?;
     // std opens with O_CLOEXEC: a job inheriting the port would make it busy.
     OpenOptions::new()
         .read(true)
@@ -602,9 +621,7 @@ pub async fn serve(booted: Booted) -> Result<(), (&'static str, Box<dyn Error>)>
             shares: crate::coherence::Shares::new(booted.share_mounts, jobs_cgroup()),
         },
     });
-    let reader = booted.port.try_clone().map_err(|e| ("port", e.into()))?;
-    let manager =
-        crate::channel::start(reader, booted.port, agent).map_err(|e| ("serve", e.into()))?;
+    let manager = crate::channel::start(booted.port, agent).map_err(|e| ("serve", e.into()))?;
     println!("{READY_LINE}");
     load_deferred_modules(booted.deferred_modules);
     match manager.await {

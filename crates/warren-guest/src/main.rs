@@ -12,6 +12,7 @@ mod channel;
 mod coherence;
 mod console;
 mod files;
+mod identity;
 mod jobs;
 mod pty;
 mod reaper;

@@ -30,21 +30,14 @@ use warren_protocol::auth::{guest_proof, host_proof, verify, NONCE_LEN};
 use warren_protocol::limits::MAX_MESSAGE_BYTES;
 use warren_protocol::{
     AgentInfo, Auth, ErrorCode, GuestError, GuestResponse, Hello, HelloReply, HostRequest,
-    Response, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RPC_PATH, SECRET_LEN,
+    Response, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RPC_PATH,
 };
 
 use crate::files::{self, FilesConfig};
 use crate::jobs::JobManager;
 use crate::workspace_ops;
 
-/// The per-VM secret. Never printed.
-pub struct Secret(pub [u8; SECRET_LEN]);
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Secret(<redacted>)")
-    }
-}
+pub use crate::identity::Secret;
 
 /// Which system-wide side effects requests may have.
 #[derive(Debug)]
@@ -87,10 +80,12 @@ pub enum SessionError {
     Connection(#[source] h2::Error),
 }
 
-/// h2 settings: windows large enough for a file chunk in flight on a ~200 MB/s port.
+/// h2 settings: windows large enough for a file chunk in flight on a ~200 MB/s port; the
+/// host's frames are at most 64 KiB, so a stream's target gets data while the next frame
+/// arrives, and a short request is not queued behind much of a stream's data.
 const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
 const CONNECTION_WINDOW: u32 = 8 * 1024 * 1024;
-const MAX_FRAME: u32 = 256 * 1024;
+const MAX_FRAME: u32 = 64 * 1024;
 
 /// Serves one session over `io` until the host goes away or the task is aborted.
 pub async fn serve<IO>(agent: Arc<Agent>, io: IO) -> Result<(), SessionError>
@@ -253,7 +248,8 @@ fn say_hello(agent: &Agent, auth: &Mutex<AuthState>, hello: &Hello) -> Response 
             ),
         ));
     }
-    let guest_nonce = fresh_nonce();
+    // Hashed with the host's nonce: copies of one memory image differ from their first Hello.
+    let guest_nonce = crate::identity::session_nonce(fresh_nonce(), &hello.host_nonce);
     *state = AuthState::Challenged {
         host_nonce: hello.host_nonce,
         guest_nonce,
@@ -261,7 +257,7 @@ fn say_hello(agent: &Agent, auth: &Mutex<AuthState>, hello: &Hello) -> Response 
     Ok(GuestResponse::Hello(HelloReply {
         version,
         guest_nonce,
-        proof: guest_proof(&agent.secret.0, &hello.host_nonce, &guest_nonce),
+        proof: guest_proof(&agent.secret.get(), &hello.host_nonce, &guest_nonce),
     }))
 }
 
@@ -302,7 +298,7 @@ fn authenticate(agent: &Agent, auth: &Mutex<AuthState>, req: &Auth) -> Response 
                 host_nonce,
                 guest_nonce,
             } => {
-                let expected = host_proof(&agent.secret.0, &host_nonce, &guest_nonce);
+                let expected = host_proof(&agent.secret.get(), &host_nonce, &guest_nonce);
                 if !verify(&expected, &req.proof) {
                     // One attempt per challenge: a new Hello is needed.
                     *state = AuthState::Fresh;
@@ -328,7 +324,7 @@ fn authenticate(agent: &Agent, auth: &Mutex<AuthState>, req: &Auth) -> Response 
     Ok(GuestResponse::Authenticated(agent_info()))
 }
 
-fn set_clock(unix_time_ns: u64) {
+pub(crate) fn set_clock(unix_time_ns: u64) {
     let secs = i64::try_from(unix_time_ns / 1_000_000_000).unwrap_or(i64::MAX);
     let nanos = i64::try_from(unix_time_ns % 1_000_000_000).unwrap_or(0);
     if let Err(e) = clock_settime(ClockId::CLOCK_REALTIME, TimeSpec::new(secs, nanos)) {
@@ -336,7 +332,7 @@ fn set_clock(unix_time_ns: u64) {
     }
 }
 
-fn add_entropy(entropy: &[u8; 32]) {
+pub(crate) fn add_entropy(entropy: &[u8; 32]) {
     let urandom = match OpenOptions::new().write(true).open("/dev/urandom") {
         Ok(f) => f,
         Err(e) => {
@@ -470,6 +466,7 @@ async fn serve_request(agent: &Arc<Agent>, req: HostRequest) -> Response {
             agent.jobs.set_extra_env(crate::trust::env_for(&bundle));
             Ok(GuestResponse::CaInstalled)
         }
+        HostRequest::Rekey(req) => crate::identity::handle(&agent.secret, agent.system.pid1, &req),
         HostRequest::JobResize(req) => agent.jobs.resize(req).map(|()| GuestResponse::Resized),
         HostRequest::JobCancel(id) => agent.jobs.cancel(id).map(|()| GuestResponse::JobCancelled),
         HostRequest::FileRead(req) => {

@@ -58,7 +58,7 @@ async fn start_agent() -> Wire {
     let agent = Arc::new(Agent {
         jobs,
         files,
-        secret: Secret(SECRET),
+        secret: Secret::new(SECRET),
         system: System {
             pid1: false,
             power_off_requested: AtomicBool::new(false),
@@ -66,7 +66,7 @@ async fn start_agent() -> Wire {
         },
     });
     let (guest, host) = StdUnixStream::pair().expect("socketpair");
-    crate::channel::start(guest.try_clone().expect("clone"), guest, agent.clone()).expect("start");
+    crate::channel::start(guest, agent.clone()).expect("start");
     host.set_nonblocking(true).expect("nonblocking");
     let stream = UnixStream::from_std(host).expect("tokio");
     Wire::over(stream, Some(agent), Some(ws))
@@ -246,6 +246,63 @@ impl Client {
 
 fn code(r: Response) -> ErrorCode {
     r.expect_err("error expected").code
+}
+
+/// A restored copy's rekey: only in an authenticated session; afterwards a session made with
+/// the old secret fails (the guest's proof is wrong and the host's is refused) and one made
+/// with the new secret works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn test_session_rekey_old_secret_unusable_new_one_works() {
+    let wire = start_agent().await;
+    let contribution = [3u8; 32];
+    let rekey_req = HostRequest::Rekey(warren_protocol::Rekey {
+        contribution,
+        proof: warren_protocol::auth::rekey_host_proof(&SECRET, &contribution),
+        unix_time_ns: 1,
+        entropy: [1; 32],
+        hostname: "vm-a".into(),
+        machine_id: "0123456789abcdef0123456789abcdef".into(),
+    });
+    let mut c = wire.connect().await;
+    assert_eq!(
+        code(c.call(&rekey_req).await),
+        ErrorCode::Unauthenticated,
+        "no rekey before Auth"
+    );
+    c.authenticate().await;
+    let new = warren_protocol::auth::rekey(&SECRET, &contribution);
+    match c.call(&rekey_req).await {
+        Ok(GuestResponse::Rekeyed(p)) => assert!(verify(
+            &warren_protocol::auth::rekey_guest_proof(&new, &contribution),
+            &p.proof
+        )),
+        other => panic!("unexpected rekey reply {other:?}"),
+    }
+    // The old secret: the guest's Hello proof no longer matches it, and Auth with it fails.
+    let mut old = wire.connect().await;
+    let (host_nonce, h) = old.hello().await;
+    assert!(!verify(
+        &guest_proof(&SECRET, &host_nonce, &h.guest_nonce),
+        &h.proof
+    ));
+    assert!(verify(
+        &guest_proof(&new, &host_nonce, &h.guest_nonce),
+        &h.proof
+    ));
+    let refused = old
+        .call(&HostRequest::Auth(Auth {
+            proof: host_proof(&SECRET, &host_nonce, &h.guest_nonce),
+            unix_time_ns: 1,
+            entropy: [0; 32],
+        }))
+        .await;
+    assert_eq!(code(refused), ErrorCode::Unauthenticated);
+    let mut fresh = wire.connect().await;
+    fresh.authenticate_with(&new).await;
+    assert_eq!(
+        fresh.call(&HostRequest::Ping).await,
+        Ok(GuestResponse::Pong)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

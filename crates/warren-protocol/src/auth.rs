@@ -37,6 +37,25 @@ pub fn host_proof(secret: &[u8], host_nonce: &[u8], guest_nonce: &[u8]) -> [u8; 
     mac(secret, b"host", guest_nonce, host_nonce)
 }
 
+/// The secret a restored copy (template clone, fork) moves to: derived from the secret it
+/// was restored with and a fresh host contribution that only crosses this VM's own channel.
+/// Another copy of the same memory image knows the old secret but never sees this VM's
+/// contribution, so it cannot derive this VM's new secret; and once the guest has moved to
+/// the new secret it no longer answers (or accepts) proofs made with the old one.
+pub fn rekey(old: &[u8], contribution: &[u8; 32]) -> [u8; 32] {
+    mac(old, b"rekey", contribution, b"")
+}
+
+/// Proof, made with the old secret, that a `Rekey` request comes from the host.
+pub fn rekey_host_proof(old: &[u8], contribution: &[u8; 32]) -> [u8; 32] {
+    mac(old, b"rekey-host", contribution, b"")
+}
+
+/// Proof, made with the new secret, that the guest moved to it.
+pub fn rekey_guest_proof(new: &[u8], contribution: &[u8; 32]) -> [u8; 32] {
+    mac(new, b"rekey-guest", contribution, b"")
+}
+
 /// Constant-time comparison of a received proof with the expected one.
 pub fn verify(expected: &[u8; 32], received: &[u8]) -> bool {
     if received.len() != expected.len() {
@@ -59,6 +78,21 @@ mod tests {
         let h = [1u8; 32];
         let g = [2u8; 32];
         assert_ne!(guest_proof(&s, &h, &g), host_proof(&s, &h, &g));
+    }
+
+    #[test]
+    fn test_rekey_depends_on_old_secret_and_contribution() {
+        let c = [3u8; 32];
+        let new = rekey(&[7u8; 32], &c);
+        assert_ne!(new, [7u8; 32]);
+        assert_ne!(new, rekey(&[8u8; 32], &c));
+        assert_ne!(new, rekey(&[7u8; 32], &[4u8; 32]));
+        // Every derived value is distinct from the others made from the same inputs.
+        assert_ne!(
+            rekey_host_proof(&[7u8; 32], &c),
+            rekey_guest_proof(&[7u8; 32], &c)
+        );
+        assert_ne!(new, rekey_host_proof(&[7u8; 32], &c));
     }
 
     #[test]

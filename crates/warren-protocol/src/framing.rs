@@ -150,6 +150,93 @@ impl Decoder {
     }
 }
 
+/// What [`Decoder::decode_in_place`] did with a buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InPlace {
+    /// Unescaped data bytes, now at the start of the buffer.
+    pub data: usize,
+    /// Input bytes consumed. Less than the buffer's length only when `marker` is set: the
+    /// bytes after the marker are not decoded yet (they belong to what follows it).
+    pub consumed: usize,
+    /// The marker (`Sync`, `SyncAck`) or invalid escape (`Garbage`) that ended this call;
+    /// never `Data`.
+    pub marker: Option<Event>,
+}
+
+impl Decoder {
+    /// Decodes `buf` in place, without allocating: its data bytes are moved to its start
+    /// and decoding stops after the first marker or invalid escape (see [`InPlace`]). The
+    /// state carries over to the next call exactly as with [`Decoder::feed`].
+    pub fn decode_in_place(&mut self, buf: &mut [u8]) -> InPlace {
+        let (mut w, mut r) = (0, 0);
+        while r < buf.len() {
+            match self.state {
+                State::Plain => {
+                    let (len, next) = match memchr::memchr(ESC, &buf[r..]) {
+                        Some(pos) => (pos, Some(State::Escaped)),
+                        None => (buf.len() - r, None),
+                    };
+                    if w != r {
+                        buf.copy_within(r..r + len, w);
+                    }
+                    w += len;
+                    r += len;
+                    if let Some(state) = next {
+                        r += 1;
+                        self.state = state;
+                    }
+                }
+                State::Escaped => {
+                    let kind = buf[r];
+                    r += 1;
+                    match kind {
+                        KIND_DATA_ESC => {
+                            // `w < r` here: the escape took two input bytes for one.
+                            buf[w] = ESC;
+                            w += 1;
+                            self.state = State::Plain;
+                        }
+                        KIND_SYNC | KIND_SYNC_ACK => self.state = State::Nonce { kind, have: 0 },
+                        _ => {
+                            self.state = State::Plain;
+                            return InPlace {
+                                data: w,
+                                consumed: r,
+                                marker: Some(Event::Garbage),
+                            };
+                        }
+                    }
+                }
+                State::Nonce { kind, have } => {
+                    let take = (SYNC_NONCE_LEN - have).min(buf.len() - r);
+                    self.nonce[have..have + take].copy_from_slice(&buf[r..r + take]);
+                    r += take;
+                    let have = have + take;
+                    if have < SYNC_NONCE_LEN {
+                        self.state = State::Nonce { kind, have };
+                        continue;
+                    }
+                    self.state = State::Plain;
+                    return InPlace {
+                        data: w,
+                        consumed: r,
+                        marker: Some(if kind == KIND_SYNC {
+                            Event::Sync(self.nonce)
+                        } else {
+                            Event::SyncAck(self.nonce)
+                        }),
+                    };
+                }
+            }
+        }
+        InPlace {
+            data: w,
+            consumed: r,
+            marker: None,
+        }
+    }
+}
+
 fn flush(data: &mut Vec<u8>, events: &mut Vec<Event>) {
     if !data.is_empty() {
         events.push(Event::Data(std::mem::take(data)));
@@ -229,6 +316,65 @@ mod tests {
                 Event::SyncAck(nonce)
             ]
         );
+    }
+
+    /// Decodes `wire` split into `chunk`-byte reads with `decode_in_place`, as events.
+    fn decode_in_place_split(wire: &[u8], chunk: usize) -> Vec<Event> {
+        let mut d = Decoder::new();
+        let mut ev = Vec::new();
+        for piece in wire.chunks(chunk) {
+            let mut buf = piece.to_vec();
+            let mut start = 0;
+            loop {
+                let r = d.decode_in_place(&mut buf[start..]);
+                if r.data > 0 {
+                    ev.push(Event::Data(buf[start..start + r.data].to_vec()));
+                }
+                start += r.consumed;
+                match r.marker {
+                    Some(m) => ev.push(m),
+                    None => break,
+                }
+                if start == buf.len() {
+                    break;
+                }
+            }
+        }
+        ev
+    }
+
+    /// Merges consecutive data events, so differently split decodings compare equal.
+    fn merged(ev: Vec<Event>) -> Vec<Event> {
+        let mut out: Vec<Event> = Vec::new();
+        for e in ev {
+            match (out.last_mut(), e) {
+                (Some(Event::Data(prev)), Event::Data(d)) => prev.extend_from_slice(&d),
+                (_, e) => out.push(e),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn test_decode_in_place_matches_feed_however_split() {
+        let nonce = [ESC; SYNC_NONCE_LEN];
+        let payload: Vec<u8> = (0..=255u8).cycle().take(5000).collect();
+        let mut wire = Vec::new();
+        encode_data(&payload, &mut wire);
+        wire.extend(encode_sync(&nonce));
+        encode_data(&[ESC, ESC, 1, 2], &mut wire);
+        wire.extend([ESC, 0x77]);
+        encode_data(b"tail", &mut wire);
+        wire.extend(encode_sync_ack(&[7; SYNC_NONCE_LEN]));
+        wire.push(ESC);
+        let expected = merged(decode_bytewise(&wire));
+        for chunk in [1, 2, 3, 17, 18, 19, 4096, wire.len()] {
+            assert_eq!(
+                merged(decode_in_place_split(&wire, chunk)),
+                expected,
+                "split into {chunk}-byte reads"
+            );
+        }
     }
 
     #[test]

@@ -25,16 +25,28 @@ pub use messages::*;
 
 /// Protocol version spoken by this build. Bump on any incompatible change of [`messages`]
 /// (see `PROTOCOL.md`); the schema snapshot test fails until the bump is deliberate.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Oldest protocol version this build still speaks. Version 3 added fields to `JobOutput`
 /// and `JobSummary` (background processes) and neither side keeps the version-2 encoding.
-/// Versions 4 (guest streams, [`stream`]) and 5 (acknowledged output reads, the broker pipe)
-/// only append, so a version-3 peer is still spoken to (without them).
+/// Versions 4 (guest streams, [`stream`]), 5 (acknowledged output reads, the broker pipe)
+/// and 6 (`Rekey` -> `Rekeyed`: restored copies take their own identity) only append, so a
+/// version-3 peer is still spoken to (without them; a guest before 6 answers `Rekey` with
+/// `InvalidArgument`, so its images cannot serve templates or forks).
 pub const MIN_PROTOCOL_VERSION: u32 = 3;
 
 /// Name of the virtio-serial port carrying the channel (`/sys/class/virtio-ports/*/name`).
 pub const PORT_NAME: &str = "org.warren.agent.0";
+
+/// Bench and tests only: a second virtio-serial port, byte for byte the same kind as
+/// [`PORT_NAME`] but without Warren's protocol on it, the raw-port baseline of
+/// `warren bench --suite streams`. Normal VMs never have it.
+pub const BENCH_PORT_NAME: &str = "org.warren.bench.0";
+
+/// Kernel argument telling the agent that the VM has the [`BENCH_PORT_NAME`] port: it waits
+/// for it at boot and hands its device node to the guest user, so a job can pump bytes
+/// through it.
+pub const BENCH_PORT_ARG: &str = "warren.bench_port";
 
 /// HTTP/2 request path used for every operation; the operation is the body's enum variant.
 pub const RPC_PATH: &str = "/warren/v1";

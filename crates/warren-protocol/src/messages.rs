@@ -84,6 +84,11 @@ pub enum HostRequest {
     /// answering only processes of the job's cgroup, whose connections the host takes with
     /// `StreamTarget::BrokerAccept`. Answers `ExecStarted`.
     ExecBroker(ExecStart),
+    /// Since version 6. A VM restored from another VM's memory (a template clone or a
+    /// fork) takes its own identity: fresh entropy and a reseeded CRNG first, the wall clock, its own channel
+    /// secret derived from the old one and a host contribution (`crate::auth::rekey`), its
+    /// hostname and machine id. Answers `Rekeyed` with a proof of the new secret.
+    Rekey(Rekey),
 }
 
 /// A job output read with a separate release point (see `HostRequest::JobOutputAcked`).
@@ -125,6 +130,33 @@ pub enum GuestResponse {
     Resized,
     /// `InstallCa` wrote the bundle.
     CaInstalled,
+    /// `Rekey` replaced the secret: the proof is `auth::rekey_guest_proof` under the new one.
+    Rekeyed(RekeyProof),
+}
+
+/// A restored copy's new identity and secret (see `HostRequest::Rekey`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rekey {
+    /// Fresh host randomness the new secret is derived from (never reused by the host).
+    pub contribution: [u8; 32],
+    /// `auth::rekey_host_proof(old secret, contribution)`: the request is authenticated with
+    /// the old secret on top of the session's own authentication.
+    pub proof: [u8; 32],
+    /// Host wall clock, nanoseconds since the Unix epoch.
+    pub unix_time_ns: u64,
+    /// Fresh host randomness mixed in (and credited) before anything else, then the CRNG is
+    /// reseeded: two copies of one memory image never share random streams.
+    pub entropy: [u8; 32],
+    /// The guest's new hostname (`[a-z0-9-]`, 1..=63 bytes).
+    pub hostname: String,
+    /// The guest's new `/etc/machine-id` (32 lowercase hex digits).
+    pub machine_id: String,
+}
+
+/// The guest's proof that it holds the new secret.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RekeyProof {
+    pub proof: [u8; 32],
 }
 
 /// Host facts for a resumed guest.
@@ -834,6 +866,21 @@ mod tests {
             ("rsp.input_written", rsp(Ok(GuestResponse::InputWritten))),
             ("rsp.resized", rsp(Ok(GuestResponse::Resized))),
             ("rsp.ca_installed", rsp(Ok(GuestResponse::CaInstalled))),
+            (
+                "req.rekey",
+                req(HostRequest::Rekey(Rekey {
+                    contribution: [1; 32],
+                    proof: [2; 32],
+                    unix_time_ns: 3,
+                    entropy: [4; 32],
+                    hostname: "vm-1".into(),
+                    machine_id: "0123456789abcdef0123456789abcdef".into(),
+                })),
+            ),
+            (
+                "rsp.rekeyed",
+                rsp(Ok(GuestResponse::Rekeyed(RekeyProof { proof: [5; 32] }))),
+            ),
             (
                 "req.install_ca",
                 req(HostRequest::InstallCa("-----BEGIN CERTIFICATE-----".into())),

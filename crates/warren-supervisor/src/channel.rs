@@ -5,8 +5,8 @@
 //! 2. send `Sync(nonce)` with a fresh nonce every [`SYNC_RETRY`] until a `SyncAck` for the
 //!    latest nonce arrives; everything read before it is stale and dropped (the guest may not
 //!    have opened its port yet, and the kernel drops bytes sent to a closed port);
-//! 3. an HTTP/2 client connection runs over the escaped data stream (a bridge task converts
-//!    between the socket and an in-memory pipe);
+//! 3. an HTTP/2 client connection runs over the escaped data stream (`ChannelIo` escapes
+//!    and unescapes in place, on the connection's own task);
 //! 4. `Hello` then `Auth` (mutual proof of the per-VM secret, see `warren_protocol::auth`).
 //!
 //! A [`GuestChannel`] is cheap to clone; each [`GuestChannel::call`] is one HTTP/2 stream, and
@@ -15,12 +15,15 @@
 //! stops answering fails the call with [`ChannelError::Timeout`], and the session stays up
 //! for the calls after it (a stopped guest that runs again answers them).
 
+use std::future::Future;
 use std::path::Path;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use rand::RngCore;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::UnixStream;
 use warren_protocol::framing::{self, Decoder, Event, SyncNonce};
 
@@ -35,7 +38,9 @@ pub const SYNC_RETRY: Duration = Duration::from_millis(20);
 /// HTTP/2 windows: large enough that a 128 KiB file chunk flows without waiting for updates.
 const STREAM_WINDOW: u32 = 1 << 20;
 const CONN_WINDOW: u32 = 8 << 20;
-const MAX_FRAME_SIZE: u32 = 1 << 17;
+/// The guest's frames: small enough that a short answer is not queued behind much of a
+/// stream's data, and that a stream's receiver gets data while the next frame arrives.
+const MAX_FRAME_SIZE: u32 = 1 << 16;
 /// The longest guest error message passed on: the agent's own are a line, a hostile guest's
 /// may fill a whole message (1 MiB), which would reach every log and client it crosses.
 pub const MAX_GUEST_ERROR_MESSAGE: usize = 4096;
@@ -117,13 +122,11 @@ impl GuestChannel {
                 Err(e) => return Err(ChannelError::Connect(e)),
             }
         };
-        let (mut rd, mut wr) = stream.into_split();
+        let mut stream = stream;
         let mut decoder = Decoder::new();
-        let leftover = resync(&mut rd, &mut wr, &mut decoder).await?;
+        let leftover = resync(&mut stream, &mut decoder).await?;
         tracing::debug!("channel resynchronised");
-
-        let (h2_io, bridge_io) = tokio::io::duplex(1 << 20);
-        tokio::spawn(bridge(rd, wr, decoder, leftover, bridge_io));
+        let h2_io = ChannelIo::new(stream, decoder, leftover);
 
         let (sender, conn) = h2::client::Builder::new()
             .initial_window_size(STREAM_WINDOW)
@@ -311,11 +314,8 @@ impl GuestChannel {
 }
 
 /// Sends `Sync`s until the guest acknowledges the latest; returns data read after the ack.
-async fn resync(
-    rd: &mut tokio::net::unix::OwnedReadHalf,
-    wr: &mut tokio::net::unix::OwnedWriteHalf,
-    decoder: &mut Decoder,
-) -> Result<Vec<u8>, ChannelError> {
+async fn resync(stream: &mut UnixStream, decoder: &mut Decoder) -> Result<Vec<u8>, ChannelError> {
+    let (mut rd, mut wr) = stream.split();
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let mut nonce: SyncNonce = [0; framing::SYNC_NONCE_LEN];
@@ -350,68 +350,176 @@ async fn resync(
     }
 }
 
-/// Moves bytes between the socket (escaped) and the HTTP/2 pipe (plain) until either ends.
-async fn bridge(
-    mut rd: tokio::net::unix::OwnedReadHalf,
-    mut wr: tokio::net::unix::OwnedWriteHalf,
-    mut decoder: Decoder,
+/// Unwritten escaped bytes past which a write waits for the socket (small: a request queued
+/// behind a stream's data waits for all of it).
+const MAX_PENDING: usize = 64 * 1024;
+/// Escaped bytes written at once before a flush asks for the rest: HTTP/2's small frames
+/// written together (headers and body of a request) reach the guest in one write.
+const WRITE_BATCH: usize = 32 * 1024;
+
+/// The HTTP/2 connection's view of the channel socket, with no task or pipe in between:
+/// reads are unescaped in place in HTTP/2's own buffer and budgeted ([`FrameMeter`]: past
+/// the budget the next read waits, so the guest's writes back up), writes are escaped into
+/// one pending buffer. A marker mid-session means the stream is corrupt: the read fails,
+/// which ends the session, and the supervisor resyncs.
+struct ChannelIo {
+    stream: UnixStream,
+    decoder: Decoder,
+    meter: FrameMeter,
+    /// Read on only once this fires.
+    wait: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// Data read together with the acknowledgement, delivered first.
     leftover: Vec<u8>,
-    pipe: tokio::io::DuplexStream,
-) {
-    let (mut prd, mut pwr) = tokio::io::split(pipe);
-    let inbound = async move {
-        if !leftover.is_empty() {
-            pwr.write_all(&leftover).await?;
-        }
-        let mut buf = vec![0u8; 128 * 1024];
-        // The guest's frames are budgeted (`frame_meter`): a flood waits here, unread.
+    /// A marker arrived mid-session: reads fail from now on (after the data before it).
+    corrupt: Option<String>,
+    /// Escaped bytes; `out[pos..]` is not written yet.
+    out: Vec<u8>,
+    pos: usize,
+}
+
+impl ChannelIo {
+    fn new(stream: UnixStream, decoder: Decoder, leftover: Vec<u8>) -> ChannelIo {
         let mut meter = FrameMeter::new();
         let frames = meter.count(&leftover);
         meter.charge(frames, Instant::now());
-        loop {
-            let n = rd.read(&mut buf).await?;
+        ChannelIo {
+            stream,
+            decoder,
+            meter,
+            wait: None,
+            leftover,
+            corrupt: None,
+            out: Vec::new(),
+            pos: 0,
+        }
+    }
+
+    fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        while self.pos < self.out.len() {
+            let n = ready!(Pin::new(&mut self.stream).poll_write(cx, &self.out[self.pos..]))?;
             if n == 0 {
-                return Ok::<_, std::io::Error>(());
+                return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
             }
-            let mut events = Vec::new();
-            decoder.feed(&buf[..n], &mut events);
-            for ev in events {
-                match ev {
-                    Event::Data(d) => {
-                        let frames = meter.count(&d);
-                        let wait = meter.charge(frames, Instant::now());
-                        if !wait.is_zero() {
-                            tokio::time::sleep(wait).await;
-                        }
-                        pwr.write_all(&d).await?
-                    }
-                    // The guest never sends markers mid-session; a stray one means the stream
-                    // is corrupt, so end the session and let the supervisor resync.
-                    other => {
-                        return Err(std::io::Error::other(format!(
-                            "unexpected {other:?} on the channel"
-                        )))
-                    }
-                }
+            self.pos += n;
+        }
+        self.out.clear();
+        self.pos = 0;
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_write_data(
+        &mut self,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        if self.out.len() - self.pos >= MAX_PENDING {
+            match self.poll_drain(cx) {
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending if self.out.len() - self.pos >= MAX_PENDING => return Poll::Pending,
+                _ => {}
             }
         }
-    };
-    let outbound = async move {
-        let mut buf = vec![0u8; 128 * 1024];
-        let mut out = Vec::with_capacity(256 * 1024);
-        loop {
-            let n = prd.read(&mut buf).await?;
-            if n == 0 {
-                return Ok::<_, std::io::Error>(());
-            }
-            out.clear();
-            framing::encode_data(&buf[..n], &mut out);
-            wr.write_all(&out).await?;
+        if self.pos > 0 && self.pos >= self.out.len() / 2 {
+            self.out.drain(..self.pos);
+            self.pos = 0;
         }
-    };
-    tokio::select! {
-        r = inbound => if let Err(e) = r { tracing::debug!(error = %e, "channel inbound ended") },
-        r = outbound => if let Err(e) = r { tracing::debug!(error = %e, "channel outbound ended") },
+        let mut n = 0;
+        for b in bufs {
+            framing::encode_data(b, &mut self.out);
+            n += b.len();
+        }
+        // Small writes wait for the flush; what the socket does not take now goes with the
+        // next write or flush.
+        if self.out.len() - self.pos >= WRITE_BATCH {
+            if let Poll::Ready(Err(e)) = self.poll_drain(cx) {
+                return Poll::Ready(Err(e));
+            }
+        }
+        Poll::Ready(Ok(n))
+    }
+}
+
+impl AsyncRead for ChannelIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if !this.leftover.is_empty() {
+            let n = this.leftover.len().min(buf.remaining());
+            buf.put_slice(&this.leftover[..n]);
+            this.leftover.drain(..n);
+            return Poll::Ready(Ok(()));
+        }
+        if let Some(why) = &this.corrupt {
+            return Poll::Ready(Err(std::io::Error::other(why.clone())));
+        }
+        if let Some(wait) = this.wait.as_mut() {
+            ready!(wait.as_mut().poll(cx));
+            this.wait = None;
+        }
+        loop {
+            let start = buf.filled().len();
+            ready!(Pin::new(&mut this.stream).poll_read(cx, buf))?;
+            let end = buf.filled().len();
+            if end == start {
+                return Poll::Ready(Ok(()));
+            }
+            let got = this
+                .decoder
+                .decode_in_place(&mut buf.filled_mut()[start..end]);
+            if let Some(marker) = got.marker {
+                // The guest never sends markers mid-session: the session ends, after the data
+                // before the marker (an answer already sent stays answered).
+                this.corrupt = Some(format!("unexpected {marker:?} on the channel"));
+            }
+            buf.set_filled(start + got.data);
+            let frames = this.meter.count(&buf.filled()[start..]);
+            let wait = this.meter.charge(frames, Instant::now());
+            if !wait.is_zero() {
+                this.wait = Some(Box::pin(tokio::time::sleep(wait)));
+            }
+            if got.data > 0 {
+                return Poll::Ready(Ok(()));
+            }
+            if let Some(why) = &this.corrupt {
+                return Poll::Ready(Err(std::io::Error::other(why.clone())));
+            }
+        }
+    }
+}
+
+impl AsyncWrite for ChannelIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.get_mut()
+            .poll_write_data(cx, &[std::io::IoSlice::new(buf)])
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        self.get_mut().poll_write_data(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.get_mut().poll_drain(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        ready!(this.poll_drain(cx))?;
+        Pin::new(&mut this.stream).poll_shutdown(cx)
     }
 }
 

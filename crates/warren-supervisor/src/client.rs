@@ -145,6 +145,24 @@ impl SupervisorClient {
         self.request(&SupervisorRequest::Resume).await.map(|_| ())
     }
 
+    /// See [`SupervisorRequest::ForkSave`].
+    pub async fn fork_save(
+        &self,
+        state: &std::path::Path,
+        disk: &std::path::Path,
+    ) -> Result<(u64, u64), ClientError> {
+        match self
+            .request(&SupervisorRequest::ForkSave {
+                state: state.to_path_buf(),
+                disk: disk.to_path_buf(),
+            })
+            .await?
+        {
+            SupervisorResponse::ForkSaved { size, paused_ms } => Ok((size, paused_ms)),
+            _ => Err(ClientError::Unexpected),
+        }
+    }
+
     pub async fn hibernate(&self) -> Result<crate::proto::CheckpointInfo, ClientError> {
         match self.request(&SupervisorRequest::Hibernate).await? {
             SupervisorResponse::Hibernated(i) => Ok(i),

@@ -72,7 +72,10 @@ pub fn guest_limit(req: &HostRequest) -> Duration {
         | HostRequest::ReadVersioned(_)
         | HostRequest::WriteChecked(_)
         | HostRequest::Edit(_) => FILE_LIMIT,
-        HostRequest::Freeze | HostRequest::Thaw(_) | HostRequest::PowerOff => LIFECYCLE_LIMIT,
+        HostRequest::Freeze
+        | HostRequest::Thaw(_)
+        | HostRequest::Rekey(_)
+        | HostRequest::PowerOff => LIFECYCLE_LIMIT,
         HostRequest::Glob(_) | HostRequest::Grep(_) => SEARCH_LIMIT,
         HostRequest::JobOutput(r) | HostRequest::JobOutputAcked(JobOutputAcked { read: r, .. }) => {
             Duration::from_millis(u64::from(r.wait_ms.min(MAX_OUTPUT_WAIT_MS))) + LONG_POLL_SLACK
@@ -91,7 +94,7 @@ pub fn client_limit(req: &SupervisorRequest) -> Duration {
         }
         SupervisorRequest::Guest(r) => RECONNECT_WAIT + guest_limit(r),
         SupervisorRequest::Pause | SupervisorRequest::Resume => SUSPEND_LIMIT,
-        SupervisorRequest::Hibernate => HIBERNATE_LIMIT,
+        SupervisorRequest::Hibernate | SupervisorRequest::ForkSave { .. } => HIBERNATE_LIMIT,
         // Until the stream is open; the open stream itself has no deadline.
         SupervisorRequest::OpenStream(_) => RECONNECT_WAIT + CONTROL_LIMIT,
     };

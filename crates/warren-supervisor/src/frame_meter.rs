@@ -10,7 +10,7 @@
 //! Only the 9-byte frame headers are looked at (length and nothing else): the stream is
 //! still parsed by `h2`. No crate exposes frame boundaries below `h2`'s codec, hence this
 //! thin counter. The budget is far above what a legitimate guest sends: its bodies go out in
-//! frames of up to 128 KiB, so [`FRAMES_PER_SECOND`] frames carry over 1 GiB/s.
+//! frames of up to 64 KiB, so [`FRAMES_PER_SECOND`] frames carry over 500 MiB/s.
 
 use std::time::{Duration, Instant};
 

@@ -27,6 +27,11 @@ impl VmDir {
     pub fn secret(&self) -> PathBuf {
         self.0.join("secret")
     }
+    /// A new secret being moved to by a rekey (`rekey.rs`): written before the guest is
+    /// asked, renamed over [`VmDir::secret`] once the guest proved it holds it.
+    pub fn secret_next(&self) -> PathBuf {
+        self.0.join("secret.next")
+    }
     /// Held locked by the live supervisor.
     pub fn lock(&self) -> PathBuf {
         self.0.join("supervisor.lock")
@@ -107,6 +112,23 @@ pub struct SupervisorConfig {
     /// Restore from the checkpoint in `run/checkpoint.ram` instead of booting.
     #[serde(default)]
     pub restore: bool,
+    /// The checkpoint is another VM's memory (a template's or a fork parent's): once the
+    /// channel is up the guest takes this identity and moves to a secret of its own
+    /// (`rekey.rs`) before anything else runs.
+    #[serde(default)]
+    pub clone: Option<CloneSpec>,
+    /// The state to restore when it is not `run/checkpoint.ram` (a fork's, shared by all
+    /// its copies).
+    #[serde(default)]
+    pub restore_from: Option<PathBuf>,
+}
+
+/// The identity a restored copy takes.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CloneSpec {
+    pub hostname: String,
+    /// 32 lowercase hex digits.
+    pub machine_id: String,
 }
 
 /// Why a VM ended.

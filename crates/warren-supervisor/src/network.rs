@@ -252,6 +252,7 @@ fn egress_config(
         NetMode::Internet => EgressMode::Internet,
     };
     cfg.intercept_all_tls = spec.intercept_all_tls;
+    cfg.secret_headers = spec.secret_headers.clone();
     cfg.host_roots = host_cas.map(|c| c.upstream_pem.clone());
     for s in &spec.secrets {
         let hosts = s
@@ -273,6 +274,7 @@ fn egress_config(
                 },
                 None => SecretSource::File(s.file.clone()),
             },
+            headers: s.headers.clone(),
         });
     }
     for r in &spec.intercepts {
@@ -459,6 +461,7 @@ mod tests {
             intercept_all_tls: false,
             mode: Default::default(),
             host_ca_store: false,
+            secret_headers: vec![],
         }
     }
 
@@ -531,6 +534,7 @@ mod tests {
             intercept_all_tls: false,
             mode: Default::default(),
             host_ca_store: false,
+            secret_headers: vec![],
         };
         assert!(matches!(
             setup("x", Path::new("/nonexistent"), &spec),

@@ -30,6 +30,13 @@ pub enum SupervisorRequest {
     /// Opens a guest stream; once answered `StreamOpened`, the connection carries stream
     /// frames ([`crate::stream_frame`]).
     OpenStream(warren_protocol::stream::StreamTarget),
+    /// For a fork: freezes the jobs, stops the vCPUs, writes memory and device state to
+    /// `state` (`mapped-ram`, in the VM's run directory), copies the disk overlay to `disk`,
+    /// then runs the VM on and thaws it (`fork.rs`).
+    ForkSave {
+        state: std::path::PathBuf,
+        disk: std::path::PathBuf,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -41,6 +48,11 @@ pub enum SupervisorResponse {
     Resumed,
     Hibernated(CheckpointInfo),
     StreamOpened,
+    /// `ForkSave` done: the state's size and how long the VM was stopped.
+    ForkSaved {
+        size: u64,
+        paused_ms: u64,
+    },
 }
 
 /// A completed checkpoint, as recorded in `checkpoint.json` (after the state was fsynced).
@@ -83,6 +95,10 @@ pub struct StatusInfo {
     pub vm_id: String,
     /// Milliseconds from launch to the guest's authenticated answer.
     pub boot_ms: Option<u64>,
+    /// Where this supervisor's start went: (step, milliseconds since the supervisor process
+    /// started), in order (`warren bench --suite instant` prints them).
+    #[serde(default)]
+    pub timings: Vec<(String, u64)>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, thiserror::Error)]
@@ -126,8 +142,11 @@ pub async fn write_frame<W: AsyncWriteExt + Unpin, T: Serialize>(
         return Err(FrameError::TooLarge(body.len()));
     }
     let len = u32::try_from(body.len()).map_err(|_| FrameError::TooLarge(body.len()))?;
-    w.write_all(&len.to_be_bytes()).await?;
-    w.write_all(&body).await?;
+    // One write for the length and the body: one wakeup of the reader, not two.
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&len.to_be_bytes());
+    frame.extend_from_slice(&body);
+    w.write_all(&frame).await?;
     w.flush().await?;
     Ok(())
 }

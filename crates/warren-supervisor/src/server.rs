@@ -22,6 +22,7 @@ use crate::proto::{
     read_frame, write_frame, CheckpointInfo, Reply, StatusInfo, SupervisorError, SupervisorRequest,
     SupervisorResponse, VmPhase,
 };
+use crate::timings::Timings;
 use warren_vmm::qemu::qmp::Qmp;
 use warren_vmm::VmControl;
 
@@ -59,23 +60,25 @@ const BACKOFF_MIN: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 use crate::deadline::{MIGRATION_LIMIT, RECONNECT_WAIT};
 
-struct Shared {
-    phase: watch::Sender<VmPhase>,
-    channel: Mutex<Option<GuestChannel>>,
-    stop: Notify,
+pub(crate) struct Shared {
+    pub(crate) phase: watch::Sender<VmPhase>,
+    pub(crate) channel: Mutex<Option<GuestChannel>>,
+    pub(crate) stop: Notify,
     /// Why a requested stop happens, when it is not a destroy (hibernation).
-    stop_reason: Mutex<Option<String>>,
-    vmm_pid: Option<u32>,
+    pub(crate) stop_reason: Mutex<Option<String>>,
+    pub(crate) vmm_pid: Option<u32>,
     /// The VM this supervisor serves (its identity, checked on re-adoption).
-    vm_id: String,
+    pub(crate) vm_id: String,
     /// Guest RAM file (fast standby), if the VM has one.
-    ram_file: Option<PathBuf>,
-    boot_ms: Mutex<Option<u64>>,
+    pub(crate) ram_file: Option<PathBuf>,
+    pub(crate) boot_ms: Mutex<Option<u64>>,
     /// The VMM's QMP socket.
-    control: PathBuf,
-    dir: VmDir,
+    pub(crate) control: PathBuf,
+    pub(crate) dir: VmDir,
     /// Suspend and resume run one at a time.
-    lifecycle: tokio::sync::Mutex<()>,
+    pub(crate) lifecycle: tokio::sync::Mutex<()>,
+    /// Where the start went (reported in `Status`).
+    pub(crate) timings: Timings,
 }
 
 impl Shared {
@@ -86,7 +89,7 @@ impl Shared {
             .clone()
     }
 
-    async fn channel(&self, wait: Duration) -> Result<GuestChannel, SupervisorError> {
+    pub(crate) async fn channel(&self, wait: Duration) -> Result<GuestChannel, SupervisorError> {
         let mut rx = self.phase.subscribe();
         let waited = tokio::time::timeout(wait, async {
             loop {
@@ -137,15 +140,19 @@ pub fn run(dir: PathBuf) -> Result<(), SuperviseError> {
 }
 
 async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
+    let timings = Timings::new();
     let cfg_bytes = std::fs::read(dir.config()).map_err(|source| SuperviseError::Config {
         path: dir.config(),
         source,
     })?;
     let cfg: SupervisorConfig = serde_json::from_slice(&cfg_bytes)?;
-    let secret = std::fs::read(dir.secret()).map_err(|source| SuperviseError::Config {
-        path: dir.secret(),
-        source,
-    })?;
+    // Replaced by a rekey (`rekey.rs`): every later session uses the current one.
+    let secret = Arc::new(Mutex::new(std::fs::read(dir.secret()).map_err(
+        |source| SuperviseError::Config {
+            path: dir.secret(),
+            source,
+        },
+    )?));
 
     // 1. The lock: held until this process exits.
     let lock_file = std::fs::OpenOptions::new()
@@ -184,6 +191,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
             })?;
     }
 
+    timings.mark("socket");
     // 2. Launch.
     let backend = QemuBackend::new(warren_vmm::accel::find_qemu()?)?;
     if let Some(cg) = &cfg.launch.cgroup {
@@ -217,6 +225,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
             return Err(e.into());
         }
     };
+    timings.mark("vmm spawned");
     let mut child = launched.child;
     let endpoints = launched.endpoints;
     // virtiofsd processes: they exit when QEMU disconnects; held here so they are reaped.
@@ -236,6 +245,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         control: endpoints.control.clone(),
         dir: dir.clone(),
         lifecycle: tokio::sync::Mutex::new(()),
+        timings: timings.clone(),
     });
 
     // 3. Console.
@@ -256,19 +266,24 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
     //    checkpoint, and its guest is told the time and thawed once the channel is up.
     let failure = Arc::new(Mutex::new(None::<String>));
     let restore = cfg.restore;
+    let clone = cfg.clone.clone();
+    // A template's checkpoint leaves RAM in its file (mapped privately by the clone).
+    let standby = cfg.launch.ram_file.is_some() || cfg.launch.template_ram.is_some();
     {
         let shared = shared.clone();
         let path = endpoints.channel.clone();
         let tail = tail.clone();
         let failure = failure.clone();
         let boot_deadline = launched_at + Duration::from_millis(cfg.boot_timeout_ms);
-        let restore_state = dir.checkpoint_state();
+        let restore_state = cfg
+            .restore_from
+            .clone()
+            .unwrap_or_else(|| dir.checkpoint_state());
         let control = endpoints.control.clone();
         let ca_cert = ca_cert.clone();
         tokio::spawn(async move {
             let mut first = true;
             if restore {
-                let standby = shared.ram_file.is_some();
                 if let Err(e) =
                     restore_checkpoint(&control, &restore_state, standby, boot_deadline).await
                 {
@@ -279,6 +294,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                     shared.stop.notify_one();
                     return;
                 }
+                shared.timings.mark("restored");
             }
             // A guest that drops its sessions right after making them (a reconnect storm)
             // costs a handshake each: short sessions back off, doubling up to a limit.
@@ -289,12 +305,33 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                 } else {
                     Instant::now() + RECONNECT_WAIT
                 };
-                match GuestChannel::connect(&path, &secret, deadline).await {
+                let current = secret.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                match GuestChannel::connect(&path, &current, deadline).await {
                     Ok(ch) => {
                         if first {
                             let ms = launched_at.elapsed().as_millis() as u64;
                             *shared.boot_ms.lock().unwrap_or_else(|p| p.into_inner()) = Some(ms);
                             tracing::info!(boot_ms = ms, "guest ready");
+                            shared.timings.mark("channel");
+                        }
+                        if let (true, Some(spec)) = (first, &clone) {
+                            // A copy of another VM's memory: its own secret and identity
+                            // before anything else (`rekey.rs`).
+                            match crate::rekey::run(&ch, &shared.dir, &current, spec).await {
+                                Ok(new) => {
+                                    *secret.lock().unwrap_or_else(|p| p.into_inner()) = new;
+                                    shared.timings.mark("rekeyed");
+                                }
+                                Err(e) => {
+                                    let reason = format!("rekeying the restored guest failed: {e}");
+                                    tracing::error!(%reason);
+                                    *failure.lock().unwrap_or_else(|p| p.into_inner()) =
+                                        Some(reason.clone());
+                                    shared.phase.send_replace(VmPhase::Failed(reason));
+                                    shared.stop.notify_one();
+                                    return;
+                                }
+                            }
                         }
                         if first && restore {
                             if let Err(e) = thaw(&ch).await {
@@ -306,6 +343,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                                 shared.stop.notify_one();
                                 return;
                             }
+                            shared.timings.mark("thawed");
                         }
                         if let Some(ca) = &ca_cert {
                             // Idempotent: sent on every (re)connection, so a fresh agent
@@ -318,6 +356,9 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                                     "installing the egress CA failed"
                                 );
                             }
+                        }
+                        if first {
+                            shared.timings.mark("ready");
                         }
                         first = false;
                         let info = ch.info.clone();
@@ -553,6 +594,10 @@ async fn process(req: SupervisorRequest, shared: &Shared) -> Reply {
             let _l = shared.lifecycle.lock().await;
             hibernate(shared).await
         }
+        SupervisorRequest::ForkSave { state, disk } => {
+            let _l = shared.lifecycle.lock().await;
+            crate::fork::save(shared, &state, &disk).await
+        }
         SupervisorRequest::OpenStream(_) => Err(SupervisorError::Refused(
             "a stream is opened on a connection of its own".into(),
         )),
@@ -566,11 +611,11 @@ async fn process(req: SupervisorRequest, shared: &Shared) -> Reply {
     }
 }
 
-fn refused(what: &str, e: impl std::fmt::Display) -> SupervisorError {
+pub(crate) fn refused(what: &str, e: impl std::fmt::Display) -> SupervisorError {
     SupervisorError::Refused(format!("{what}: {e}"))
 }
 
-async fn qmp(path: &std::path::Path) -> Result<Qmp, SupervisorError> {
+pub(crate) async fn qmp(path: &std::path::Path) -> Result<Qmp, SupervisorError> {
     Qmp::connect(path)
         .await
         .map_err(|e| vmm_failed("VMM control", e))
@@ -578,7 +623,7 @@ async fn qmp(path: &std::path::Path) -> Result<Qmp, SupervisorError> {
 
 /// A failed VMM control command: a timeout keeps its own variant (one stable code for
 /// "did not answer in time"); anything else refuses the request.
-fn vmm_failed(what: &str, e: warren_vmm::VmmError) -> SupervisorError {
+pub(crate) fn vmm_failed(what: &str, e: warren_vmm::VmmError) -> SupervisorError {
     match e {
         warren_vmm::VmmError::QmpTimeout { .. } => {
             SupervisorError::Timeout(format!("{what}: {}", error_chain(&e)))
@@ -587,7 +632,7 @@ fn vmm_failed(what: &str, e: warren_vmm::VmmError) -> SupervisorError {
     }
 }
 
-async fn guest_call(
+pub(crate) async fn guest_call(
     ch: &GuestChannel,
     req: HostRequest,
 ) -> Result<warren_protocol::GuestResponse, SupervisorError> {
@@ -611,7 +656,7 @@ async fn guest_call(
 }
 
 /// The host's clock and fresh entropy for a guest that runs again.
-async fn thaw(ch: &GuestChannel) -> Result<(), SupervisorError> {
+pub(crate) async fn thaw(ch: &GuestChannel) -> Result<(), SupervisorError> {
     use rand::RngCore;
     let mut entropy = [0u8; 32];
     rand::rng().fill_bytes(&mut entropy);
@@ -630,7 +675,7 @@ async fn thaw(ch: &GuestChannel) -> Result<(), SupervisorError> {
     .map(|_| ())
 }
 
-fn ready_info(shared: &Shared) -> Option<warren_protocol::AgentInfo> {
+pub(crate) fn ready_info(shared: &Shared) -> Option<warren_protocol::AgentInfo> {
     match &*shared.phase.borrow() {
         VmPhase::Ready(i) | VmPhase::Paused(i) => Some(i.clone()),
         _ => None,
@@ -711,7 +756,7 @@ async fn repause(shared: &Shared) -> bool {
 }
 
 /// Polls a migration until it completes.
-async fn migration_done(q: &mut Qmp) -> Result<(), String> {
+pub(crate) async fn migration_done(q: &mut Qmp) -> Result<(), String> {
     let deadline = Instant::now() + MIGRATION_LIMIT;
     loop {
         let v = q
@@ -734,19 +779,21 @@ async fn migration_done(q: &mut Qmp) -> Result<(), String> {
                 "migration did not finish within {MIGRATION_LIMIT:?}"
             ));
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        // A restore of device state only takes a few ms: poll finely.
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
 
 /// Migration capabilities of a checkpoint: `mapped-ram` (RAM written into the state file at
-/// fixed offsets) or, for standby, `x-ignore-shared` (the shared RAM file is left as it is).
-fn capabilities(standby: bool) -> serde_json::Value {
-    let cap = if standby {
-        "x-ignore-shared"
-    } else {
-        "mapped-ram"
-    };
-    serde_json::json!({"capabilities": [{"capability": cap, "state": true}]})
+/// fixed offsets) or, for standby and template restores, `x-ignore-shared` (the shared RAM
+/// file is left as it is). Both are always set, one on and one off: capabilities outlive a
+/// migration in the VMM, and a restored template clone (which took `x-ignore-shared` to
+/// load) must not carry it into its own checkpoints, whose reader would not expect it.
+pub(crate) fn capabilities(standby: bool) -> serde_json::Value {
+    serde_json::json!({"capabilities": [
+        {"capability": "x-ignore-shared", "state": standby},
+        {"capability": "mapped-ram", "state": !standby},
+    ]})
 }
 
 fn sha256_file(path: &std::path::Path) -> String {
@@ -922,7 +969,7 @@ async fn restore_checkpoint(
         match Qmp::connect(control).await {
             Ok(q) => break q,
             Err(e) if Instant::now() > deadline => return Err(error_chain(&e)),
-            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
         }
     };
     q.execute("migrate-set-capabilities", Some(capabilities(standby)))
@@ -945,10 +992,11 @@ fn status(shared: &Shared) -> StatusInfo {
         supervisor_pid: std::process::id(),
         vm_id: shared.vm_id.clone(),
         boot_ms: *shared.boot_ms.lock().unwrap_or_else(|p| p.into_inner()),
+        timings: shared.timings.get(),
     }
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut src = e.source();
     while let Some(x) = src {

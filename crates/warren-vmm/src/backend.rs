@@ -57,6 +57,24 @@ pub struct LaunchSpec {
     /// at all.
     #[serde(default)]
     pub network: Option<NetSpec>,
+    /// Bench and tests only, never set for normal VMs: a second virtio-serial port
+    /// (`org.warren.bench.0`) on a UNIX socket chardev QEMU listens on at this path (in the
+    /// run directory), the raw-port baseline of `warren bench --suite streams`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bench_port: Option<PathBuf>,
+    /// Guest RAM is a private (copy-on-write) mapping of this read-only file: a template's
+    /// RAM, which the clone restored from the template's device state starts with. Writes
+    /// stay in the clone's own memory; the file is never changed.
+    #[serde(default)]
+    pub template_ram: Option<PathBuf>,
+    /// Anonymous guest RAM under the backend id `mem` (instead of the machine's own RAM
+    /// block), so checkpoints of a VM that started from a template (whose RAM block is
+    /// `mem`) load into it.
+    #[serde(default)]
+    pub named_ram: bool,
+    /// Supplementary groups of the VMM process (the templates' group for a clone).
+    #[serde(default)]
+    pub groups: Vec<u32>,
 }
 
 /// A VM's network: its namespace (created by the supervisor, which also runs the egress
@@ -102,6 +120,10 @@ pub struct NetSpec {
     /// egress, and in the guest's trust bundle.
     #[serde(default)]
     pub host_ca_store: bool,
+    /// Header names besides `Authorization` in which the placeholders of secrets that name
+    /// no headers of their own are substituted (`x-api-key`).
+    #[serde(default)]
+    pub secret_headers: Vec<String>,
 }
 
 /// A networked VM's egress mode (a VM without network has no NIC: that is "off").
@@ -162,6 +184,10 @@ pub struct NetSecret {
     /// (`/claudeAiOauth/accessToken`), so an agent's own credential file is used in place.
     #[serde(default)]
     pub json_pointer: Option<String>,
+    /// Request headers the value is substituted into (empty: `Authorization` and the VM's
+    /// `secret_headers`). A `Basic` credential in `Authorization` is substituted inside.
+    #[serde(default)]
+    pub headers: Vec<String>,
 }
 
 /// One host directory shared into the guest (virtio-fs). The guest mounts it by `tag`.

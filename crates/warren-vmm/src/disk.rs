@@ -8,10 +8,16 @@ use crate::error::VmmError;
 
 /// Creates `overlay` backed by `base` (absolute path, raw format).
 pub fn create_overlay(base: &Path, overlay: &Path) -> Result<(), VmmError> {
+    create_overlay_of(base, "raw", overlay)
+}
+
+/// Creates `overlay` backed by `base` of `format` (`raw`: an image's root filesystem;
+/// `qcow2`: a template's frozen disk layer, itself backed by the image).
+pub fn create_overlay_of(base: &Path, format: &str, overlay: &Path) -> Result<(), VmmError> {
     let out = Command::new("qemu-img")
         .arg("create")
         .arg("-q")
-        .args(["-f", "qcow2", "-F", "raw", "-b"])
+        .args(["-f", "qcow2", "-F", format, "-b"])
         .arg(base)
         .arg(overlay)
         .output()

@@ -131,13 +131,7 @@ impl Service {
         release: Cursor,
         wait: Duration,
     ) -> Result<JobOutput, ApiError> {
-        let req = JobOutputRequest {
-            job,
-            stdout_cursor: at.stdout,
-            stderr_cursor: at.stderr,
-            max_bytes: MAX_READ_PER_STREAM,
-            wait_ms: wait.as_millis().min(u128::from(MAX_OUTPUT_WAIT_MS)) as u32,
-        };
+        let req = super::output_request(job, at, MAX_READ_PER_STREAM, wait);
         Ok(self
             .warren
             .job_output_acked(vm, req, (release.stdout, release.stderr))

@@ -2,6 +2,7 @@
 //! idempotency and the engine calls. HTTP and MCP only move JSON in and out of [`Service::call`].
 
 mod files;
+mod instant;
 pub mod job_streams;
 mod sessions;
 pub mod streams;
@@ -162,6 +163,22 @@ pub(crate) fn parse_job(id: &str) -> Result<JobId, ApiError> {
     id.parse::<u64>()
         .map(JobId)
         .map_err(|_| ApiError::invalid(format!("job_id {id:?} is not a job id")))
+}
+
+/// A `JobOutput` read at `at`, waiting at most `wait` (capped at the protocol's maximum).
+pub(crate) fn output_request(
+    job: JobId,
+    at: Cursor,
+    max_bytes: u32,
+    wait: Duration,
+) -> JobOutputRequest {
+    JobOutputRequest {
+        job,
+        stdout_cursor: at.stdout,
+        stderr_cursor: at.stderr,
+        max_bytes,
+        wait_ms: wait.as_millis().min(u128::from(MAX_OUTPUT_WAIT_MS)) as u32,
+    }
 }
 
 /// A receipt's stored outcome: `{"ok": value}` or `{"error": {"code", "message"}}`.
@@ -406,6 +423,11 @@ impl Service {
             "vm_grep" => self.vm_grep(p, parse(args)?).await,
             "vm_destroy" => self.vm_destroy(p, parse(args)?).await,
             "vm_suspend" => self.vm_suspend(p, parse(args)?).await,
+            "vm_fork" => self.vm_fork(p, parse(args)?).await,
+            "pool_status" => {
+                parse::<NoArgs>(args)?;
+                self.pool_status()
+            }
             "session_create" => self.session_create(p, parse(args)?).await,
             "session_list" | "session_status" | "session_export" | "session_delete" => {
                 self.session_tool(p, tool, args).await
@@ -572,6 +594,8 @@ impl Service {
             ram_file: a.ram_file,
             network,
             generation: None,
+            raw_bench_port: false,
+            template: img.template || img.pool > 0,
         };
         let r = self
             .warren
@@ -910,13 +934,7 @@ impl Service {
         max_bytes: u32,
         wait: Duration,
     ) -> Result<JobOutput, ApiError> {
-        let req = JobOutputRequest {
-            job,
-            stdout_cursor: at.stdout,
-            stderr_cursor: at.stderr,
-            max_bytes,
-            wait_ms: wait.as_millis().min(u128::from(MAX_OUTPUT_WAIT_MS)) as u32,
-        };
+        let req = output_request(job, at, max_bytes, wait);
         Ok(self.warren.job_output(vm, req).await?)
     }
 

@@ -93,6 +93,14 @@ pub fn tool_defs(images: &[String]) -> Vec<ToolDef> {
             "vm_resume",
             "Resume a paused or hibernated VM where it was.",
         ),
+        tool::<VmForkArgs, VmForked>(
+            "vm_fork",
+            "Make count independent copies of a running VM (processes, memory and files), each with its own identity, secrets and network namespace (with the VM's egress policy); open TCP connections are dead in the copies, and userspace random state of copied processes is duplicated. Admitted against the limits as one request; the VM pauses briefly and runs on.",
+        ),
+        tool::<NoArgs, PoolReport>(
+            "pool_status",
+            "The warm pools the operator configured: per image, the target size and how many VMs are ready or starting.",
+        ),
         tool::<SessionCreateArgs, SessionInfo>(
             "session_create",
             "Create a session: a private copy of a host git repository (staged, unstaged and untracked files included; ignored ones not) with its own git directory, mounted read-write at /workspace of a new VM; direct mounts the directory itself. The path is checked as the caller (local callers, or the operator's host roots).",
@@ -138,7 +146,7 @@ mod tests {
     #[test]
     fn test_tool_defs_complete_schemas_and_image_enum() {
         let defs = tool_defs(&["dev".into(), "minimal".into()]);
-        assert_eq!(defs.len(), 20);
+        assert_eq!(defs.len(), 22);
         for d in &defs {
             assert_eq!(
                 d.input_schema.get("type"),

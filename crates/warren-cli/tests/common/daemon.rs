@@ -80,17 +80,37 @@ impl Daemon {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        Self::start_full(extra, None, envs)
+        Self::start_full(extra, None, envs, true)
+    }
+
+    /// Starts a service whose only configured image is `minimal` (no `dev` build needed);
+    /// `extra` may name it again (`{minimal}` is replaced by its id) under other names.
+    pub fn start_minimal(extra: &str) -> Daemon {
+        Self::start_full(extra, None, Vec::new(), false)
     }
 
     fn start_with(extra: &str, log: Option<PathBuf>) -> Daemon {
-        Self::start_full(extra, log, Vec::new())
+        Self::start_full(extra, log, Vec::new(), true)
     }
 
-    fn start_full(extra: &str, log: Option<PathBuf>, envs: Vec<(String, String)>) -> Daemon {
+    fn start_full(
+        extra: &str,
+        log: Option<PathBuf>,
+        envs: Vec<(String, String)>,
+        with_dev: bool,
+    ) -> Daemon {
         let env = TestEnv::new();
         let minimal = image_id(&env, "minimal");
-        let dev = image_id(&env, "dev");
+        let extra = extra.replace("{minimal}", &minimal);
+        let images = if with_dev {
+            format!(
+                "[images.minimal]\nid = \"{minimal}\"\ndefault = true\n\
+                 [images.dev]\nid = \"{}\"\n",
+                image_id(&env, "dev")
+            )
+        } else {
+            format!("[images.minimal]\nid = \"{minimal}\"\ndefault = true\n")
+        };
         let state = env.state.path();
         let accel = envs
             .iter()
@@ -102,9 +122,7 @@ impl Daemon {
         let text = format!(
             "state_dir = {state:?}\nimage_dir = {img:?}\naccel = {accel:?}\nsocket_mode = 0o666\n\
              [http]\nlisten = \"127.0.0.1:0\"\nmax_body_bytes = 262144\n\
-             {extra}\n\
-             [images.minimal]\nid = \"{minimal}\"\ndefault = true\n\
-             [images.dev]\nid = \"{dev}\"\n",
+             {extra}\n{images}",
             img = env.image_dir,
         );
         std::fs::write(&config, text).expect("write config");

@@ -61,6 +61,18 @@ impl Warren {
             warn(&w);
         }
 
+        // A warm pool VM of this shape, when the pool has one ready (`pool.rs`).
+        if req.template && req.workspace != super::pool::POOL_WORKSPACE {
+            let ws = if req.workspace.is_empty() {
+                local_workspace(nix::unistd::geteuid().as_raw())
+            } else {
+                req.workspace.clone()
+            };
+            if let Some(rec) = self.take_from_pool(req, &image_id.to_string(), &ws)? {
+                return Ok(rec);
+            }
+        }
+
         let mut id_bytes = [0u8; 6];
         rand::rng().fill_bytes(&mut id_bytes);
         let id = format!("vm-{}", hex::encode(id_bytes));
@@ -105,6 +117,11 @@ impl Warren {
             memory_mib: u64::from(memory),
             disk_mib: rec.disk_mib,
         };
+        // A template of this shape (built now if there is none) instead of a cold boot.
+        let template = match (req.template, self.template_key(req, &image, accel)) {
+            (true, Some(key)) => Some(self.template_for(&key, req, &image).await?),
+            _ => None,
+        };
         let ws = rec.workspace.clone();
         self.store
             .insert(&mut rec, VM_UID_BASE, |tx| -> Result<(), CoreError> {
@@ -116,7 +133,15 @@ impl Warren {
                 req.host_limits
                     .check("host", vmstore::usage(tx, None)?, add)
             })?;
-        match self.start(&rec, &image, accel, virtiofsd, network).await {
+        let bench_port = req.raw_bench_port;
+        let started = match &template {
+            Some(tpl) => self.start_clone(&rec, &image, accel, network, tpl).await,
+            None => {
+                self.start(&rec, &image, accel, virtiofsd, network, bench_port)
+                    .await
+            }
+        };
+        match started {
             Ok(boot_ms) => {
                 self.store
                     .set_state(&id, VmState::Running, None, Some(boot_ms))?;
@@ -140,27 +165,12 @@ impl Warren {
         accel: Accel,
         virtiofsd: Option<PathBuf>,
         network: Option<warren_vmm::NetSpec>,
+        bench_port: bool,
     ) -> Result<u64, CoreError> {
-        let dir = self.vm_dir(&rec.id);
-        // The VM directory is root's (0711: the VMM may only traverse it); the VMM's own
-        // files live in `run/`, owned by the VM's uid.
-        let p = dir.path();
-        std::fs::create_dir(p).map_err(|e| CoreError::io("create", p, e))?;
-        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o711))
-            .map_err(|e| CoreError::io("chmod", p, e))?;
+        let (dir, run_as) = self.make_vm_dir(rec)?;
         let run = dir.run_dir();
-        std::fs::create_dir(&run).map_err(|e| CoreError::io("create", &run, e))?;
-        std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| CoreError::io("chmod", &run, e))?;
-        let root = nix::unistd::geteuid().is_root();
-        let run_as = root.then_some((rec.uid, rec.uid));
-        let give = |path: &Path| -> Result<(), CoreError> {
-            if let Some((u, g)) = run_as {
-                chown(path, Some(u), Some(g)).map_err(|e| CoreError::io("chown", path, e))?;
-            }
-            Ok(())
-        };
-        give(&run)?;
+        let root = run_as.is_some();
+        let give = |path: &Path| give(path, run_as);
         self.record_artifacts(&dir, image)?;
 
         let disk = run.join("disk.qcow2");
@@ -185,6 +195,9 @@ impl Warren {
         if network.is_some() {
             extra_cmdline.push(warren_supervisor::network::guest_kernel_arg());
         }
+        if bench_port {
+            extra_cmdline.push(warren_protocol::BENCH_PORT_ARG.to_string());
+        }
         let cfg = SupervisorConfig {
             vm_id: rec.id.clone(),
             launch: LaunchSpec {
@@ -206,13 +219,42 @@ impl Warren {
                 virtiofsd,
                 ram_file: rec.ram_file.then(|| run.join("guest.ram")),
                 network,
+                bench_port: bench_port.then(|| run.join("bench-port.sock")),
+                template_ram: None,
+                named_ram: false,
+                groups: vec![],
             },
             boot_timeout_ms: self.cfg.boot_timeout.as_millis() as u64,
             restore: false,
+            clone: None,
+            restore_from: None,
         };
         let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
         write_private(&dir.config(), &body)?;
         self.launch_and_wait(&dir).await
+    }
+
+    /// Makes a new VM's directory: root's (0711: the VMM may only traverse it), with the
+    /// VMM's own `run/` (0700, owned by the VM's uid when running as root). Returns it with
+    /// the (uid, gid) the VMM runs as.
+    pub(super) fn make_vm_dir(
+        &self,
+        rec: &VmRecord,
+    ) -> Result<(VmDir, Option<(u32, u32)>), CoreError> {
+        let dir = self.vm_dir(&rec.id);
+        let p = dir.path();
+        std::fs::create_dir(p).map_err(|e| CoreError::io("create", p, e))?;
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o711))
+            .map_err(|e| CoreError::io("chmod", p, e))?;
+        let run = dir.run_dir();
+        std::fs::create_dir(&run).map_err(|e| CoreError::io("create", &run, e))?;
+        std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| CoreError::io("chmod", &run, e))?;
+        let run_as = nix::unistd::geteuid()
+            .is_root()
+            .then_some((rec.uid, rec.uid));
+        give(&run, run_as)?;
+        Ok((dir, run_as))
     }
 
     /// Starts the VM's supervisor and waits until its guest answers (or fails to).
@@ -283,6 +325,13 @@ impl Warren {
             )
             // Its own session: terminal signals to the CLI never reach it.
             .process_group(0);
+        // Credentials in the caller's environment (`ANTHROPIC_API_KEY`, `GH_TOKEN`, ...) stay
+        // with the caller: the supervisor, QEMU and virtiofsd never hold them.
+        for (name, _) in std::env::vars_os() {
+            if name.to_str().is_none_or(credential_variable) {
+                cmd.env_remove(&name);
+            }
+        }
         let mut child = cmd
             .spawn()
             .map_err(|e| CoreError::io("spawn", &self.cfg.supervisor_exe, e))?;
@@ -296,5 +345,49 @@ impl Warren {
             let _ = child.wait();
         });
         Ok(pidfd)
+    }
+}
+
+/// Hands `path` to the VM's uid (when running as root).
+pub(super) fn give(path: &Path, run_as: Option<(u32, u32)>) -> Result<(), CoreError> {
+    if let Some((u, g)) = run_as {
+        chown(path, Some(u), Some(g)).map_err(|e| CoreError::io("chown", path, e))?;
+    }
+    Ok(())
+}
+
+/// Whether an environment variable's name says it holds a credential (`*_API_KEY`,
+/// `*_TOKEN`, `*_SECRET`, `*_PASSWORD`, any case); such variables are not passed on to
+/// the supervisor.
+pub(crate) fn credential_variable(name: &str) -> bool {
+    let n = name.to_ascii_uppercase();
+    ["_API_KEY", "_TOKEN", "_SECRET", "_PASSWORD", "_CREDENTIALS"]
+        .iter()
+        .any(|s| n.ends_with(s))
+        || matches!(n.as_str(), "API_KEY" | "TOKEN" | "PASSWORD")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn test_credential_variables_recognised() {
+        for v in [
+            "ANTHROPIC_API_KEY",
+            "OPENAI_API_KEY",
+            "GH_TOKEN",
+            "github_token",
+            "DB_PASSWORD",
+        ] {
+            assert!(super::credential_variable(v), "{v}");
+        }
+        for v in [
+            "PATH",
+            "RUST_LOG",
+            "HOME",
+            "WARREN_QEMU",
+            "TOKENIZERS_PARALLELISM",
+        ] {
+            assert!(!super::credential_variable(v), "{v}");
+        }
     }
 }

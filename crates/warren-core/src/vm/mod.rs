@@ -19,11 +19,14 @@ use crate::store::{MountSpec, Store, Usage};
 
 pub mod artifacts;
 mod create;
+pub mod fork;
 mod guest;
 pub mod jobs_seen;
 mod mounts;
+pub mod pool;
 mod reconcile;
 mod suspend;
+pub mod template;
 
 pub use mounts::{parse_mount, validate_mounts, MAX_MOUNTS};
 
@@ -92,6 +95,13 @@ pub struct CreateVm {
     /// The generation the VM starts at (default 1): a session's next VM continues the
     /// session's lineage.
     pub generation: Option<u64>,
+    /// Bench and tests only (`warren bench --suite streams`), never offered by the CLI or the
+    /// service: a second, raw virtio-serial port the guest user can pump bytes through
+    /// (`LaunchSpec::bench_port`).
+    pub raw_bench_port: bool,
+    /// Restore from the template of this shape (built first if there is none) instead of
+    /// booting, when templates serve the shape (`template.rs`); other shapes boot cold.
+    pub template: bool,
 }
 
 /// A VM's network and egress settings (see `docs/egress.md`). Secret values stay in host
@@ -127,6 +137,10 @@ pub struct NetworkRequest {
     /// upstream TLS against it and the guest's trust bundle gets its extra CAs.
     #[serde(default)]
     pub host_ca_store: bool,
+    /// Header names besides `Authorization` where placeholders are substituted, for secrets
+    /// that name no headers of their own.
+    #[serde(default)]
+    pub secret_headers: Vec<String>,
 }
 
 fn error_text(e: &dyn std::error::Error) -> String {

@@ -33,6 +33,7 @@ pub(super) fn net_spec(id: &str, net: &NetworkRequest) -> Result<warren_vmm::Net
         intercept_all_tls: net.intercept_all_tls,
         mode: net.mode,
         host_ca_store: net.host_ca_store,
+        secret_headers: net.secret_headers.clone(),
     };
     warren_supervisor::network::validate(&spec)
         .map_err(|e| CoreError::InvalidArgument(format!("network: {}", error_text(&e))))?;

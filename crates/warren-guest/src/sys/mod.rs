@@ -1,7 +1,8 @@
 //! Every `unsafe` operation of the agent lives here, each with its safety argument:
 //! the vfork-style job spawn ([`spawn`]), the `RNDADDENTROPY` and `RNDRESEEDCRNG` ioctls,
-//! the registration of a descriptor with tokio ([`register_fd`]) and the read-only mount
-//! clone of [`readonly_clone`]. Everything else uses the safe `nix`/`rustix` APIs.
+//! the registration of a descriptor with tokio ([`register_fd`]), reads into a tokio
+//! buffer's uninitialised part ([`read_into`]) and the read-only mount clone of
+//! [`readonly_clone`]. Everything else uses the safe `nix`/`rustix` APIs.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::fs::File;
@@ -30,6 +31,23 @@ pub struct ChildSetup {
     /// While still root: a mount namespace of the job's own (propagation slave) with this
     /// directory bind-mounted at [`BROKER_MOUNT_C`] (the job's broker pipe).
     pub broker_dir: Option<std::ffi::CString>,
+}
+
+/// One `read(2)` from `fd` into the unfilled part of `out`, without zeroing it first (the
+/// channel reads the port straight into HTTP/2's buffer); what was read becomes filled.
+pub fn read_into(
+    fd: std::os::fd::BorrowedFd<'_>,
+    out: &mut tokio::io::ReadBuf<'_>,
+) -> io::Result<usize> {
+    // SAFETY: the slice is only handed to `read(2)`, which writes at most its length and
+    // never de-initialises bytes.
+    let unfilled = unsafe { out.unfilled_mut() };
+    let (init, _) = rustix::io::read(fd, unfilled)?;
+    let n = init.len();
+    // SAFETY: `read(2)` initialised exactly the first `n` bytes of the unfilled part.
+    unsafe { out.assume_init(n) };
+    out.advance(n);
+    Ok(n)
 }
 
 /// `crate::jobs::broker::BROKER_MOUNT` as the child's system calls take it.

@@ -57,7 +57,21 @@ pub fn qemu_args(spec: &LaunchSpec, attach: Attach<'_>, tsc_khz: u64) -> Vec<Str
         "-name",
         &format!("warren-{},process=warren-{}", spec.name, spec.name),
     ]);
-    if let Some(ram) = &spec.ram_file {
+    if let Some(ram) = &spec.template_ram {
+        // A template's RAM file, mapped privately: the clone reads the template's pages and
+        // its writes stay its own (`readonly=on`: the file is opened read-only; `rom=off`:
+        // the guest may still write its private copy).
+        push(&[
+            "-object",
+            &format!(
+                "memory-backend-file,id=mem,size={}M,mem-path={},share=off,readonly=on,rom=off",
+                spec.memory.0,
+                ram.display()
+            ),
+            "-M",
+            "microvm,acpi=on,memory-backend=mem",
+        ]);
+    } else if let Some(ram) = &spec.ram_file {
         // Guest RAM in a per-VM file (shared, so device backends can map it too).
         push(&[
             "-object",
@@ -69,8 +83,15 @@ pub fn qemu_args(spec: &LaunchSpec, attach: Attach<'_>, tsc_khz: u64) -> Vec<Str
             "-M",
             "microvm,acpi=on,memory-backend=mem",
         ]);
-    } else if spec.shares.is_empty() {
+    } else if spec.shares.is_empty() && !spec.named_ram {
         push(&["-M", "microvm,acpi=on"]);
+    } else if spec.shares.is_empty() {
+        push(&[
+            "-object",
+            &format!("memory-backend-ram,id=mem,size={}M", spec.memory.0),
+            "-M",
+            "microvm,acpi=on,memory-backend=mem",
+        ]);
     } else {
         // vhost-user devices need guest RAM the device backend can map: a shared memfd
         // (released with the process; hibernate still writes it into the checkpoint).
@@ -133,6 +154,15 @@ pub fn qemu_args(spec: &LaunchSpec, attach: Attach<'_>, tsc_khz: u64) -> Vec<Str
         "-device",
         "virtserialport,chardev=agent,name=org.warren.agent.0",
     ]);
+    if let Some(path) = &spec.bench_port {
+        // The raw-port baseline: the same device and chardev kind, no protocol on it.
+        push(&[
+            "-chardev",
+            &format!("socket,id=bench,path={},server=on,wait=off", path.display()),
+            "-device",
+            "virtserialport,chardev=bench,name=org.warren.bench.0",
+        ]);
+    }
     push(&[
         "-drive",
         &format!(
@@ -225,7 +255,28 @@ mod tests {
             virtiofsd: None,
             ram_file: None,
             network: None,
+            bench_port: None,
+            template_ram: None,
+            named_ram: false,
+            groups: vec![],
         }
+    }
+
+    #[test]
+    fn test_qemu_args_template_ram_private_readonly_file() {
+        let mut sp = spec();
+        sp.template_ram = Some(PathBuf::from("/t/template.ram"));
+        let s = qemu_args(&sp, Attach::Fds, 1).join(" ");
+        assert!(
+            s.contains("memory-backend-file,id=mem,size=512M,mem-path=/t/template.ram,share=off,readonly=on,rom=off"),
+            "{s}"
+        );
+        assert!(s.contains("microvm,acpi=on,memory-backend=mem"), "{s}");
+        let mut resumed = spec();
+        resumed.named_ram = true;
+        let s = qemu_args(&resumed, Attach::Fds, 1).join(" ");
+        assert!(s.contains("memory-backend-ram,id=mem,size=512M"), "{s}");
+        assert!(s.contains("memory-backend=mem"), "{s}");
     }
 
     #[test]
@@ -249,6 +300,18 @@ mod tests {
         let old = qemu_args(&legacy, Attach::Fds, 2_000_000).join(" ");
         assert!(!old.contains("-cpu"), "{old}");
         assert!(!s.contains("-netdev"), "no NIC without network");
+        assert!(
+            !s.contains("org.warren.bench"),
+            "no bench port in a normal VM"
+        );
+        let mut bench = spec();
+        bench.bench_port = Some(PathBuf::from("/r/bench.sock"));
+        let b = qemu_args(&bench, Attach::Fds, 1).join(" ");
+        assert!(
+            b.contains("socket,id=bench,path=/r/bench.sock,server=on,wait=off")
+                && b.contains("virtserialport,chardev=bench,name=org.warren.bench.0"),
+            "{b}"
+        );
     }
 
     #[test]
@@ -287,6 +350,7 @@ mod tests {
             intercept_all_tls: false,
             mode: Default::default(),
             host_ca_store: false,
+            secret_headers: vec![],
         });
         let s = qemu_args(&sp, Attach::Fds, 1).join(" ");
         assert!(s.contains("-netdev tap,id=net0,fd=3,vhost=off"));

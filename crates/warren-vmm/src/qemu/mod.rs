@@ -99,7 +99,7 @@ impl VmBackend for QemuBackend {
                 &crate::sys::cgroup::member_dirs(cg),
             );
         }
-        crate::sys::process::confine(cmd.as_std_mut(), spec.run_as);
+        crate::sys::process::confine(cmd.as_std_mut(), spec.run_as, &spec.groups);
         let mut fds: Vec<(std::os::fd::RawFd, i32)> = Vec::new();
         {
             use std::os::fd::AsRawFd;

@@ -215,7 +215,7 @@ pub fn spawn_all(spec: &LaunchSpec) -> Result<Started, VmmError> {
         }
         // virtiofsd needs root for its namespace sandbox and to act as the owner; it is not
         // run as the VMM's uid.
-        crate::sys::process::confine(&mut cmd, None);
+        crate::sys::process::confine(&mut cmd, None, &[]);
         crate::sys::process::mount_held_dir(&mut cmd, tree.as_raw_fd(), &mountpoint)
             .map_err(|e| VmmError::io("prepare the mount of", &mountpoint, e))?;
         // Files the guest creates in a share get the guest's modes under the usual 022, not

@@ -4,7 +4,8 @@ use std::os::unix::process::CommandExt;
 
 /// Makes `cmd` run in a network namespace of its own (only a down `lo`: a VMM escape reaches
 /// no network; a VM's NIC arrives as a TAP descriptor opened in the VM's namespace), as
-/// `run_as` (uid, gid) with no supplementary groups, and die with SIGKILL when the process
+/// `run_as` (uid, gid) with exactly the supplementary `groups` (normally none; a VM restored
+/// from a template gets the templates' group, which may read the template's files), and die with SIGKILL when the process
 /// that spawned it (the supervisor) dies, so no VMM is ever orphaned.
 ///
 /// As root the namespace is a plain `CLONE_NEWNET`; an unprivileged caller gets it inside a
@@ -13,7 +14,11 @@ use std::os::unix::process::CommandExt;
 ///
 /// The supervisor must spawn from a thread that lives as long as it does (the parent-death
 /// signal fires when the spawning *thread* exits): it runs a current-thread runtime.
-pub fn confine(cmd: &mut std::process::Command, run_as: Option<(u32, u32)>) {
+pub fn confine(cmd: &mut std::process::Command, run_as: Option<(u32, u32)>, groups: &[u32]) {
+    let groups: Vec<nix::unistd::Gid> = groups
+        .iter()
+        .map(|g| nix::unistd::Gid::from_raw(*g))
+        .collect();
     let euid = nix::unistd::geteuid();
     let egid = nix::unistd::getegid();
     // Formatted before the fork: the child may not allocate.
@@ -41,7 +46,7 @@ pub fn confine(cmd: &mut std::process::Command, run_as: Option<(u32, u32)>) {
                 }
             }
             if let Some((uid, gid)) = run_as {
-                nix::unistd::setgroups(&[])?;
+                nix::unistd::setgroups(&groups)?;
                 nix::unistd::setgid(nix::unistd::Gid::from_raw(gid))?;
                 nix::unistd::setuid(nix::unistd::Uid::from_raw(uid))?;
             }

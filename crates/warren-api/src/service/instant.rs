@@ -1,0 +1,146 @@
+//! `vm_fork` and `pool_status`, and the warm pools' background refill (`docs/instant.md`).
+
+use std::time::Duration;
+
+use serde_json::Value;
+use warren_core::store::VmState;
+use warren_core::{ForkVm, PoolShape};
+
+use super::{replay, to_value, workspace_limits, Service};
+use crate::auth::Principal;
+use crate::error::ApiError;
+use crate::receipts::{args_hash, validate_request_id, Claim};
+use crate::tools::*;
+
+impl Service {
+    pub(super) async fn vm_fork(&self, p: &Principal, a: VmForkArgs) -> Result<Value, ApiError> {
+        validate_request_id(&a.request_id)?;
+        if !(1..=warren_core::vm::fork::MAX_FORK_COUNT).contains(&a.count) {
+            return Err(ApiError::invalid(format!(
+                "count must be within 1..={}",
+                warren_core::vm::fork::MAX_FORK_COUNT
+            )));
+        }
+        let parent = self
+            .owned_for_work(p, &a.vm_id, a.expected_generation)
+            .await?;
+        let hash = args_hash(&a);
+        let rid = a.request_id.as_str();
+        let _guard = self.enter(p, "vm_fork", rid)?;
+        match self.receipts.claim(&p.workspace, "vm_fork", rid, &hash)? {
+            Claim::Done(v) => return replay(v),
+            Claim::Pending => {
+                // An earlier attempt was cut off after its admission: its copies say how far
+                // it got; none is trusted to be complete.
+                if self
+                    .warren
+                    .vm_by_request(&p.workspace, &format!("{rid}.0"))?
+                    .is_some()
+                {
+                    return Err(ApiError::new(
+                        "outcome_unknown",
+                        format!("the copies of request {rid} were left half-made; list and destroy them, then use a new request_id"),
+                    ));
+                }
+            }
+            Claim::New => {}
+        }
+        let req = ForkVm {
+            vm_id: parent.id.clone(),
+            count: a.count,
+            request_id: Some(rid.to_string()),
+            host_limits: self.cfg.host_limits(),
+            workspace_limits: workspace_limits(p),
+        };
+        match self.warren.fork_vm(&req).await {
+            Ok(copies) => {
+                let out = VmForked {
+                    vms: copies.into_iter().map(|r| self.info(r)).collect(),
+                };
+                let stored = serde_json::json!({ "ok": to_value(&out)? });
+                self.receipts
+                    .complete(&p.workspace, "vm_fork", rid, &stored)?;
+                replay(stored)
+            }
+            Err(e) => {
+                let e = ApiError::from(e);
+                let made = self
+                    .warren
+                    .vm_by_request(&p.workspace, &format!("{rid}.0"))?
+                    .is_some_and(|r| r.state == VmState::Failed);
+                if made {
+                    self.receipts.complete(
+                        &p.workspace,
+                        "vm_fork",
+                        rid,
+                        &serde_json::json!({ "error": { "code": e.code, "message": e.message } }),
+                    )?;
+                } else {
+                    self.receipts.release(&p.workspace, "vm_fork", rid)?;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    pub(super) fn pool_status(&self) -> Result<Value, ApiError> {
+        let now = self.warren.pool_status()?;
+        let mut pools = Vec::new();
+        for (name, img) in &self.cfg.images {
+            if img.pool == 0 {
+                continue;
+            }
+            let memory = img
+                .memory_mib
+                .or(img.min_memory_mib)
+                .unwrap_or(warren_core::vm::DEFAULT_MEMORY_MIB);
+            let found = now.iter().find(|s| {
+                s.image_id == img.id
+                    && s.memory_mib == memory
+                    && s.vcpus == warren_core::vm::DEFAULT_VCPUS
+            });
+            pools.push(PoolEntry {
+                image: Some(name.clone()),
+                image_id: img.id.clone(),
+                memory_mib: memory,
+                vcpus: warren_core::vm::DEFAULT_VCPUS,
+                size: img.pool,
+                ready: found.map_or(0, |s| s.ready),
+                starting: found.map_or(0, |s| s.starting),
+            });
+        }
+        to_value(PoolReport { pools })
+    }
+
+    /// Keeps every configured warm pool at its size, checking every `every`; one image's
+    /// failure (host limits reached, a template that cannot be built) is logged and retried
+    /// at the next check.
+    pub async fn pool_loop(self: std::sync::Arc<Self>, every: Duration) {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            for (name, img) in &self.cfg.images {
+                if img.pool == 0 {
+                    continue;
+                }
+                let shape = PoolShape {
+                    image: img.id.clone(),
+                    memory_mib: img.memory_mib.or(img.min_memory_mib),
+                    vcpus: None,
+                };
+                match self
+                    .warren
+                    .fill_pool(&shape, img.pool, self.cfg.host_limits())
+                    .await
+                {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(image = %name, started = n, "warm pool refilled"),
+                    Err(e) => {
+                        tracing::warn!(image = %name, error = %crate::error::format_chain(&e), "warm pool refill failed")
+                    }
+                }
+            }
+        }
+    }
+}

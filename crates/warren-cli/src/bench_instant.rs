@@ -1,0 +1,308 @@
+//! `warren bench --suite instant`: how fast a workspace is ready, against a cold create and
+//! the raw QEMU floors measured in the same run.
+//!
+//! (floor) raw QEMU: boot of the same kernel, initramfs and disk to the agent's ready line
+//!     (the cold floor), and a restore of the template's device state and RAM file to a
+//!     running VM (the restore floor: spawn, `migrate-incoming`, `cont`);
+//! (cold) `vm create` to the first exec result, booting;
+//! (template) the same from the shape's template (built once first, timed on its own);
+//! (pool) a warm-pool hand-out to the first exec result (refilled between samples, untimed);
+//! (concurrent) 8 creates from the template at once, to all 8 first exec results;
+//! (fork) a fork of 4 of a running VM, to all 4 first exec results;
+//! (standby) resume from fast standby to the first exec result;
+//! (breakdown) where a template restore and a standby resume spend their time: the
+//!     supervisor's own steps (socket up, VMM spawned, state restored, channel
+//!     authenticated, rekeyed, thawed, ready) and the engine's wait, medians.
+//!
+//! p50 and p99 over `--boots` samples (use 20); ratios against the cold create.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use warren_core::{CreateVm, ForkVm, PoolShape, SuspendMode, Warren};
+
+use crate::bench::{discard_private_warren, exec_true, median, pct, private_warren, wait_job};
+use crate::cli::{BenchArgs, Cli};
+
+#[derive(serde::Serialize, Default)]
+struct Report {
+    accel: String,
+    samples: usize,
+    raw_boot_ms_median: f64,
+    raw_restore_ms_median: f64,
+    cold_create_to_exec_ms_p50: f64,
+    cold_create_to_exec_ms_p99: f64,
+    template_build_ms: f64,
+    template_create_to_exec_ms_p50: f64,
+    template_create_to_exec_ms_p99: f64,
+    template_vs_cold: f64,
+    pool_handout_to_exec_ms_p50: f64,
+    pool_handout_to_exec_ms_p99: f64,
+    pool_vs_cold: f64,
+    concurrent8_template_ms: f64,
+    concurrent8_vs_cold: f64,
+    fork4_ms: f64,
+    fork4_vs_cold: f64,
+    standby_resume_to_exec_ms_p50: f64,
+    standby_resume_to_exec_ms_p99: f64,
+    standby_vs_cold: f64,
+    template_breakdown_ms: BTreeMap<String, f64>,
+    standby_breakdown_ms: BTreeMap<String, f64>,
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1000.0
+}
+
+async fn first_exec(w: &Warren, vm: &str) -> Result<()> {
+    let job = w.exec_start(vm, exec_true()).await?;
+    wait_job(w, vm, job).await
+}
+
+/// The supervisor's start steps of `vm`, plus the engine's total (`engine`) and the first
+/// exec (`first exec`), in ms.
+async fn steps(w: &Warren, vm: &str) -> Vec<(String, f64)> {
+    let sup = warren_supervisor::SupervisorClient::new(&w.vm_dir_path(vm).join("supervisor.sock"));
+    sup.status()
+        .await
+        .map(|s| s.timings.into_iter().map(|(k, v)| (k, v as f64)).collect())
+        .unwrap_or_default()
+}
+
+fn add_steps(acc: &mut BTreeMap<String, Vec<f64>>, steps: Vec<(String, f64)>) {
+    for (i, (k, v)) in steps.into_iter().enumerate() {
+        acc.entry(format!("{i:02} {k}")).or_default().push(v);
+    }
+}
+
+fn medians(acc: BTreeMap<String, Vec<f64>>) -> BTreeMap<String, f64> {
+    acc.into_iter()
+        .map(|(k, mut v)| (k, median(&mut v)))
+        .collect()
+}
+
+pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
+    let (w, state) = private_warren(cli, args, "instant")?;
+    let r = measure(&w, args).await;
+    discard_private_warren(&w, &state).await;
+    let r = r?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(0);
+    }
+    println!(
+        "accelerator: {}  ({} samples per figure; p50 / p99)",
+        r.accel, r.samples
+    );
+    println!(
+        "(floor)      raw QEMU boot to ready line {:.0} ms   raw restore of the template {:.0} ms",
+        r.raw_boot_ms_median, r.raw_restore_ms_median
+    );
+    println!(
+        "(cold)       create to first exec {:.0} / {:.0} ms",
+        r.cold_create_to_exec_ms_p50, r.cold_create_to_exec_ms_p99
+    );
+    println!(
+        "(template)   build {:.0} ms once; create to first exec {:.0} / {:.0} ms   ratio {:.3} (target <= 0.15)",
+        r.template_build_ms,
+        r.template_create_to_exec_ms_p50,
+        r.template_create_to_exec_ms_p99,
+        r.template_vs_cold
+    );
+    println!(
+        "(pool)       hand-out to first exec {:.0} / {:.0} ms   ratio {:.3} (target p50 <= 150 ms)",
+        r.pool_handout_to_exec_ms_p50, r.pool_handout_to_exec_ms_p99, r.pool_vs_cold
+    );
+    println!(
+        "(concurrent) 8 template creates to 8 first execs {:.0} ms   ratio vs one cold {:.3}",
+        r.concurrent8_template_ms, r.concurrent8_vs_cold
+    );
+    println!(
+        "(fork)       fork of 4 to 4 first execs {:.0} ms   ratio vs one cold {:.3} (target <= 0.5)",
+        r.fork4_ms, r.fork4_vs_cold
+    );
+    println!(
+        "(standby)    resume to first exec {:.0} / {:.0} ms   ratio {:.3} (target <= 0.1)",
+        r.standby_resume_to_exec_ms_p50, r.standby_resume_to_exec_ms_p99, r.standby_vs_cold
+    );
+    for (name, b) in [
+        ("template restore", &r.template_breakdown_ms),
+        ("standby resume", &r.standby_breakdown_ms),
+    ] {
+        let parts: Vec<String> = b.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
+        println!("(breakdown)  {name}: {}", parts.join(" | "));
+    }
+    Ok(0)
+}
+
+async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
+    let n = args.boots;
+    if n == 0 {
+        bail!("--boots must be positive");
+    }
+    let base = CreateVm {
+        image: Some(args.image.clone()),
+        idle_seconds: Some(0),
+        ..Default::default()
+    };
+    let templ = CreateVm {
+        template: true,
+        ..base.clone()
+    };
+    let mut r = Report {
+        samples: n,
+        ..Report::default()
+    };
+    let image = w.images().verify(&w.images().resolve(&args.image)?)?;
+    let (accel, _) = w.resolve_accel(&image).await?;
+
+    // Cold creates, and the raw boot floor on the first VM's own files.
+    let (mut cold, mut raw) = (vec![], vec![]);
+    for i in 0..n {
+        eprintln!("cold {}/{n}", i + 1);
+        let t = Instant::now();
+        let rec = w.create_vm(&base, &mut |_| {}).await?;
+        first_exec(w, &rec.id).await?;
+        cold.push(ms(t));
+        r.accel = rec.accel.clone();
+        if i < 5 {
+            raw.push(crate::bench::raw_boot(&w.vm_dir_path(&rec.id), accel).await? * 1000.0);
+        }
+        w.destroy_vm(&rec.id).await?;
+    }
+    r.raw_boot_ms_median = median(&mut raw);
+    r.cold_create_to_exec_ms_p50 = pct(&mut cold, 0.5);
+    r.cold_create_to_exec_ms_p99 = pct(&mut cold, 0.99);
+    let cold50 = r.cold_create_to_exec_ms_p50;
+
+    // The template: built by the first create.
+    eprintln!("template build");
+    let t = Instant::now();
+    let rec = w.create_vm(&templ, &mut |_| {}).await?;
+    r.template_build_ms = ms(t);
+    w.destroy_vm(&rec.id).await?;
+    let (mut tpl, mut tsteps) = (vec![], BTreeMap::new());
+    for i in 0..n {
+        eprintln!("template {}/{n}", i + 1);
+        let t = Instant::now();
+        let rec = w.create_vm(&templ, &mut |_| {}).await?;
+        let created = ms(t);
+        first_exec(w, &rec.id).await?;
+        tpl.push(ms(t));
+        let mut s = steps(w, &rec.id).await;
+        s.push(("engine create".into(), created));
+        s.push(("first exec done".into(), ms(t)));
+        add_steps(&mut tsteps, s);
+        w.destroy_vm(&rec.id).await?;
+    }
+    r.template_create_to_exec_ms_p50 = pct(&mut tpl, 0.5);
+    r.template_create_to_exec_ms_p99 = pct(&mut tpl, 0.99);
+    r.template_vs_cold = r.template_create_to_exec_ms_p50 / cold50;
+    r.template_breakdown_ms = medians(tsteps);
+    let template_dir = w
+        .list_templates()?
+        .into_iter()
+        .next()
+        .map(|t| w.config().state_dir.join("templates").join(t.name))
+        .context("no template after building one")?;
+    let mut raw_restore = vec![];
+    for _ in 0..n.min(5) {
+        raw_restore.push(crate::bench_floor::raw_restore(w, &template_dir).await?);
+    }
+    r.raw_restore_ms_median = median(&mut raw_restore);
+
+    // The warm pool: hand-outs, refilled between samples outside the timing.
+    let shape = PoolShape {
+        image: args.image.clone(),
+        memory_mib: None,
+        vcpus: None,
+    };
+    let mut pool = vec![];
+    for i in 0..n {
+        eprintln!("pool {}/{n}", i + 1);
+        w.fill_pool(&shape, 1, Default::default()).await?;
+        let t = Instant::now();
+        let rec = w.create_vm(&templ, &mut |_| {}).await?;
+        first_exec(w, &rec.id).await?;
+        pool.push(ms(t));
+        w.destroy_vm(&rec.id).await?;
+    }
+    r.pool_handout_to_exec_ms_p50 = pct(&mut pool, 0.5);
+    r.pool_handout_to_exec_ms_p99 = pct(&mut pool, 0.99);
+    r.pool_vs_cold = r.pool_handout_to_exec_ms_p50 / cold50;
+
+    // 8 concurrent creates from the template.
+    eprintln!("8 concurrent");
+    let t = Instant::now();
+    let made = futures_util::future::join_all((0..8).map(|_| async {
+        let rec = w.create_vm(&templ, &mut |_| {}).await?;
+        first_exec(w, &rec.id).await?;
+        Ok::<_, anyhow::Error>(rec.id)
+    }))
+    .await;
+    r.concurrent8_template_ms = ms(t);
+    r.concurrent8_vs_cold = r.concurrent8_template_ms / cold50;
+    let mut ids = vec![];
+    for m in made {
+        ids.push(m?);
+    }
+    for id in &ids {
+        w.destroy_vm(id).await?;
+    }
+
+    // A fork of 4 of a running VM.
+    eprintln!("fork of 4");
+    let parent = w.create_vm(&templ, &mut |_| {}).await?;
+    first_exec(w, &parent.id).await?;
+    let t = Instant::now();
+    let copies = w
+        .fork_vm(&ForkVm {
+            vm_id: parent.id.clone(),
+            count: 4,
+            ..Default::default()
+        })
+        .await?;
+    futures_util::future::try_join_all(copies.iter().map(|c| first_exec(w, &c.id))).await?;
+    r.fork4_ms = ms(t);
+    r.fork4_vs_cold = r.fork4_ms / cold50;
+    for c in copies
+        .iter()
+        .map(|c| c.id.clone())
+        .chain([parent.id.clone()])
+    {
+        w.destroy_vm(&c).await?;
+    }
+
+    // Resume from fast standby.
+    let sb = w
+        .create_vm(
+            &CreateVm {
+                ram_file: true,
+                ..base.clone()
+            },
+            &mut |_| {},
+        )
+        .await?;
+    first_exec(w, &sb.id).await?;
+    let (mut standby, mut ssteps) = (vec![], BTreeMap::new());
+    for i in 0..n {
+        eprintln!("standby {}/{n}", i + 1);
+        w.suspend_vm(&sb.id, SuspendMode::Hibernate, true).await?;
+        let t = Instant::now();
+        w.resume_vm(&sb.id).await?;
+        let resumed = ms(t);
+        first_exec(w, &sb.id).await?;
+        standby.push(ms(t));
+        let mut s = steps(w, &sb.id).await;
+        s.push(("engine resume".into(), resumed));
+        s.push(("first exec done".into(), ms(t)));
+        add_steps(&mut ssteps, s);
+    }
+    w.destroy_vm(&sb.id).await?;
+    r.standby_resume_to_exec_ms_p50 = pct(&mut standby, 0.5);
+    r.standby_resume_to_exec_ms_p99 = pct(&mut standby, 0.99);
+    r.standby_vs_cold = r.standby_resume_to_exec_ms_p50 / cold50;
+    r.standby_breakdown_ms = medians(ssteps);
+    Ok(r)
+}

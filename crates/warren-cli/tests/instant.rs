@@ -1,0 +1,411 @@
+//! Instant workspaces on real VMs (`docs/instant.md`): template clones are isolated from each
+//! other and from the template (disk, memory, random output, identity, channel secret) and
+//! leave the template's secret for good; a template made on other artifacts is never used;
+//! pool hand-outs under 8 concurrent creates are all distinct; a fork of a VM with a running
+//! counter yields copies whose counters continue independently.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::{ok, TestEnv};
+
+/// A VM of `env` (several share one state directory; the environment destroys what is left).
+struct Vm<'a> {
+    env: &'a TestEnv,
+    id: String,
+}
+
+impl Vm<'_> {
+    fn sh(&self, script: &str) -> std::process::Output {
+        self.env
+            .run(&["vm", "exec", &self.id, "--", "sh", "-c", script])
+    }
+
+    fn warren(&self, args: &[&str]) -> std::process::Output {
+        self.env.run(args)
+    }
+
+    fn state(&self) -> String {
+        self.env
+            .record(&self.id)
+            .map(|r| r["state"].as_str().unwrap_or("").to_string())
+            .unwrap_or_else(|| "gone".into())
+    }
+
+    fn destroy(self) {
+        ok(self.env.run(&["vm", "destroy", &self.id]), "destroy");
+        assert!(
+            !self.env.vm_dir(&self.id).exists(),
+            "VM directory left behind"
+        );
+    }
+}
+
+fn create_template_vm(env: &TestEnv) -> Vm<'_> {
+    let id = env.create_vm_with("minimal", &["--template"]);
+    Vm { env, id }
+}
+
+fn secret(env: &TestEnv, id: &str) -> Vec<u8> {
+    std::fs::read(env.vm_dir(id).join("secret")).expect("secret")
+}
+
+/// The one template directory of `env`.
+fn template_dir(env: &TestEnv) -> PathBuf {
+    let out = ok(env.run(&["vm", "templates", "--json"]), "vm templates");
+    let list: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let list = list.as_array().expect("array");
+    assert_eq!(list.len(), 1, "one template: {out}");
+    assert_eq!(list[0]["valid"], true, "{out}");
+    env.state
+        .path()
+        .join("templates")
+        .join(list[0]["name"].as_str().expect("name"))
+}
+
+fn line(vm: &Vm<'_>, script: &str) -> String {
+    ok(vm.sh(script), script).trim().to_string()
+}
+
+#[test]
+fn test_template_clones_isolated_rekeyed_and_never_on_other_artifacts() {
+    common::ensure_image("minimal");
+    let env = TestEnv::new();
+    let a = create_template_vm(&env);
+    let b = create_template_vm(&env);
+    let tpl = template_dir(&env);
+    // The template's files are nobody's but root's and the clones' group.
+    for (f, mode) in [
+        ("ram", 0o440),
+        ("disk.qcow2", 0o440),
+        ("state", 0o400),
+        ("secret", 0o400),
+    ] {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(tpl.join(f)).expect("template file");
+        assert_eq!(m.mode() & 0o777, mode, "{f}");
+    }
+    let tsecret = std::fs::read(tpl.join("secret")).expect("template secret");
+
+    // Channel secrets: each clone has its own, neither is the template's.
+    let (sa, sb) = (secret(&env, &a.id), secret(&env, &b.id));
+    assert_eq!(sa.len(), 32);
+    assert_ne!(sa, sb);
+    assert_ne!(sa, tsecret);
+    assert_ne!(sb, tsecret);
+
+    // Identity: hostname is the VM id, machine ids differ, the clock is the host's.
+    for vm in [&a, &b] {
+        assert_eq!(line(vm, "hostname"), vm.id);
+        assert_eq!(line(vm, "cat /etc/hostname"), vm.id);
+        let host_now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs() as i64;
+        let guest_now: i64 = line(vm, "date +%s").parse().expect("date");
+        assert!(
+            (guest_now - host_now).abs() < 120,
+            "guest clock {guest_now} vs {host_now}"
+        );
+    }
+    let (ma, mb) = (
+        line(&a, "cat /etc/machine-id"),
+        line(&b, "cat /etc/machine-id"),
+    );
+    assert_eq!(ma.len(), 32, "{ma}");
+    assert_ne!(ma, mb);
+
+    // Random output differs (the CRNG was reseeded with host entropy in each).
+    let rng = "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'";
+    assert_ne!(line(&a, rng), line(&b, rng));
+
+    // Disk and memory: what one clone writes the other never sees.
+    line(
+        &a,
+        "echo a > /workspace/disk-a && echo a > /tmp/mem-a && sync",
+    );
+    assert_eq!(
+        line(&b, "ls /workspace/disk-a /tmp/mem-a 2>/dev/null | wc -l"),
+        "0"
+    );
+    line(&b, "echo b > /workspace/disk-b");
+    assert_eq!(line(&a, "cat /workspace/disk-a /tmp/mem-a"), "a\na");
+    assert_eq!(line(&a, "ls /workspace/disk-b 2>/dev/null | wc -l"), "0");
+
+    // A clone hibernates and resumes on its own secret, into its own memory.
+    ok(
+        a.warren(&["vm", "suspend", &a.id, "--force"]),
+        "hibernate clone",
+    );
+    assert_eq!(a.state(), "hibernated");
+    ok(a.warren(&["vm", "resume", &a.id]), "resume clone");
+    assert_eq!(line(&a, "cat /tmp/mem-a"), "a");
+    assert_eq!(secret(&env, &a.id), sa);
+
+    // The template's secret no longer opens a clone: with it in place of the clone's own,
+    // the restored guest refuses the session (and the fresh boot behind it, whose
+    // initramfs carries the clone's own secret, refuses it too).
+    ok(
+        b.warren(&["vm", "suspend", &b.id, "--force"]),
+        "hibernate clone b",
+    );
+    std::fs::write(env.vm_dir(&b.id).join("secret"), &tsecret).expect("plant old secret");
+    let out = b.warren(&["vm", "resume", &b.id]);
+    assert!(
+        !out.status.success(),
+        "a resume with the template's secret must fail"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("proof"), "{err}");
+    b.destroy();
+
+    // A template made on another QEMU (its recorded digest differs) is retired, never used:
+    // the next create builds a new one.
+    let rec_path = tpl.join("template.json");
+    let mut rec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&rec_path).expect("record")).expect("json");
+    rec["artifacts"]["qemu"]["sha256"] = serde_json::Value::String("0".repeat(64));
+    std::fs::write(&rec_path, serde_json::to_vec(&rec).expect("json")).expect("tamper");
+    let c = create_template_vm(&env);
+    let fresh = template_dir(&env);
+    assert_ne!(fresh, tpl, "a new template was built");
+    assert_ne!(
+        std::fs::read(fresh.join("secret")).expect("new template secret"),
+        tsecret
+    );
+    assert!(
+        tpl.exists(),
+        "the stale template stays while a clone's disk backs onto it"
+    );
+    assert_eq!(line(&c, "echo ok"), "ok");
+    assert_eq!(line(&a, "cat /workspace/disk-a"), "a");
+    a.destroy();
+    let _ = template_dir(&env);
+    assert!(!tpl.exists(), "the stale template goes once no VM uses it");
+    c.destroy();
+}
+
+#[test]
+fn test_pool_handouts_distinct_and_fork_counters_independent() {
+    common::ensure_image("minimal");
+    let env = TestEnv::new();
+    let image = common::pinned_image("minimal");
+    // 8 pool VMs, then 8 concurrent creates of their shape: 8 distinct hand-outs.
+    ok(
+        env.run(&["vm", "pool", "--image", &image, "--size", "8"]),
+        "fill the pool",
+    );
+    let listed: serde_json::Value =
+        serde_json::from_str(&ok(env.run(&["vm", "list", "--json"]), "list")).expect("json");
+    let mut pool_ids: Vec<String> = listed
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter(|r| r["workspace"] == "warren-pool" && r["state"] == "running")
+        .map(|r| r["id"].as_str().expect("id").to_string())
+        .collect();
+    pool_ids.sort();
+    assert_eq!(pool_ids.len(), 8, "{listed}");
+    let creates: Vec<_> = (0..8)
+        .map(|_| {
+            env.cmd()
+                .args(["vm", "create", "--image", &image, "--template", "--json"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn create")
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for c in creates {
+        let out = c.wait_with_output().expect("create");
+        let v: serde_json::Value = serde_json::from_str(&ok(out, "create")).expect("json");
+        ids.push(v["vm_id"].as_str().expect("id").to_string());
+    }
+    let mut distinct = ids.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 8, "{ids:?}");
+    let status: serde_json::Value =
+        serde_json::from_str(&ok(env.run(&["vm", "pool"]), "pool status")).expect("json");
+    assert!(
+        status
+            .as_array()
+            .expect("array")
+            .iter()
+            .all(|p| p["ready"] == 0),
+        "all 8 handed out: {status}"
+    );
+    let mut handed = ids.clone();
+    handed.sort();
+    assert_eq!(handed, pool_ids, "the creates took the pool's VMs");
+    let list: serde_json::Value =
+        serde_json::from_str(&ok(env.run(&["vm", "list", "--json"]), "list")).expect("json");
+    for id in &ids {
+        let r = list
+            .as_array()
+            .expect("array")
+            .iter()
+            .find(|r| r["id"] == id.as_str())
+            .expect("listed");
+        assert_ne!(r["workspace"], "warren-pool", "{r}");
+    }
+    let vms: Vec<Vm<'_>> = ids.into_iter().map(|id| Vm { env: &env, id }).collect();
+    let mut vms = vms.into_iter();
+    let parent = vms.next().expect("one");
+    for vm in vms {
+        vm.destroy();
+    }
+
+    // A fork of a VM with a running counter: both copies continue counting on their own.
+    let started = ok(
+        parent.warren(&[
+            "vm",
+            "exec",
+            &parent.id,
+            "--detach",
+            "--",
+            "sh",
+            "-c",
+            "i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done",
+        ]),
+        "start the counter",
+    );
+    let job = serde_json::from_str::<serde_json::Value>(&started).expect("json")["job_id"]
+        .as_u64()
+        .expect("job id")
+        .to_string();
+    common::wait_until("counter running", 60, || {
+        line(&parent, "cat /tmp/counter 2>/dev/null || echo 0")
+            .parse::<u64>()
+            .unwrap_or(0)
+            > 3
+    });
+    let out = ok(
+        parent.warren(&["vm", "fork", &parent.id, "--count", "2", "--json"]),
+        "fork",
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let copies: Vec<Vm<'_>> = v["vm_ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|i| Vm {
+            env: &env,
+            id: i.as_str().expect("id").to_string(),
+        })
+        .collect();
+    assert_eq!(copies.len(), 2);
+    let read = |vm: &Vm<'_>| -> u64 { line(vm, "cat /tmp/counter").parse().expect("counter") };
+    let at_fork: Vec<u64> = copies.iter().map(read).collect();
+    for (vm, start) in copies.iter().zip(&at_fork) {
+        assert!(*start > 3, "the copy has the parent's counter: {start}");
+        common::wait_until("copy's counter moves on", 60, || read(vm) > start + 5);
+        assert_eq!(line(vm, "hostname"), vm.id);
+        assert_ne!(secret(&env, &vm.id), secret(&env, &parent.id));
+    }
+    assert_ne!(secret(&env, &copies[0].id), secret(&env, &copies[1].id));
+    // Independent: the copies have the parent's job (same id); cancelling it in one copy
+    // stops only that copy's counter.
+    ok(
+        copies[0].warren(&["vm", "cancel", &copies[0].id, &job]),
+        "cancel in one copy",
+    );
+    let stopped = read(&copies[0]);
+    let other = read(&copies[1]);
+    common::wait_until("the other copy counts on", 60, || {
+        read(&copies[1]) > other + 3
+    });
+    assert_eq!(
+        read(&copies[0]),
+        stopped,
+        "the cancelled copy's counter stopped"
+    );
+    line(&copies[0], "echo only-here > /tmp/mark");
+    assert_eq!(line(&copies[1], "ls /tmp/mark 2>/dev/null | wc -l"), "0");
+    assert_eq!(line(&parent, "ls /tmp/mark 2>/dev/null | wc -l"), "0");
+    let p0 = read(&parent);
+    common::wait_until("parent's counter moves on", 60, || read(&parent) > p0 + 3);
+    let _ = parent.warren(&["vm", "cancel", &parent.id, &job]);
+    for c in copies {
+        c.destroy();
+    }
+    parent.destroy();
+}
+
+/// Through the service: a configured warm pool fills in the background and is reported by
+/// `pool_status`; `vm_create` of its shape hands out a pool VM; `vm_fork` makes copies,
+/// idempotently under its request id, and only of the caller's own VMs.
+#[test]
+fn test_service_pool_status_handout_and_vm_fork() {
+    use common::daemon::Daemon;
+    use serde_json::json;
+    let d = Daemon::start_minimal("[images.pooled]\nid = \"{minimal}\"\npool = 2\n");
+    let t = d.token("alice", &[]);
+    common::wait_until("the warm pool is ready", 600, || {
+        d.ok(&t, "pool_status", json!({}))["pools"][0]["ready"] == 2
+    });
+    let pools = d.ok(&t, "pool_status", json!({}));
+    assert_eq!(pools["pools"][0]["image"], "pooled", "{pools}");
+    assert_eq!(pools["pools"][0]["size"], 2, "{pools}");
+
+    let vm = d.ok(
+        &t,
+        "vm_create",
+        json!({"request_id": "c1", "image": "pooled"}),
+    );
+    let id = vm["vm_id"].as_str().expect("vm_id").to_string();
+    let r = d.ok(
+        &t,
+        "vm_exec",
+        json!({"vm_id": id, "request_id": "e1", "command": "hostname", "wait_ms": 30000}),
+    );
+    assert_eq!(r["stdout"], format!("{id}\n"), "{r}");
+
+    let fork = json!({"request_id": "f1", "vm_id": id, "count": 2});
+    let f = d.ok(&t, "vm_fork", fork.clone());
+    let copies: Vec<String> = f["vms"]
+        .as_array()
+        .expect("vms")
+        .iter()
+        .map(|v| v["vm_id"].as_str().expect("id").to_string())
+        .collect();
+    assert_eq!(copies.len(), 2, "{f}");
+    assert_ne!(copies[0], copies[1]);
+    assert!(!copies.contains(&id));
+    assert_eq!(
+        d.ok(&t, "vm_fork", fork),
+        f,
+        "a retry answers the same copies"
+    );
+    let r = d.call(
+        &t,
+        "vm_fork",
+        json!({"request_id": "f1", "vm_id": id, "count": 1}),
+    );
+    assert_eq!(r.code(), "conflict", "{}", r.text);
+    for c in &copies {
+        let r = d.ok(
+            &t,
+            "vm_exec",
+            json!({"vm_id": c, "request_id": format!("e-{c}"), "command": "hostname", "wait_ms": 30000}),
+        );
+        assert_eq!(r["stdout"], format!("{c}\n"), "{r}");
+    }
+    let bob = d.token("bob", &[]);
+    let r = d.call(
+        &bob,
+        "vm_fork",
+        json!({"request_id": "f2", "vm_id": id, "count": 1}),
+    );
+    assert_eq!(r.code(), "not_found", "{}", r.text);
+    let r = d.call(
+        &t,
+        "vm_fork",
+        json!({"request_id": "f3", "vm_id": id, "count": 17}),
+    );
+    assert_eq!(r.code(), "invalid_argument", "{}", r.text);
+    let listed = d.ok(&t, "vm_list", json!({}));
+    assert_eq!(listed["vms"].as_array().expect("vms").len(), 3, "{listed}");
+}

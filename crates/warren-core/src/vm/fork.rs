@@ -1,0 +1,323 @@
+//! `vm_fork`: `count` independent copies of a running VM (processes, memory, files), each
+//! with its own identity and secret.
+//!
+//! Steps, in order:
+//! 1. **Admission**, one immediate transaction for all copies: the workspace and host limits
+//!    must hold `count` more VMs of the parent's memory and disk, and all `count` records are
+//!    inserted (`creating`) in that transaction, or none is.
+//! 2. **Save** (the parent's supervisor, `warren-supervisor::fork`): jobs frozen, vCPUs
+//!    stopped, memory and device state to one state file (`mapped-ram`), the disk overlay
+//!    copied; then the parent runs on. The state file moves to `STATE/forks/<id>/` (root's,
+//!    group [`TEMPLATE_GID`], 0440: the copies' VMMs read it, nothing else can).
+//! 3. **Copies**, restored concurrently: each gets its own copy of the disk overlay (so the
+//!    backing chain, image or template layer, is the parent's), anonymous RAM filled from the
+//!    state file, the parent's current secret to authenticate with, and at once moves to a
+//!    secret of its own with fresh entropy, the clock, its own hostname (its id) and machine
+//!    id (`Rekey`), then thaws its jobs. A networked parent's copies get a fresh network
+//!    namespace and egress with the parent's policy (its open TCP connections are dead in the
+//!    copies: their peers are the parent's).
+//! 4. The state file is deleted once every copy is up (or failed).
+//!
+//! What is duplicated: userspace RNG state of processes copied from the parent (a process
+//! that seeded its own generator before the fork draws the same numbers in every copy until
+//! it reseeds; the kernel's CRNG is reseeded), and whatever the parent's processes keep in
+//! memory. VMs with shares (sessions) are refused for now: a share is a host directory that
+//! the copies would write at the same time.
+
+use std::os::unix::fs::{chown, PermissionsExt};
+use std::path::PathBuf;
+
+use rand::RngCore;
+use warren_supervisor::{SupervisorClient, SupervisorConfig};
+
+use super::template::{settle_copy, TEMPLATE_GID};
+use super::{now_unix, write_private, Limits, Warren, VM_UID_BASE};
+use crate::error::CoreError;
+use crate::store::{self as vmstore, Usage, VmRecord, VmState};
+
+/// Most copies one fork makes.
+pub const MAX_FORK_COUNT: u32 = 16;
+
+/// A fork request.
+#[derive(Debug, Clone, Default)]
+pub struct ForkVm {
+    pub vm_id: String,
+    pub count: u32,
+    /// The idempotency key of the request; copy `i` records `<request_id>.<i>`.
+    pub request_id: Option<String>,
+    pub host_limits: Limits,
+    pub workspace_limits: Limits,
+}
+
+impl Warren {
+    /// Forks running VM `req.vm_id` into `req.count` copies; returns their records.
+    pub async fn fork_vm(&self, req: &ForkVm) -> Result<Vec<VmRecord>, CoreError> {
+        if !(1..=MAX_FORK_COUNT).contains(&req.count) {
+            return Err(CoreError::InvalidArgument(format!(
+                "count must be within 1..={MAX_FORK_COUNT}, got {}",
+                req.count
+            )));
+        }
+        let parent = self.get_vm(&req.vm_id)?;
+        if parent.state != VmState::Running {
+            return Err(CoreError::VmNotRunning {
+                id: parent.id,
+                state: parent.state.as_str().to_string(),
+                reason: Some("only a running VM can be forked (resume it first)".into()),
+            });
+        }
+        let pdir = self.vm_dir(&parent.id);
+        let pcfg: SupervisorConfig = serde_json::from_slice(
+            &std::fs::read(pdir.config()).map_err(|e| CoreError::io("read", pdir.config(), e))?,
+        )
+        .map_err(|e| CoreError::InvalidArgument(format!("supervisor config: {e}")))?;
+        if !pcfg.launch.shares.is_empty() {
+            return Err(CoreError::InvalidArgument(
+                "a VM with shares (a session's VM) cannot be forked yet".into(),
+            ));
+        }
+        let image_id = warren_image::ImageId::parse(&parent.image_id)?;
+        let image = self.images.verify(&image_id)?;
+        self.check_artifacts(&parent.id, &pdir, &image)?;
+
+        // 1. Admission and the records, in one transaction.
+        let mut recs: Vec<VmRecord> = (0..req.count)
+            .map(|i| {
+                let mut id_bytes = [0u8; 6];
+                rand::rng().fill_bytes(&mut id_bytes);
+                VmRecord {
+                    id: format!("vm-{}", hex::encode(id_bytes)),
+                    state: VmState::Creating,
+                    reason: None,
+                    uid: 0,
+                    created_unix: now_unix(),
+                    last_active_unix: now_unix(),
+                    boot_ms: None,
+                    generation: 1,
+                    request_id: req.request_id.as_ref().map(|r| format!("{r}.{i}")),
+                    ram_file: false,
+                    mounts: vec![],
+                    disk_mib: parent.disk_mib,
+                    ..parent.clone()
+                }
+            })
+            .collect();
+        let ws = parent.workspace.clone();
+        let add = Usage {
+            vms: u64::from(req.count),
+            memory_mib: u64::from(parent.memory_mib) * u64::from(req.count),
+            disk_mib: parent.disk_mib * u64::from(req.count),
+        };
+        self.store.immediate(|tx| -> Result<(), CoreError> {
+            req.workspace_limits.check(
+                &format!("workspace {ws}"),
+                vmstore::usage(tx, Some(&ws))?,
+                add,
+            )?;
+            req.host_limits
+                .check("host", vmstore::usage(tx, None)?, add)?;
+            for r in recs.iter_mut() {
+                vmstore::insert_in(tx, r, VM_UID_BASE)?;
+            }
+            Ok(())
+        })?;
+
+        let result = self.fork_into(&parent, &pcfg, &image, &recs).await;
+        let mut out = Vec::new();
+        let mut first_err = None;
+        for (rec, r) in recs.iter_mut().zip(result) {
+            match r {
+                Ok(ms) => {
+                    self.store
+                        .set_state(&rec.id, VmState::Running, None, Some(ms))?;
+                    rec.state = VmState::Running;
+                    rec.boot_ms = Some(ms);
+                    out.push(rec.clone());
+                }
+                Err(e) => {
+                    let reason = e.to_string();
+                    self.store
+                        .set_state(&rec.id, VmState::Failed, Some(&reason), None)?;
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            // All or nothing: copies that came up are destroyed with the failed ones' records
+            // left failed (with their reason) for the caller to see and destroy.
+            Some(e) => {
+                for r in &out {
+                    let _ = self.destroy_vm(&r.id).await;
+                }
+                Err(e)
+            }
+            None => Ok(out),
+        }
+    }
+
+    /// Saves the parent and restores every copy; one result per record.
+    async fn fork_into(
+        &self,
+        parent: &VmRecord,
+        pcfg: &SupervisorConfig,
+        image: &warren_image::VerifiedImage,
+        recs: &[VmRecord],
+    ) -> Vec<Result<u64, CoreError>> {
+        let all = |e: CoreError| -> Vec<Result<u64, CoreError>> {
+            let msg = e.to_string();
+            recs.iter()
+                .map(|_| Err(CoreError::BootFailed(msg.clone())))
+                .collect()
+        };
+        let forks = self.cfg.state_dir.join("forks");
+        let mut tag = [0u8; 6];
+        rand::rng().fill_bytes(&mut tag);
+        let fdir = forks.join(hex::encode(tag));
+        let made = (|| -> Result<(), CoreError> {
+            std::fs::create_dir_all(&forks).map_err(|e| CoreError::io("create", &forks, e))?;
+            std::fs::set_permissions(&forks, std::fs::Permissions::from_mode(0o711))
+                .map_err(|e| CoreError::io("chmod", &forks, e))?;
+            std::fs::create_dir(&fdir).map_err(|e| CoreError::io("create", &fdir, e))?;
+            if nix::unistd::geteuid().is_root() {
+                chown(&fdir, Some(0), Some(TEMPLATE_GID))
+                    .map_err(|e| CoreError::io("chown", &fdir, e))?;
+            }
+            std::fs::set_permissions(&fdir, std::fs::Permissions::from_mode(0o750))
+                .map_err(|e| CoreError::io("chmod", &fdir, e))
+        })();
+        if let Err(e) = made {
+            return all(e);
+        }
+        let out = self.fork_saved(parent, pcfg, image, recs, &fdir).await;
+        let _ = std::fs::remove_dir_all(&fdir);
+        out
+    }
+
+    async fn fork_saved(
+        &self,
+        parent: &VmRecord,
+        pcfg: &SupervisorConfig,
+        image: &warren_image::VerifiedImage,
+        recs: &[VmRecord],
+        fdir: &std::path::Path,
+    ) -> Vec<Result<u64, CoreError>> {
+        let pdir = self.vm_dir(&parent.id);
+        // Written by the parent's VMM in its own run directory, then moved out of its reach.
+        let written = pdir.run_dir().join("fork.state");
+        let state = fdir.join("state");
+        let disk = fdir.join("disk.qcow2");
+        let saved = async {
+            SupervisorClient::new(&pdir.socket())
+                .fork_save(&written, &disk)
+                .await?;
+            std::fs::rename(&written, &state).map_err(|e| CoreError::io("rename", &written, e))?;
+            if nix::unistd::geteuid().is_root() {
+                chown(&state, Some(0), Some(TEMPLATE_GID))
+                    .map_err(|e| CoreError::io("chown", &state, e))?;
+            }
+            std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o440))
+                .map_err(|e| CoreError::io("chmod", &state, e))?;
+            let secret = std::fs::read(pdir.secret())
+                .map_err(|e| CoreError::io("read", pdir.secret(), e))?;
+            Ok::<_, CoreError>(secret)
+        }
+        .await;
+        let secret = match saved {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = std::fs::remove_file(&written);
+                let msg = e.to_string();
+                return recs
+                    .iter()
+                    .map(|_| Err(CoreError::BootFailed(format!("fork save: {msg}"))))
+                    .collect();
+            }
+        };
+        let marker = std::fs::read(pdir.path().join("template")).ok();
+        let artifacts = super::artifacts::RuntimeArtifacts::load(&pdir)
+            .ok()
+            .flatten();
+        let starts = recs.iter().map(|rec| {
+            self.start_fork_copy(
+                rec,
+                pcfg,
+                image,
+                &state,
+                &disk,
+                &secret,
+                marker.as_deref(),
+                artifacts.as_ref(),
+            )
+        });
+        futures_util::future::join_all(starts).await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn start_fork_copy(
+        &self,
+        rec: &VmRecord,
+        pcfg: &SupervisorConfig,
+        image: &warren_image::VerifiedImage,
+        state: &std::path::Path,
+        disk: &std::path::Path,
+        secret: &[u8],
+        marker: Option<&[u8]>,
+        artifacts: Option<&super::artifacts::RuntimeArtifacts>,
+    ) -> Result<u64, CoreError> {
+        let (dir, run_as) = self.make_vm_dir(rec)?;
+        match artifacts {
+            Some(a) => a.store(&dir)?,
+            None => self.record_artifacts(&dir, image)?,
+        }
+        if let Some(m) = marker {
+            // The disk chain backs onto a template layer, which must outlive this copy.
+            write_private(&dir.path().join("template"), m)?;
+        }
+        let own_disk = dir.run_dir().join("disk.qcow2");
+        std::fs::copy(disk, &own_disk).map_err(|e| CoreError::io("copy", disk, e))?;
+        super::create::give(&own_disk, run_as)?;
+        write_private(&dir.secret(), secret)?;
+        let root = nix::unistd::geteuid().is_root();
+        let mut machine_id = [0u8; 16];
+        rand::rng().fill_bytes(&mut machine_id);
+        let mut launch = pcfg.launch.clone();
+        launch.name = rec.id.clone();
+        launch.run_dir = dir.run_dir();
+        launch.stderr_log = dir.qemu_stderr();
+        launch.disk = own_disk;
+        launch.run_as = run_as;
+        launch.cgroup = if root {
+            warren_vmm::sys::cgroup::Hierarchy::detect().map(|h| h.vm_cgroup(&rec.id))
+        } else {
+            None
+        };
+        launch.incoming = true;
+        // The parent's RAM block was `mem` if it had a RAM file or started from a template.
+        launch.named_ram =
+            launch.named_ram || launch.template_ram.is_some() || launch.ram_file.is_some();
+        launch.template_ram = None;
+        launch.ram_file = None;
+        launch.groups = if root { vec![TEMPLATE_GID] } else { vec![] };
+        // Only loaded, then overwritten by the restore.
+        launch.initramfs = image.initramfs.clone();
+        if let Some(net) = &mut launch.network {
+            net.netns = warren_supervisor::network::netns_name(&rec.id);
+        }
+        let mut cfg = SupervisorConfig {
+            vm_id: rec.id.clone(),
+            launch,
+            boot_timeout_ms: self.cfg.boot_timeout.as_millis() as u64,
+            restore: true,
+            clone: Some(warren_supervisor::CloneSpec {
+                hostname: rec.id.clone(),
+                machine_id: hex::encode(machine_id),
+            }),
+            restore_from: Some(PathBuf::from(state)),
+        };
+        let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
+        write_private(&dir.config(), &body)?;
+        let ms = self.launch_and_wait(&dir).await?;
+        settle_copy(&dir, &image.initramfs, &mut cfg, run_as)?;
+        Ok(ms)
+    }
+}

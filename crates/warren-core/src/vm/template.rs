@@ -1,0 +1,651 @@
+//! Templates: a VM booted once per shape and saved, so later creates of that shape restore
+//! it instead of booting.
+//!
+//! **Shape** ([`TemplateKey`]): image, memory, vCPUs, accelerator, CPU model and device set
+//! (number of shares, NIC or not). Templates serve VMs without shares and without a RAM
+//! file (plain `vm create`/`vm_create`, with or without a network); session VMs (which
+//! always have shares) and `--ram-file` VMs boot cold. A share needs guest RAM the device
+//! backend can map (a shared memfd), while a clone's RAM is a private mapping of the
+//! template's file: see `docs/instant.md`.
+//!
+//! **Build** (once per shape, under a lock file so concurrent creates build it once): a
+//! normal cold create with guest RAM in a file (counted against the host limits while it
+//! runs), then a fast-standby hibernation (vCPUs stopped, device state saved, the RAM file
+//! flushed). Its RAM file, device state, disk overlay (the frozen disk layer, over the
+//! image) and secret move to a new directory `STATE/templates/t-<key digest>-<random>/` with
+//! `template.json` (the key and the QEMU, firmware and kernel the template was made on), and
+//! the build VM is destroyed. The pointer `STATE/templates/<key digest>.current` (the
+//! directory's name) is then replaced by one rename, so a create sees a complete template or
+//! none. A template directory never changes or moves: clones' disks name its layer as their
+//! backing file.
+//!
+//! **Files and access.** Root's, group [`TEMPLATE_GID`]: the directory 0750, the RAM file and
+//! the disk layer 0440 (a clone's VMM, in that group, maps the one and reads the other as
+//! its backing file), the device state, the secret and the record 0400 (root copies the
+//! state into the clone's own directory). Nothing else can read them.
+//!
+//! **Clone** (`create_vm` with `template`): the clone's disk is a qcow2 overlay of its own over
+//! the template's layer; its RAM a private copy-on-write mapping of the template's RAM file;
+//! its device state a copy of the template's. The supervisor restores it, authenticates with
+//! the template's secret and at once moves the guest to a secret of its own with fresh
+//! entropy, the clock, hostname and machine id (`warren-supervisor::rekey`, protocol
+//! `Rekey`), then thaws it. Afterwards the clone's per-VM initramfs is written with its
+//! new secret and its supervisor config is rewritten for later launches (a resume restores
+//! into anonymous RAM, a fresh boot boots its own disk).
+//!
+//! **Invalidation.** A template is used only while the image (its id is the manifest
+//! digest, which covers the root filesystem, kernel and initramfs), the QEMU binary, the
+//! firmware and the kernel are byte-for-byte the ones it was made on: any difference retires
+//! it (its pointer is removed; the directory is deleted once no VM's disk backs onto it,
+//! which each VM's `template` marker records) and the next create builds a new one.
+
+use std::os::unix::fs::{chown, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use warren_image::VerifiedImage;
+use warren_supervisor::{SupervisorConfig, VmDir};
+use warren_vmm::backend::MemMib;
+use warren_vmm::{Accel, LaunchSpec};
+
+use super::artifacts::RuntimeArtifacts;
+use super::{write_private, CreateVm, SuspendMode, Warren, VM_UID_BASE};
+use crate::error::CoreError;
+use crate::store::VmRecord;
+
+/// Group of the templates' RAM files and disk layers; a clone's VMM gets it as its only
+/// supplementary group.
+pub const TEMPLATE_GID: u32 = VM_UID_BASE - 1;
+/// The workspace template builds run in (their VMs exist only while the template is made).
+pub const TEMPLATE_WORKSPACE: &str = "warren-templates";
+/// File in a clone's VM directory naming the template its disk backs onto.
+const TEMPLATE_MARKER: &str = "template";
+const RECORD: &str = "template.json";
+/// Largest `template.json` accepted.
+const MAX_RECORD_BYTES: u64 = 16 * 1024;
+
+/// The shape a template serves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TemplateKey {
+    pub image_id: String,
+    pub memory_mib: u32,
+    pub vcpus: u32,
+    pub accel: String,
+    pub cpu: String,
+    pub shares: u32,
+    pub network: bool,
+}
+
+impl TemplateKey {
+    /// The directory name: a digest of the whole key.
+    pub fn digest(&self) -> String {
+        let json = serde_json::to_vec(self).expect("invariant: key serialises");
+        hex::encode(&Sha256::digest(&json)[..16])
+    }
+}
+
+/// `template.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TemplateRecord {
+    pub key: TemplateKey,
+    pub artifacts: RuntimeArtifacts,
+    pub created_unix: u64,
+    /// Milliseconds the build's cold boot took.
+    pub boot_ms: u64,
+}
+
+/// A usable template.
+#[derive(Debug, Clone)]
+pub struct Template {
+    pub dir: PathBuf,
+    pub record: TemplateRecord,
+}
+
+/// What `warren template list` shows.
+#[derive(Debug, Clone, Serialize)]
+pub struct TemplateInfo {
+    pub name: String,
+    pub key: TemplateKey,
+    pub created_unix: u64,
+    pub valid: bool,
+}
+
+fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> CoreError + 'a {
+    move |e| CoreError::io(op, path, e)
+}
+
+fn read_record(dir: &Path) -> Result<TemplateRecord, CoreError> {
+    use std::io::Read;
+    let path = dir.join(RECORD);
+    let mut bytes = Vec::new();
+    std::fs::File::open(&path)
+        .map_err(io("open", &path))?
+        .take(MAX_RECORD_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io("read", &path))?;
+    if bytes.len() as u64 > MAX_RECORD_BYTES {
+        return Err(CoreError::InvalidArgument(format!(
+            "{} is too large",
+            path.display()
+        )));
+    }
+    serde_json::from_slice(&bytes)
+        .map_err(|e| CoreError::InvalidArgument(format!("{}: {e}", path.display())))
+}
+
+impl Warren {
+    fn templates_dir(&self) -> PathBuf {
+        self.cfg.state_dir.join("templates")
+    }
+
+    /// The key of the template that could serve `req` on `image` under `accel`; `None` for
+    /// shapes templates do not serve (shares, a RAM file).
+    pub(super) fn template_key(
+        &self,
+        req: &CreateVm,
+        image: &VerifiedImage,
+        accel: Accel,
+    ) -> Option<TemplateKey> {
+        if !req.mounts.is_empty() || req.ram_file {
+            return None;
+        }
+        Some(TemplateKey {
+            image_id: image.id.to_string(),
+            memory_mib: req.memory_mib.unwrap_or(super::DEFAULT_MEMORY_MIB),
+            vcpus: req.vcpus.unwrap_or(super::DEFAULT_VCPUS),
+            accel: accel.to_string(),
+            cpu: warren_vmm::qemu::default_cpu(accel).to_string(),
+            shares: 0,
+            network: req.network.is_some(),
+        })
+    }
+
+    /// The pointer to the current template of `key`: a file holding its directory's name.
+    fn current_path(&self, key: &TemplateKey) -> PathBuf {
+        self.templates_dir()
+            .join(format!("{}.current", key.digest()))
+    }
+
+    /// The valid template for `key`, if there is one. One made on other artifacts is retired.
+    pub(super) fn find_template(
+        &self,
+        key: &TemplateKey,
+        image: &VerifiedImage,
+    ) -> Result<Option<Template>, CoreError> {
+        let current = self.current_path(key);
+        let name = match std::fs::read_to_string(&current) {
+            Ok(n) => n.trim().to_string(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(CoreError::io("read", &current, e)),
+        };
+        if !valid_dir_name(&name) {
+            return Err(CoreError::InvalidArgument(format!(
+                "{}: not a template directory name",
+                current.display()
+            )));
+        }
+        let dir = self.templates_dir().join(&name);
+        let record = read_record(&dir)?;
+        let now = RuntimeArtifacts::current(image, &super::probe_cache_dir(&self.cfg.state_dir))?;
+        if record.key != *key || record.artifacts != now {
+            tracing::warn!(
+                template = %dir.display(),
+                "the template was made on another image, QEMU, firmware or kernel; retiring it"
+            );
+            std::fs::remove_file(&current).map_err(io("remove", &current))?;
+            self.collect_templates();
+            return Ok(None);
+        }
+        Ok(Some(Template { dir, record }))
+    }
+
+    /// Deletes template directories that are neither current nor backing any VM's disk.
+    fn collect_templates(&self) {
+        let root = self.templates_dir();
+        let Ok(entries) = std::fs::read_dir(&root) else {
+            return;
+        };
+        let mut used: Vec<String> = std::fs::read_dir(self.cfg.state_dir.join("vms"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join(TEMPLATE_MARKER)).ok())
+            .map(|s| s.trim().to_string())
+            .collect();
+        let mut dirs = Vec::new();
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".current") {
+                if let Ok(n) = std::fs::read_to_string(e.path()) {
+                    used.push(n.trim().to_string());
+                }
+            } else if valid_dir_name(&name) {
+                dirs.push(name);
+            }
+        }
+        for name in dirs {
+            if !used.contains(&name) {
+                if let Err(err) = std::fs::remove_dir_all(root.join(&name)) {
+                    tracing::warn!(error = %err, %name, "removing an unused template");
+                }
+            }
+        }
+    }
+
+    /// The template for `key`, built now if there is none (at most one build per key at a
+    /// time; a concurrent caller waits for it).
+    pub(super) async fn template_for(
+        &self,
+        key: &TemplateKey,
+        req: &CreateVm,
+        image: &VerifiedImage,
+    ) -> Result<Template, CoreError> {
+        if let Some(t) = self.find_template(key, image)? {
+            return Ok(t);
+        }
+        let root = self.templates_dir();
+        std::fs::create_dir_all(&root).map_err(io("create", &root))?;
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o711))
+            .map_err(io("chmod", &root))?;
+        let lock_path = root.join(format!("{}.lock", key.digest()));
+        let deadline = std::time::Instant::now() + self.cfg.boot_timeout * 2;
+        let _lock = loop {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&lock_path)
+                .map_err(io("open", &lock_path))?;
+            match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+                Ok(l) => break l,
+                Err(_) if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(_) => {
+                    return Err(CoreError::Busy(format!(
+                        "the template {} is still being built",
+                        key.digest()
+                    )))
+                }
+            }
+        };
+        // Another process may have built it while this one waited.
+        if let Some(t) = self.find_template(key, image)? {
+            return Ok(t);
+        }
+        self.build_template(key, req, image).await
+    }
+
+    async fn build_template(
+        &self,
+        key: &TemplateKey,
+        req: &CreateVm,
+        image: &VerifiedImage,
+    ) -> Result<Template, CoreError> {
+        let t = std::time::Instant::now();
+        let build = CreateVm {
+            image: Some(image.id.to_string()),
+            memory_mib: Some(key.memory_mib),
+            vcpus: Some(key.vcpus),
+            workspace: TEMPLATE_WORKSPACE.to_string(),
+            host_limits: req.host_limits,
+            idle_seconds: Some(0),
+            ram_file: true,
+            // A NIC whose egress allows nothing: the clone's supervisor sets up its own.
+            network: key.network.then(super::NetworkRequest::default),
+            ..CreateVm::default()
+        };
+        let mut ignore = |_: &str| {};
+        let rec = Box::pin(self.create_vm(&build, &mut ignore)).await?;
+        let made = self.save_template(key, &rec).await;
+        if let Err(e) = self.destroy_vm(&rec.id).await {
+            tracing::warn!(vm = %rec.id, error = %e, "destroying a template's build VM");
+        }
+        let dir = made?;
+        tracing::info!(
+            template = %dir.display(),
+            ms = t.elapsed().as_millis() as u64,
+            "template built"
+        );
+        Ok(Template {
+            record: read_record(&dir)?,
+            dir,
+        })
+    }
+
+    /// Hibernates the build VM `rec` (fast standby) and moves its files into the template.
+    async fn save_template(&self, key: &TemplateKey, rec: &VmRecord) -> Result<PathBuf, CoreError> {
+        // What every clone's first exec needs (the shell, the job path, libc) is then in the
+        // template's page cache instead of on its disk.
+        self.warm(&rec.id, &["sh", "-c", "true"]).await?;
+        self.suspend_vm(&rec.id, SuspendMode::Hibernate, true)
+            .await?;
+        let vm = self.vm_dir(&rec.id);
+        let artifacts = RuntimeArtifacts::load(&vm)?.ok_or_else(|| {
+            CoreError::InvalidArgument("the build VM has no artifacts record".into())
+        })?;
+        let root = self.templates_dir();
+        let mut id = [0u8; 4];
+        rand::rng().fill_bytes(&mut id);
+        let staging = root.join(format!("building-{}-{}", key.digest(), hex::encode(id)));
+        std::fs::create_dir(&staging).map_err(io("create", &staging))?;
+        let run = vm.run_dir();
+        let moves = [
+            (run.join("guest.ram"), "ram", 0o440),
+            (run.join("disk.qcow2"), "disk.qcow2", 0o440),
+            (vm.checkpoint_state(), "state", 0o400),
+            (vm.secret(), "secret", 0o400),
+        ];
+        let root_user = nix::unistd::geteuid().is_root();
+        let result = (|| -> Result<PathBuf, CoreError> {
+            for (from, to, mode) in &moves {
+                let dest = staging.join(to);
+                std::fs::rename(from, &dest).map_err(io("rename", from))?;
+                if root_user {
+                    chown(&dest, Some(0), Some(TEMPLATE_GID)).map_err(io("chown", &dest))?;
+                }
+                std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(*mode))
+                    .map_err(io("chmod", &dest))?;
+            }
+            let record = TemplateRecord {
+                key: key.clone(),
+                artifacts,
+                created_unix: super::now_unix(),
+                boot_ms: rec.boot_ms.unwrap_or(0),
+            };
+            let body = serde_json::to_vec_pretty(&record).expect("invariant: record serialises");
+            write_private(&staging.join(RECORD), &body)?;
+            if root_user {
+                chown(&staging, Some(0), Some(TEMPLATE_GID)).map_err(io("chown", &staging))?;
+            }
+            std::fs::set_permissions(&staging, std::fs::Permissions::from_mode(0o750))
+                .map_err(io("chmod", &staging))?;
+            for f in ["ram", "disk.qcow2", "state", "secret", RECORD] {
+                std::fs::File::open(staging.join(f))
+                    .and_then(|f| f.sync_all())
+                    .map_err(io("fsync", &staging))?;
+            }
+            let name = format!("t-{}-{}", key.digest(), hex::encode(id));
+            std::fs::rename(&staging, root.join(&name)).map_err(io("rename", &staging))?;
+            // Published by one rename of the pointer: a create sees the old template or the
+            // new one, complete.
+            let current = self.current_path(key);
+            let tmp = root.join(format!("{}.current.tmp", key.digest()));
+            let _ = std::fs::remove_file(&tmp);
+            write_private(&tmp, name.as_bytes())?;
+            std::fs::rename(&tmp, &current).map_err(io("rename", &tmp))?;
+            std::fs::File::open(&root)
+                .and_then(|f| f.sync_all())
+                .map_err(io("fsync", &root))?;
+            Ok(root.join(name))
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+        self.collect_templates();
+        result
+    }
+
+    /// Lists the current templates (valid: made on the host's current QEMU and firmware),
+    /// deleting unused ones first.
+    pub fn list_templates(&self) -> Result<Vec<TemplateInfo>, CoreError> {
+        self.collect_templates();
+        let mut out = Vec::new();
+        let Ok(entries) = std::fs::read_dir(self.templates_dir()) else {
+            return Ok(out);
+        };
+        let (qemu, firmware) = warren_supervisor::vmm_digests();
+        for e in entries.flatten() {
+            let file = e.file_name().to_string_lossy().into_owned();
+            if !file.ends_with(".current") {
+                continue;
+            }
+            let Ok(name) = std::fs::read_to_string(e.path()) else {
+                continue;
+            };
+            let name = name.trim().to_string();
+            if !valid_dir_name(&name) {
+                continue;
+            }
+            if let Ok(r) = read_record(&self.templates_dir().join(&name)) {
+                out.push(TemplateInfo {
+                    name,
+                    valid: r.artifacts.qemu.sha256 == qemu
+                        && r.artifacts.firmware.sha256 == firmware,
+                    key: r.key,
+                    created_unix: r.created_unix,
+                });
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// Starts VM `rec` as a clone of `tpl` (see the module docs); returns its start in ms.
+    pub(super) async fn start_clone(
+        &self,
+        rec: &VmRecord,
+        image: &VerifiedImage,
+        accel: Accel,
+        network: Option<warren_vmm::NetSpec>,
+        tpl: &Template,
+    ) -> Result<u64, CoreError> {
+        let (dir, run_as) = self.make_vm_dir(rec)?;
+        let run = dir.run_dir();
+        let give = |path: &Path| super::create::give(path, run_as);
+        tpl.record.artifacts.store(&dir)?;
+        let name = tpl
+            .dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        write_private(&dir.path().join(TEMPLATE_MARKER), name.as_bytes())?;
+        let disk = run.join("disk.qcow2");
+        warren_vmm::disk::create_overlay_of(&tpl.dir.join("disk.qcow2"), "qcow2", &disk)?;
+        give(&disk)?;
+        let state = dir.checkpoint_state();
+        std::fs::copy(tpl.dir.join("state"), &state).map_err(io("copy", &state))?;
+        give(&state)?;
+        let secret = std::fs::read(tpl.dir.join("secret")).map_err(io("read", &tpl.dir))?;
+        write_private(&dir.secret(), &secret)?;
+        let root = nix::unistd::geteuid().is_root();
+        let cgroup = if root {
+            warren_vmm::sys::cgroup::Hierarchy::detect().map(|h| h.vm_cgroup(&rec.id))
+        } else {
+            None
+        };
+        let mut machine_id = [0u8; 16];
+        rand::rng().fill_bytes(&mut machine_id);
+        let mut cfg = SupervisorConfig {
+            vm_id: rec.id.clone(),
+            launch: LaunchSpec {
+                name: rec.id.clone(),
+                run_dir: run.clone(),
+                stderr_log: dir.qemu_stderr(),
+                kernel: image.kernel.clone(),
+                // Only loaded, then overwritten by the restore; the clone's own (with its new
+                // secret) is written once the rekey is done.
+                initramfs: image.initramfs.clone(),
+                disk,
+                memory: MemMib(rec.memory_mib),
+                vcpus: rec.vcpus,
+                accel,
+                cpu: Some(tpl.record.key.cpu.clone()),
+                extra_cmdline: if network.is_some() {
+                    vec![warren_supervisor::network::guest_kernel_arg()]
+                } else {
+                    vec![]
+                },
+                run_as,
+                cgroup,
+                incoming: true,
+                shares: vec![],
+                virtiofsd: None,
+                ram_file: None,
+                network,
+                template_ram: Some(tpl.dir.join("ram")),
+                named_ram: false,
+                groups: if root { vec![TEMPLATE_GID] } else { vec![] },
+                bench_port: None,
+            },
+            boot_timeout_ms: self.cfg.boot_timeout.as_millis() as u64,
+            restore: true,
+            clone: Some(warren_supervisor::CloneSpec {
+                hostname: rec.id.clone(),
+                machine_id: hex::encode(machine_id),
+            }),
+            restore_from: None,
+        };
+        let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
+        write_private(&dir.config(), &body)?;
+        let ms = self.launch_and_wait(&dir).await?;
+        // The template's device state is consumed.
+        let _ = std::fs::remove_file(&state);
+        settle_copy(&dir, &image.initramfs, &mut cfg, run_as)?;
+        Ok(ms)
+    }
+}
+
+/// After a restored copy (template clone, fork) came up with a secret of its own: writes
+/// its per-VM initramfs with that secret and rewrites its supervisor config for later
+/// launches (a resume restores into anonymous RAM under the block name `mem`; a fresh boot
+/// boots its own disk with its own initramfs).
+pub(super) fn settle_copy(
+    dir: &VmDir,
+    base_initramfs: &Path,
+    cfg: &mut SupervisorConfig,
+    run_as: Option<(u32, u32)>,
+) -> Result<(), CoreError> {
+    let secret = std::fs::read(dir.secret()).map_err(io("read", dir.path()))?;
+    let initramfs = dir.run_dir().join("initramfs.cpio");
+    let _ = std::fs::remove_file(&initramfs);
+    warren_image::write_vm_initramfs(base_initramfs, &secret, &initramfs)?;
+    std::fs::set_permissions(&initramfs, std::fs::Permissions::from_mode(0o400))
+        .map_err(io("chmod", &initramfs))?;
+    super::create::give(&initramfs, run_as)?;
+    cfg.launch.initramfs = initramfs;
+    cfg.launch.template_ram = None;
+    cfg.launch.named_ram = true;
+    cfg.launch.incoming = false;
+    cfg.restore = false;
+    cfg.clone = None;
+    cfg.restore_from = None;
+    replace_config(dir, cfg)
+}
+
+impl Warren {
+    /// Runs `argv` in VM `id` and waits for it (at most a minute): a restored VM's VMM
+    /// translates the exec path once, before a caller's first exec needs it.
+    pub(super) async fn warm(&self, id: &str, argv: &[&str]) -> Result<(), CoreError> {
+        let job = self
+            .exec_start(
+                id,
+                warren_protocol::ExecStart {
+                    argv: argv.iter().map(|a| a.to_string()).collect(),
+                    env: vec![],
+                    cwd: None,
+                    stdin: None,
+                    timeout_ms: Some(60_000),
+                    request_key: None,
+                },
+            )
+            .await?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while std::time::Instant::now() < deadline {
+            let out = self
+                .job_output(
+                    id,
+                    warren_protocol::JobOutputRequest {
+                        job,
+                        stdout_cursor: 0,
+                        stderr_cursor: 0,
+                        max_bytes: 0,
+                        wait_ms: 5_000,
+                    },
+                )
+                .await?;
+            if matches!(out.state, warren_protocol::JobState::Finished(_)) {
+                return Ok(());
+            }
+        }
+        Err(CoreError::BootFailed(format!(
+            "warming {id}: `{}` did not finish",
+            argv.join(" ")
+        )))
+    }
+}
+
+/// A template directory's name: `t-<32 hex>-<8 hex>`.
+fn valid_dir_name(name: &str) -> bool {
+    name.len() == 2 + 32 + 1 + 8
+        && name.starts_with("t-")
+        && name.as_bytes()[34] == b'-'
+        && name[2..34]
+            .bytes()
+            .chain(name[35..].bytes())
+            .all(|b| b.is_ascii_hexdigit())
+}
+
+/// Rewrites a VM's supervisor config through a temporary file and a rename.
+pub(super) fn replace_config(dir: &VmDir, cfg: &SupervisorConfig) -> Result<(), CoreError> {
+    let body = serde_json::to_vec_pretty(cfg).expect("invariant: config serialises");
+    let tmp = dir.path().join("supervisor.json.tmp");
+    let _ = std::fs::remove_file(&tmp);
+    write_private(&tmp, &body)?;
+    std::fs::rename(&tmp, dir.config()).map_err(|e| CoreError::io("rename", &tmp, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> TemplateKey {
+        TemplateKey {
+            image_id: "a".repeat(64),
+            memory_mib: 512,
+            vcpus: 1,
+            accel: "tcg".into(),
+            cpu: "max".into(),
+            shares: 0,
+            network: false,
+        }
+    }
+
+    #[test]
+    fn test_key_digest_differs_for_every_field() {
+        let base = key().digest();
+        let variants = [
+            TemplateKey {
+                image_id: "b".repeat(64),
+                ..key()
+            },
+            TemplateKey {
+                memory_mib: 1024,
+                ..key()
+            },
+            TemplateKey { vcpus: 2, ..key() },
+            TemplateKey {
+                accel: "kvm".into(),
+                ..key()
+            },
+            TemplateKey {
+                cpu: "host".into(),
+                ..key()
+            },
+            TemplateKey { shares: 1, ..key() },
+            TemplateKey {
+                network: true,
+                ..key()
+            },
+        ];
+        for v in variants {
+            assert_ne!(v.digest(), base, "{v:?}");
+        }
+        assert_eq!(key().digest(), base);
+    }
+}

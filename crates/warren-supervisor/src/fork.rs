@@ -1,0 +1,95 @@
+//! The parent's half of a fork (`SupervisorRequest::ForkSave`): a consistent copy of a
+//! running VM's memory, device state and disk, after which the VM runs on.
+//!
+//! Steps, in order:
+//! 1. `Freeze`: the guest freezes its jobs and stops their timeout clocks;
+//! 2. QMP `stop`: the vCPUs stop;
+//! 3. migrate to `state` with `mapped-ram` (RAM written into the file at fixed offsets;
+//!    `x-ignore-shared` off, so a RAM file's pages are written too): the copies restore from
+//!    it into anonymous RAM of their own;
+//! 4. copy the disk overlay (quiescent: the vCPUs are stopped and the migration flushed the
+//!    block layer) to `disk`;
+//! 5. QMP `cont` and `Thaw` (clock, entropy, jobs): the parent continues where it was.
+//!
+//! Any failure undoes 1 and 2 (the VM continues) and removes what was written.
+
+use std::path::Path;
+use std::time::Instant;
+
+use warren_protocol::HostRequest;
+use warren_vmm::VmControl;
+
+use crate::proto::{Reply, SupervisorError, SupervisorResponse};
+use crate::server::{
+    capabilities, error_chain, guest_call, migration_done, qmp, ready_info, refused, thaw, Shared,
+};
+
+pub(crate) async fn save(shared: &Shared, state: &Path, disk: &Path) -> Reply {
+    if !matches!(*shared.phase.borrow(), crate::proto::VmPhase::Ready(_))
+        || ready_info(shared).is_none()
+    {
+        return Err(SupervisorError::NotReady(
+            "only a running VM can be forked".into(),
+        ));
+    }
+    let ch = shared.channel(crate::deadline::RECONNECT_WAIT).await?;
+    let t = Instant::now();
+    guest_call(&ch, HostRequest::Freeze).await?;
+    let mut q = match qmp(&shared.control).await {
+        Ok(q) => q,
+        Err(e) => {
+            let _ = thaw(&ch).await;
+            return Err(e);
+        }
+    };
+    let saved: Result<u64, String> = async {
+        q.pause().await.map_err(|e| error_chain(&e))?;
+        let _ = std::fs::remove_file(state);
+        q.execute("migrate-set-capabilities", Some(capabilities(false)))
+            .await
+            .map_err(|e| error_chain(&e))?;
+        q.execute(
+            "migrate-set-parameters",
+            Some(serde_json::json!({"max-bandwidth": 1u64 << 40})),
+        )
+        .await
+        .map_err(|e| error_chain(&e))?;
+        q.execute(
+            "migrate",
+            Some(serde_json::json!({"uri": format!("file:{}", state.display())})),
+        )
+        .await
+        .map_err(|e| error_chain(&e))?;
+        migration_done(&mut q).await?;
+        let size = warren_vmm::sys::vmm_file::sync_regular(state)
+            .map_err(|e| format!("fsync {}: {e}", state.display()))?;
+        let from = shared.dir.run_dir().join("disk.qcow2");
+        std::fs::copy(&from, disk).map_err(|e| format!("copying {}: {e}", from.display()))?;
+        std::fs::File::open(disk)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| format!("fsync {}: {e}", disk.display()))?;
+        Ok(size)
+    }
+    .await;
+    // The parent runs on whatever happened: the migration left it stopped.
+    let resumed = q.resume().await;
+    let thawed = thaw(&ch).await;
+    let paused_ms = t.elapsed().as_millis() as u64;
+    let size = match saved {
+        Ok(size) => size,
+        Err(e) => {
+            let _ = q.execute("migrate_cancel", None).await;
+            let _ = std::fs::remove_file(state);
+            let _ = std::fs::remove_file(disk);
+            return Err(refused("saving the VM for a fork failed; it continues", e));
+        }
+    };
+    if let Err(e) = resumed {
+        return Err(refused(
+            "running the VM again after the fork save",
+            error_chain(&e),
+        ));
+    }
+    thawed?;
+    Ok(SupervisorResponse::ForkSaved { size, paused_ms })
+}
