@@ -434,7 +434,7 @@ pub(crate) fn cut_reason(reason: &str) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A service on a fresh state directory (no VM is ever started).

@@ -62,6 +62,23 @@ impl Service {
         &self.pipes
     }
 
+    /// Registers the broker pipe `vm_exec` started for `job`. A pipe is otherwise forgotten
+    /// only when a controller finds its job gone (or the VM is destroyed), so one never
+    /// attached would stay for the VM's life: once the VM has more pipes than jobs can hold
+    /// processes at once (`MAX_LIVE_JOBS`), those whose jobs are gone are swept.
+    pub(crate) async fn register_pipe(&self, workspace: &str, vm: &str, job: JobId, token: &str) {
+        self.pipes.register(workspace, vm, job, token);
+        let jobs = self.pipes.jobs_of(vm);
+        if jobs.len() <= warren_protocol::limits::MAX_LIVE_JOBS {
+            return;
+        }
+        for other in jobs.into_iter().filter(|&j| j != job) {
+            if self.broker_job_done(vm, other).await {
+                self.pipes.remove(vm, other);
+            }
+        }
+    }
+
     /// Attaches the controller holding `token` to job `job`'s broker pipe (see
     /// `crate::broker` for the refusals), waking a suspended VM; a pipe whose job's
     /// processes are all gone is forgotten and refused.
@@ -153,5 +170,40 @@ impl Service {
     /// Sets a terminal job's window size.
     pub async fn job_resize(&self, vm: &str, job: JobId, size: WindowSize) -> Result<(), ApiError> {
         Ok(self.warren.job_resize(vm, job, size).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::broker::Pipes;
+
+    const TOKEN: &str = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQ";
+
+    #[tokio::test]
+    async fn test_pipes_of_jobs_gone_are_swept_once_a_vm_has_many() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let service = crate::ws::tests::test_service(dir.path());
+        let pipes: &Pipes = service.broker_pipes();
+        // Never attached, their jobs long gone (the guest knows no such VM or job).
+        for j in 1..=40u64 {
+            service
+                .register_pipe("w", "vm-x", warren_protocol::JobId(j), TOKEN)
+                .await;
+        }
+        let left = pipes.jobs_of("vm-x").len();
+        assert!(
+            left <= warren_protocol::limits::MAX_LIVE_JOBS + 1,
+            "{left} pipes kept for jobs that are gone"
+        );
+        // Another VM's pipes are not looked at.
+        pipes.register("w", "vm-y", warren_protocol::JobId(1), TOKEN);
+        service
+            .register_pipe("w", "vm-x", warren_protocol::JobId(99), TOKEN)
+            .await;
+        assert!(pipes.has("vm-y", warren_protocol::JobId(1)));
+        assert!(
+            pipes.has("vm-x", warren_protocol::JobId(99)),
+            "the new pipe stays"
+        );
     }
 }

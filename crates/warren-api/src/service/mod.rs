@@ -873,7 +873,7 @@ impl Service {
                 self.receipts
                     .complete(&p.workspace, "vm_exec", rid, &stored)?;
                 if let Some(token) = &a.broker_pipe_token {
-                    self.pipes.register(&p.workspace, &rec.id, job, token);
+                    self.register_pipe(&p.workspace, &rec.id, job, token).await;
                 }
                 let page = to_value(self.exec_page(&rec.id, job, wait_ms).await?)?;
                 Ok(self.with_pipe(page, &rec.id, job, &a))
