@@ -6,6 +6,7 @@
 
 mod agents;
 mod bench;
+mod bench_image;
 mod bench_load;
 mod bench_network;
 mod bench_service;
@@ -16,6 +17,7 @@ mod client;
 mod commands;
 mod copy;
 mod egress_file;
+mod image_cmd;
 mod jobs_cmd;
 mod session_cmd;
 mod stream_cmd;

@@ -8,6 +8,7 @@
 #![allow(dead_code)]
 
 pub mod daemon;
+pub mod registry;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
