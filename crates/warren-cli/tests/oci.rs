@@ -256,7 +256,11 @@ fn test_oci_pull_signed_policy_boot_and_refusals() {
         ),
     );
     let token = d.token("oci", &["--image", "pulled"]);
-    let r = d.call(&token, "vm_create", serde_json::json!({"image": "local"}));
+    let r = d.call(
+        &token,
+        "vm_create",
+        serde_json::json!({"image": "local", "request_id": "oci-1"}),
+    );
     assert_eq!((r.status, r.code()), (403, "forbidden"), "{}", r.text);
     assert!(d.all_vms().is_empty(), "nothing was created");
 }
@@ -335,14 +339,17 @@ fn test_oci_hostile_layers_tampering_and_interrupted_pull() {
         "Warren's /workspace"
     );
 
-    // A tampered manifest (same length, one byte changed in the registry's storage).
+    // A tampered manifest: a registry answering a digest with other bytes.
     let digest = layout("plain");
-    registry::flip_byte(&reg.blob_file(&digest));
+    let mut body = std::fs::read(reg.blob_file(&digest)).expect("manifest blob");
+    let i = body.iter().position(|b| *b == b'2').expect("a digit");
+    body[i] = b'3';
+    let port = registry::tampering_registry(body);
     refused(
         &env.run(&[
             "image",
             "pull",
-            &format!("{}/hostile/plain@{digest}", reg.addr()),
+            &format!("127.0.0.1:{port}/hostile/plain@{digest}"),
         ]),
         "integrity",
         &["manifest digest mismatch"],

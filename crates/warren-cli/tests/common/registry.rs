@@ -72,7 +72,9 @@ impl Registry {
             };
             let deadline = Instant::now() + Duration::from_secs(60);
             while Instant::now() < deadline && reg.alive() {
-                if get(port, "/v2/").is_some_and(|r| r.starts_with("HTTP/1.1 200")) {
+                if get(port, "/v2/")
+                    .is_some_and(|r| r.lines().next().is_some_and(|l| l.contains(" 200 ")))
+                {
                     return reg;
                 }
                 std::thread::sleep(Duration::from_millis(100));
@@ -158,6 +160,43 @@ pub fn flip_byte(file: &Path) {
     let i = b.len() / 2;
     b[i] ^= 0x20;
     std::fs::write(file, b).expect("write blob");
+}
+
+/// A registry stand-in on loopback that answers every manifest request with `body`
+/// (whatever digest was asked for) and `/v2/` with 200: a registry serving a tampered
+/// manifest. Returns its port; it serves until the test process ends.
+pub fn tampering_registry(body: Vec<u8>) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { break };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && head.len() < 65536 {
+                match conn.read(&mut byte) {
+                    Ok(1) => head.push(byte[0]),
+                    _ => break,
+                }
+            }
+            let head = String::from_utf8_lossy(&head);
+            let path = head.split_whitespace().nth(1).unwrap_or("");
+            let (status, body): (&str, &[u8]) = if path.contains("/manifests/") {
+                ("200 OK", &body)
+            } else if path == "/v2/" {
+                ("200 OK", b"{}")
+            } else {
+                ("404 Not Found", b"{}")
+            };
+            let _ = write!(
+                conn,
+                "HTTP/1.1 {status}\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = conn.write_all(body);
+        }
+    });
+    port
 }
 
 /// A TCP proxy in front of `target` that, once it has relayed `after` bytes towards the
