@@ -18,17 +18,17 @@ commands = [
 ]
 
 [[files]]
-source = "greeting.txt"
-dest = "/etc/warren-test/greeting"
-mode = 0o640
+source = "greet.sh"
+dest = "/usr/local/bin/warren-greet"
+mode = 0o755
 "#;
 
 #[test]
 fn test_recipe_file_package_file_and_commands_reach_the_guest() {
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::write(
-        dir.path().join("greeting.txt"),
-        "hello from the recipe file\n",
+        dir.path().join("greet.sh"),
+        "#!/bin/sh\necho hello from the recipe file\n",
     )
     .expect("write");
     let recipe = dir.path().join("recipe.toml");
@@ -68,13 +68,13 @@ fn test_recipe_file_package_file_and_commands_reach_the_guest() {
     let vm_id = env.create_vm(&id);
     let vm = TestVm::adopt(env, vm_id);
     let run = vm.sh(
-        "tree -a /etc/warren-test | head -1; stat -c '%a %U' /etc/warren-test/greeting; \
-         cat /etc/warren-test/greeting; cat /opt/dev-seen; echo; cat /opt/net-interfaces",
+        "tree -a /usr/local/bin | head -1; stat -c '%a %U' /usr/local/bin/warren-greet; \
+         warren-greet; cat /opt/dev-seen; echo; cat /opt/net-interfaces",
     );
     assert_eq!(run.code, 0, "{}", run.stderr);
     let lines: Vec<&str> = run.stdout.lines().collect();
-    assert_eq!(lines[0], "/etc/warren-test", "{}", run.stdout);
-    assert_eq!(lines[1], "640 root");
+    assert_eq!(lines[0], "/usr/local/bin", "{}", run.stdout);
+    assert_eq!(lines[1], "755 root");
     assert_eq!(lines[2], "hello from the recipe file");
     assert_eq!(
         lines[3].trim(),
