@@ -261,7 +261,7 @@ pub enum ImageCmd {
         builder_id: Option<String>,
     },
     /// Makes an ECDSA P-256 key pair: PREFIX.key (PKCS#8 PEM, 0600) and PREFIX.pub (for the
-    /// image policy's [[keys]]).
+    /// image policy's `[[keys]]`).
     Keygen {
         #[arg(long, value_name = "PREFIX")]
         out: PathBuf,

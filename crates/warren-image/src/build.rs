@@ -647,7 +647,7 @@ pub enum Assembly<'a> {
     /// A pulled image: the kernel comes from the kernel stage, the root filesystem is
     /// already in the output directory with this digest and identity.
     Oci {
-        source: crate::manifest::OciSource,
+        source: Box<crate::manifest::OciSource>,
         recipe_digest: String,
         rootfs: (FileDigest, FileIdentity),
         rootfs_virtual_size: u64,
@@ -753,7 +753,7 @@ pub fn assemble(
             recipe::OCI_RECIPE.to_string(),
             recipe_digest,
             rootfs_virtual_size,
-            Some(source),
+            Some(*source),
         ),
     };
     let manifest = Manifest {

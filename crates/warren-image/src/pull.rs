@@ -386,7 +386,7 @@ async fn pull_into(
             &stage_dir,
             &stage,
             Assembly::Oci {
-                source,
+                source: Box::new(source),
                 recipe_digest,
                 rootfs: (
                     FileDigest {
