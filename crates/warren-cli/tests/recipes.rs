@@ -1,5 +1,6 @@
 //! A recipe file on a real build and a real guest: a Debian package it adds is used by a
-//! guest command, a file it copies in arrives with its content and mode, and its commands
+//! guest command, a pinned Python wheel (from the Python package index, checked on the host)
+//! is importable, a file it copies in arrives with its content and mode, and its commands
 //! ran chrooted with only `/proc` and a minimal `/dev`, without network. The image is cached
 //! by recipe digest in the shared test image store like the built-in recipes.
 
@@ -10,12 +11,17 @@ use common::{TestEnv, TestVm};
 const RECIPE: &str = r#"
 name = "test-recipe-file"
 base = "minimal"
-packages = ["tree"]
+packages = ["tree", "python3-pip"]
 commands = [
   "ls /dev | tr '\n' ' ' > /opt/dev-seen",
   "grep -c : /proc/net/dev > /opt/net-interfaces",
   "tree --version > /opt/tree-at-build",
 ]
+
+[[python]]
+name = "six"
+version = "1.17.0"
+sha256 = "4721f391ed90541fddacab5acf947aa0d3dc7d27b2e1e8eda2be8970586c3274"
 
 [[files]]
 source = "greet.sh"
@@ -69,7 +75,8 @@ fn test_recipe_file_package_file_and_commands_reach_the_guest() {
     let vm = TestVm::adopt(env, vm_id);
     let run = vm.sh(
         "tree -a /usr/local/bin | head -1; stat -c '%a %U' /usr/local/bin/warren-greet; \
-         warren-greet; cat /opt/dev-seen; echo; cat /opt/net-interfaces",
+         warren-greet; cat /opt/dev-seen; echo; cat /opt/net-interfaces; \
+         python3 -c 'import six; print(six.__version__)'",
     );
     assert_eq!(run.code, 0, "{}", run.stderr);
     let lines: Vec<&str> = run.stdout.lines().collect();
@@ -83,4 +90,6 @@ fn test_recipe_file_package_file_and_commands_reach_the_guest() {
     );
     // /proc/net/dev: two header lines and `lo` only (the build had no network).
     assert_eq!(lines[4], "1", "{}", run.stdout);
+    // The pinned wheel, fetched on the host and installed offline by pip.
+    assert_eq!(lines[5], "1.17.0", "{}", run.stdout);
 }

@@ -5,9 +5,9 @@
 //! Steps, run on the build thread:
 //! 1. [`fetch`] (before debootstrap, so a bad pin fails in seconds): reuse
 //!    `<downloads>/python/<sha256>/<file>.whl` if it still hashes to the pin; otherwise ask
-//!    the index's JSON API (`<index>/pypi/<name>/<version>/json`, at most 4 MiB) for the file
-//!    whose SHA-256 is the pin, which must be a wheel, download it with `curl` on the host
-//!    into a temp file, verify it, rename it.
+//!    the index's simple API in its JSON form (PEP 691: `<index>/simple/<name>/`, at most
+//!    16 MiB) for the file whose SHA-256 is the pin, which must be a wheel of the pinned
+//!    version, download it with `curl` on the host into a temp file, verify it, rename it.
 //! 2. [`install`] (after the packages and links): copy the wheels into the root tree and run
 //!    `python3 -m pip install --no-index --no-deps` on them in the confined chroot (no
 //!    network): pip never fetches anything, and nothing runs that the pins did not name.
@@ -32,7 +32,7 @@ pub const PYPI_INDEX_ENV: &str = "WARREN_PYPI_INDEX";
 /// Where the wheels are staged in the root tree while pip installs them.
 const STAGING: &str = "tmp/warren-wheels";
 /// Largest index answer read.
-const MAX_INDEX_JSON: u64 = 4 << 20;
+const MAX_INDEX_JSON: u64 = 16 << 20;
 
 /// One pinned Python package (a recipe's `[[python]]`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -97,26 +97,45 @@ fn fetch_err(p: &PythonPackage, reason: impl Into<String>) -> ImageError {
     }
 }
 
+/// PEP 691's project page.
 #[derive(Deserialize)]
-struct Release {
-    urls: Vec<ReleaseFile>,
+struct Project {
+    files: Vec<ProjectFile>,
 }
 
 #[derive(Deserialize)]
-struct ReleaseFile {
+struct ProjectFile {
     filename: String,
     url: String,
-    digests: Digests,
+    hashes: Digests,
 }
 
 #[derive(Deserialize)]
 struct Digests {
+    #[serde(default)]
     sha256: String,
+}
+
+/// PEP 503's normalized project name.
+fn normalized(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.chars() {
+        if matches!(c, '-' | '_' | '.') {
+            if !out.ends_with('-') {
+                out.push('-');
+            }
+        } else {
+            out.push(c.to_ascii_lowercase());
+        }
+    }
+    out
 }
 
 fn curl(url: &str, out: &Path, max: u64) -> Result<Result<(), String>, ImageError> {
     let mut cmd = Command::new("curl");
     cmd.args([
+        "--header",
+        "Accept: application/vnd.pypi.simple.v1+json",
         "--fail",
         "--silent",
         "--show-error",
@@ -160,20 +179,35 @@ pub fn fetch(p: &PythonPackage, downloads: &Path, index: &str) -> Result<PathBuf
         .tempfile_in(&dir)
         .map_err(ImageError::io("create temp file in", &dir))?;
     let url = format!(
-        "{}/pypi/{}/{}/json",
+        "{}/simple/{}/",
         index.trim_end_matches('/'),
-        p.name,
-        p.version
+        normalized(&p.name)
     );
     curl(&url, json.path(), MAX_INDEX_JSON)?.map_err(|e| fetch_err(p, format!("{url}: {e}")))?;
     let bytes = std::fs::read(json.path()).map_err(ImageError::io("read", json.path()))?;
-    let release: Release = serde_json::from_slice(&bytes)
+    let project: Project = serde_json::from_slice(&bytes)
         .map_err(|e| fetch_err(p, format!("the index's answer for {url}: {e}")))?;
-    let file = release
-        .urls
+    let mut file = project
+        .files
         .into_iter()
-        .find(|f| f.digests.sha256.eq_ignore_ascii_case(&p.sha256))
+        .find(|f| f.hashes.sha256.eq_ignore_ascii_case(&p.sha256))
         .ok_or_else(|| fetch_err(p, format!("the index has no file with sha256 {}", p.sha256)))?;
+    if !file.filename.contains(&format!("-{}-", p.version)) {
+        return Err(fetch_err(
+            p,
+            format!(
+                "the pinned file {} is not of version {}",
+                file.filename, p.version
+            ),
+        ));
+    }
+    if file.url.starts_with('/') {
+        // Relative to the index's origin.
+        let origin: String = index.split('/').take(3).collect::<Vec<_>>().join("/");
+        file.url = format!("{origin}{}", file.url);
+    } else if !file.url.starts_with("https://") && !file.url.starts_with("http://") {
+        file.url = format!("{url}{}", file.url);
+    }
     let name_ok = file.filename.ends_with(".whl")
         && file.filename.len() <= 255
         && !file.filename.starts_with('.')
@@ -294,6 +328,12 @@ mod tests {
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn test_normalized_names() {
+        assert_eq!(normalized("Foo.Bar__baz"), "foo-bar-baz");
+        assert_eq!(normalized("six"), "six");
     }
 
     #[test]
