@@ -7,10 +7,11 @@
 //! <image_dir>/cache/stages/<stage digest>/   debootstrap rootfs + kernel + modules
 //! <image_dir>/cache/downloads/<package>-<version>.tgz   agent CLIs' npm tarballs (verified
 //!                                                        against their pins on every use)
-//! <image_dir>/cache/lock                     held (flock) for the duration of a build
+//! <image_dir>/<image id>/trust.json          signatures and attestations (not in the manifest)
+//! <image_dir>/cache/lock                     held (flock) for the duration of a build or pull
 //! ```
 //! Invariants: an image directory appears only by an atomic rename of a complete temp dir
-//! (`.build-*`); its files are 0444 and directories 0755 so the unprivileged QEMU uid can read
+//! (`.build-*`, `.pull-*`); its files are 0444 and directories 0755 so the unprivileged QEMU uid can read
 //! them. Content digests are checked at build time and again by [`ImageStore::verify`]
 //! whenever a file's identity (dev, inode, size, mtime) differs from `verified.json`.
 
@@ -201,6 +202,7 @@ impl ImageStore {
         }
 
         build::cleanup_stale(&self.root, ".build-");
+        build::cleanup_stale(&self.root, crate::pull::PULL_PREFIX);
         build::cleanup_stale(&self.root.join("cache/stages"), ".stage-");
         let downloads = self.root.join("cache/downloads");
         // A store created before the downloads cache existed.

@@ -172,18 +172,22 @@ pub struct TrustMaterial {
 }
 
 impl TrustMaterial {
-    /// Adds entries not already present, up to [`MAX_ENTRIES`] of each.
+    /// Adds entries not already present; past [`MAX_ENTRIES`] of a kind, the oldest go.
     pub fn merge(&mut self, other: TrustMaterial) {
         for s in other.signatures {
-            if !self.signatures.contains(&s) && self.signatures.len() < MAX_ENTRIES {
+            if !self.signatures.contains(&s) {
                 self.signatures.push(s);
             }
         }
         for a in other.attestations {
-            if !self.attestations.contains(&a) && self.attestations.len() < MAX_ENTRIES {
+            if !self.attestations.contains(&a) {
                 self.attestations.push(a);
             }
         }
+        let extra = self.signatures.len().saturating_sub(MAX_ENTRIES);
+        self.signatures.drain(..extra);
+        let extra = self.attestations.len().saturating_sub(MAX_ENTRIES);
+        self.attestations.drain(..extra);
     }
 }
 
