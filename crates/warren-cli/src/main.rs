@@ -19,6 +19,7 @@ mod copy;
 mod egress_file;
 mod image_cmd;
 mod jobs_cmd;
+mod remote_exec;
 mod session_cmd;
 mod stream_cmd;
 mod stream_link;
