@@ -7,15 +7,24 @@ scripts/setup.sh
 if ! command -v cargo-nextest >/dev/null; then cargo install --locked cargo-nextest; fi
 # Test-only tools: curl and setpriv drive the local socket as other uids; ip and nft build the
 # egress tests' network namespaces; python3-venv holds
-# the official MCP Python SDK the MCP end-to-end test speaks through.
+# the official MCP Python SDK the MCP end-to-end test speaks through; docker-registry, skopeo
+# and umoci are the OCI tests' registry (started by the test on loopback), push tool and
+# layout builder, and python3-cryptography signs for them (an implementation independent of
+# Warren's); e2fsprogs' debugfs reads images' file systems (~10 s to install the four).
 test_pkgs=()
-for p in curl util-linux python3-venv iproute2 nftables; do
+for p in curl util-linux python3-venv iproute2 nftables docker-registry skopeo umoci python3-cryptography e2fsprogs; do
   dpkg -s "$p" >/dev/null 2>&1 || test_pkgs+=("$p")
 done
 if [ ${#test_pkgs[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${test_pkgs[@]}"
+fi
+# Debian starts a registry service on :5000 when the package is installed; the tests start
+# their own on loopback, so none is left listening.
+if command -v systemctl >/dev/null && systemctl is-active --quiet docker-registry 2>/dev/null; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true
 fi
 echo "==> MCP client venv (PyPI mcp)"
 scripts/mcp-venv.sh

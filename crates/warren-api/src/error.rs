@@ -24,6 +24,7 @@ pub const CODES: &[&str] = &[
     "integrity",
     "internal",
     "too_large",
+    "untrusted_image",
 ];
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize)]
@@ -68,7 +69,7 @@ impl ApiError {
         match self.code {
             "invalid_argument" => StatusCode::BAD_REQUEST,
             "unauthenticated" => StatusCode::UNAUTHORIZED,
-            "forbidden" => StatusCode::FORBIDDEN,
+            "forbidden" | "untrusted_image" => StatusCode::FORBIDDEN,
             "not_found" | "unknown_tool" => StatusCode::NOT_FOUND,
             "method_not_allowed" => StatusCode::METHOD_NOT_ALLOWED,
             "conflict" | "busy" | "outcome_unknown" => StatusCode::CONFLICT,

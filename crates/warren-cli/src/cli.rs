@@ -219,11 +219,59 @@ pub enum ImageCmd {
     /// Builds an image from a recipe (cached by recipe digest).
     Build {
         /// minimal, dev, or agents (dev plus the Claude Code, Codex and opencode CLIs).
-        #[arg(long, default_value = "dev")]
-        recipe: String,
+        /// Default: dev.
+        #[arg(long)]
+        recipe: Option<String>,
+        /// A recipe file (TOML; see README "Recipe files"). Root only.
+        #[arg(long, value_name = "FILE.toml", conflicts_with = "recipe")]
+        recipe_file: Option<PathBuf>,
         /// The static guest agent binary (default: next to this binary or in the target dir).
         #[arg(long, env = "WARREN_GUEST_AGENT")]
         agent: Option<PathBuf>,
+    },
+    /// Pulls an OCI image by digest (REF@sha256:...) from a registry and makes it a Warren
+    /// image (Warren's kernel, agent, guest user and /workspace). A tag alone is refused.
+    Pull {
+        /// `[registry/]repository[:tag]@sha256:<digest>`.
+        reference: String,
+        /// The static guest agent binary (default: next to this binary or in the target dir).
+        #[arg(long, env = "WARREN_GUEST_AGENT")]
+        agent: Option<PathBuf>,
+        /// Root disk size in MiB (default: twice the content plus 1 GiB, at least 2 GiB).
+        #[arg(long)]
+        disk_size_mib: Option<u64>,
+        /// The whole pull's deadline in seconds.
+        #[arg(long, default_value_t = 3600)]
+        timeout_secs: u64,
+    },
+    /// Prints the digest a tag names now, as REF@sha256:... to pin in `image pull`.
+    Resolve {
+        /// `[registry/]repository:tag`.
+        reference: String,
+    },
+    /// Signs a local image (cosign-compatible signature over `sha256:<image id>`), and with
+    /// --builder-id adds a signed SLSA provenance attestation naming that builder.
+    Sign {
+        /// Image id, unique id prefix, or recipe name.
+        image: String,
+        /// ECDSA P-256 private key, PKCS#8 PEM (`warren image keygen` makes one).
+        #[arg(long, value_name = "FILE.pem")]
+        key: PathBuf,
+        /// Also attest SLSA provenance v1 with this builder id.
+        #[arg(long)]
+        builder_id: Option<String>,
+    },
+    /// Makes an ECDSA P-256 key pair: PREFIX.key (PKCS#8 PEM, 0600) and PREFIX.pub (for the
+    /// image policy's `[[keys]]`).
+    Keygen {
+        #[arg(long, value_name = "PREFIX")]
+        out: PathBuf,
+    },
+    /// Verifies an image: its files, and under the image policy its signatures and
+    /// attestations (what every boot checks).
+    Verify {
+        /// Image id, unique id prefix, or recipe name.
+        image: String,
     },
     /// Lists images, newest first.
     List {
@@ -532,7 +580,11 @@ pub struct BenchArgs {
     /// `instant`: create to first exec cold vs from a template vs from the warm pool, 8
     /// concurrent creates, a fork of 4 and resume from fast standby, with the restore's
     /// breakdown (use --boots 20 for p50/p99 over 20).
-    #[arg(long, default_value = "core", value_parser = ["core", "service", "suspend", "workspace", "network", "load", "streams", "instant"])]
+    /// `image`:
+    /// pulling --image's root file system as an OCI image from a loopback registry (--boots
+    /// pulls) against building its recipe from scratch (--builds builds) and against the
+    /// floor (tar -xzf + mkfs.ext4; use --image dev).
+    #[arg(long, default_value = "core", value_parser = ["core", "service", "suspend", "workspace", "network", "load", "streams", "instant", "image"])]
     pub suite: String,
     /// Image to boot.
     #[arg(long, default_value = "minimal")]
@@ -555,6 +607,9 @@ pub struct BenchArgs {
     /// Load suite: requests per client.
     #[arg(long, default_value_t = 1000)]
     pub requests: usize,
+    /// Image suite: recipe builds from scratch (each several minutes).
+    #[arg(long, default_value_t = 1)]
+    pub builds: usize,
     #[command(flatten)]
     pub accel: AccelArg,
     #[arg(long)]

@@ -8,13 +8,12 @@ use warren_core::output::{self, Cursor, Encoding};
 use warren_core::store::VmRecord;
 use warren_core::workspace_ops::{parse_version, version_hex};
 use warren_core::{CreateVm, Warren, WarrenConfig};
-use warren_image::Recipe;
 use warren_protocol::{
     EditFile, ExecStart, GlobRequest, GrepRequest, JobId, JobOutputRequest, JobState, Precondition,
 };
 use warren_vmm::AccelChoice;
 
-use crate::cli::{Cli, Command, ImageCmd, TokenCmd, VmCmd};
+use crate::cli::{Cli, Command, TokenCmd, VmCmd};
 use crate::term::Term;
 
 /// Exit code for any Warren error (as opposed to the command's own code).
@@ -65,7 +64,7 @@ pub(crate) fn open(cli: &Cli, accel: Option<&str>) -> Result<Warren> {
 
 async fn run_async(cli: Cli) -> Result<i32> {
     match &cli.command {
-        Command::Image(cmd) => image(&cli, cmd).await,
+        Command::Image(cmd) => crate::image_cmd::image(&cli, cmd).await,
         Command::Vm(cmd) => vm(&cli, cmd).await,
         Command::Preflight => preflight(&cli),
         Command::Bench(args) if args.suite == "suspend" => {
@@ -83,6 +82,9 @@ async fn run_async(cli: Cli) -> Result<i32> {
         }
         Command::Bench(args) if args.suite == "instant" => {
             crate::bench_instant::run(&cli, args).await
+        }
+        Command::Bench(args) if args.suite == "image" => {
+            crate::bench_image::run_bench(&cli, args).await
         }
         Command::Bench(args) if args.suite == "service" => {
             crate::bench_service::run(&cli, args).await
@@ -241,96 +243,6 @@ fn token(cli: &Cli, cmd: &TokenCmd) -> Result<i32> {
             } else {
                 eprintln!("workspace {workspace} has the internet grant (and networking)");
             }
-            Ok(0)
-        }
-    }
-}
-
-fn find_agent() -> Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let dir = exe.parent().context("binary has no directory")?;
-    let profile = dir.file_name().map(|s| s.to_owned()).unwrap_or_default();
-    let candidates = [
-        dir.join("warren-guest"),
-        dir.join("../x86_64-unknown-linux-gnu/release/warren-guest"),
-        dir.join("../x86_64-unknown-linux-gnu")
-            .join(&profile)
-            .join("warren-guest"),
-    ];
-    // Only a static binary can be PID 1 of the initramfs: `cargo build` also leaves a
-    // dynamically linked `warren-guest` next to this binary, which must not be picked.
-    candidates
-        .into_iter()
-        .find(|p| p.is_file() && warren_image::store::is_static_elf(p).unwrap_or(false))
-        .map(|p| p.canonicalize().unwrap_or(p))
-        .context(
-            "no static warren-guest binary found; build it with scripts/build-guest.sh \
-             or pass --agent",
-        )
-}
-
-async fn image(cli: &Cli, cmd: &ImageCmd) -> Result<i32> {
-    let w = open(cli, None)?;
-    match cmd {
-        ImageCmd::Build { recipe, agent } => {
-            let recipe: Recipe = recipe.parse().map_err(|_| {
-                warren_core::CoreError::InvalidArgument(format!(
-                    "unknown recipe {recipe:?} (expected minimal, dev or agents)"
-                ))
-            })?;
-            let agent = match agent {
-                Some(a) => a.clone(),
-                None => find_agent()?,
-            };
-            let started = std::time::Instant::now();
-            let id = w.images().build(recipe, &agent, &mut |p| {
-                eprintln!(
-                    "[{:>6.1}s] {}: {}",
-                    started.elapsed().as_secs_f64(),
-                    p.step,
-                    p.detail
-                );
-            })?;
-            println!("{id}");
-            Ok(0)
-        }
-        ImageCmd::List { json } => {
-            let list = w.images().list()?;
-            if *json {
-                let v: Vec<_> = list
-                    .iter()
-                    .map(|i| {
-                        serde_json::json!({
-                            "image_id": i.id.to_string(),
-                            "recipe": i.recipe.to_string(),
-                            "kernel_release": i.kernel_release,
-                            "created_unix": i.created_unix,
-                            "rootfs_size": i.rootfs_size,
-                            "disk_bytes": i.disk_bytes,
-                        })
-                    })
-                    .collect();
-                println!("{}", serde_json::to_string_pretty(&v)?);
-            } else {
-                println!(
-                    "{:<66} {:<8} {:<22} {:>10}",
-                    "IMAGE", "RECIPE", "KERNEL", "DISK MiB"
-                );
-                for i in list {
-                    println!(
-                        "{:<66} {:<8} {:<22} {:>10}",
-                        i.id.to_string(),
-                        i.recipe.to_string(),
-                        i.kernel_release,
-                        i.disk_bytes / (1024 * 1024)
-                    );
-                }
-            }
-            Ok(0)
-        }
-        ImageCmd::Rm { image } => {
-            let id = w.remove_image(image)?;
-            println!("removed {id}");
             Ok(0)
         }
     }

@@ -1,37 +1,28 @@
 //! `vm cp`'s archives: packing a host file or tree, and unpacking an archive the guest wrote.
 //!
 //! Packing uses the `tar` crate over the caller's own files (symlinks stored as links).
-//! Unpacking parses the guest's archive with the `tar` crate but creates everything itself,
-//! because the archive is untrusted input: every entry is created relative to a directory
-//! descriptor opened with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV)`
-//! beneath a private staging directory, so no entry can leave it or write through a
-//! symlink another entry made. Rules:
+//! Unpacking goes through the image layers' unpacker ([`warren_image::unpack`]), because the
+//! archive is untrusted input: every entry is created relative to a directory descriptor
+//! opened with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV)` beneath a
+//! private staging directory, so no entry can leave it or write through a symlink another
+//! entry made. Rules (that unpacker's, without whiteouts, owners or sticky bits):
 //! - names: absolute paths and `..` are refused (the copy fails); `.` components are skipped;
 //! - regular files and directories are made with the entry's permission bits, set-id and
 //!   sticky bits dropped, owned by the caller; files keep their modification time;
 //! - symlinks are made as they are (their targets are never followed here);
-//! - hard links only to a file made earlier in the same archive;
+//! - hard links only to a file made earlier in the same archive (`..` or absolute refused);
 //! - device nodes, FIFOs and sparse or unknown entries are skipped and counted;
 //! - at most [`MAX_ENTRIES`] entries and the caller's byte limit.
 //!
 //! The caller moves the staged result into place only once the whole archive unpacked.
 
-use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Context, Result};
-use nix::errno::Errno;
-use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
-use nix::sys::stat::Mode;
+use anyhow::{anyhow, Context, Result};
 
 /// Most entries one archive may have.
 pub const MAX_ENTRIES: u64 = 1_000_000;
-/// Longest entry name or link target.
-const MAX_NAME: usize = 4096;
 
 /// What an unpack made.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -99,209 +90,33 @@ pub fn content_size(src: &Path) -> u64 {
     }
 }
 
-fn beneath() -> OpenHow {
-    OpenHow::new()
-        .flags(OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_RDONLY)
-        .resolve(
-            ResolveFlag::RESOLVE_BENEATH
-                | ResolveFlag::RESOLVE_NO_SYMLINKS
-                | ResolveFlag::RESOLVE_NO_XDEV,
-        )
-}
-
-/// Opens the directory `comps` below `root` (the root itself for none).
-fn open_dir(root: &OwnedFd, comps: &[&[u8]]) -> Result<OwnedFd> {
-    let rel = if comps.is_empty() {
-        b".".to_vec()
-    } else {
-        comps.join(&b'/')
-    };
-    let p = Path::new(std::ffi::OsStr::from_bytes(&rel));
-    nix::fcntl::openat2(root.as_fd(), p, beneath()).map_err(|e| {
-        anyhow!(
-            "{}: not a directory of this copy ({e})",
-            String::from_utf8_lossy(&rel)
-        )
-    })
-}
-
-/// The normal components of an entry name; absolute names and `..` are refused.
-fn components(name: &[u8]) -> Result<Vec<&[u8]>> {
-    if name.len() > MAX_NAME {
-        bail!("an entry name is longer than {MAX_NAME} bytes");
-    }
-    if name.first() == Some(&b'/') {
-        bail!(
-            "absolute entry name {:?} refused",
-            String::from_utf8_lossy(name)
-        );
-    }
-    let mut out = Vec::new();
-    for c in name.split(|b| *b == b'/') {
-        match c {
-            b"" | b"." => {}
-            b".." => bail!(
-                "entry name {:?} leaves the copy",
-                String::from_utf8_lossy(name)
-            ),
-            c => out.push(c),
-        }
-    }
-    Ok(out)
-}
-
-fn c_name(b: &[u8]) -> &Path {
-    Path::new(std::ffi::OsStr::from_bytes(b))
-}
-
 /// Unpacks `input` into the directory `root` (see the module docs); at most `max_bytes` of
-/// file content.
+/// file content. The unpacker is the image layers' ([`warren_image::unpack`]), without
+/// whiteouts, owners or sticky bits.
 pub fn unpack(input: impl Read, root: &Path, max_bytes: u64) -> Result<Unpacked> {
-    let root_fd = nix::fcntl::open(
-        root,
-        OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_RDONLY,
-        Mode::empty(),
-    )
-    .with_context(|| root.display().to_string())?;
-    let mut done = Unpacked::default();
-    let mut dir_modes: Vec<(Vec<Vec<u8>>, u32)> = Vec::new();
-    let mut archive = tar::Archive::new(input);
-    let mut count = 0u64;
-    for entry in archive.entries().context("reading the archive")? {
-        let mut entry = entry.context("reading the archive")?;
-        count += 1;
-        if count > MAX_ENTRIES {
-            bail!("the archive has more than {MAX_ENTRIES} entries");
-        }
-        let name = entry.path_bytes().into_owned();
-        let comps = components(&name)?;
-        let Some((last, parents)) = comps.split_last() else {
-            continue;
-        };
-        let parent = open_dir(&root_fd, parents)?;
-        let mode = entry.header().mode().unwrap_or(0o644) & 0o777;
-        let shown = String::from_utf8_lossy(&name).into_owned();
-        match entry.header().entry_type() {
-            tar::EntryType::Regular | tar::EntryType::Continuous => {
-                let size = entry.size();
-                if done.bytes.saturating_add(size) > max_bytes {
-                    bail!("the copy is larger than the {max_bytes}-byte limit");
-                }
-                let file = create_file(&parent, last, &shown)?;
-                let mut file = File::from(file);
-                let copied = std::io::copy(&mut (&mut entry).take(size), &mut file)
-                    .with_context(|| format!("writing {shown}"))?;
-                file.set_permissions(std::fs::Permissions::from_mode(mode))?;
-                if let Ok(mtime) = entry.header().mtime() {
-                    let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(mtime);
-                    let _ = file.set_modified(t);
-                }
-                done.files += 1;
-                done.bytes += copied;
-            }
-            tar::EntryType::Directory => {
-                match nix::sys::stat::mkdirat(
-                    parent.as_fd(),
-                    c_name(last),
-                    Mode::from_bits_truncate(0o700),
-                ) {
-                    Ok(()) | Err(Errno::EEXIST) => {}
-                    Err(e) => bail!("making directory {shown}: {e}"),
-                }
-                // Checks it is a directory of this copy (not a symlink made by an entry).
-                open_dir(&root_fd, &comps)?;
-                dir_modes.push((comps.iter().map(|c| c.to_vec()).collect(), mode));
-                done.dirs += 1;
-            }
-            tar::EntryType::Symlink => {
-                let target = entry
-                    .link_name_bytes()
-                    .ok_or_else(|| anyhow!("symlink {shown} has no target"))?
-                    .into_owned();
-                if target.len() > MAX_NAME {
-                    bail!("symlink {shown}: target longer than {MAX_NAME} bytes");
-                }
-                remove_existing(&parent, last)?;
-                nix::unistd::symlinkat(c_name(&target), parent.as_fd(), c_name(last))
-                    .with_context(|| format!("making symlink {shown}"))?;
-                done.links += 1;
-            }
-            tar::EntryType::Link => {
-                let target = entry
-                    .link_name_bytes()
-                    .ok_or_else(|| anyhow!("hard link {shown} has no target"))?
-                    .into_owned();
-                let tcomps = components(&target)?;
-                let Some((tlast, tparents)) = tcomps.split_last() else {
-                    bail!("hard link {shown} has an empty target");
-                };
-                let tparent = open_dir(&root_fd, tparents)?;
-                remove_existing(&parent, last)?;
-                nix::unistd::linkat(
-                    tparent.as_fd(),
-                    c_name(tlast),
-                    parent.as_fd(),
-                    c_name(last),
-                    nix::fcntl::AtFlags::empty(),
-                )
-                .with_context(|| format!("making hard link {shown}"))?;
-                done.links += 1;
-            }
-            _ => done.skipped += 1,
-        }
-    }
-    // Deepest first, so a read-only directory is set after its children were made.
-    dir_modes.sort_by_key(|d| std::cmp::Reverse(d.0.len()));
-    for (comps, mode) in dir_modes {
-        let refs: Vec<&[u8]> = comps.iter().map(Vec::as_slice).collect();
-        let fd = open_dir(&root_fd, &refs)?;
-        nix::sys::stat::fchmod(fd.as_fd(), Mode::from_bits_truncate(mode))?;
-    }
-    Ok(done)
-}
-
-/// Creates (or replaces) the regular file `name` in `parent`, never through a symlink.
-fn create_file(parent: &OwnedFd, name: &[u8], shown: &str) -> Result<OwnedFd> {
-    let flags =
-        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-    match nix::fcntl::openat(
-        parent.as_fd(),
-        c_name(name),
-        flags,
-        Mode::from_bits_truncate(0o600),
-    ) {
-        Ok(fd) => Ok(fd),
-        Err(Errno::EEXIST) => {
-            // A name the archive gave twice: the later entry wins, as with tar.
-            remove_existing(parent, name)?;
-            nix::fcntl::openat(
-                parent.as_fd(),
-                c_name(name),
-                flags,
-                Mode::from_bits_truncate(0o600),
-            )
-            .with_context(|| format!("creating {shown}"))
-        }
-        Err(e) => Err(anyhow!("creating {shown}: {e}")),
-    }
-}
-
-/// Removes a non-directory at `name` in `parent`, if any.
-fn remove_existing(parent: &OwnedFd, name: &[u8]) -> Result<()> {
-    match nix::unistd::unlinkat(
-        parent.as_fd(),
-        c_name(name),
-        nix::unistd::UnlinkatFlags::NoRemoveDir,
-    ) {
-        Ok(()) | Err(Errno::ENOENT) => Ok(()),
-        Err(e) => Err(anyhow!("replacing {}: {e}", String::from_utf8_lossy(name))),
-    }
+    let opts = warren_image::unpack::Options {
+        max_bytes,
+        max_entries: MAX_ENTRIES,
+        keep_owner: false,
+        keep_sticky: false,
+        whiteouts: false,
+    };
+    let mut done = warren_image::unpack::Unpacked::default();
+    warren_image::unpack::unpack(input, root, &opts, &mut done)
+        .map_err(|e| anyhow!("unpacking the copy: {e}"))?;
+    Ok(Unpacked {
+        files: done.files,
+        dirs: done.dirs,
+        links: done.links,
+        bytes: done.bytes,
+        skipped: done.skipped,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
     fn archive(build: impl FnOnce(&mut tar::Builder<Vec<u8>>)) -> Vec<u8> {
         let mut b = tar::Builder::new(Vec::new());

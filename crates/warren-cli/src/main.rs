@@ -7,6 +7,7 @@
 mod agents;
 mod bench;
 mod bench_floor;
+mod bench_image;
 mod bench_instant;
 mod bench_load;
 mod bench_network;
@@ -20,6 +21,7 @@ mod commands;
 mod copy;
 mod egress_file;
 mod host_keys;
+mod image_cmd;
 mod jobs_cmd;
 mod refresh;
 mod remote_exec;

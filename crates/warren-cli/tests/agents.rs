@@ -9,7 +9,6 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 use common::{ok, TestEnv};
-use warren_image::agent_cli::AGENT_CLIS;
 
 /// Deletes the project's session (and so its VM) even when an assertion fails.
 struct SessionGuard<'a> {
@@ -62,9 +61,11 @@ fn test_agents_image_clis_report_pinned_versions() {
 
     // No --image: the first run creates the session, whose VM gets the agents image; the
     // others start another process in the same VM.
-    for cli in AGENT_CLIS {
+    let agents = warren_image::Recipe::builtin("agents").expect("agents recipe");
+    let clis = agents.agent_clis();
+    for cli in clis {
         let started = std::time::Instant::now();
-        let out = warren_run(&env, &proj, &[cli.command, "--", "--version"]);
+        let out = warren_run(&env, &proj, &[&cli.command, "--", "--version"]);
         let stdout = ok(out, &format!("warren run {} -- --version", cli.command));
         eprintln!(
             "warren run {} -- --version: {:.1?}: {}",
@@ -76,7 +77,7 @@ fn test_agents_image_clis_report_pinned_versions() {
     }
 
     // Installed where the recipe says, run as the guest user, found on the default PATH.
-    let commands: Vec<&str> = AGENT_CLIS.iter().map(|c| c.command).collect();
+    let commands: Vec<&str> = clis.iter().map(|c| c.command.as_str()).collect();
     let script = format!(
         "id -u; for c in {}; do readlink -f \"$(command -v $c)\"; done",
         commands.join(" ")
@@ -85,7 +86,7 @@ fn test_agents_image_clis_report_pinned_versions() {
     let stdout = ok(out, "warren run shell");
     let mut lines = stdout.lines();
     assert_eq!(lines.next(), Some("1000"), "{stdout}");
-    for (cli, line) in AGENT_CLIS.iter().zip(lines) {
+    for (cli, line) in clis.iter().zip(lines) {
         assert_eq!(
             line,
             format!(

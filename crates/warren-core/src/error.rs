@@ -109,6 +109,15 @@ impl CoreError {
             CoreError::Image(ImageError::NotFound(_)) => "not_found",
             CoreError::Image(ImageError::Ambiguous(_)) => "invalid_argument",
             CoreError::Image(ImageError::DigestMismatch { .. }) => "integrity",
+            CoreError::Image(ImageError::Untrusted { .. }) => "untrusted_image",
+            CoreError::Image(
+                ImageError::RecipeInvalid(_)
+                | ImageError::UnknownRecipe(_)
+                | ImageError::InvalidId(_)
+                | ImageError::OciReference(_),
+            ) => "invalid_argument",
+            CoreError::Image(ImageError::Oci { .. }) => "unavailable",
+            CoreError::Image(ImageError::OciRefused { .. }) => "integrity",
             CoreError::Image(_) => "internal",
             CoreError::Vmm(VmmError::AccelUnsupported(_) | VmmError::AccelParse(_)) => {
                 "invalid_argument"

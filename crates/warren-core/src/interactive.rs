@@ -234,8 +234,9 @@ impl Warren {
     pub async fn exec_interactive(
         &self,
         id: &str,
-        req: ExecInteractive,
+        mut req: ExecInteractive,
     ) -> Result<JobId, CoreError> {
+        self.with_image_env(id, &mut req.start)?;
         match self
             .awake_client(id)
             .await?

@@ -11,14 +11,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let store = warren_image::ImageStore::open(Path::new(dir))?;
     let start = Instant::now();
-    let id = store.build(recipe.parse()?, Path::new(agent), &mut |p| {
-        println!(
-            "[{:>6.1}s] {}: {}",
-            start.elapsed().as_secs_f64(),
-            p.step,
-            p.detail
-        );
-    })?;
+    let id = store.build(
+        &warren_image::Recipe::builtin(recipe)?,
+        Path::new(agent),
+        &mut |p| {
+            println!(
+                "[{:>6.1}s] {}: {}",
+                start.elapsed().as_secs_f64(),
+                p.step,
+                p.detail
+            );
+        },
+    )?;
     println!("built {id} in {:.1?}", start.elapsed());
     let t = Instant::now();
     let v = store.verify(&id)?;

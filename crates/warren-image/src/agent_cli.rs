@@ -3,8 +3,8 @@
 //!
 //! Each of them publishes its native Linux x86-64 binary as an npm package of its own, which
 //! needs no Node.js: the `agents` recipe installs those, not the Node wrappers. The packages are
-//! pinned in [`AGENT_CLIS`] by name, version and the registry's `dist.integrity` (SHA-512); the
-//! pins are part of the recipe description, so changing one changes the stage digest and the
+//! pinned in the recipe (`[[npm]]` of `recipes/agents.toml`) by name, version and the
+//! registry's `dist.integrity` (SHA-512); the pins are part of the recipe description, so changing one changes the stage digest and the
 //! image is rebuilt.
 //!
 //! Steps, run on the build thread:
@@ -28,7 +28,7 @@ use std::path::{Component, Path, PathBuf};
 use std::process::Command;
 
 use base64::Engine as _;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha512};
 
 use crate::command::run_output;
@@ -44,65 +44,71 @@ pub const NPM_REGISTRY_ENV: &str = "WARREN_NPM_REGISTRY";
 /// Where the packages are unpacked, relative to the guest's root.
 pub const INSTALL_DIR: &str = "usr/local/lib/warren-agents";
 
-/// One agent CLI: a pinned npm package holding a native binary.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+/// One agent CLI: a pinned npm package holding a native binary (a recipe's `[[npm]]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct NpmAgentCli {
     /// The command installed in `/usr/local/bin` (what `warren run <agent>` starts).
-    pub command: &'static str,
+    pub command: String,
     /// The npm package name.
-    pub package: &'static str,
+    pub package: String,
     /// The package version (Codex's native builds are versions `<release>-linux-x64` of
     /// `@openai/codex` itself).
-    pub version: &'static str,
+    pub version: String,
     /// The registry's `dist.integrity` for this version: `sha512-` and the base64 digest of
     /// the tarball.
-    pub integrity: &'static str,
+    pub integrity: String,
     /// The executable's path inside the package (below the tarball's `package/` directory).
-    pub binary: &'static str,
+    pub binary: String,
 }
 
-/// The agent CLIs of the `agents` recipe. To bump one: take the version the wrapper package
-/// depends on (`npm view @openai/codex optionalDependencies`), then
-/// `npm view <package>@<version> dist.integrity`, and update both fields here.
-pub const AGENT_CLIS: &[NpmAgentCli] = &[
-    NpmAgentCli {
-        command: "claude",
-        package: "@anthropic-ai/claude-code-linux-x64",
-        version: "2.1.332",
-        integrity: "sha512-f4JWhzwYutJIHScC7/dYOPX6s28tt7ZADhsOi8zwOHq5fFPEuUeChh2NMfinSg0GrUckYxaeebC4h0DqiKzLcw==",
-        binary: "claude",
-    },
-    NpmAgentCli {
-        command: "codex",
-        package: "@openai/codex",
-        version: "0.171.0-linux-x64",
-        integrity: "sha512-l66NZkQgdk2C3pbcfULDz42yEUB581MVA6I+Y43Wp4OIqEy73HCdmZ0GTjeAHY2ycuH4N00d9VsLrwT1jxshTw==",
-        binary: "vendor/x86_64-unknown-linux-musl/bin/codex",
-    },
-    NpmAgentCli {
-        command: "opencode",
-        package: "opencode-linux-x64",
-        version: "1.18.33",
-        integrity: "sha512-q/t/3p2CTxOT9y2kvjesb/LZab2+1eqlhhWA02Be6mjTtmYtNBcBsrI5yDo4Fw7ZSPBW2oyMIGMNRqiKQjiAWw==",
-        binary: "bin/opencode",
-    },
-];
-
 impl NpmAgentCli {
+    /// Checks the fields a recipe file gave: names that stay inside their directories and
+    /// URLs, a SHA-512 pin.
+    pub fn validate(&self) -> Result<(), String> {
+        let plain = |s: &str| {
+            !s.is_empty()
+                && s.len() <= 214
+                && s.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~'))
+                && s != "."
+                && s != ".."
+        };
+        let package_ok = match self.package.strip_prefix('@') {
+            Some(scoped) => scoped
+                .split_once('/')
+                .is_some_and(|(scope, name)| plain(scope) && plain(name)),
+            None => plain(&self.package),
+        };
+        let binary_ok = self.binary.split('/').all(plain);
+        if !plain(&self.command) || !package_ok || !plain(&self.version) || !binary_ok {
+            return Err(format!(
+                "npm package {:?}: command, package, version or binary is not a plain name",
+                self.spec()
+            ));
+        }
+        self.pinned_sha512().map(|_| ()).map_err(|_| {
+            format!(
+                "npm package {}: integrity must be sha512-<base64>",
+                self.spec()
+            )
+        })
+    }
+
     /// `package@version`, as npm spells it.
     pub fn spec(&self) -> String {
         format!("{}@{}", self.package, self.version)
     }
 
     /// The release the binary reports in `--version`: the version without a platform suffix.
-    pub fn release(&self) -> &'static str {
-        self.version.split('-').next().unwrap_or(self.version)
+    pub fn release(&self) -> &str {
+        self.version.split('-').next().unwrap_or(&self.version)
     }
 
     /// The tarball's URL under `registry` (the registry's fixed layout:
     /// `<registry>/<name>/-/<name without scope>-<version>.tgz`).
     pub fn tarball_url(&self, registry: &str) -> String {
-        let base = self.package.rsplit('/').next().unwrap_or(self.package);
+        let base = self.package.rsplit('/').next().unwrap_or(&self.package);
         format!(
             "{}/{}/-/{base}-{}.tgz",
             registry.trim_end_matches('/'),
@@ -249,7 +255,7 @@ pub fn install(cli: &NpmAgentCli, tarball: &Path, root: &Path) -> Result<u64, Im
     let file = File::open(tarball).map_err(ImageError::io("open", tarball))?;
     let size = unpack(BufReader::new(file), &dest).map_err(unpack_err)?;
 
-    let binary = dest.join(cli.binary);
+    let binary = dest.join(&cli.binary);
     let is_file = std::fs::symlink_metadata(&binary)
         .map(|m| m.is_file())
         .unwrap_or(false);
@@ -261,10 +267,10 @@ pub fn install(cli: &NpmAgentCli, tarball: &Path, root: &Path) -> Result<u64, Im
     }
     let bin_dir = root.join("usr/local/bin");
     std::fs::create_dir_all(&bin_dir).map_err(ImageError::io("create", &bin_dir))?;
-    let link = bin_dir.join(cli.command);
+    let link = bin_dir.join(&cli.command);
     // Relative, so it resolves the same inside the guest and in the build tree.
     let target = Path::new("..").join(rel.strip_prefix("usr/local").unwrap_or(&rel));
-    std::os::unix::fs::symlink(target.join(cli.binary), &link)
+    std::os::unix::fs::symlink(target.join(&cli.binary), &link)
         .map_err(ImageError::io("symlink", &link))?;
     Ok(size)
 }
@@ -373,9 +379,17 @@ mod tests {
         b.into_inner().expect("tar").finish().expect("gzip")
     }
 
+    fn agent_clis() -> Vec<NpmAgentCli> {
+        crate::Recipe::builtin("agents")
+            .expect("agents")
+            .agent_clis()
+            .to_vec()
+    }
+
     #[test]
     fn test_agent_clis_pins_are_sha512() {
-        for cli in AGENT_CLIS {
+        for cli in agent_clis() {
+            assert!(cli.validate().is_ok(), "{}", cli.spec());
             assert!(cli.pinned_sha512().is_ok(), "{}", cli.spec());
             assert!(!cli.binary.starts_with('/') && !cli.binary.contains(".."));
         }
@@ -383,14 +397,14 @@ mod tests {
 
     #[test]
     fn test_tarball_url_scoped_and_unscoped() {
-        let codex = AGENT_CLIS[1];
+        let codex = agent_clis()[1].clone();
         assert_eq!(
             codex.tarball_url("https://registry.npmjs.org/"),
             "https://registry.npmjs.org/@openai/codex/-/codex-0.171.0-linux-x64.tgz"
         );
         assert_eq!(codex.release(), "0.171.0");
         assert_eq!(
-            AGENT_CLIS[2].tarball_url(NPM_REGISTRY),
+            agent_clis()[2].tarball_url(NPM_REGISTRY),
             "https://registry.npmjs.org/opencode-linux-x64/-/opencode-linux-x64-1.18.33.tgz"
         );
     }
@@ -400,7 +414,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let f = dir.path().join("t.tgz");
         std::fs::write(&f, b"not the package").expect("write");
-        let err = verify(&AGENT_CLIS[0], &f).expect_err("mismatch");
+        let err = verify(&agent_clis()[0], &f).expect_err("mismatch");
         let msg = err.to_string();
         assert!(
             msg.contains("@anthropic-ai/claude-code-linux-x64@2.1.332"),
@@ -417,8 +431,8 @@ mod tests {
             base64::engine::general_purpose::STANDARD.encode(Sha512::digest(data))
         );
         let cli = NpmAgentCli {
-            integrity: Box::leak(integrity.into_boxed_str()),
-            ..AGENT_CLIS[2]
+            integrity,
+            ..agent_clis()[2].clone()
         };
         std::fs::write(dir.path().join(cli.cache_name()), data).expect("write");
         // An unreachable registry proves no download was attempted.
@@ -469,7 +483,7 @@ mod tests {
         let t = dir.path().join("t.tgz");
         std::fs::write(&t, tgz).expect("write");
         let root = dir.path().join("root");
-        install(&AGENT_CLIS[2], &t, &root).expect("install");
+        install(&agent_clis()[2], &t, &root).expect("install");
         let link = root.join("usr/local/bin/opencode");
         assert_eq!(
             std::fs::read_link(&link).expect("link"),
@@ -484,7 +498,7 @@ mod tests {
         let tgz = tarball(&[("package/README.md", tar::EntryType::Regular, b"hi")]);
         let t = dir.path().join("t.tgz");
         std::fs::write(&t, tgz).expect("write");
-        let err = install(&AGENT_CLIS[0], &t, &dir.path().join("root")).expect_err("no binary");
+        let err = install(&agent_clis()[0], &t, &dir.path().join("root")).expect_err("no binary");
         assert!(err.to_string().contains("claude-code-linux-x64"), "{err}");
     }
 }

@@ -18,13 +18,11 @@
 //! by rename); temp dirs start with `.` and are removed on failure.
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde::{Deserialize, Serialize};
 
-use crate::agent_cli;
 use crate::command::{run_logged, run_output};
 use crate::digest::{self, FileIdentity};
 use crate::initramfs::BaseInitramfs;
@@ -35,7 +33,9 @@ use crate::manifest::{
 };
 use crate::recipe::{self, Recipe};
 use crate::store::{set_mode, BuildProgress};
+use crate::tree::Tree;
 use crate::ImageError;
+use crate::{agent_cli, chroot, python};
 
 /// Record of a finished stage (`stage.json`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -59,7 +59,7 @@ const LOG_FILE: &str = "build.log";
 pub fn ensure_stage(
     stages_dir: &Path,
     downloads_dir: &Path,
-    recipe: Recipe,
+    recipe: &Recipe,
     progress: &mut dyn FnMut(BuildProgress),
 ) -> Result<(PathBuf, StageRecord), ImageError> {
     let digest = recipe.stage_digest();
@@ -103,7 +103,7 @@ pub fn ensure_stage(
 
 /// Copies the failed build's log to `<stages_dir>/<recipe>-failed.log` (the work dir is about
 /// to be deleted) and points the error at the copy.
-fn keep_failed_log(stages_dir: &Path, recipe: Recipe, work: &Path, e: ImageError) -> ImageError {
+fn keep_failed_log(stages_dir: &Path, recipe: &Recipe, work: &Path, e: ImageError) -> ImageError {
     let kept = stages_dir.join(format!("{}-failed.log", recipe.name()));
     if std::fs::copy(work.join(LOG_FILE), &kept).is_err() {
         return e;
@@ -176,7 +176,7 @@ pub(crate) fn cleanup_stale(dir: &Path, prefix: &str) {
 fn build_stage(
     work: &Path,
     downloads: &Path,
-    recipe: Recipe,
+    recipe: &Recipe,
     digest: &str,
     progress: &mut dyn FnMut(BuildProgress),
 ) -> Result<StageRecord, ImageError> {
@@ -194,6 +194,16 @@ fn build_stage(
             format!("fetching {} from {registry}", cli.spec()),
         ));
         tarballs.push((cli, agent_cli::fetch(cli, downloads, &registry)?));
+    }
+    // ... and Python wheels, verified against theirs.
+    let index = python::index();
+    let mut wheels = Vec::new();
+    for p in recipe.python() {
+        progress(BuildProgress::new(
+            "python",
+            format!("fetching {}=={} from {index}", p.name, p.version),
+        ));
+        wheels.push((p.clone(), python::fetch(p, downloads, &index)?));
     }
 
     // 1. debootstrap.
@@ -227,17 +237,21 @@ fn build_stage(
     let packages = recipe.packages();
     if !packages.is_empty() {
         let apt = ["apt-get", "-q", "-y", "--no-install-recommends", "install"];
-        chroot_install(&root, &log, "packages", &apt, packages, progress)?;
+        let items: Vec<&str> = packages.iter().map(String::as_str).collect();
+        chroot_install(&root, &log, "packages", &apt, &items, progress)?;
     }
+    let tree = Tree::open(&root).map_err(setup_err)?;
     for (link, target) in recipe.links() {
-        let at = root.join(link.trim_start_matches('/'));
-        let in_root = root.join(target.trim_start_matches('/'));
-        if !in_root.exists() {
+        let rel = link.trim_start_matches('/');
+        if !tree
+            .exists(target.trim_start_matches('/'))
+            .map_err(setup_err)?
+        {
             return Err(ImageError::RootfsSetup(format!(
                 "link {link}: {target} is not in the image after the packages"
             )));
         }
-        std::os::unix::fs::symlink(target, &at).map_err(ImageError::io("symlink", &at))?;
+        tree.symlink(rel, target).map_err(setup_err)?;
     }
     for (cli, tarball) in &tarballs {
         let bytes = agent_cli::install(cli, tarball, &root)?;
@@ -250,6 +264,39 @@ fn build_stage(
                 bytes >> 20
             ),
         ));
+    }
+
+    if !wheels.is_empty() {
+        progress(BuildProgress::new(
+            "python",
+            format!("pip install (offline) of {} wheel(s)", wheels.len()),
+        ));
+        python::install(&root, &wheels, &log, &mut |_| {})?;
+    }
+    for f in recipe.files() {
+        progress(BuildProgress::new(
+            "files",
+            format!("{} ({} bytes, mode {:o})", f.dest, f.size, f.mode),
+        ));
+        tree.write(
+            f.dest.trim_start_matches('/'),
+            &f.content,
+            f.mode,
+            (f.uid, f.gid),
+        )
+        .map_err(setup_err)?;
+    }
+    for (i, c) in recipe.commands().iter().enumerate() {
+        progress(BuildProgress::new(
+            "commands",
+            format!("{}/{}: {}", i + 1, recipe.commands().len(), first_line(c)),
+        ));
+        let argv = ["/bin/sh".to_string(), "-c".to_string(), c.clone()];
+        chroot::run(&root, &argv, &log, &mut |_| {})?.map_err(|f| ImageError::Packages {
+            status: format!("command {} ({})", i + 1, f.status),
+            log: log.clone(),
+            log_tail: f.log_tail,
+        })?;
     }
 
     // 3. Kernel and modules.
@@ -302,25 +349,13 @@ fn build_stage(
         "rootfs",
         "user, /workspace, apt cleanup".to_string(),
     ));
-    prepare_root(&root)?;
+    clean_apt(&root)?;
+    finish_root(&root)?;
 
     // 5. mkfs.ext4.
     let rootfs = work.join(ROOTFS_FILE);
     let size = recipe.rootfs_size();
-    progress(BuildProgress::new(
-        "mkfs",
-        format!("ext4 {} MiB from {}", size >> 20, root.display()),
-    ));
-    let mut cmd = Command::new("mkfs.ext4");
-    cmd.args(["-q", "-F", "-d"])
-        .arg(&root)
-        .args(["-L", "warren-root"])
-        .arg(&rootfs)
-        .arg(format!("{}k", size / 1024));
-    run_output(cmd)?.map_err(|f| ImageError::Mkfs {
-        status: f.status,
-        output: f.log_tail,
-    })?;
+    make_ext4(&root, &rootfs, size, progress)?;
     remove_all(&root)?;
 
     // 6. Hash and record.
@@ -361,6 +396,30 @@ fn build_stage(
         format!("built in {:.0?}", started.elapsed()),
     ));
     Ok(rec)
+}
+
+/// `mkfs.ext4 -d root` into a sparse image of `size` bytes at `out`.
+pub(crate) fn make_ext4(
+    root: &Path,
+    out: &Path,
+    size: u64,
+    progress: &mut dyn FnMut(BuildProgress),
+) -> Result<(), ImageError> {
+    progress(BuildProgress::new(
+        "mkfs",
+        format!("ext4 {} MiB from {}", size >> 20, root.display()),
+    ));
+    let mut cmd = Command::new("mkfs.ext4");
+    cmd.args(["-q", "-F", "-d"])
+        .arg(root)
+        .args(["-L", "warren-root"])
+        .arg(out)
+        .arg(format!("{}k", size / 1024));
+    run_output(cmd)?.map_err(|f| ImageError::Mkfs {
+        status: f.status,
+        output: f.log_tail,
+    })?;
+    Ok(())
 }
 
 /// Runs `command items...` in a chroot of `root`, logging to `log` and summarising progress
@@ -416,8 +475,8 @@ fn clear_dir(dir: &Path, keep: &[&str]) -> Result<(), ImageError> {
     Ok(())
 }
 
-/// Shrinks the tree and adds the guest user and `/workspace`.
-fn prepare_root(root: &Path) -> Result<(), ImageError> {
+/// Drops apt's caches, lists and logs from a debootstrapped tree.
+fn clean_apt(root: &Path) -> Result<(), ImageError> {
     clear_dir(&root.join("var/lib/apt/lists"), &["partial", "lock"])?;
     clear_dir(&root.join("var/lib/apt/lists/partial"), &[])?;
     clear_dir(&root.join("var/cache/apt/archives"), &["partial", "lock"])?;
@@ -431,47 +490,86 @@ fn prepare_root(root: &Path) -> Result<(), ImageError> {
     clear_dir(&root.join("var/log/apt"), &[])?;
     let _ = std::fs::remove_file(root.join("var/log/dpkg.log"));
     let _ = std::fs::remove_file(root.join("var/log/bootstrap.log"));
+    Ok(())
+}
 
+fn setup_err(e: crate::tree::TreeError) -> ImageError {
+    ImageError::RootfsSetup(e.to_string())
+}
+
+fn first_line(c: &str) -> String {
+    let line = c.lines().next().unwrap_or("");
+    let mut out: String = line.chars().take(80).collect();
+    if out.len() < c.len() {
+        out.push_str(" ...");
+    }
+    out
+}
+
+/// Largest account file read.
+const MAX_ACCOUNT_FILE: u64 = 4 << 20;
+
+/// Adds what Warren needs in every root tree: the guest user `user` (1000:1000, an account
+/// in `/etc/passwd`, `group`, `shadow`, `gshadow`, home `/home/user` from `/etc/skel`) and
+/// `/workspace` (1000:1000, 0755). Every path is opened beneath the tree without following
+/// symlinks ([`Tree`]): the tree may be an untrusted image's.
+pub(crate) fn finish_root(root: &Path) -> Result<(), ImageError> {
+    let tree = Tree::open(root).map_err(setup_err)?;
     let uid = recipe::USER_ID;
-    let etc = root.join("etc");
-    add_line(
-        &etc.join("passwd"),
-        &format!("user:x:{uid}:{uid}:Warren user:/home/user:/bin/bash"),
-    )?;
-    add_line(&etc.join("group"), &format!("user:x:{uid}:"))?;
-    add_line(&etc.join("shadow"), "user:!::0:99999:7:::")?;
-    add_line(&etc.join("gshadow"), "user:!::")?;
-
-    let home = root.join("home/user");
-    std::fs::create_dir_all(&home).map_err(ImageError::io("create", &home))?;
-    if let Ok(skel) = std::fs::read_dir(etc.join("skel")) {
-        for e in skel.flatten() {
-            if e.file_type().map(|t| t.is_file()).unwrap_or(false) {
-                let dest = home.join(e.file_name());
-                std::fs::copy(e.path(), &dest).map_err(ImageError::io("copy", &dest))?;
-                std::os::unix::fs::chown(&dest, Some(uid), Some(uid))
-                    .map_err(ImageError::io("chown", &dest))?;
+    for (file, line, mode) in [
+        (
+            "etc/passwd",
+            format!("user:x:{uid}:{uid}:Warren user:/home/user:/bin/bash"),
+            0o644,
+        ),
+        ("etc/group", format!("user:x:{uid}:"), 0o644),
+        ("etc/shadow", "user:!::0:99999:7:::".to_string(), 0o640),
+        ("etc/gshadow", "user:!::".to_string(), 0o640),
+    ] {
+        add_line(&tree, file, &line, mode)?;
+    }
+    tree.mkdir("home/user", 0o755, (uid, uid))
+        .map_err(setup_err)?;
+    if let Ok(names) = tree.list("etc/skel") {
+        for name in names {
+            let Ok(name) = String::from_utf8(name) else {
+                continue;
+            };
+            // Regular files only: anything else is refused by the read and left out.
+            if let Ok(Some(data)) = tree.read(&format!("etc/skel/{name}"), MAX_ACCOUNT_FILE) {
+                tree.write(&format!("home/user/{name}"), &data, 0o644, (uid, uid))
+                    .map_err(setup_err)?;
             }
         }
     }
-    std::os::unix::fs::chown(&home, Some(uid), Some(uid))
-        .map_err(ImageError::io("chown", &home))?;
-    set_mode(&home, 0o755)?;
-
-    let ws = root.join("workspace");
-    std::fs::create_dir_all(&ws).map_err(ImageError::io("create", &ws))?;
-    std::os::unix::fs::chown(&ws, Some(uid), Some(uid)).map_err(ImageError::io("chown", &ws))?;
-    set_mode(&ws, 0o755)
+    tree.mkdir("workspace", 0o755, (uid, uid))
+        .map_err(setup_err)
 }
 
-/// Appends `line` to an `/etc` account file unless an entry with the same name exists.
-fn add_line(path: &Path, line: &str) -> Result<(), ImageError> {
-    let mut text = std::fs::read_to_string(path).map_err(ImageError::io("read", path))?;
+/// Appends `line` to an `/etc` account file unless an entry with the same name exists (a
+/// missing file is made with `mode`, owned by root; an existing one keeps its mode).
+fn add_line(tree: &Tree, rel: &str, line: &str, mode: u32) -> Result<(), ImageError> {
+    let mut text = match tree.read(rel, MAX_ACCOUNT_FILE).map_err(setup_err)? {
+        Some(b) => String::from_utf8(b)
+            .map_err(|_| ImageError::RootfsSetup(format!("/{rel} is not UTF-8")))?,
+        None => String::new(),
+    };
     let name = line.split(':').next().unwrap_or(line);
-    if text.lines().any(|l| l.split(':').next() == Some(name)) {
+    if let Some(existing) = text.lines().find(|l| l.split(':').next() == Some(name)) {
+        // An image made from a Warren image has the entry already: the same one is kept.
+        let same_ids = |a: &str, b: &str| {
+            a.split(':')
+                .skip(2)
+                .take(2)
+                .eq(b.split(':').skip(2).take(2))
+        };
+        if existing == line
+            || (rel.ends_with("passwd") || rel.ends_with("group")) && same_ids(existing, line)
+        {
+            return Ok(());
+        }
         return Err(ImageError::RootfsSetup(format!(
-            "{} already has an entry {name:?}",
-            path.display()
+            "/{rel} already has an entry {name:?}"
         )));
     }
     if !text.is_empty() && !text.ends_with('\n') {
@@ -479,12 +577,12 @@ fn add_line(path: &Path, line: &str) -> Result<(), ImageError> {
     }
     text.push_str(line);
     text.push('\n');
-    let mode = std::fs::metadata(path)
-        .map_err(ImageError::io("stat", path))?
-        .permissions()
-        .mode();
-    std::fs::write(path, text).map_err(ImageError::io("write", path))?;
-    set_mode(path, mode & 0o7777)
+    let (mode, owner) = match tree.stat(rel).map_err(setup_err)? {
+        Some(st) => (st.mode & 0o7777, (st.uid, st.gid)),
+        None => (mode, (0, 0)),
+    };
+    tree.write(rel, text.as_bytes(), mode, owner)
+        .map_err(setup_err)
 }
 
 /// Summarises debootstrap/apt output into a few progress events: one per phase change
@@ -542,10 +640,24 @@ impl LineSummary {
 
 /// Assembles an image from a stage and an agent into `out` (a fresh temp dir inside the
 /// image store) and returns the manifest. The caller renames `out` to the image id.
+/// What an image is assembled for.
+pub enum Assembly<'a> {
+    /// A recipe build: the kernel and the root filesystem come from the recipe's stage.
+    Recipe(&'a Recipe),
+    /// A pulled image: the kernel comes from the kernel stage, the root filesystem is
+    /// already in the output directory with this digest and identity.
+    Oci {
+        source: Box<crate::manifest::OciSource>,
+        recipe_digest: String,
+        rootfs: (FileDigest, FileIdentity),
+        rootfs_virtual_size: u64,
+    },
+}
+
 pub fn assemble(
     stage_dir: &Path,
     stage: &StageRecord,
-    recipe: Recipe,
+    kind: Assembly<'_>,
     agent: &Path,
     agent_sha256: &str,
     out: &Path,
@@ -592,7 +704,15 @@ pub fn assemble(
 
     // Stage files are shared by hard link (read-only, same inode); fall back to a sparse copy
     // across filesystems. Their digests are reused if the identity is unchanged.
-    for name in [VMLINUX_FILE, ROOTFS_FILE] {
+    let from_stage: &[&str] = match &kind {
+        Assembly::Recipe(_) => &[VMLINUX_FILE, ROOTFS_FILE],
+        Assembly::Oci { rootfs, .. } => {
+            files.insert(ROOTFS_FILE.to_string(), rootfs.0.clone());
+            record.files.insert(ROOTFS_FILE.to_string(), rootfs.1);
+            &[VMLINUX_FILE]
+        }
+    };
+    for name in from_stage.iter().copied() {
         let src = stage_dir.join(name);
         let dst = out.join(name);
         if std::fs::hard_link(&src, &dst).is_err() {
@@ -617,10 +737,29 @@ pub fn assemble(
         record.files.insert(name.to_string(), id);
     }
 
+    let (recipe, recipe_digest, rootfs_virtual_size, oci) = match kind {
+        Assembly::Recipe(r) => (
+            r.name().to_string(),
+            r.recipe_digest(agent_sha256),
+            stage.rootfs_virtual_size,
+            None,
+        ),
+        Assembly::Oci {
+            source,
+            recipe_digest,
+            rootfs_virtual_size,
+            ..
+        } => (
+            recipe::OCI_RECIPE.to_string(),
+            recipe_digest,
+            rootfs_virtual_size,
+            Some(*source),
+        ),
+    };
     let manifest = Manifest {
         format: MANIFEST_FORMAT,
-        recipe: recipe.name().to_string(),
-        recipe_digest: recipe.recipe_digest(agent_sha256),
+        recipe,
+        recipe_digest,
         stage_digest: stage.stage_digest.clone(),
         agent_sha256: agent_sha256.to_string(),
         kernel_release: stage.kernel_release.clone(),
@@ -630,8 +769,9 @@ pub fn assemble(
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-        rootfs_virtual_size: stage.rootfs_virtual_size,
+        rootfs_virtual_size,
         files,
+        oci,
     };
     let mpath = out.join(MANIFEST_FILE);
     std::fs::write(&mpath, manifest.canonical_bytes()).map_err(ImageError::io("write", &mpath))?;
@@ -676,9 +816,43 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let p = dir.path().join("passwd");
         std::fs::write(&p, "root:x:0:0:root:/root:/bin/bash").expect("write");
-        add_line(&p, "user:x:1000:1000::/home/user:/bin/bash").expect("add");
+        let tree = Tree::open(dir.path()).expect("tree");
+        add_line(
+            &tree,
+            "passwd",
+            "user:x:1000:1000::/home/user:/bin/bash",
+            0o600,
+        )
+        .expect("add");
         let text = std::fs::read_to_string(&p).expect("read");
         assert!(text.ends_with("\nuser:x:1000:1000::/home/user:/bin/bash\n"));
-        assert!(add_line(&p, "user:x:1001:1001::/x:/bin/sh").is_err());
+        assert!(add_line(&tree, "passwd", "user:x:1001:1001::/x:/bin/sh", 0o600).is_err());
+        // The same entry again (an image made from a Warren image): kept as it is.
+        add_line(
+            &tree,
+            "passwd",
+            "user:x:1000:1000:Warren user:/home/user:/bin/bash",
+            0o600,
+        )
+        .expect("same ids");
+        assert_eq!(std::fs::read_to_string(&p).expect("read"), text);
+    }
+
+    #[test]
+    fn test_finish_root_hostile_tree_writes_nothing_outside() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().join("root");
+        std::fs::create_dir_all(root.join("etc")).expect("mkdir");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "root:x:0:0::/:/bin/sh\n").expect("write");
+        // An image whose /etc/passwd is a symlink to a host file and whose /workspace is a
+        // symlink to a host directory.
+        std::os::unix::fs::symlink(&victim, root.join("etc/passwd")).expect("link");
+        std::os::unix::fs::symlink(dir.path(), root.join("workspace")).expect("link");
+        assert!(finish_root(&root).is_err());
+        assert_eq!(
+            std::fs::read_to_string(&victim).expect("read"),
+            "root:x:0:0::/:/bin/sh\n"
+        );
     }
 }

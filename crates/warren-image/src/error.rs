@@ -88,11 +88,43 @@ pub enum ImageError {
     #[error("image spec {0:?} is ambiguous")]
     Ambiguous(String),
     /// A recipe name that is not `minimal`, `dev` or `agents`.
-    #[error("unknown recipe {0:?} (expected minimal, dev or agents)")]
+    #[error("unknown recipe {0:?} (expected minimal, dev or agents, or --recipe-file)")]
     UnknownRecipe(String),
+    /// A recipe file that does not parse or breaks a rule.
+    #[error("invalid recipe {0}")]
+    RecipeInvalid(String),
+    /// Finding or downloading a recipe's Python wheel failed.
+    #[error("python package {package}: {reason}")]
+    PythonFetch { package: String, reason: String },
+    /// A Python wheel does not match the SHA-256 pinned in the recipe.
+    #[error("python package {package}: sha256 mismatch: pinned {expected}, got {actual}")]
+    PythonIntegrity {
+        package: String,
+        expected: String,
+        actual: String,
+    },
     /// The string is not a 64-hex-digit image id.
     #[error("invalid image id {0:?}")]
     InvalidId(String),
+    /// The image policy refuses the image (`image` set) or every image (a policy problem).
+    #[error("{}refused by the image policy: {failure}", image.as_deref().map(|i| format!("image {i}: ")).unwrap_or_default())]
+    Untrusted {
+        image: Option<String>,
+        failure: crate::trust::TrustFailure,
+    },
+    /// An image reference that cannot be pulled as given (a tag without a digest, a
+    /// malformed name, plain HTTP to a registry off this machine).
+    #[error("image reference: {0}")]
+    OciReference(String),
+    /// Talking to the registry failed (network, status, deadline).
+    #[error("pulling {reference}: {reason}")]
+    Oci { reference: String, reason: String },
+    /// The registry's content is refused: a digest mismatch, a size limit, a hostile layer.
+    #[error("pulling {reference}: refused: {reason}")]
+    OciRefused { reference: String, reason: String },
+    /// Signing or key handling failed.
+    #[error("signing: {0}")]
+    Signing(String),
     /// The per-VM secret or another input is malformed.
     #[error("invalid input: {0}")]
     InvalidInput(String),

@@ -50,7 +50,33 @@ pub struct Manifest {
     pub rootfs_virtual_size: u64,
     /// Keyed by file name (`vmlinux`, `initramfs.cpio`, `rootfs.ext4`).
     pub files: BTreeMap<String, FileDigest>,
+    /// Where a pulled image came from (absent for recipe builds, whose ids stay as they
+    /// were before the field existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oci: Option<OciSource>,
 }
+
+/// A pulled image's origin and the parts of its OCI config that apply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OciSource {
+    /// `registry/repository` it was pulled from.
+    pub repository: String,
+    /// The digest it was pulled by (a manifest's or an index's): its trust subject.
+    pub digest: String,
+    /// The platform manifest's digest (the same unless `digest` is an index).
+    pub manifest_digest: String,
+    /// The layers' digests, in order.
+    pub layers: Vec<String>,
+    /// The config's `Env` (`NAME=value`), given to every job (a job's own env wins).
+    pub env: Vec<String>,
+    /// The config's `WorkingDir`, recorded only: jobs run in `/workspace`.
+    pub working_dir: Option<String>,
+}
+
+/// Trust material file in an image directory (signatures and attestations; not part of the
+/// manifest: signatures are added after the image exists).
+pub const TRUST_FILE: &str = "trust.json";
 
 impl Manifest {
     /// The canonical bytes stored as `manifest.json`.

@@ -7,10 +7,11 @@
 //! <image_dir>/cache/stages/<stage digest>/   debootstrap rootfs + kernel + modules
 //! <image_dir>/cache/downloads/<package>-<version>.tgz   agent CLIs' npm tarballs (verified
 //!                                                        against their pins on every use)
-//! <image_dir>/cache/lock                     held (flock) for the duration of a build
+//! <image_dir>/<image id>/trust.json          signatures and attestations (not in the manifest)
+//! <image_dir>/cache/lock                     held (flock) for the duration of a build or pull
 //! ```
 //! Invariants: an image directory appears only by an atomic rename of a complete temp dir
-//! (`.build-*`); its files are 0444 and directories 0755 so the unprivileged QEMU uid can read
+//! (`.build-*`, `.pull-*`); its files are 0444 and directories 0755 so the unprivileged QEMU uid can read
 //! them. Content digests are checked at build time and again by [`ImageStore::verify`]
 //! whenever a file's identity (dev, inode, size, mtime) differs from `verified.json`.
 
@@ -20,8 +21,9 @@ use std::path::{Path, PathBuf};
 
 use crate::digest::{self, FileIdentity};
 use crate::manifest::{
-    Manifest, VerifiedRecord, CONTENT_FILES, INITRAMFS_FILE, ROOTFS_FILE, VMLINUX_FILE,
+    Manifest, VerifiedRecord, CONTENT_FILES, INITRAMFS_FILE, ROOTFS_FILE, TRUST_FILE, VMLINUX_FILE,
 };
+use crate::trust::TrustMaterial;
 use crate::{agent_cli, build};
 use crate::{ImageError, Recipe};
 
@@ -75,7 +77,8 @@ impl BuildProgress {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ImageInfo {
     pub id: ImageId,
-    pub recipe: Recipe,
+    /// The recipe's name, or `oci` for a pulled image.
+    pub recipe: String,
     pub kernel_release: String,
     pub created_unix: u64,
     /// Virtual size of `rootfs.ext4` in bytes.
@@ -102,6 +105,27 @@ pub struct VerifiedImage {
 #[derive(Debug, Clone)]
 pub struct ImageStore {
     root: PathBuf,
+}
+
+/// Largest `trust.json`.
+const MAX_TRUST_FILE: u64 = 8 << 20;
+
+/// Writes `data` to `path` through a temp file in the same directory (fsynced, `mode`), then
+/// renames it into place.
+pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<(), ImageError> {
+    use std::io::Write;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".tmp-")
+        .tempfile_in(dir)
+        .map_err(ImageError::io("create temp file in", dir))?;
+    tmp.write_all(data)
+        .and_then(|()| tmp.as_file().sync_all())
+        .map_err(ImageError::io("write", tmp.path().to_path_buf()))?;
+    set_mode(tmp.path(), mode)?;
+    tmp.persist(path)
+        .map_err(|e| ImageError::io("rename", path)(e.error))?;
+    Ok(())
 }
 
 /// Sets a path's permission bits.
@@ -139,11 +163,25 @@ impl ImageStore {
         self.root.join(&id.0)
     }
 
+    /// Takes the store's build lock (held until the file is dropped): one build or pull at a
+    /// time per store.
+    pub(crate) fn lock(&self) -> Result<std::fs::File, ImageError> {
+        let lock_path = self.root.join("cache/lock");
+        let lock = std::fs::File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(ImageError::io("open", &lock_path))?;
+        lock.lock().map_err(ImageError::io("lock", &lock_path))?;
+        Ok(lock)
+    }
+
     /// Builds `recipe` with `agent` as `/init`, or returns the cached image when neither the
     /// recipe nor the agent changed. Only one build runs at a time per store.
     pub fn build(
         &self,
-        recipe: Recipe,
+        recipe: &Recipe,
         agent: &Path,
         progress: &mut dyn FnMut(BuildProgress),
     ) -> Result<ImageId, ImageError> {
@@ -153,30 +191,18 @@ impl ImageStore {
         let agent_sha256 = digest::sha256_file(agent)?;
         let recipe_digest = recipe.recipe_digest(&agent_sha256);
 
-        let lock_path = self.root.join("cache/lock");
-        let lock = std::fs::File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(ImageError::io("open", &lock_path))?;
-        lock.lock().map_err(ImageError::io("lock", &lock_path))?;
+        let _lock = self.lock()?;
 
-        let build_record = self.root.join("cache/builds").join(&recipe_digest);
-        if let Ok(text) = std::fs::read_to_string(&build_record) {
-            if let Ok(id) = ImageId::parse(text.trim()) {
-                if self.image_dir(&id).is_dir() {
-                    self.verify(&id)?;
-                    progress(BuildProgress::new(
-                        "cached",
-                        format!("image {id} is up to date"),
-                    ));
-                    return Ok(id);
-                }
-            }
+        if let Some(id) = self.built(&recipe_digest)? {
+            progress(BuildProgress::new(
+                "cached",
+                format!("image {id} is up to date"),
+            ));
+            return Ok(id);
         }
 
         build::cleanup_stale(&self.root, ".build-");
+        build::cleanup_stale(&self.root, crate::pull::PULL_PREFIX);
         build::cleanup_stale(&self.root.join("cache/stages"), ".stage-");
         let downloads = self.root.join("cache/downloads");
         // A store created before the downloads cache existed.
@@ -195,7 +221,7 @@ impl ImageStore {
         let manifest = build::assemble(
             &stage_dir,
             &stage,
-            recipe,
+            build::Assembly::Recipe(recipe),
             agent,
             &agent_sha256,
             tmp.path(),
@@ -213,12 +239,32 @@ impl ImageStore {
                 return Err(ImageError::io("rename", &dest)(e));
             }
         }
-        let rec_tmp = build_record.with_extension("tmp");
-        std::fs::write(&rec_tmp, format!("{id}\n")).map_err(ImageError::io("write", &rec_tmp))?;
-        std::fs::rename(&rec_tmp, &build_record)
-            .map_err(ImageError::io("rename", &build_record))?;
+        self.record_build(&recipe_digest, &id)?;
         progress(BuildProgress::new("install", format!("image {id}")));
         Ok(id)
+    }
+
+    /// The image a build (or pull) with `recipe_digest` made, if it is still there
+    /// (verified).
+    pub(crate) fn built(&self, recipe_digest: &str) -> Result<Option<ImageId>, ImageError> {
+        let record = self.root.join("cache/builds").join(recipe_digest);
+        if let Ok(text) = std::fs::read_to_string(&record) {
+            if let Ok(id) = ImageId::parse(text.trim()) {
+                if self.image_dir(&id).is_dir() {
+                    self.verify(&id)?;
+                    return Ok(Some(id));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Records that `recipe_digest` made `id` (temp file and rename).
+    pub(crate) fn record_build(&self, recipe_digest: &str, id: &ImageId) -> Result<(), ImageError> {
+        let record = self.root.join("cache/builds").join(recipe_digest);
+        let tmp = record.with_extension("tmp");
+        std::fs::write(&tmp, format!("{id}\n")).map_err(ImageError::io("write", &tmp))?;
+        std::fs::rename(&tmp, &record).map_err(ImageError::io("rename", &record))
     }
 
     fn image_ids(&self) -> Result<Vec<ImageId>, ImageError> {
@@ -249,10 +295,7 @@ impl ImageStore {
                     continue;
                 }
             };
-            let Ok(recipe) = manifest.recipe.parse::<Recipe>() else {
-                tracing::warn!(image = %id, recipe = %manifest.recipe, "skipping image of unknown recipe");
-                continue;
-            };
+            let recipe = manifest.recipe.clone();
             let mut disk_bytes = 0;
             for name in CONTENT_FILES {
                 if let Ok(md) = std::fs::metadata(dir.join(name)) {
@@ -277,9 +320,10 @@ impl ImageStore {
     }
 
     /// Resolves a full id, a unique id prefix of at least [`MIN_PREFIX_LEN`] hex digits, or a
-    /// recipe name (the newest image of that recipe).
+    /// recipe name (the newest image of that recipe; `oci` for pulled images).
     pub fn resolve(&self, spec: &str) -> Result<ImageId, ImageError> {
-        if let Ok(recipe) = spec.parse::<Recipe>() {
+        if crate::recipe::valid_name(spec) {
+            let recipe = spec;
             return self
                 .list()?
                 .into_iter()
@@ -341,6 +385,61 @@ impl ImageStore {
         })
     }
 
+    /// The digest an image is known by for signatures: the digest it was pulled by, or
+    /// `sha256:<id>` for a local build.
+    pub fn subject(&self, id: &ImageId) -> Result<String, ImageError> {
+        let manifest = Manifest::load(&self.image_dir(id), &id.0)?;
+        Ok(match manifest.oci {
+            Some(o) => o.digest,
+            None => format!("sha256:{}", id.0),
+        })
+    }
+
+    /// The image's manifest (checked against its id).
+    pub fn manifest(&self, id: &ImageId) -> Result<Manifest, ImageError> {
+        Manifest::load(&self.image_dir(id), &id.0)
+    }
+
+    /// The image's signatures and attestations (none when it has no `trust.json`).
+    pub fn trust(&self, id: &ImageId) -> Result<TrustMaterial, ImageError> {
+        let path = self.image_dir(id).join(TRUST_FILE);
+        match std::fs::metadata(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(TrustMaterial::default())
+            }
+            Err(e) => return Err(ImageError::io("stat", &path)(e)),
+            Ok(m) if m.len() > MAX_TRUST_FILE => {
+                return Err(ImageError::Manifest {
+                    path,
+                    reason: format!("larger than {MAX_TRUST_FILE} bytes"),
+                })
+            }
+            Ok(_) => {}
+        }
+        let bytes = std::fs::read(&path).map_err(ImageError::io("read", &path))?;
+        serde_json::from_slice(&bytes).map_err(|e| ImageError::Manifest {
+            path,
+            reason: e.to_string(),
+        })
+    }
+
+    /// Adds signatures and attestations to the image's `trust.json` (under the store's
+    /// lock; temp file and rename).
+    pub fn add_trust(&self, id: &ImageId, add: TrustMaterial) -> Result<(), ImageError> {
+        let _lock = self.lock()?;
+        let dir = self.image_dir(id);
+        if !dir.is_dir() {
+            return Err(ImageError::NotFound(id.0.clone()));
+        }
+        let mut material = self.trust(id)?;
+        material.merge(add);
+        write_atomic(
+            &dir.join(TRUST_FILE),
+            &digest::canonical_json(&material),
+            0o444,
+        )
+    }
+
     /// Removes an image (atomically renamed away, then deleted) and the build-cache entries
     /// that point at it. The stage cache is kept. The caller checks the image is not in use.
     pub fn remove(&self, id: &ImageId) -> Result<(), ImageError> {
@@ -373,7 +472,7 @@ mod tests {
     use crate::manifest::{FileDigest, MANIFEST_FILE, MANIFEST_FORMAT};
 
     /// Writes a tiny fake image (no real build) and returns its id.
-    fn fake_image(store: &ImageStore, recipe: Recipe, created: u64, salt: &str) -> ImageId {
+    fn fake_image(store: &ImageStore, recipe: &str, created: u64, salt: &str) -> ImageId {
         let tmp = tempfile::tempdir_in(store.root()).expect("tempdir");
         let mut files = BTreeMap::new();
         let mut record = VerifiedRecord::default();
@@ -394,7 +493,7 @@ mod tests {
         }
         let m = Manifest {
             format: MANIFEST_FORMAT,
-            recipe: recipe.name().to_string(),
+            recipe: recipe.to_string(),
             recipe_digest: "0".repeat(64),
             stage_digest: "1".repeat(64),
             agent_sha256: "2".repeat(64),
@@ -404,6 +503,7 @@ mod tests {
             created_unix: created,
             rootfs_virtual_size: 1 << 30,
             files,
+            oci: None,
         };
         std::fs::write(tmp.path().join(MANIFEST_FILE), m.canonical_bytes()).expect("manifest");
         record.store(tmp.path()).expect("record");
@@ -421,7 +521,7 @@ mod tests {
     #[test]
     fn test_manifest_id_same_content_deterministic() {
         let (_d, s) = store();
-        let id = fake_image(&s, Recipe::Minimal, 100, "a");
+        let id = fake_image(&s, "minimal", 100, "a");
         let m = Manifest::load(&s.root().join(&id.0), &id.0).expect("load");
         assert_eq!(m.id(), id.0);
         assert_eq!(m.clone().id(), m.id());
@@ -434,8 +534,8 @@ mod tests {
     #[test]
     fn test_list_multiple_images_newest_first() {
         let (_d, s) = store();
-        let old = fake_image(&s, Recipe::Minimal, 100, "a");
-        let new = fake_image(&s, Recipe::Dev, 200, "b");
+        let old = fake_image(&s, "minimal", 100, "a");
+        let new = fake_image(&s, "dev", 200, "b");
         let ids: Vec<ImageId> = s.list().expect("list").into_iter().map(|i| i.id).collect();
         assert_eq!(ids, vec![new, old]);
     }
@@ -443,9 +543,9 @@ mod tests {
     #[test]
     fn test_resolve_full_prefix_recipe_found() {
         let (_d, s) = store();
-        let old = fake_image(&s, Recipe::Minimal, 100, "a");
-        let new = fake_image(&s, Recipe::Minimal, 200, "b");
-        let dev = fake_image(&s, Recipe::Dev, 150, "c");
+        let old = fake_image(&s, "minimal", 100, "a");
+        let new = fake_image(&s, "minimal", 200, "b");
+        let dev = fake_image(&s, "dev", 150, "c");
         assert_eq!(s.resolve(&old.0).expect("full"), old);
         assert_eq!(s.resolve(&new.0[..10]).expect("prefix"), new);
         assert_eq!(s.resolve("minimal").expect("recipe"), new);
@@ -455,7 +555,7 @@ mod tests {
     #[test]
     fn test_resolve_short_or_unknown_not_found() {
         let (_d, s) = store();
-        let id = fake_image(&s, Recipe::Minimal, 100, "a");
+        let id = fake_image(&s, "minimal", 100, "a");
         assert!(matches!(
             s.resolve(&id.0[..7]),
             Err(ImageError::NotFound(_))
@@ -472,8 +572,8 @@ mod tests {
         let (_d, s) = store();
         // Find two fake images whose ids share the first 8 digits would take too long; rename
         // directories instead: resolve only looks at names for prefixes.
-        let a = fake_image(&s, Recipe::Minimal, 100, "a");
-        let b = fake_image(&s, Recipe::Minimal, 200, "b");
+        let a = fake_image(&s, "minimal", 100, "a");
+        let b = fake_image(&s, "minimal", 200, "b");
         let a2 = format!("deadbeef{}", &a.0[8..]);
         let b2 = format!("deadbeef{}", &b.0[8..]);
         std::fs::rename(s.root().join(&a.0), s.root().join(&a2)).expect("rename");
@@ -488,7 +588,7 @@ mod tests {
     #[test]
     fn test_verify_modified_file_digest_mismatch() {
         let (_d, s) = store();
-        let id = fake_image(&s, Recipe::Minimal, 100, "a");
+        let id = fake_image(&s, "minimal", 100, "a");
         s.verify(&id).expect("intact image verifies");
         let p = s.root().join(&id.0).join(ROOTFS_FILE);
         std::fs::write(&p, "tampered").expect("tamper");
@@ -512,7 +612,7 @@ mod tests {
     #[test]
     fn test_verify_identity_unchanged_skips_rehash() {
         let (_d, s) = store();
-        let id = fake_image(&s, Recipe::Minimal, 100, "a");
+        let id = fake_image(&s, "minimal", 100, "a");
         let dir = s.root().join(&id.0);
         // Change the content, then record the new identity as if it had been verified: the
         // fast path must trust the record and not read the file.
@@ -533,7 +633,7 @@ mod tests {
     #[test]
     fn test_verify_missing_record_rehashes_and_records() {
         let (_d, s) = store();
-        let id = fake_image(&s, Recipe::Minimal, 100, "a");
+        let id = fake_image(&s, "minimal", 100, "a");
         let dir = s.root().join(&id.0);
         std::fs::remove_file(dir.join(crate::manifest::VERIFIED_FILE)).expect("rm");
         s.verify(&id).expect("verify");
@@ -543,7 +643,7 @@ mod tests {
     #[test]
     fn test_verify_tampered_manifest_digest_mismatch() {
         let (_d, s) = store();
-        let id = fake_image(&s, Recipe::Minimal, 100, "a");
+        let id = fake_image(&s, "minimal", 100, "a");
         let p = s.root().join(&id.0).join(MANIFEST_FILE);
         std::fs::write(&p, b"{}").expect("write");
         assert!(matches!(
@@ -555,7 +655,7 @@ mod tests {
     #[test]
     fn test_remove_image_gone_from_list() {
         let (_d, s) = store();
-        let id = fake_image(&s, Recipe::Minimal, 100, "a");
+        let id = fake_image(&s, "minimal", 100, "a");
         s.remove(&id).expect("remove");
         assert!(s.list().expect("list").is_empty());
         assert!(matches!(s.remove(&id), Err(ImageError::NotFound(_))));

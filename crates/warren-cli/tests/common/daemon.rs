@@ -89,6 +89,31 @@ impl Daemon {
         Self::start_full(extra, None, Vec::new(), false)
     }
 
+    /// Starts a service on `env` (its state and image directories) serving exactly the
+    /// `[images.*]` tables in `images`.
+    pub fn start_in(env: TestEnv, images: &str) -> Daemon {
+        let state = env.state.path();
+        let accel = std::env::var("WARREN_ACCEL").unwrap_or_else(|_| "auto".into());
+        let config = state.join("warren.toml");
+        let text = format!(
+            "state_dir = {state:?}\nimage_dir = {img:?}\naccel = {accel:?}\nsocket_mode = 0o666\n\
+             [http]\nlisten = \"127.0.0.1:0\"\nmax_body_bytes = 262144\n{images}",
+            img = env.image_dir,
+        );
+        std::fs::write(&config, text).expect("write config");
+        let mut d = Daemon {
+            env,
+            config,
+            addr: String::new(),
+            socket: PathBuf::new(),
+            log: None,
+            envs: Vec::new(),
+            child: None,
+        };
+        d.spawn();
+        d
+    }
+
     fn start_with(extra: &str, log: Option<PathBuf>) -> Daemon {
         Self::start_full(extra, log, Vec::new(), true)
     }

@@ -8,6 +8,7 @@
 #![allow(dead_code)]
 
 pub mod daemon;
+pub mod registry;
 pub mod wsclient;
 
 use std::collections::BTreeMap;

@@ -53,7 +53,7 @@ impl Warren {
         let t = std::time::Instant::now();
         let spec = req.image.as_deref().unwrap_or(DEFAULT_IMAGE);
         let image_id = self.images.resolve(spec)?;
-        let image = self.images.verify(&image_id)?;
+        let image = self.verify_image(&image_id)?;
         tracing::debug!(ms = t.elapsed().as_millis() as u64, "image verified");
         let (accel, warning) = self.resolve_accel(&image).await?;
         tracing::debug!(ms = t.elapsed().as_millis() as u64, %accel, "accelerator resolved");

@@ -53,7 +53,8 @@ impl Warren {
         Ok(self.awake_client(id).await?.open_stream(target).await?)
     }
 
-    pub async fn exec_start(&self, id: &str, req: ExecStart) -> Result<JobId, CoreError> {
+    pub async fn exec_start(&self, id: &str, mut req: ExecStart) -> Result<JobId, CoreError> {
+        self.with_image_env(id, &mut req)?;
         match self
             .awake_client(id)
             .await?
@@ -63,6 +64,33 @@ impl Warren {
             GuestResponse::ExecStarted(j) => Ok(j),
             _ => Err(unexpected()),
         }
+    }
+
+    /// Puts the VM's image environment (a pulled image's config `Env`) under the job's own:
+    /// a name the job sets keeps the job's value.
+    pub(crate) fn with_image_env(&self, id: &str, req: &mut ExecStart) -> Result<(), CoreError> {
+        let rec = self.get_vm(id)?;
+        let Ok(image) = warren_image::ImageId::parse(&rec.image_id) else {
+            return Ok(());
+        };
+        // The image may have been removed since (refused while a VM uses it, but a store
+        // can be edited by hand): then there is no image environment to add.
+        let Ok(manifest) = self.images().manifest(&image) else {
+            return Ok(());
+        };
+        let Some(oci) = manifest.oci else {
+            return Ok(());
+        };
+        let mut env: Vec<(String, String)> = oci
+            .env
+            .iter()
+            .filter_map(|e| e.split_once('='))
+            .filter(|(k, _)| !req.env.iter().any(|(n, _)| n == k))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        env.append(&mut req.env);
+        req.env = env;
+        Ok(())
     }
 
     pub async fn job_output(

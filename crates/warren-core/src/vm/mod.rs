@@ -9,7 +9,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use warren_image::{ImageStore, VerifiedImage};
+use warren_image::{ImageId, ImageStore, VerifiedImage};
 use warren_supervisor::VmDir;
 use warren_vmm::accel::{self, AccelChoice};
 use warren_vmm::Accel;
@@ -282,6 +282,61 @@ impl Warren {
 
     fn vm_dir(&self, id: &str) -> VmDir {
         VmDir(self.cfg.state_dir.join("vms").join(id))
+    }
+
+    /// Checks an image's files against its manifest and, when an image policy is in force,
+    /// its signatures and attestations under that policy (`warren_image::policy`). Every
+    /// boot and launch goes through here.
+    pub fn verify_image(&self, id: &ImageId) -> Result<VerifiedImage, CoreError> {
+        let image = self.images.verify(id)?;
+        self.check_image_policy(id)?;
+        Ok(image)
+    }
+
+    /// The image policy's verdict on `id`: `None` when no policy is in force, the verified
+    /// signer otherwise; a refusal is [`ImageError::Untrusted`](warren_image::ImageError).
+    pub fn check_image_policy(
+        &self,
+        id: &ImageId,
+    ) -> Result<Option<warren_image::trust::Verified>, CoreError> {
+        let Some(policy) = warren_image::policy::Policy::load(&self.cfg.state_dir)? else {
+            return Ok(None);
+        };
+        let subject = self.images.subject(id)?;
+        let material = self.images.trust(id)?;
+        warren_image::trust::verify(&policy, &subject, &material)
+            .map(Some)
+            .map_err(|failure| {
+                warren_image::ImageError::Untrusted {
+                    image: Some(id.to_string()),
+                    failure,
+                }
+                .into()
+            })
+    }
+
+    /// Pulls an OCI image by digest into the image store, checked against the image policy
+    /// (if any) before its layers are fetched and once more, as every boot checks it, before
+    /// it is returned.
+    pub async fn pull_image(
+        &self,
+        reference: &str,
+        agent: &Path,
+        opts: warren_image::pull::PullOptions,
+        progress: &mut (dyn FnMut(warren_image::BuildProgress) + Send),
+    ) -> Result<ImageId, CoreError> {
+        let policy = warren_image::policy::Policy::load(&self.cfg.state_dir)?;
+        let id = warren_image::pull::pull(
+            &self.images,
+            reference,
+            agent,
+            policy.as_ref(),
+            opts,
+            progress,
+        )
+        .await?;
+        self.check_image_policy(&id)?;
+        Ok(id)
     }
 
     /// Removes an image unless a VM uses it.

@@ -127,7 +127,7 @@ impl Warren {
                 // The disk overlay's backing file is the image's root filesystem: it must
                 // still be the image the VM was created from.
                 let image_id = warren_image::ImageId::parse(&rec.image_id)?;
-                let image = self.images.verify(&image_id)?;
+                let image = self.verify_image(&image_id)?;
                 // The QEMU, firmware and kernel it was created with, exactly.
                 self.check_artifacts(id, &dir, &image)?;
                 let (qemu, firmware) = warren_supervisor::vmm_digests();
