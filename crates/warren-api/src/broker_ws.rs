@@ -251,16 +251,12 @@ async fn accept(
             Err(e) => return (INTERNAL, format!("broker stream: {e}")),
         };
         let (tx, rx) = mpsc::channel(QUEUE_BYTES / crate::broker::MAX_DATA);
-        let id = {
-            let mut c = lock(&conns);
-            c.last_id += 1;
-            c.last_id
-        };
-        if out.send(open_frame(id)).await.is_err() {
-            return (INTERNAL, "internal error".into());
-        }
-        // Spawned and registered under the lock: the task cannot unregister before this.
+        // Numbered, spawned and registered under one lock: the controller's frames for it
+        // find it from the moment its id exists, and the task (which sends `open` before any
+        // data) cannot unregister before it is registered.
         let mut c = lock(&conns);
+        c.last_id += 1;
+        let id = c.last_id;
         let task = tokio::spawn(connection(
             id,
             first[1..].to_vec(),
@@ -294,6 +290,9 @@ async fn connection(
     _slot: tokio::sync::OwnedSemaphorePermit,
 ) {
     let down = async {
+        if out.send(open_frame(id)).await.is_err() {
+            return;
+        }
         if !first.is_empty() && out.send(data_frames(id, &first)).await.is_err() {
             return;
         }
@@ -382,11 +381,13 @@ async fn upstream(
                 Ok(_) => {}
                 Err(_) => {
                     // The guest stopped reading this connection: close it alone.
-                    if let Some(c) = lock(&conns).live.remove(&id) {
+                    // (Only when it was still there: one that just ended sent its own close.)
+                    let removed = lock(&conns).live.remove(&id);
+                    if let Some(c) = removed {
                         c.task.abort();
-                    }
-                    if out.send(close_frame(id)).await.is_err() {
-                        return (INTERNAL, "internal error".into());
+                        if out.send(close_frame(id)).await.is_err() {
+                            return (INTERNAL, "internal error".into());
+                        }
                     }
                 }
             }
