@@ -15,6 +15,7 @@ use warren_protocol::{
 use warren_vmm::AccelChoice;
 
 use crate::cli::{Cli, Command, ImageCmd, TokenCmd, VmCmd};
+use crate::progress::Progress;
 use crate::term::Term;
 
 /// Exit code for any Warren error (as opposed to the command's own code).
@@ -128,11 +129,13 @@ async fn shutdown(cli: &Cli) -> Result<i32> {
         ) {
             continue;
         }
+        let progress = Progress::steps(format!("vm {}", vm.id));
+        progress.step("hibernating");
         match w
             .suspend_vm(&vm.id, warren_core::SuspendMode::Hibernate, true)
             .await
         {
-            Ok(r) => eprintln!("{} {}", r.id, r.state.as_str()),
+            Ok(r) => progress.finish(Some(r.state.as_str())),
             Err(e) => {
                 failed += 1;
                 eprintln!(
@@ -276,15 +279,11 @@ async fn image(cli: &Cli, cmd: &ImageCmd) -> Result<i32> {
                 Some(a) => a.clone(),
                 None => find_agent()?,
             };
-            let started = std::time::Instant::now();
+            let progress = Progress::steps(format!("image {recipe}"));
             let id = w.images().build(recipe, &agent, &mut |p| {
-                eprintln!(
-                    "[{:>6.1}s] {}: {}",
-                    started.elapsed().as_secs_f64(),
-                    p.step,
-                    p.detail
-                );
+                progress.step(&format!("{}: {}", p.step, p.detail));
             })?;
+            progress.finish(Some(&format!("built {id}")));
             println!("{id}");
             Ok(0)
         }
@@ -715,14 +714,21 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             } else {
                 warren_core::SuspendMode::Hibernate
             };
+            let progress = Progress::steps(format!("vm {vm}"));
+            progress.step(match mode {
+                warren_core::SuspendMode::Pause => "pausing",
+                warren_core::SuspendMode::Hibernate => "hibernating",
+            });
             let rec = w.suspend_vm(vm, mode, *force).await?;
-            eprintln!("{} is {}", rec.id, rec.state.as_str());
+            progress.finish(Some(rec.state.as_str()));
             Ok(0)
         }
         VmCmd::Resume { vm } => {
             let w = open(cli, None)?;
+            let progress = Progress::steps(format!("vm {vm}"));
+            progress.step("resuming");
             let rec = w.resume_vm(vm).await?;
-            eprintln!("{} is {}", rec.id, rec.state.as_str());
+            progress.finish(Some(rec.state.as_str()));
             Ok(0)
         }
         VmCmd::Destroy { vm } => {

@@ -17,6 +17,7 @@ mod commands;
 mod copy;
 mod egress_file;
 mod jobs_cmd;
+mod progress;
 mod session_cmd;
 mod stream_cmd;
 mod stream_link;
