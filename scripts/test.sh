@@ -9,7 +9,10 @@ if ! command -v cargo-nextest >/dev/null; then cargo install --locked cargo-next
 # egress tests' network namespaces; python3-venv holds
 # the official MCP Python SDK the MCP end-to-end test speaks through.
 test_pkgs=()
-for p in curl util-linux python3-venv iproute2 nftables; do
+# Packaging tests (issue 19): dpkg-dev and lintian build and check the Debian packages,
+# systemd-container boots fresh Debian roots (debootstrap) for them, umoci builds the OCI
+# image, zstd packs the cached roots.
+for p in curl util-linux python3-venv iproute2 nftables dpkg-dev lintian systemd-container debootstrap umoci zstd; do
   dpkg -s "$p" >/dev/null 2>&1 || test_pkgs+=("$p")
 done
 if [ ${#test_pkgs[@]} -gt 0 ]; then
@@ -19,6 +22,8 @@ if [ ${#test_pkgs[@]} -gt 0 ]; then
 fi
 echo "==> MCP client venv (PyPI mcp)"
 scripts/mcp-venv.sh
+echo "==> MCP conformance suite and Inspector CLI (npm registry, Node.js 20)"
+scripts/mcp-conformance/install.sh
 
 export WARREN_GUEST_AGENT="$(pwd)/target/x86_64-unknown-linux-gnu/release/warren-guest"
 # Images outlive the checkout, keyed by recipe digest: a rerun on the same machine reuses them.
@@ -39,3 +44,16 @@ echo "==> cargo doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
 echo "==> tests"
 cargo nextest run --workspace --no-fail-fast
+
+# Shipping (issue 19): packages built offline after a fetch, lintian-clean; installed, run,
+# upgraded, removed and purged in booted bookworm and trixie roots; the OCI image and the
+# Kubernetes manifests. Their caches live under /var/cache/warren-test.
+echo "==> Debian packages"
+scripts/build-debs --fetch
+scripts/build-debs target/debian
+WARREN_TEST_DEBS=target/debian scripts/test-debs
+echo "==> OCI image"
+WARREN_ROOT_CACHE=/var/cache/warren-test/debs scripts/test-oci target/debian
+echo "==> Kubernetes manifests"
+scripts/test-k8s
+

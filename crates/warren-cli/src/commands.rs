@@ -31,6 +31,11 @@ pub fn run(cli: Cli) -> Result<i32> {
     if let Command::InterceptRefresh { agent, credentials } = &cli.command {
         return crate::agents::intercept_refresh(agent, credentials);
     }
+    match &cli.command {
+        Command::Completions { shell } => return crate::docs_gen::completions(*shell),
+        Command::ManPages { out_dir } => return crate::docs_gen::man_pages(out_dir),
+        _ => {}
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -68,7 +73,7 @@ async fn run_async(cli: Cli) -> Result<i32> {
     match &cli.command {
         Command::Image(cmd) => image(&cli, cmd).await,
         Command::Vm(cmd) => vm(&cli, cmd).await,
-        Command::Preflight => preflight(&cli),
+        Command::Preflight { json } => preflight(&cli, *json),
         Command::Bench(args) if args.suite == "suspend" => {
             crate::bench_suspend::run(&cli, args).await
         }
@@ -87,7 +92,7 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::Token(cmd) => token(&cli, cmd),
         Command::Session(cmd) => crate::session_cmd::session(&cli, cmd).await,
         Command::Run(args) => crate::session_cmd::run(&cli, args).await,
-        Command::Shutdown { .. } => shutdown(&cli).await,
+        Command::Shutdown { config, .. } => shutdown(&cli, config.as_deref()).await,
         Command::Attach {
             vm,
             port,
@@ -97,7 +102,10 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::PortForward { vm, ports, service } => {
             crate::stream_cmd::port_forward(&cli, service, vm, ports).await
         }
-        Command::Supervise { .. } | Command::InterceptRefresh { .. } => {
+        Command::Supervise { .. }
+        | Command::InterceptRefresh { .. }
+        | Command::Completions { .. }
+        | Command::ManPages { .. } => {
             unreachable!("handled before the runtime starts")
         }
     }
@@ -118,8 +126,18 @@ async fn serve(config: &std::path::Path) -> Result<i32> {
     Ok(0)
 }
 
-async fn shutdown(cli: &Cli) -> Result<i32> {
-    let w = open(cli, None)?;
+async fn shutdown(cli: &Cli, config: Option<&std::path::Path>) -> Result<i32> {
+    let w = match config {
+        // The service's state and image directories, as `warren serve --config` uses them.
+        Some(path) => {
+            let svc = warren_api::config::ServiceConfig::load(path)?;
+            let exe = std::env::current_exe().context("locating the warren binary")?;
+            let mut cfg = WarrenConfig::new(svc.state_dir.clone(), exe);
+            cfg.image_dir = svc.image_dir();
+            Warren::open(cfg)?
+        }
+        None => open(cli, None)?,
+    };
     let t = Term::new(cli.raw);
     let mut failed = 0;
     for vm in w.list_vms()? {
@@ -249,6 +267,8 @@ fn find_agent() -> Result<PathBuf> {
     let profile = dir.file_name().map(|s| s.to_owned()).unwrap_or_default();
     let candidates = [
         dir.join("warren-guest"),
+        // The Debian package: /usr/bin/warren and /usr/lib/warren/warren-guest.
+        dir.join("../lib/warren/warren-guest"),
         dir.join("../x86_64-unknown-linux-gnu/release/warren-guest"),
         dir.join("../x86_64-unknown-linux-gnu")
             .join(&profile)
@@ -810,13 +830,11 @@ fn upto(bytes: &[u8], cursor: u64, end: u64) -> &[u8] {
     &bytes[..bytes.len().min(n)]
 }
 
-fn preflight(cli: &Cli) -> Result<i32> {
-    let mut problems = 0;
+/// `warren preflight [--json]`: each check is `ok`, `fail` or `info`; exit 1 on any failure.
+fn preflight(cli: &Cli, json: bool) -> Result<i32> {
+    let mut checks: Vec<(&'static str, String, String)> = Vec::new();
     let mut line = |ok: bool, what: &str, detail: String| {
-        if !ok {
-            problems += 1;
-        }
-        println!("{} {what}: {detail}", if ok { "ok  " } else { "FAIL" });
+        checks.push((if ok { "ok" } else { "fail" }, what.to_string(), detail));
     };
     match warren_vmm::accel::find_qemu() {
         Ok(q) => {
@@ -861,14 +879,18 @@ fn preflight(cli: &Cli) -> Result<i32> {
         .read(true)
         .write(true)
         .open("/dev/kvm");
-    println!(
-        "info accelerator: /dev/kvm {}; `auto` probes it once per host boot and falls back to TCG",
+    let kvm = format!(
+        "/dev/kvm {}; `auto` probes it once per host boot and falls back to TCG",
         if kvm.is_ok() {
             "opens"
         } else {
             "is unavailable"
         }
     );
+    checks.push(("info", "accelerator".into(), kvm));
+    let mut line = |ok: bool, what: &str, detail: String| {
+        checks.push((if ok { "ok" } else { "fail" }, what.to_string(), detail));
+    };
     let root = nix::unistd::geteuid().is_root();
     line(
         true,
@@ -947,5 +969,25 @@ fn preflight(cli: &Cli) -> Result<i32> {
         "images",
         format!("{} built (warren image build)", imgs.len()),
     );
-    Ok(if problems == 0 { 0 } else { 1 })
+    let failed = checks.iter().any(|(status, _, _)| *status == "fail");
+    if json {
+        let list: Vec<_> = checks
+            .iter()
+            .map(|(status, check, detail)| {
+                serde_json::json!({"check": check, "status": status, "detail": detail})
+            })
+            .collect();
+        let v = serde_json::json!({"ok": !failed, "checks": list});
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        for (status, check, detail) in &checks {
+            let tag = match *status {
+                "ok" => "ok  ",
+                "fail" => "FAIL",
+                _ => "info",
+            };
+            println!("{tag} {check}: {detail}");
+        }
+    }
+    Ok(if failed { 1 } else { 0 })
 }

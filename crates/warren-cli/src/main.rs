@@ -15,6 +15,7 @@ mod cli;
 mod client;
 mod commands;
 mod copy;
+mod docs_gen;
 mod egress_file;
 mod jobs_cmd;
 mod progress;

@@ -21,6 +21,7 @@ pub mod artifacts;
 mod create;
 mod guest;
 pub mod jobs_seen;
+pub mod launch;
 mod mounts;
 mod reconcile;
 mod suspend;
@@ -50,6 +51,8 @@ pub struct WarrenConfig {
     pub supervisor_exe: PathBuf,
     pub accel: AccelChoice,
     pub boot_timeout: Duration,
+    /// How supervisors are started (`WARREN_SUPERVISORS`, see [`launch`]).
+    pub supervisors: launch::SupervisorLaunch,
 }
 
 impl WarrenConfig {
@@ -61,6 +64,7 @@ impl WarrenConfig {
             supervisor_exe,
             accel: AccelChoice::Auto,
             boot_timeout: DEFAULT_BOOT_TIMEOUT,
+            supervisors: launch::SupervisorLaunch::from_env(),
         }
     }
 }
