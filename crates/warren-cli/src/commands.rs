@@ -127,10 +127,25 @@ async fn serve(config: &std::path::Path) -> Result<i32> {
 }
 
 async fn shutdown(cli: &Cli, config: Option<&std::path::Path>) -> Result<i32> {
-    let w = match config {
-        // The service's state and image directories, as `warren serve --config` uses them.
-        Some(path) => {
-            let svc = warren_api::config::ServiceConfig::load(path)?;
+    // The service's state and image directories, as `warren serve --config` uses them. At
+    // host shutdown a configuration the service would refuse (say, no image configured yet)
+    // must not keep VMs the CLI started from being hibernated: it is reported, and the
+    // global options (default: the default state directory) are used instead.
+    let svc = config.and_then(|path| match warren_api::config::ServiceConfig::load(path) {
+        Ok(svc) => Some(svc),
+        Err(e) => {
+            eprintln!(
+                "warning: {e:#}; hibernating the VMs of {} instead",
+                cli.state_dir
+                    .clone()
+                    .unwrap_or_else(default_state_dir)
+                    .display()
+            );
+            None
+        }
+    });
+    let w = match svc {
+        Some(svc) => {
             let exe = std::env::current_exe().context("locating the warren binary")?;
             let mut cfg = WarrenConfig::new(svc.state_dir.clone(), exe);
             cfg.image_dir = svc.image_dir();

@@ -93,8 +93,9 @@ impl Drop for Proxy {
 
 /// `scripts/mcp-conformance/expected-failures.txt`: `scenario: reason` lines.
 fn expected_failures() -> Vec<(String, String)> {
-    let text = std::fs::read_to_string(repo().join("scripts/mcp-conformance/expected-failures.txt"))
-        .expect("expected-failures.txt");
+    let text =
+        std::fs::read_to_string(repo().join("scripts/mcp-conformance/expected-failures.txt"))
+            .expect("expected-failures.txt");
     text.lines()
         .map(str::trim)
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
