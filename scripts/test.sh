@@ -50,7 +50,7 @@ cargo nextest run --workspace --no-fail-fast
 # Kubernetes manifests. Their caches live under /var/cache/warren-test.
 echo "==> Debian packages"
 scripts/build-debs --fetch
-scripts/build-debs target/debian
+WARREN_VIRTIOFSD_TARGET=/var/cache/warren-test/virtiofsd-target scripts/build-debs target/debian
 WARREN_TEST_DEBS=target/debian scripts/test-debs
 echo "==> OCI image"
 WARREN_ROOT_CACHE=/var/cache/warren-test/debs scripts/test-oci target/debian
