@@ -247,7 +247,7 @@ fn rmcp_stateless(
     use rmcp::service::ClientLifecycleMode;
     use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
     use rmcp::transport::StreamableHttpClientTransport;
-    use rmcp::ServiceExt;
+    use rmcp::ClientServiceExt;
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(async {
         let config = StreamableHttpClientTransportConfig::with_uri(url.to_string())
