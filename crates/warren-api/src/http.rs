@@ -91,6 +91,7 @@ fn routes(st: AppState) -> Router {
         .route("/v1/openapi.json", get(openapi))
         .route("/v1/vms/{vm_id}/streams/{port}", get(stream_port))
         .route("/v1/vms/{vm_id}/copy/{direction}", get(stream_copy))
+        .route("/v1/vms/{vm_id}/jobs/{job_id}/{what}", get(job_stream))
         .merge(crate::mcp::router(st.service.clone()))
         .method_not_allowed_fallback(|| async {
             error_response(&ApiError::new(
@@ -338,4 +339,38 @@ async fn stream_copy(
         }
     };
     crate::ws::serve(st.service, p, vm_id, req, ws.ok()).await
+}
+
+/// `GET /v1/vms/{vm_id}/jobs/{job_id}/output` and `.../terminal` (WebSocket): a job's live
+/// output, or an interactive job's terminal (`crate::job_ws`).
+async fn job_stream(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path((vm_id, job_id, what)): Path<(String, String, String)>,
+    headers: HeaderMap,
+    query: Result<Query<crate::job_ws::JobQuery>, QueryRejection>,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Response {
+    if what == "broker" {
+        let token = headers
+            .get(crate::broker_ws::TOKEN_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        return crate::broker_ws::serve(st.service, p, vm_id, job_id, token, ws.ok()).await;
+    }
+    let kind = match what.as_str() {
+        "output" => crate::job_ws::Kind::Output,
+        "terminal" => crate::job_ws::Kind::Terminal,
+        _ => {
+            return error_response(&ApiError::new(
+                "not_found",
+                "job streams are /v1/vms/{vm_id}/jobs/{job_id}/output, /terminal or /broker",
+            ))
+        }
+    };
+    let query = match query {
+        Ok(Query(q)) => q,
+        Err(e) => return error_response(&ApiError::invalid(e.body_text())),
+    };
+    crate::job_ws::serve(st.service, p, vm_id, job_id, kind, query, ws.ok()).await
 }

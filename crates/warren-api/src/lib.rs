@@ -9,6 +9,8 @@
 
 pub mod admission;
 pub mod auth;
+pub mod broker;
+pub mod broker_ws;
 pub mod caps;
 pub mod config;
 mod conn;
@@ -18,6 +20,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod hostpath;
 pub mod http;
+pub mod job_ws;
 pub mod mcp;
 pub mod openapi;
 pub mod receipts;

@@ -24,6 +24,8 @@ pub const LOWEST_STREAM_PORT: u16 = 1025;
 pub enum CloseReason {
     Suspended,
     Destroyed,
+    /// Another attachment took this one's place (a terminal reattached elsewhere).
+    Replaced,
 }
 
 impl CloseReason {
@@ -31,6 +33,7 @@ impl CloseReason {
         match self {
             CloseReason::Suspended => "suspended",
             CloseReason::Destroyed => "destroyed",
+            CloseReason::Replaced => "replaced by another attachment",
         }
     }
 }
@@ -38,6 +41,8 @@ impl CloseReason {
 struct Entry {
     workspace: String,
     vm: String,
+    /// At most one open stream holds a given key (a terminal's job); a newer one replaces it.
+    exclusive: Option<String>,
     close: watch::Sender<Option<CloseReason>>,
 }
 
@@ -98,14 +103,39 @@ impl Streams {
 
     /// Takes a place for a stream of `workspace` to `vm`, or `busy` when a quota is full.
     pub fn admit(&self, workspace: &str, vm: &str) -> Result<Ticket, ApiError> {
-        let mut inner = lock(&self.inner);
-        let total = inner.open.len();
-        let of_ws = inner
-            .open
-            .values()
-            .filter(|e| e.workspace == workspace)
-            .count();
-        let of_vm = inner.open.values().filter(|e| e.vm == vm).count();
+        self.admit_keyed(workspace, vm, None)
+    }
+
+    /// As [`Streams::admit`], for a stream that only one client may hold at a time: an open
+    /// stream with the same `key` is closed with [`CloseReason::Replaced`] and does not count
+    /// against the quotas any more.
+    pub fn admit_exclusive(
+        &self,
+        workspace: &str,
+        vm: &str,
+        key: &str,
+    ) -> Result<Ticket, ApiError> {
+        self.admit_keyed(workspace, vm, Some(key))
+    }
+
+    /// Whether [`Streams::admit_exclusive`] would admit now: `busy` otherwise. Changes
+    /// nothing (the holder of `key` is not replaced yet).
+    pub fn check_exclusive(&self, workspace: &str, vm: &str, key: &str) -> Result<(), ApiError> {
+        self.check(&lock(&self.inner), workspace, vm, Some(key))
+    }
+
+    fn check(
+        &self,
+        inner: &Inner,
+        workspace: &str,
+        vm: &str,
+        key: Option<&str>,
+    ) -> Result<(), ApiError> {
+        let replaced = |e: &Entry| key.is_some() && e.exclusive.as_deref() == key;
+        let counted = || inner.open.values().filter(|e| !replaced(e));
+        let total = counted().count();
+        let of_ws = counted().filter(|e| e.workspace == workspace).count();
+        let of_vm = counted().filter(|e| e.vm == vm).count();
         for (what, n, max) in [
             ("the host", total, self.cfg.max_streams),
             ("the workspace", of_ws, self.cfg.max_streams_per_workspace),
@@ -118,6 +148,28 @@ impl Streams {
                 ));
             }
         }
+        Ok(())
+    }
+
+    fn admit_keyed(
+        &self,
+        workspace: &str,
+        vm: &str,
+        key: Option<&str>,
+    ) -> Result<Ticket, ApiError> {
+        let mut inner = lock(&self.inner);
+        self.check(&inner, workspace, vm, key)?;
+        let replaced = |e: &Entry| key.is_some() && e.exclusive.as_deref() == key;
+        let mut gone = Vec::new();
+        for (id, e) in inner.open.iter() {
+            if replaced(e) {
+                e.close.send_replace(Some(CloseReason::Replaced));
+                gone.push(*id);
+            }
+        }
+        for id in gone {
+            inner.open.remove(&id);
+        }
         inner.next_id += 1;
         let id = inner.next_id;
         let (close, closed) = watch::channel(None);
@@ -126,6 +178,7 @@ impl Streams {
             Entry {
                 workspace: workspace.to_string(),
                 vm: vm.to_string(),
+                exclusive: key.map(str::to_string),
                 close,
             },
         );
@@ -240,6 +293,25 @@ mod tests {
         assert_eq!(s.close_vm("vm1", CloseReason::Destroyed), 1);
         assert_eq!(*a.closed.borrow(), Some(CloseReason::Destroyed));
         assert_eq!(*b.closed.borrow(), None);
+    }
+
+    #[test]
+    fn test_exclusive_admission_replaces_the_holder_and_frees_its_place() {
+        let s = Streams::new(cfg());
+        let a = s.admit_exclusive("w1", "vm1", "job-1").expect("first");
+        // The VM quota (1) is full, but the newcomer takes the holder's place.
+        let b = s.admit_exclusive("w1", "vm1", "job-1").expect("replaces");
+        assert_eq!(*a.closed.borrow(), Some(CloseReason::Replaced));
+        assert_eq!(*b.closed.borrow(), None);
+        assert_eq!(s.count("vm1"), 1);
+        // The replaced ticket's drop must not free the newcomer's place.
+        drop(a);
+        assert_eq!(s.count("vm1"), 1);
+        let e = s
+            .admit_exclusive("w1", "vm1", "job-2")
+            .err()
+            .expect("quota");
+        assert_eq!(e.code, "busy");
     }
 
     #[test]

@@ -137,6 +137,33 @@ pub struct VmExecArgs {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(max = 30000))]
     pub wait_ms: Option<u32>,
+    /// Run on a guest pseudo-terminal of this size (stderr merged into stdout); input, window
+    /// sizes and output then go through the job's terminal, the WebSocket
+    /// `GET /v1/vms/{vm_id}/jobs/{job_id}/terminal`. Implies `interactive`. Not with `stdin`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tty: Option<TtyArg>,
+    /// Keep the command's stdin open for input sent through the job's terminal endpoint (an
+    /// empty message ends it); stdout and stderr stay apart. Not with `stdin`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub interactive: bool,
+    /// A one-time secret (43-128 characters of A-Z a-z 0-9 _ -) that gives its holder the
+    /// job's broker pipe: the job sees a UNIX socket at /run/warren-broker/broker.sock
+    /// (WARREN_BROKER_SOCKET), and the holder takes its connections at
+    /// `GET /v1/vms/{vm_id}/jobs/{job_id}/broker` with `X-Broker-Pipe`. Only its hash is
+    /// kept, in memory. The answer then has `broker_pipe`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 43, max = 128))]
+    pub broker_pipe_token: Option<String>,
+}
+
+/// A terminal's size in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TtyArg {
+    #[schemars(range(min = 1))]
+    pub rows: u16,
+    #[schemars(range(min = 1))]
+    pub cols: u16,
 }
 
 /// Names one job of one VM.

@@ -45,10 +45,10 @@ pub const PING_EVERY: Duration = Duration::from_secs(15);
 pub const PING_TIMEOUT: Duration = Duration::from_secs(45);
 
 /// WebSocket close codes used here (RFC 6455).
-const NORMAL: u16 = 1000;
-const GOING_AWAY: u16 = 1001;
-const POLICY: u16 = 1008;
-const INTERNAL: u16 = 1011;
+pub(crate) const NORMAL: u16 = 1000;
+pub(crate) const GOING_AWAY: u16 = 1001;
+pub(crate) const POLICY: u16 = 1008;
+pub(crate) const INTERNAL: u16 = 1011;
 
 /// What a stream route asks for.
 pub enum Request {
@@ -111,10 +111,11 @@ fn describe(t: &StreamTarget) -> String {
         StreamTarget::Tcp { port } => format!("port {port}"),
         StreamTarget::TarExtract { dir } => format!("copy into {}", escape(dir)),
         StreamTarget::TarCreate { path } => format!("copy out of {}", escape(path)),
+        StreamTarget::BrokerAccept { job } => format!("broker pipe of job {job}"),
     }
 }
 
-fn escape(s: &str) -> String {
+pub(crate) fn escape(s: &str) -> String {
     s.chars().take(256).flat_map(char::escape_debug).collect()
 }
 
@@ -131,8 +132,6 @@ enum Upstream {
 struct Counters {
     up: AtomicU64,
     down: AtomicU64,
-    /// Milliseconds since the stream opened, of the client's last message.
-    last_heard_ms: AtomicU64,
 }
 
 async fn run(
@@ -153,22 +152,18 @@ async fn run(
     let counters = Arc::new(Counters {
         up: AtomicU64::new(0),
         down: AtomicU64::new(0),
-        last_heard_ms: AtomicU64::new(0),
     });
     let (mut sink, source) = socket.split();
+    let mut life = Lifeline::new(started);
     let mut upstream = tokio::spawn(upstream(
         source,
         stream.writer,
         RateLimit::new(rate),
         counters.clone(),
-        started,
+        life.heard(),
     ));
     let mut reader = stream.reader;
     let mut limit = RateLimit::new(rate);
-    let mut recheck = tokio::time::interval(RECHECK);
-    recheck.tick().await;
-    let mut ping = tokio::time::interval(PING_EVERY);
-    ping.tick().await;
     let (code, reason): (u16, String) = loop {
         tokio::select! {
             next = next_down(&mut reader) => match next {
@@ -192,19 +187,9 @@ async fn run(
                 let why = ticket.closed.borrow().map(|r| r.as_str()).unwrap_or("closed");
                 break (GOING_AWAY, why.into());
             }
-            _ = recheck.tick() => {
-                if let Err(e) = service.credentials().recheck(&p) {
-                    break (POLICY, e.message);
-                }
-                service.stream_activity(&vm_id);
-            }
-            _ = ping.tick() => {
-                let heard = Duration::from_millis(counters.last_heard_ms.load(Ordering::Relaxed));
-                if started.elapsed().saturating_sub(heard) > PING_TIMEOUT {
-                    break (GOING_AWAY, "the client answered no ping".into());
-                }
-                if sink.send(Message::Ping(Default::default())).await.is_err() {
-                    break (GOING_AWAY, "client gone".into());
+            end = life.tick(&service, &p, &vm_id, &mut sink) => {
+                if let Some(end) = end {
+                    break end;
                 }
             }
         }
@@ -273,16 +258,14 @@ async fn upstream(
     mut writer: StreamWriter,
     mut limit: RateLimit,
     counters: Arc<Counters>,
-    started: Instant,
+    heard: Heard,
 ) -> Upstream {
     let mut input_ended = false;
     while let Some(msg) = source.next().await {
         let Ok(msg) = msg else {
             return Upstream::Violation("malformed or oversized message");
         };
-        counters
-            .last_heard_ms
-            .store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
+        heard.now();
         let data: &[u8] = match &msg {
             Message::Binary(b) => b,
             Message::Text(t) => t.as_str().as_bytes(),
@@ -308,8 +291,89 @@ async fn upstream(
     Upstream::ClientGone
 }
 
+/// When the client was last heard from, shared between the task reading its messages and
+/// the [`Lifeline`].
+#[derive(Clone)]
+pub(crate) struct Heard {
+    started: Instant,
+    /// Milliseconds since `started` of the client's last message.
+    at_ms: Arc<AtomicU64>,
+}
+
+impl Heard {
+    pub(crate) fn now(&self) {
+        self.at_ms
+            .store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    fn silent_for(&self) -> Duration {
+        let at = Duration::from_millis(self.at_ms.load(Ordering::Relaxed));
+        self.started.elapsed().saturating_sub(at)
+    }
+}
+
+/// The periodic duties of an open WebSocket: recheck the credential every [`RECHECK`]
+/// (counting the stream as activity on its VM), ping every [`PING_EVERY`], and give up on a
+/// client silent for [`PING_TIMEOUT`].
+pub(crate) struct Lifeline {
+    heard: Heard,
+    recheck: tokio::time::Interval,
+    ping: tokio::time::Interval,
+}
+
+impl Lifeline {
+    pub(crate) fn new(started: Instant) -> Lifeline {
+        let first = |every| {
+            let mut i = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            i
+        };
+        Lifeline {
+            heard: Heard {
+                started,
+                at_ms: Arc::new(AtomicU64::new(0)),
+            },
+            recheck: first(RECHECK),
+            ping: first(PING_EVERY),
+        }
+    }
+
+    pub(crate) fn heard(&self) -> Heard {
+        self.heard.clone()
+    }
+
+    /// Waits for the next duty and does it: `Some` close code and reason when the stream must
+    /// end.
+    pub(crate) async fn tick(
+        &mut self,
+        service: &Service,
+        p: &Principal,
+        vm_id: &str,
+        sink: &mut futures_util::stream::SplitSink<WebSocket, Message>,
+    ) -> Option<(u16, String)> {
+        tokio::select! {
+            _ = self.recheck.tick() => {
+                if let Err(e) = service.credentials().recheck(p) {
+                    return Some((POLICY, e.message));
+                }
+                service.stream_activity(vm_id);
+                None
+            }
+            _ = self.ping.tick() => {
+                if self.heard.silent_for() > PING_TIMEOUT {
+                    return Some((GOING_AWAY, "the client answered no ping".into()));
+                }
+                if sink.send(Message::Ping(Default::default())).await.is_err() {
+                    return Some((GOING_AWAY, "client gone".into()));
+                }
+                None
+            }
+        }
+    }
+}
+
 /// A close reason fits in 123 bytes.
-fn cut_reason(reason: &str) -> String {
+pub(crate) fn cut_reason(reason: &str) -> String {
     let mut end = reason.len().min(123);
     while !reason.is_char_boundary(end) {
         end -= 1;

@@ -389,6 +389,8 @@ pub enum VmCmd {
         /// Print the job id as JSON and return without waiting.
         #[arg(long)]
         detach: bool,
+        #[command(flatten)]
+        service: crate::stream_link::ServiceArgs,
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },

@@ -16,6 +16,8 @@ pub struct Conn<S> {
     r: BufReader<S>,
     host: String,
     auth: Option<String>,
+    /// Extra request header lines (`Name: value\r\n`).
+    extra: String,
 }
 
 impl Conn<tokio::net::TcpStream> {
@@ -26,6 +28,7 @@ impl Conn<tokio::net::TcpStream> {
             r: BufReader::new(s),
             host: addr.to_string(),
             auth: Some(format!("Bearer {token}")),
+            extra: String::new(),
         })
     }
 }
@@ -39,11 +42,21 @@ impl Conn<tokio::net::UnixStream> {
             r: BufReader::new(s),
             host: "localhost".into(),
             auth: None,
+            extra: String::new(),
         })
     }
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
+    /// Sends `name: value` with every request (a header value must be printable ASCII).
+    pub fn with_header(mut self, name: &str, value: &str) -> Result<Self> {
+        if !value.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+            return Err(anyhow!("header {name} must be printable ASCII"));
+        }
+        self.extra.push_str(&format!("{name}: {value}\r\n"));
+        Ok(self)
+    }
+
     /// Calls `tool`. A refusal comes back as the service's [`warren_api::ApiError`] (its
     /// code and message), so the CLI reports it like its own errors.
     pub async fn post(&mut self, tool: &str, body: &Value) -> Result<Value> {
@@ -54,8 +67,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             .map(|a| format!("Authorization: {a}\r\n"))
             .unwrap_or_default();
         let req = format!(
-            "POST /v1/tools/{tool} HTTP/1.1\r\nHost: {}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "POST /v1/tools/{tool} HTTP/1.1\r\nHost: {}\r\n{auth}{}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             self.host,
+            self.extra,
             body.len()
         );
         self.r.get_mut().write_all(req.as_bytes()).await?;

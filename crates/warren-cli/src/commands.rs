@@ -495,9 +495,10 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             tty,
             interactive,
             detach,
+            service,
             command,
         } => {
-            let w = open(cli, None)?;
+            let opener = crate::stream_link::Opener::new(cli, service).await?;
             let env = env
                 .iter()
                 .map(|kv| {
@@ -519,6 +520,36 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                 }
                 Some(t) => Some((t * 1000.0) as u64),
                 None => None,
+            };
+            let w = match opener {
+                crate::stream_link::Opener::Local(w) => w,
+                remote => {
+                    // Through the service: live output over its WebSocket, no polling.
+                    let stdin_data = if *stdin {
+                        let mut buf = Vec::new();
+                        std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf)?;
+                        Some(buf)
+                    } else {
+                        None
+                    };
+                    let mode = match (*tty, *interactive) {
+                        (true, _) => crate::remote_exec::Mode::Tty,
+                        (false, true) => crate::remote_exec::Mode::Pipe,
+                        _ => crate::remote_exec::Mode::Batch,
+                    };
+                    let ws = crate::remote_exec::operator_workspace(cli, &remote, vm);
+                    let req = crate::remote_exec::ExecRequest {
+                        vm: vm.clone(),
+                        argv: command.clone(),
+                        env,
+                        cwd: cwd.clone(),
+                        timeout_ms,
+                        stdin: stdin_data,
+                        mode,
+                        detach: *detach,
+                    };
+                    return crate::remote_exec::exec(&remote, ws.as_deref(), req).await;
+                }
             };
             if *tty || *interactive {
                 let spec = warren_core::InteractiveSpec {

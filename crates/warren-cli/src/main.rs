@@ -19,6 +19,7 @@ mod docs_gen;
 mod egress_file;
 mod jobs_cmd;
 mod progress;
+mod remote_exec;
 mod session_cmd;
 mod stream_cmd;
 mod stream_link;

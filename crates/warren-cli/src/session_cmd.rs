@@ -340,14 +340,26 @@ fn agent_env() -> Vec<(String, String)> {
 
 pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
     let t = Term::new(cli.raw);
-    let w = open(cli, None)?;
-    let ws = my_workspace();
     let cwd = std::env::current_dir().context("current directory")?;
     let cwd = cwd.canonicalize().unwrap_or(cwd);
     let project = project_of(&cwd)?;
     let mut want = devices(&args.devices)?;
     let agent = args.agent.as_deref().unwrap_or("shell");
     let wiring = wire_credentials(t, args, agent, &project, &want)?;
+    // Through the service when one listens, unless host credentials are to be wired: the
+    // service takes no credential files from a caller, so wiring stays in this process.
+    let opener = match &wiring {
+        None => {
+            crate::stream_link::Opener::new(cli, &crate::stream_link::ServiceArgs::default())
+                .await?
+        }
+        Some(_) => crate::stream_link::Opener::Local(Box::new(open(cli, None)?)),
+    };
+    let w = match opener {
+        crate::stream_link::Opener::Local(w) => w,
+        remote => return run_via_service(t, &remote, args, agent, &project, &cwd).await,
+    };
+    let ws = my_workspace();
     if let Some(wired) = &wiring {
         want.network = Some(wired.network.clone());
     }
@@ -393,6 +405,100 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
     let argv = argv_for(agent, &args.command, tty);
     tracing::info!(session = %s.id, vm = %vm.id, ?argv, tty, "run");
     run_in(&w, &vm.id, argv, rel, tty).await
+}
+
+/// `warren run` through the service: the project's session of the caller's workspace (made
+/// with `session_create` the first time), then the agent on a terminal over the service's
+/// WebSocket, as `warren vm exec -t` (`crate::remote_exec`).
+async fn run_via_service(
+    t: Term,
+    opener: &crate::stream_link::Opener,
+    args: &RunArgs,
+    agent: &str,
+    project: &Path,
+    cwd: &Path,
+) -> Result<i32> {
+    use serde_json::json;
+    let d = &args.devices;
+    if !d.mounts.is_empty() {
+        anyhow::bail!("--mount is not available through the service");
+    }
+    let mut tools = opener.tools(None).await?;
+    let list = tools.post("session_list", &json!({})).await?;
+    let source = project.to_string_lossy();
+    let existing = list["sessions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|s| s["source"].as_str() == Some(&*source))
+        .cloned();
+    let session = match existing {
+        Some(s) => {
+            let devices_given = d.image.is_some()
+                || d.memory_mib.is_some()
+                || d.vcpus.is_some()
+                || d.storage_mib.is_some();
+            if args.recreate || devices_given {
+                anyhow::bail!(
+                    "through the service a session's VM keeps its devices: --recreate and device \
+                     options apply when the session is created (warren session delete first)"
+                );
+            }
+            s
+        }
+        None => {
+            let mut req = json!({"repo": project, "direct": args.direct});
+            let image = d
+                .image
+                .clone()
+                .or_else(|| default_image_for(args.agent.as_deref()).map(str::to_string));
+            for (k, v) in [
+                ("image", image.map(|n| json!(n))),
+                ("memory_mib", d.memory_mib.map(|n| json!(n))),
+                ("vcpus", d.vcpus.map(|n| json!(n))),
+                ("storage_mib", d.storage_mib.map(|n| json!(n))),
+            ] {
+                if let Some(v) = v {
+                    req[k] = v;
+                }
+            }
+            let s = tools.post("session_create", &req).await?;
+            eprintln!(
+                "warren: session {} ({}) in VM {}",
+                t.field(s["name"].as_str().unwrap_or_default()),
+                s["session_id"].as_str().unwrap_or_default(),
+                s["vm_id"].as_str().unwrap_or_default()
+            );
+            s
+        }
+    };
+    let vm = session["vm_id"].as_str().with_context(|| {
+        format!(
+            "session {} has no VM",
+            session["name"].as_str().unwrap_or_default()
+        )
+    })?;
+    let rel = cwd
+        .strip_prefix(project)
+        .ok()
+        .filter(|r| !r.as_os_str().is_empty())
+        .map(|r| r.to_string_lossy().into_owned());
+    let tty = std::io::stdin().is_terminal() && std::io::stdout().is_terminal();
+    let req = crate::remote_exec::ExecRequest {
+        vm: vm.to_string(),
+        argv: argv_for(agent, &args.command, tty),
+        env: agent_env(),
+        cwd: rel,
+        timeout_ms: None,
+        stdin: None,
+        mode: if tty {
+            crate::remote_exec::Mode::Tty
+        } else {
+            crate::remote_exec::Mode::Pipe
+        },
+        detach: false,
+    };
+    crate::remote_exec::exec(opener, None, req).await
 }
 
 /// The network the run asks for: the `--egress` file's settings plus, for each agent whose

@@ -19,6 +19,7 @@ use warren_protocol::stream::StreamTarget;
 use warren_supervisor::stream_frame::{StreamReader, StreamWriter};
 
 use crate::cli::Cli;
+use crate::client::Conn;
 
 /// How to reach the service (flattened into the stream commands).
 #[derive(Args, Debug, Clone, Default)]
@@ -35,7 +36,8 @@ pub struct ServiceArgs {
 pub trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 
-type Ws = WebSocketStream<Box<dyn Io>>;
+/// A WebSocket to the service.
+pub type Ws = WebSocketStream<Box<dyn Io>>;
 
 /// Largest message sent to the service (its limit is 1 MiB).
 pub const MAX_SEND: usize = 1 << 20;
@@ -172,12 +174,21 @@ impl Opener {
             StreamTarget::TarCreate { path } => {
                 format!("/v1/vms/{vm}/copy/out?path={}", query(path))
             }
+            StreamTarget::BrokerAccept { .. } => bail!("broker pipes are not opened here"),
         };
+        if let Opener::Local(w) = self {
+            let s = w.open_stream(vm, target.clone()).await?;
+            return Ok((Tx::Local(s.writer), Rx::Local(s.reader)));
+        }
+        let (tx, rx) = self.websocket(&path, None).await?.split();
+        Ok((Tx::Ws(tx), Rx::Ws(rx)))
+    }
+
+    /// Opens the service's WebSocket at `path` (not for [`Opener::Local`]); `workspace` is
+    /// the workspace root acts as on the local socket.
+    pub async fn websocket(&self, path: &str, workspace: Option<&str>) -> Result<Ws> {
         let (io, host, auth): (Box<dyn Io>, String, Option<String>) = match self {
-            Opener::Local(w) => {
-                let s = w.open_stream(vm, target.clone()).await?;
-                return Ok((Tx::Local(s.writer), Rx::Local(s.reader)));
-            }
+            Opener::Local(_) => bail!("no service to open {path} on"),
             Opener::Http { addr, token } => {
                 let s = tokio::net::TcpStream::connect(addr)
                     .await
@@ -196,18 +207,61 @@ impl Opener {
         if let Some(a) = auth {
             req.headers_mut().insert("authorization", a.parse()?);
         }
+        if let Some(w) = workspace {
+            req.headers_mut()
+                .insert(warren_api::http::WORKSPACE_HEADER, w.parse()?);
+        }
         let mut config = WebSocketConfig::default();
         config.max_message_size = Some(16 << 20);
         config.max_frame_size = Some(16 << 20);
-        let ws = match tokio_tungstenite::client_async_with_config(req, io, Some(config)).await {
-            Ok((ws, _)) => ws,
+        match tokio_tungstenite::client_async_with_config(req, io, Some(config)).await {
+            Ok((ws, _)) => Ok(ws),
             Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {
-                return Err(refusal(resp.status().as_u16(), resp.body().as_deref()))
+                Err(refusal(resp.status().as_u16(), resp.body().as_deref()))
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// A connection for the service's tools (not for [`Opener::Local`]); `workspace` as for
+    /// [`Opener::websocket`].
+    pub async fn tools(&self, workspace: Option<&str>) -> Result<Tools> {
+        let with = |c: Tools| -> Result<Tools> {
+            Ok(match (c, workspace) {
+                (Tools::Tcp(c), Some(w)) => {
+                    Tools::Tcp(c.with_header(warren_api::http::WORKSPACE_HEADER, w)?)
+                }
+                (Tools::Unix(c), Some(w)) => {
+                    Tools::Unix(c.with_header(warren_api::http::WORKSPACE_HEADER, w)?)
+                }
+                (c, None) => c,
+            })
         };
-        let (tx, rx) = ws.split();
-        Ok((Tx::Ws(tx), Rx::Ws(rx)))
+        match self {
+            Opener::Local(_) => bail!("no service to call"),
+            Opener::Http { addr, token } => with(Tools::Tcp(Conn::tcp(addr, token).await?)),
+            Opener::Socket(p) => with(Tools::Unix(Conn::unix(p).await?)),
+        }
+    }
+}
+
+/// A keep-alive connection for the service's tools.
+pub enum Tools {
+    Tcp(Conn<tokio::net::TcpStream>),
+    Unix(Conn<tokio::net::UnixStream>),
+}
+
+impl Tools {
+    /// Calls `tool` (see [`Conn::post`]).
+    pub async fn post(
+        &mut self,
+        tool: &str,
+        body: &serde_json::Value,
+    ) -> Result<serde_json::Value> {
+        match self {
+            Tools::Tcp(c) => c.post(tool, body).await,
+            Tools::Unix(c) => c.post(tool, body).await,
+        }
     }
 }
 
@@ -221,7 +275,14 @@ fn refusal(status: u16, body: Option<&[u8]>) -> anyhow::Error {
             Some((code, message))
         });
     match parsed {
-        Some((code, message)) => anyhow!("{code}: {message}"),
+        Some((code, message)) => {
+            let known = warren_api::error::CODES
+                .iter()
+                .find(|c| **c == code)
+                .copied()
+                .unwrap_or("internal");
+            warren_api::ApiError::new(known, message).into()
+        }
         None => anyhow!("the service refused the stream (HTTP {status})"),
     }
 }

@@ -11,23 +11,8 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use common::daemon::{Daemon, Resp};
+use common::{mcp_python as python, repo};
 use serde_json::{json, Value};
-
-fn repo() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-}
-
-/// The venv's Python, creating the venv first if needed (idempotent, ~1 s when it exists).
-fn python() -> PathBuf {
-    let st = Command::new(repo().join("scripts/mcp-venv.sh"))
-        .status()
-        .expect("run scripts/mcp-venv.sh");
-    assert!(st.success(), "scripts/mcp-venv.sh failed");
-    let venv = std::env::var_os("WARREN_MCP_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/cache/warren-test/mcp-venv"));
-    venv.join("bin/python")
-}
 
 struct Client {
     python: PathBuf,

@@ -50,53 +50,6 @@ fn attach(
     c
 }
 
-/// A WebSocket upgrade request's refusal: its status and error code (read by hand: the
-/// shared client adds `Connection: close`, which is no upgrade).
-fn upgrade_status(d: &Daemon, token: Option<&str>, path: &str) -> (u16, String) {
-    let mut s = std::net::TcpStream::connect(&d.addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(60))).ok();
-    let auth = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
-    let req = format!(
-        "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
-         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n{auth}\r\n",
-        d.addr
-    );
-    s.write_all(req.as_bytes()).expect("write");
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        let n = s.read(&mut chunk).unwrap_or(0);
-        buf.extend_from_slice(&chunk[..n]);
-        let text = String::from_utf8_lossy(&buf).to_string();
-        if let Some(end) = text.find("\r\n\r\n") {
-            let len = text[..end]
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase()
-                        .strip_prefix("content-length:")
-                        .map(|v| v.trim().parse::<usize>().unwrap_or(0))
-                })
-                .unwrap_or(0);
-            if buf.len() >= end + 4 + len || n == 0 {
-                let status: u16 = text[9..12].parse().expect("status");
-                let body: serde_json::Value =
-                    serde_json::from_slice(&buf[end + 4..]).unwrap_or_default();
-                return (
-                    status,
-                    body["error"]["code"].as_str().unwrap_or("").to_string(),
-                );
-            }
-        }
-        assert!(
-            n > 0,
-            "connection closed early: {}",
-            String::from_utf8_lossy(&buf)
-        );
-    }
-}
-
 fn wait_exit(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
     let t = Instant::now();
     while t.elapsed() < limit {
@@ -155,20 +108,20 @@ fn test_streams_attach_refusals_copy_forward_and_lifecycle_closes() {
 
     // Refusals, all before the guest is asked to connect anything.
     let path = |port: &str| format!("/v1/vms/{vm}/streams/{port}");
-    assert_eq!(upgrade_status(&d, None, &path("5000")).0, 401);
+    assert_eq!(d.upgrade_status(None, &path("5000")).0, 401);
     assert_eq!(
-        upgrade_status(&d, Some(&other), &path("5000")),
+        d.upgrade_status(Some(&other), &path("5000")),
         (404, "not_found".into())
     );
     for port in ["1023", "1024", "80", "x"] {
         assert_eq!(
-            upgrade_status(&d, Some(&t), &path(port)),
+            d.upgrade_status(Some(&t), &path(port)),
             (403, "forbidden".into()),
             "{port}"
         );
     }
     assert_eq!(
-        upgrade_status(&d, Some(&t), &path("5001")),
+        d.upgrade_status(Some(&t), &path("5001")),
         (409, "conflict".into())
     );
     // Not an upgrade at all: refused after the checks that need no guest.
@@ -200,7 +153,7 @@ fn test_streams_attach_refusals_copy_forward_and_lifecycle_closes() {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(
-        upgrade_status(&d, Some(&t), &path("5000")),
+        d.upgrade_status(Some(&t), &path("5000")),
         (409, "busy".into())
     );
     let r = d.call(&t, "vm_suspend", json!({"vm_id": vm, "mode": "pause"}));

@@ -119,6 +119,13 @@ impl RawMode {
     }
 }
 
+impl RawMode {
+    /// Puts the terminal on this process's stdin in raw mode.
+    pub fn stdin() -> std::io::Result<RawMode> {
+        RawMode::enable(rustix::stdio::stdin())
+    }
+}
+
 impl Drop for RawMode {
     fn drop(&mut self) {
         if let Err(e) = termios::tcsetattr(self.fd, OptionalActions::Now, &self.saved) {
@@ -130,7 +137,7 @@ impl Drop for RawMode {
 /// Reads stdin on a thread of its own (a blocking read cannot be cancelled; a polled one
 /// can), sending chunks and then `None` at end of file. Stops when `stop` is set or the
 /// receiver is gone.
-fn spawn_stdin_reader(stop: Arc<AtomicBool>) -> mpsc::Receiver<Option<Vec<u8>>> {
+pub fn spawn_stdin_reader(stop: Arc<AtomicBool>) -> mpsc::Receiver<Option<Vec<u8>>> {
     let (tx, rx) = mpsc::channel(4);
     let spawned = std::thread::Builder::new()
         .name("warren-stdin".into())

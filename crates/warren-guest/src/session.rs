@@ -444,7 +444,17 @@ async fn serve_request(agent: &Arc<Agent>, req: HostRequest) -> Response {
         HostRequest::ExecStart(exec) => {
             agent.jobs.start(exec).await.map(GuestResponse::ExecStarted)
         }
+        HostRequest::ExecBroker(exec) => agent
+            .jobs
+            .start_broker(exec)
+            .await
+            .map(GuestResponse::ExecStarted),
         HostRequest::JobOutput(req) => agent.jobs.output(&req).await.map(GuestResponse::JobOutput),
+        HostRequest::JobOutputAcked(req) => agent
+            .jobs
+            .output_acked(&req)
+            .await
+            .map(GuestResponse::JobOutput),
         HostRequest::ExecInteractive(req) => agent
             .jobs
             .start_interactive(req)

@@ -24,7 +24,8 @@ use h2::{RecvStream, SendStream};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use warren_protocol::stream::{
-    self, StreamTarget, ERROR_TRAILER, EXIT_TRAILER, MAX_STREAM_PATH, STREAM_HEADER,
+    self, StreamTarget, BROKER_ACCEPTED, ERROR_TRAILER, EXIT_TRAILER, MAX_STREAM_PATH,
+    STREAM_HEADER,
 };
 use warren_protocol::{ErrorCode, GuestError};
 
@@ -61,13 +62,20 @@ pub async fn serve(
     req: http::Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
 ) {
-    let opened = if authenticated {
-        open(&agent, &req).await
+    let target = if authenticated {
+        parse_target(&req)
     } else {
         Err(GuestError::new(
             ErrorCode::Unauthenticated,
             "authenticate with Hello and Auth first",
         ))
+    };
+    let opened = match target {
+        Ok(StreamTarget::BrokerAccept { job }) => {
+            return serve_broker(&agent, job, req, respond).await
+        }
+        Ok(t) => open(&agent, t).await,
+        Err(e) => Err(e),
     };
     let target = match opened {
         Ok(t) => t,
@@ -111,13 +119,122 @@ enum Opened {
     Tar(Helper),
 }
 
-async fn open(agent: &Agent, req: &http::Request<RecvStream>) -> Result<Opened, GuestError> {
+fn parse_target(req: &http::Request<RecvStream>) -> Result<StreamTarget, GuestError> {
     let header = req
         .headers()
         .get(STREAM_HEADER)
         .ok_or_else(|| invalid("no stream target"))?;
-    let target = StreamTarget::from_header(header.as_bytes())
-        .map_err(|e| invalid(format!("stream target: {e}")))?;
+    StreamTarget::from_header(header.as_bytes()).map_err(|e| invalid(format!("stream target: {e}")))
+}
+
+/// A broker accept: 200 at once, then [`BROKER_ACCEPTED`] and the connection's bytes once a
+/// process of the job connects (or an error end when the pipe ends first). A host that
+/// resets the stream while it waits gives its turn up.
+async fn serve_broker(
+    agent: &Agent,
+    job: warren_protocol::JobId,
+    req: http::Request<RecvStream>,
+    mut respond: SendResponse<Bytes>,
+) {
+    let broker = match agent.jobs.broker(job) {
+        Ok(b) => b,
+        Err(e) => return refuse(&mut respond, e),
+    };
+    let head = http::Response::builder()
+        .status(http::StatusCode::OK)
+        .body(())
+        .expect("invariant: static response parts are valid");
+    let Ok(mut send) = respond.send_response(head, false) else {
+        return;
+    };
+    let conn = tokio::select! {
+        c = broker.next() => c,
+        _ = std::future::poll_fn(|cx| send.poll_reset(cx)) => return,
+    };
+    drop(broker);
+    let Some(conn) = conn else {
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert(EXIT_TRAILER, http::HeaderValue::from_static("-1"));
+        trailers.insert(
+            ERROR_TRAILER,
+            http::HeaderValue::from_static("the job's broker pipe ended"),
+        );
+        let _ = send.send_trailers(trailers);
+        return;
+    };
+    if stream::send_paced(&mut send, Bytes::from_static(&[BROKER_ACCEPTED]))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    if let Err(e) = pump_broker(req.into_body(), conn, send).await {
+        crate::console::log(format_args!("broker stream ended: {e}"));
+    }
+}
+
+/// How often a broker connection whose job shut its writing side is checked for a full
+/// close.
+const HANGUP_POLL: Duration = Duration::from_millis(200);
+
+/// [`pump`] for a broker connection, where the job's half-close is not the end: a client
+/// that shut its writing side still reads the reply. The stream ends when the job closed
+/// the connection altogether (a hangup) or the host ended its input and the job then
+/// closed.
+async fn pump_broker(
+    mut body: RecvStream,
+    conn: tokio::net::UnixStream,
+    mut send: SendStream<Bytes>,
+) -> Result<(), h2::Error> {
+    use std::os::fd::AsFd;
+    let (mut rd, mut wr) = conn.into_split();
+    let inbound = async {
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk?;
+            let n = chunk.len();
+            let _ = wr.write_all(&chunk).await;
+            let _ = body.flow_control().release_capacity(n);
+        }
+        let _ = wr.shutdown().await;
+        std::future::pending::<()>().await;
+        Ok::<(), h2::Error>(())
+    };
+    let outbound = async {
+        let mut buf = vec![0u8; READ_CHUNK];
+        while let Ok(n) = rd.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            stream::send_paced(&mut send, Bytes::copy_from_slice(&buf[..n])).await?;
+        }
+        loop {
+            let mut fds = [nix::poll::PollFd::new(
+                rd.as_ref().as_fd(),
+                nix::poll::PollFlags::empty(),
+            )];
+            let hung_up = match nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO) {
+                Ok(_) => fds[0].revents().is_some_and(|r| {
+                    r.intersects(nix::poll::PollFlags::POLLHUP | nix::poll::PollFlags::POLLERR)
+                }),
+                Err(_) => true,
+            };
+            if hung_up {
+                break;
+            }
+            tokio::time::sleep(HANGUP_POLL).await;
+        }
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert(EXIT_TRAILER, http::HeaderValue::from_static("0"));
+        send.send_trailers(trailers)?;
+        Ok::<(), h2::Error>(())
+    };
+    tokio::select! {
+        r = inbound => r,
+        r = outbound => r,
+    }
+}
+
+async fn open(agent: &Agent, target: StreamTarget) -> Result<Opened, GuestError> {
     match target {
         StreamTarget::Tcp { port } => {
             let connect = TcpStream::connect((std::net::Ipv4Addr::LOCALHOST, port));
@@ -175,6 +292,7 @@ async fn open(agent: &Agent, req: &http::Request<RecvStream>) -> Result<Opened, 
             cmd.args(["-c", "-f", "-", "-C", &parent, "--", &name]);
             Helper::spawn(agent, cmd).map(Opened::Tar)
         }
+        StreamTarget::BrokerAccept { .. } => Err(invalid("not a stream to open here")),
     }
 }
 

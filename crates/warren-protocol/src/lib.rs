@@ -25,12 +25,12 @@ pub use messages::*;
 
 /// Protocol version spoken by this build. Bump on any incompatible change of [`messages`]
 /// (see `PROTOCOL.md`); the schema snapshot test fails until the bump is deliberate.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Oldest protocol version this build still speaks. Version 3 added fields to `JobOutput`
 /// and `JobSummary` (background processes) and neither side keeps the version-2 encoding.
-/// Version 4 only adds guest streams ([`stream`]), so a version-3 peer is still spoken to
-/// (it has no streams).
+/// Versions 4 (guest streams, [`stream`]) and 5 (acknowledged output reads, the broker pipe)
+/// only append, so a version-3 peer is still spoken to (without them).
 pub const MIN_PROTOCOL_VERSION: u32 = 3;
 
 /// Name of the virtio-serial port carrying the channel (`/sys/class/virtio-ports/*/name`).

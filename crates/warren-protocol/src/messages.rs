@@ -74,6 +74,25 @@ pub enum HostRequest {
     /// this CA) and points every later job at it (`SSL_CERT_FILE` and friends). Answers
     /// `CaInstalled`.
     InstallCa(String),
+    /// Since version 5. `JobOutput` whose release point is given apart from the read cursors:
+    /// for an interactive job the guest drops only the bytes before `release_*` (which the
+    /// reader acknowledged having), so a reader that lost what it read last can read it again.
+    /// Answers `JobOutput`.
+    JobOutputAcked(JobOutputAcked),
+    /// Since version 5. Starts a job with a broker pipe: a UNIX socket at
+    /// `/run/warren-broker/broker.sock`, visible only in the job's own mount namespace and
+    /// answering only processes of the job's cgroup, whose connections the host takes with
+    /// `StreamTarget::BrokerAccept`. Answers `ExecStarted`.
+    ExecBroker(ExecStart),
+}
+
+/// A job output read with a separate release point (see `HostRequest::JobOutputAcked`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobOutputAcked {
+    pub read: JobOutputRequest,
+    /// At most the read cursors.
+    pub release_stdout: u64,
+    pub release_stderr: u64,
 }
 
 /// Guest -> host: the success half of every response.
@@ -877,6 +896,36 @@ mod tests {
             (
                 "stream.tar_create",
                 encode(&crate::stream::StreamTarget::TarCreate { path: "/p".into() })
+                    .expect("encode"),
+            ),
+            (
+                "req.output_acked",
+                req(HostRequest::JobOutputAcked(JobOutputAcked {
+                    read: JobOutputRequest {
+                        job: JobId(9),
+                        stdout_cursor: 5,
+                        stderr_cursor: 6,
+                        max_bytes: 7,
+                        wait_ms: 8,
+                    },
+                    release_stdout: 1,
+                    release_stderr: 2,
+                })),
+            ),
+            (
+                "req.exec_broker",
+                req(HostRequest::ExecBroker(ExecStart {
+                    argv: vec!["sh".into()],
+                    env: vec![],
+                    cwd: None,
+                    stdin: None,
+                    timeout_ms: None,
+                    request_key: Some("k".into()),
+                })),
+            ),
+            (
+                "stream.broker_accept",
+                encode(&crate::stream::StreamTarget::BrokerAccept { job: JobId(3) })
                     .expect("encode"),
             ),
         ]

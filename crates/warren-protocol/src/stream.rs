@@ -48,7 +48,15 @@ pub enum StreamTarget {
     /// Sends a tar archive of `path` (absolute; a file or a directory tree, named by its
     /// last component) made as the guest user.
     TarCreate { path: String },
+    /// Since version 5: the next connection to the broker pipe of job `job` (started with
+    /// `ExecBroker`). The guest answers 200 at once (404 when the job has no pipe or it is
+    /// gone), then sends [`BROKER_ACCEPTED`] when a process of the job connects, followed by
+    /// the connection's bytes; the request body carries the bytes back.
+    BrokerAccept { job: crate::JobId },
 }
+
+/// The byte a broker accept stream sends first, when a connection arrived.
+pub const BROKER_ACCEPTED: u8 = 0x01;
 
 impl StreamTarget {
     /// The header value for this target.

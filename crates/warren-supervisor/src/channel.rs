@@ -85,6 +85,8 @@ pub struct GuestChannel {
     /// Becomes true when the HTTP/2 connection task ends.
     closed: tokio::sync::watch::Receiver<bool>,
     pub info: AgentInfo,
+    /// The protocol version the guest chose in `Hello`.
+    pub version: u32,
 }
 
 impl GuestChannel {
@@ -146,14 +148,15 @@ impl GuestChannel {
                 boot_id: String::new(),
                 uptime_ms: 0,
             },
+            version: 0,
         };
         tracing::debug!("HTTP/2 session up");
-        ch.info = ch.authenticate(secret).await?;
+        (ch.info, ch.version) = ch.authenticate(secret).await?;
         tracing::debug!("guest authenticated");
         Ok(ch)
     }
 
-    async fn authenticate(&self, secret: &[u8]) -> Result<AgentInfo, ChannelError> {
+    async fn authenticate(&self, secret: &[u8]) -> Result<(AgentInfo, u32), ChannelError> {
         let mut host_nonce = [0u8; auth::NONCE_LEN];
         rand::rng().fill_bytes(&mut host_nonce);
         let reply = self
@@ -189,7 +192,7 @@ impl GuestChannel {
             .await?
             .map_err(ChannelError::Refused)?;
         match reply {
-            GuestResponse::Authenticated(info) => Ok(info),
+            GuestResponse::Authenticated(info) => Ok((info, hello.version)),
             _ => Err(ChannelError::Unexpected("Auth")),
         }
     }
@@ -197,6 +200,25 @@ impl GuestChannel {
     /// Sends one request and waits for its response, at most for the deadline of its kind
     /// ([`crate::deadline::guest_limit`]); dropping the future cancels it.
     pub async fn call(&self, req: &HostRequest) -> Result<Response, ChannelError> {
+        // What a guest older than protocol 5 does instead (it cannot decode the new ones).
+        let older;
+        let req = match req {
+            HostRequest::JobOutputAcked(a) if self.version < 5 => {
+                // Its read releases at the cursors: a reconnecting reader may find less.
+                older = HostRequest::JobOutput(a.read.clone());
+                &older
+            }
+            HostRequest::ExecBroker(_) if self.version < 5 => {
+                return Ok(Err(GuestError::new(
+                    warren_protocol::ErrorCode::InvalidArgument,
+                    format!(
+                        "the VM's agent speaks protocol {}, without broker pipes (5): recreate the VM on a rebuilt image",
+                        self.version
+                    ),
+                )));
+            }
+            req => req,
+        };
         let limit = crate::deadline::guest_limit(req);
         tokio::time::timeout(limit, self.exchange(req))
             .await

@@ -18,7 +18,7 @@
 use std::time::Duration;
 
 use warren_protocol::limits::MAX_OUTPUT_WAIT_MS;
-use warren_protocol::HostRequest;
+use warren_protocol::{HostRequest, JobOutputAcked};
 
 use crate::proto::SupervisorRequest;
 
@@ -61,6 +61,7 @@ pub fn guest_limit(req: &HostRequest) -> Duration {
         | HostRequest::Auth(_)
         | HostRequest::Ping
         | HostRequest::ExecStart(_)
+        | HostRequest::ExecBroker(_)
         | HostRequest::ExecInteractive(_)
         | HostRequest::JobCancel(_)
         | HostRequest::JobList
@@ -73,7 +74,7 @@ pub fn guest_limit(req: &HostRequest) -> Duration {
         | HostRequest::Edit(_) => FILE_LIMIT,
         HostRequest::Freeze | HostRequest::Thaw(_) | HostRequest::PowerOff => LIFECYCLE_LIMIT,
         HostRequest::Glob(_) | HostRequest::Grep(_) => SEARCH_LIMIT,
-        HostRequest::JobOutput(r) => {
+        HostRequest::JobOutput(r) | HostRequest::JobOutputAcked(JobOutputAcked { read: r, .. }) => {
             Duration::from_millis(u64::from(r.wait_ms.min(MAX_OUTPUT_WAIT_MS))) + LONG_POLL_SLACK
         }
         HostRequest::JobInput(_) => INTERACTIVE_LIMIT,

@@ -2,6 +2,7 @@
 //! idempotency and the engine calls. HTTP and MCP only move JSON in and out of [`Service::call`].
 
 mod files;
+pub mod job_streams;
 mod sessions;
 pub mod streams;
 mod tool_defs;
@@ -29,8 +30,8 @@ use warren_protocol::limits::{
     MAX_FILE_CHUNK, MAX_OUTPUT_WAIT_MS, MAX_READ_PER_STREAM, MAX_STDIN_BYTES,
 };
 use warren_protocol::{
-    EditFile, ExecStart, GlobRequest, GrepRequest, JobId, JobOutput, JobOutputRequest, JobState,
-    Precondition, WriteMode,
+    EditFile, ExecInteractive, ExecStart, GlobRequest, GrepRequest, JobId, JobOutput,
+    JobOutputRequest, JobState, Precondition, WindowSize, WriteMode,
 };
 use warren_vmm::accel::AccelChoice;
 
@@ -68,6 +69,8 @@ pub struct Service {
     caps: CallerCaps,
     /// Open guest streams (`crate::streams`).
     streams: crate::streams::Streams,
+    /// Job broker pipes (`crate::broker`), in memory only.
+    pipes: crate::broker::Pipes,
 }
 
 /// Removes an in-flight key when the request ends, however it ends.
@@ -208,6 +211,7 @@ impl Service {
                 cfg.http.max_long_polls_per_token,
             ),
             streams: crate::streams::Streams::new(cfg.streams.clone()),
+            pipes: crate::broker::Pipes::default(),
             cfg,
             in_flight: Mutex::new(HashSet::new()),
         })
@@ -763,9 +767,31 @@ impl Service {
         if a.timeout_ms == Some(0) {
             return Err(ApiError::invalid("timeout_ms must be at least 1"));
         }
+        let interactive = a.interactive || a.tty.is_some();
+        if interactive && a.stdin.is_some() {
+            return Err(ApiError::invalid(
+                "stdin cannot be given to an interactive job: send it through its terminal",
+            ));
+        }
+        if let Some(token) = &a.broker_pipe_token {
+            crate::broker::validate_token(token)?;
+            if interactive {
+                return Err(ApiError::invalid(
+                    "a job with a broker pipe is not interactive",
+                ));
+            }
+        }
+        if a.tty.is_some_and(|t| t.rows == 0 || t.cols == 0) {
+            return Err(ApiError::invalid(
+                "tty needs at least one row and one column",
+            ));
+        }
         // The retry of a request with the same id and arguments must not depend on wait_ms.
+        // The broker token is never stored, not even in the arguments' hash; whether a pipe
+        // was asked for is.
         let hash = args_hash(&VmExecArgs {
             wait_ms: None,
+            broker_pipe_token: a.broker_pipe_token.as_ref().map(|_| String::new()),
             ..a.clone()
         });
         let rid = a.request_id.as_str();
@@ -777,7 +803,9 @@ impl Service {
                 .get("job_id")
                 .and_then(Value::as_str)
                 .ok_or_else(|| ApiError::internal("receipt without a job"))?;
-            return to_value(self.exec_page(&rec.id, parse_job(job)?, wait_ms).await?);
+            let job = parse_job(job)?;
+            let page = to_value(self.exec_page(&rec.id, job, wait_ms).await?)?;
+            return Ok(self.with_pipe(page, &rec.id, job, &a));
         }
         if rec.state != VmState::Running && claim == Claim::Pending {
             return Err(ApiError::new(
@@ -800,13 +828,31 @@ impl Service {
             timeout_ms: a.timeout_ms,
             request_key: Some(key),
         };
-        match self.warren.exec_start(&rec.id, start).await {
+        let started = if a.broker_pipe_token.is_some() {
+            self.warren.exec_broker(&rec.id, start).await
+        } else if interactive {
+            let req = ExecInteractive {
+                start,
+                tty: a.tty.map(|t| WindowSize {
+                    rows: t.rows,
+                    cols: t.cols,
+                }),
+            };
+            self.warren.exec_interactive(&rec.id, req).await
+        } else {
+            self.warren.exec_start(&rec.id, start).await
+        };
+        match started {
             Ok(job) => {
                 let stored =
                     serde_json::json!({ "ok": { "vm_id": rec.id, "job_id": job.to_string() } });
                 self.receipts
                     .complete(&p.workspace, "vm_exec", rid, &stored)?;
-                to_value(self.exec_page(&rec.id, job, wait_ms).await?)
+                if let Some(token) = &a.broker_pipe_token {
+                    self.pipes.register(&p.workspace, &rec.id, job, token);
+                }
+                let page = to_value(self.exec_page(&rec.id, job, wait_ms).await?)?;
+                Ok(self.with_pipe(page, &rec.id, job, &a))
             }
             Err(e) => {
                 if e.guest().is_some() || matches!(e, CoreError::VmNotRunning { .. }) {
@@ -818,6 +864,15 @@ impl Service {
                 Err(e.into())
             }
         }
+    }
+
+    /// `vm_exec`'s answer for a job started with a broker pipe: `broker_pipe` says whether
+    /// the pipe is there (it is gone once the job's processes are).
+    fn with_pipe(&self, mut page: Value, vm: &str, job: JobId, a: &VmExecArgs) -> Value {
+        if a.broker_pipe_token.is_some() {
+            page["broker_pipe"] = Value::Bool(self.pipes.has(vm, job));
+        }
+        page
     }
 
     /// Waits up to `wait_ms` for the job to end, then returns its first page. A job that ends
@@ -973,6 +1028,7 @@ impl Service {
         let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
         self.streams
             .close_vm(&rec.id, crate::streams::CloseReason::Destroyed);
+        self.pipes.remove_vm(&rec.id);
         self.warren.destroy_vm(&rec.id).await?;
         to_value(VmDestroyed {
             vm_id: rec.id,

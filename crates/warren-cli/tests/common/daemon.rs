@@ -211,6 +211,54 @@ impl Daemon {
             .to_string()
     }
 
+    /// A WebSocket upgrade request's refusal: its status and error code (read by hand: the
+    /// shared client adds `Connection: close`, which is no upgrade).
+    pub fn upgrade_status(&self, token: Option<&str>, path: &str) -> (u16, String) {
+        let mut s = std::net::TcpStream::connect(&self.addr).expect("connect");
+        s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+            .ok();
+        let auth = token
+            .map(|t| format!("Authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        let req = format!(
+            "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+             Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n{auth}\r\n",
+            self.addr
+        );
+        std::io::Write::write_all(&mut s, req.as_bytes()).expect("write");
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            let n = s.read(&mut chunk).unwrap_or(0);
+            buf.extend_from_slice(&chunk[..n]);
+            let text = String::from_utf8_lossy(&buf).to_string();
+            if let Some(end) = text.find("\r\n\r\n") {
+                let len = text[..end]
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                    })
+                    .unwrap_or(0);
+                if buf.len() >= end + 4 + len || n == 0 {
+                    let status: u16 = text[9..12].parse().expect("status");
+                    let body: serde_json::Value =
+                        serde_json::from_slice(&buf[end + 4..]).unwrap_or_default();
+                    return (
+                        status,
+                        body["error"]["code"].as_str().unwrap_or("").to_string(),
+                    );
+                }
+            }
+            assert!(
+                n > 0,
+                "connection closed early: {}",
+                String::from_utf8_lossy(&buf)
+            );
+        }
+    }
+
     pub fn token_file(&self, token: &str) -> PathBuf {
         let p = self.env.state.path().join(format!("t-{}", rand_suffix()));
         std::fs::write(&p, token).expect("write token");

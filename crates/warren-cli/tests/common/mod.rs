@@ -8,6 +8,7 @@
 #![allow(dead_code)]
 
 pub mod daemon;
+pub mod wsclient;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -15,6 +16,24 @@ use std::process::{Command, Output, Stdio};
 use std::sync::{Mutex, OnceLock};
 
 pub const WARREN: &str = env!("CARGO_BIN_EXE_warren");
+
+/// The repository's root.
+pub fn repo() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+}
+
+/// The Python of the venv holding the official MCP SDK, creating the venv first if needed
+/// (`scripts/mcp-venv.sh`; idempotent, ~1 s when it exists).
+pub fn mcp_python() -> PathBuf {
+    let st = Command::new(repo().join("scripts/mcp-venv.sh"))
+        .status()
+        .expect("run scripts/mcp-venv.sh");
+    assert!(st.success(), "scripts/mcp-venv.sh failed");
+    let venv = std::env::var_os("WARREN_MCP_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/warren-test/mcp-venv"));
+    venv.join("bin/python")
+}
 
 pub fn image_dir() -> PathBuf {
     std::env::var_os("WARREN_TEST_IMAGE_DIR")

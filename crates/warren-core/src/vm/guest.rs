@@ -81,6 +81,39 @@ impl Warren {
         }
     }
 
+    /// [`Warren::job_output`] releasing an interactive job's output only before `release`
+    /// (the bytes the reader acknowledged), so a reader that lost its last reads reads
+    /// them again (guests before protocol 5 release at the cursors).
+    pub async fn job_output_acked(
+        &self,
+        id: &str,
+        req: JobOutputRequest,
+        release: (u64, u64),
+    ) -> Result<JobOutput, CoreError> {
+        let req = HostRequest::JobOutputAcked(warren_protocol::JobOutputAcked {
+            read: req,
+            release_stdout: release.0,
+            release_stderr: release.1,
+        });
+        match self.awake_client(id).await?.guest(req).await? {
+            GuestResponse::JobOutput(o) => Ok(o),
+            _ => Err(unexpected()),
+        }
+    }
+
+    /// Starts a job with a broker pipe (`ExecBroker`), waking a suspended VM first.
+    pub async fn exec_broker(&self, id: &str, req: ExecStart) -> Result<JobId, CoreError> {
+        match self
+            .awake_client(id)
+            .await?
+            .guest(HostRequest::ExecBroker(req))
+            .await?
+        {
+            GuestResponse::ExecStarted(j) => Ok(j),
+            _ => Err(unexpected()),
+        }
+    }
+
     /// The jobs the guest retains, oldest first.
     pub async fn job_list(&self, id: &str) -> Result<Vec<warren_protocol::JobSummary>, CoreError> {
         match self.client(id)?.guest(HostRequest::JobList).await? {

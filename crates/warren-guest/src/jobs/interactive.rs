@@ -57,7 +57,7 @@ impl JobManager {
             Some(size) => JobIo::Terminal(size),
             None => JobIo::Pipe,
         };
-        self.start_job(req.start, io, key)
+        self.start_job(req.start, io, key, false)
     }
 
     /// Writes input to an interactive job, then closes it when `eof`.

@@ -95,6 +95,24 @@ pub(super) fn spawn_error(program: &str, err: &io::Error) -> GuestError {
     }
 }
 
+/// The job's broker directory for the spawn, when it has a pipe; the mount point is made
+/// once (an empty directory everyone else sees).
+fn broker_dir(job: &Job) -> Result<Option<CString>, GuestError> {
+    let broker = job
+        .broker
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    let Some(b) = broker else {
+        return Ok(None);
+    };
+    fs::create_dir_all(super::broker::BROKER_MOUNT)
+        .map_err(|e| internal("create the broker mount point", e))?;
+    CString::new(b.dir().as_os_str().as_encoded_bytes())
+        .map(Some)
+        .map_err(|_| invalid("broker directory contains NUL"))
+}
+
 impl JobManager {
     pub(super) fn launch(
         self: &Arc<Self>,
@@ -122,6 +140,23 @@ impl JobManager {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
+        let mut base = base;
+        if job
+            .broker
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some()
+        {
+            // Where the job finds its pipe (a request's own `env` may still override it).
+            base.push((
+                "WARREN_BROKER_SOCKET".into(),
+                format!(
+                    "{}/{}",
+                    super::broker::BROKER_MOUNT,
+                    super::broker::BROKER_SOCKET
+                ),
+            ));
+        }
         let env = job_env(&base, &req.env, terminal_size.is_some());
         let program =
             resolve_program(&req.argv[0], &env).map_err(|e| spawn_error(&req.argv[0], &e))?;
@@ -148,6 +183,7 @@ impl JobManager {
                 cgroup_procs,
                 user: self.cfg.files.user,
                 cwd: Some(cwd),
+                broker_dir: None,
             };
             let spawn_req = SpawnRequest {
                 program: &program,
@@ -201,6 +237,7 @@ impl JobManager {
             cgroup_procs,
             user: self.cfg.files.user,
             cwd: Some(cwd),
+            broker_dir: broker_dir(job)?,
         };
         let spawn_req = SpawnRequest {
             program: &program,

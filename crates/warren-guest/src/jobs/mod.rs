@@ -54,8 +54,8 @@ use warren_protocol::limits::{
     MAX_RUNNING_JOBS, MAX_STDIN_BYTES,
 };
 use warren_protocol::{
-    BenchReply, ErrorCode, ExecStart, GuestError, JobId, JobOutput, JobOutputRequest, JobState,
-    WindowSize,
+    BenchReply, ErrorCode, ExecStart, GuestError, JobId, JobOutput, JobOutputAcked,
+    JobOutputRequest, JobState, WindowSize,
 };
 
 use crate::files::{self, FilesConfig};
@@ -94,6 +94,10 @@ pub struct JobsConfig {
     pub max_retained: u64,
     /// Exec request keys remembered (the most recent ones).
     pub max_request_keys: usize,
+    /// Where cgroup2 is mounted (job cgroups are named relative to it in `/proc`).
+    pub cgroup_mount: PathBuf,
+    /// Directory of the broker pipes' directories ([`broker::BROKER_ROOT`]).
+    pub broker_root: PathBuf,
 }
 
 impl JobsConfig {
@@ -107,6 +111,8 @@ impl JobsConfig {
             max_live: MAX_LIVE_JOBS,
             max_retained: MAX_RETAINED_OUTPUT,
             max_request_keys: MAX_REQUEST_KEYS,
+            cgroup_mount: PathBuf::from("/sys/fs/cgroup"),
+            broker_root: PathBuf::from(broker::BROKER_ROOT),
         }
     }
 }
@@ -186,6 +192,8 @@ struct Job {
     /// Interactive jobs: woken when a read releases output or `closing` is set, so a drain
     /// waiting for room in the window goes on.
     room: tokio::sync::Notify,
+    /// The job's broker pipe (`ExecBroker`), until its cgroup is empty.
+    broker: Mutex<Option<Arc<broker::Broker>>>,
 }
 
 impl Job {
@@ -267,12 +275,26 @@ impl Job {
     }
 
     /// Reads at the request's cursors. For interactive jobs the read also releases the
-    /// bytes before the cursors (the host has them), making room for more output.
-    fn read(&self, req: &JobOutputRequest) -> Result<(JobOutput, bool), GuestError> {
+    /// bytes before `release` (at most the cursors: what the host has), making room for
+    /// more output.
+    fn read(
+        &self,
+        req: &JobOutputRequest,
+        release: (u64, u64),
+    ) -> Result<(JobOutput, bool), GuestError> {
+        if release.0 > req.stdout_cursor || release.1 > req.stderr_cursor {
+            return Err(invalid("a release point lies past its read cursor"));
+        }
         let max = req.max_bytes.min(MAX_READ_PER_STREAM) as usize;
         let mut d = self.data();
         // Offset of `cursor` in a buffer that starts at absolute position `base`.
+        // A status read (`max_bytes` 0) returns no bytes, so a cursor in output already
+        // released is no error there: the job's state is still worth knowing.
+        let status_only = req.max_bytes == 0;
         let offset = |buf: &[u8], base: u64, cursor: u64, name: &str| {
+            if status_only && cursor < base {
+                return Ok(0);
+            }
             let off = cursor.checked_sub(base).ok_or_else(|| {
                 invalid(format!(
                     "{name} cursor {cursor} is before {base}, which was already read and released"
@@ -285,12 +307,16 @@ impl Job {
         };
         let mut out_off = offset(&d.stdout, d.stdout_base, req.stdout_cursor, "stdout")?;
         let mut err_off = offset(&d.stderr, d.stderr_base, req.stderr_cursor, "stderr")?;
-        if self.io != JobIo::Batch && (out_off > 0 || err_off > 0) {
-            d.stdout.drain(..out_off);
-            d.stderr.drain(..err_off);
-            d.stdout_base = req.stdout_cursor;
-            d.stderr_base = req.stderr_cursor;
-            (out_off, err_off) = (0, 0);
+        // Release points before the bases were released already.
+        let out_rel = usize::try_from(release.0.saturating_sub(d.stdout_base)).unwrap_or(0);
+        let err_rel = usize::try_from(release.1.saturating_sub(d.stderr_base)).unwrap_or(0);
+        if self.io != JobIo::Batch && (out_rel > 0 || err_rel > 0) {
+            d.stdout.drain(..out_rel);
+            d.stderr.drain(..err_rel);
+            d.stdout_base += out_rel as u64;
+            d.stderr_base += err_rel as u64;
+            out_off -= out_rel;
+            err_off -= err_rel;
             self.room.notify_waiters();
         }
         let take =
@@ -526,6 +552,7 @@ impl JobManager {
             input: tokio::sync::Mutex::new(None),
             terminal: Mutex::new(None),
             room: tokio::sync::Notify::new(),
+            broker: Mutex::new(None),
         });
         t.jobs.insert(id, job.clone());
         if let Some((k, digest)) = key {
@@ -547,7 +574,46 @@ impl JobManager {
             }
             None => None,
         };
-        self.start_job(req, JobIo::Batch, key)
+        self.start_job(req, JobIo::Batch, key, false)
+    }
+
+    /// Starts a job with a broker pipe ([`broker`]); request keys as for
+    /// [`JobManager::start`], digested apart from plain starts (the same key for a plain and
+    /// a broker start is a `Conflict`).
+    pub async fn start_broker(self: &Arc<Self>, req: ExecStart) -> Result<JobId, GuestError> {
+        validate_exec(&req)?;
+        if !matches!(self.cfg.containment, Containment::Cgroup(_)) {
+            return Err(GuestError::new(
+                ErrorCode::Internal,
+                "a broker pipe needs job cgroups",
+            ));
+        }
+        let key = match &req.request_key {
+            Some(k) => {
+                let digest = req
+                    .digest()
+                    .map_err(|e| internal("exec request digest", e))?;
+                let mut h = <sha2::Sha256 as sha2::Digest>::new();
+                sha2::Digest::update(&mut h, b"warren-broker\0");
+                sha2::Digest::update(&mut h, digest);
+                Some((k.clone(), sha2::Digest::finalize(h).into()))
+            }
+            None => None,
+        };
+        self.start_job(req, JobIo::Batch, key, true)
+    }
+
+    /// The broker pipe of job `id`: `NotFound` when it has none (any more).
+    pub fn broker(&self, id: JobId) -> Result<Arc<broker::Broker>, GuestError> {
+        let job = self.get(id)?;
+        let b = job
+            .broker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        b.ok_or_else(|| {
+            GuestError::new(ErrorCode::NotFound, format!("job {id} has no broker pipe"))
+        })
     }
 
     /// Reserves, then launches; shared by batch and interactive starts. `key` is the
@@ -557,6 +623,7 @@ impl JobManager {
         req: ExecStart,
         io: JobIo,
         key: Option<(String, [u8; 32])>,
+        with_broker: bool,
     ) -> Result<JobId, GuestError> {
         // Nothing below awaits: on the agent's single-threaded runtime a start runs to its end
         // before another request is polled, so a duplicate never sees a reserved job whose
@@ -569,7 +636,9 @@ impl JobManager {
         // when the job has since removed its own working directory. A single openat2 with the
         // guest user's fs identity (restored before returning): cheap enough to run inline,
         // and a blocking-pool hop costs milliseconds under TCG.
-        let launched = files::open_dir(&self.cfg.files, req.cwd.as_deref())
+        let launched = self
+            .open_broker(&job, with_broker)
+            .and_then(|()| files::open_dir(&self.cfg.files, req.cwd.as_deref()))
             .and_then(|cwd_fd| self.launch(&job, req, cwd_fd));
         match launched {
             Ok(()) => Ok(job.id),
@@ -581,23 +650,78 @@ impl JobManager {
                 if let Some(dir) = &job.cgroup {
                     let _ = fs::remove_dir(dir);
                 }
+                job.broker
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take();
                 Err(e)
             }
         }
     }
 
+    /// Opens the job's broker pipe before it starts, when asked.
+    fn open_broker(&self, job: &Job, with_broker: bool) -> Result<(), GuestError> {
+        if !with_broker {
+            return Ok(());
+        }
+        let Some(dir) = &job.cgroup else {
+            return Err(GuestError::new(
+                ErrorCode::Internal,
+                "a broker pipe needs job cgroups",
+            ));
+        };
+        // The job's cgroup as /proc/<pid>/cgroup names it: relative to the cgroup2 mount.
+        let cgroup = match (&self.cfg.containment, dir.file_name()) {
+            (Containment::Cgroup(jobs), Some(name)) => {
+                let rel = jobs.strip_prefix(&self.cfg.cgroup_mount).unwrap_or(jobs);
+                format!("/{}/{}", rel.display(), name.to_string_lossy()).replace("//", "/")
+            }
+            _ => {
+                return Err(internal(
+                    "broker cgroup",
+                    std::io::Error::other("no cgroup"),
+                ))
+            }
+        };
+        let user = self
+            .cfg
+            .files
+            .user
+            .unwrap_or(warren_protocol::limits::GUEST_USER_ID);
+        let b = broker::Broker::open(&self.cfg.broker_root, job.id, user, cgroup)
+            .map_err(|e| internal("open the broker pipe", e))?;
+        *job.broker.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(b));
+        Ok(())
+    }
+
     /// Reads output at the request's cursors, long-polling when asked and nothing is new.
     pub async fn output(&self, req: &JobOutputRequest) -> Result<JobOutput, GuestError> {
+        self.output_released(req, (req.stdout_cursor, req.stderr_cursor))
+            .await
+    }
+
+    /// [`JobManager::output`] releasing an interactive job's bytes only before the
+    /// acknowledged points (`JobOutputAcked`).
+    pub async fn output_acked(&self, req: &JobOutputAcked) -> Result<JobOutput, GuestError> {
+        self.output_released(&req.read, (req.release_stdout, req.release_stderr))
+            .await
+    }
+
+    async fn output_released(
+        &self,
+        req: &JobOutputRequest,
+        release: (u64, u64),
+    ) -> Result<JobOutput, GuestError> {
         let job = self.get(req.job)?;
         // Subscribe before looking, so a change between the look and the wait is not lost.
         let mut changes = job.changed.subscribe();
-        let (out, nothing_new) = job.read(req)?;
+        let (out, nothing_new) = job.read(req, release)?;
         if !nothing_new || req.wait_ms == 0 {
             return Ok(out);
         }
         let wait = Duration::from_millis(u64::from(req.wait_ms.min(MAX_OUTPUT_WAIT_MS)));
         let _ = tokio::time::timeout(wait, changes.changed()).await;
-        Ok(job.read(req)?.0)
+        Ok(job.read(req, release)?.0)
     }
 
     /// Every retained job with its state and background processes, oldest first.
@@ -723,6 +847,7 @@ impl JobManager {
     }
 }
 
+pub mod broker;
 mod interactive;
 mod launch;
 mod leftovers;

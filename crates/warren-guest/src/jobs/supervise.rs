@@ -226,6 +226,15 @@ async fn supervise(
         d.output_complete = true;
     }
     job.bump();
+    // Nothing of the job is left to connect to its broker pipe.
+    let broker = job
+        .broker
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    if let Some(b) = broker {
+        b.close();
+    }
     if let Some(dir) = &job.cgroup {
         remove_cgroup(job.id, dir).await;
     }

@@ -88,6 +88,8 @@ pub(super) fn fixture_cfg(
         max_live: MAX_LIVE_JOBS,
         max_retained: MAX_RETAINED_OUTPUT,
         max_request_keys: MAX_REQUEST_KEYS,
+        cgroup_mount: "/sys/fs/cgroup".into(),
+        broker_root: "/nonexistent".into(),
     };
     edit(&mut cfg);
     let reaper = Reaper::start(ReapMode::RegisteredOnly).expect("reaper");
@@ -968,4 +970,48 @@ async fn test_interactive_output_flow_controlled_never_truncated() {
     // What was read is released: reading before it again is refused.
     let r = f.jobs.output(&req(id, 0, 0, 0)).await;
     assert_eq!(r.map_err(|e| e.code), Err(ErrorCode::InvalidArgument));
+}
+
+#[tokio::test]
+async fn test_acked_read_releases_only_before_the_acknowledged_point() {
+    let f = fixture();
+    let id = f
+        .jobs
+        .start_interactive(interactive(exec(&["cat"]), None))
+        .await
+        .expect("start");
+    send(&f, id, b"abcdefgh", false).await.expect("input");
+    let acked = |out: u64, release: u64| warren_protocol::JobOutputAcked {
+        read: req(id, out, 0, 5_000),
+        release_stdout: release,
+        release_stderr: 0,
+    };
+    let o = f.jobs.output_acked(&acked(0, 0)).await.expect("read");
+    assert_eq!(o.stdout, b"abcdefgh");
+    // Read past everything, acknowledging only 3 bytes: the rest can be read again.
+    send(&f, id, b"ij", false).await.expect("input");
+    let o = f.jobs.output_acked(&acked(8, 3)).await.expect("read on");
+    assert_eq!(o.stdout, b"ij");
+    let again = f.jobs.output(&req(id, 3, 0, 0)).await.expect("reread");
+    assert_eq!(again.stdout, b"defghij");
+    // That plain read released before 3 and nothing more; before 3 is gone.
+    let gone = f.jobs.output(&req(id, 2, 0, 0)).await;
+    assert_eq!(gone.map_err(|e| e.code), Err(ErrorCode::InvalidArgument));
+    // A status read still answers at a released cursor, and a release past the cursor is
+    // refused.
+    let mut status = req(id, 0, 0, 0);
+    status.max_bytes = 0;
+    let st = f.jobs.output(&status).await.expect("status");
+    assert_eq!(st.stdout_retained, 10);
+    let bad = f.jobs.output_acked(&acked(4, 5)).await;
+    assert_eq!(bad.map_err(|e| e.code), Err(ErrorCode::InvalidArgument));
+    send(&f, id, b"", true).await.expect("eof");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let o = f.jobs.output(&req(id, 10, 0, 5_000)).await.expect("end");
+        if matches!(o.state, JobState::Finished(_)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "cat did not end");
+    }
 }

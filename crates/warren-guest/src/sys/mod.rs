@@ -27,7 +27,13 @@ pub struct ChildSetup {
     /// `fchdir` here (an `O_PATH` directory resolved beneath the workspace) after dropping
     /// privileges, so that the cwd check and the chdir see the same directory.
     pub cwd: Option<OwnedFd>,
+    /// While still root: a mount namespace of the job's own (propagation slave) with this
+    /// directory bind-mounted at [`BROKER_MOUNT_C`] (the job's broker pipe).
+    pub broker_dir: Option<std::ffi::CString>,
 }
+
+/// `crate::jobs::broker::BROKER_MOUNT` as the child's system calls take it.
+pub const BROKER_MOUNT_C: &std::ffi::CStr = c"/run/warren-broker";
 
 /// Registers `fd` with the runtime's reactor for readiness in both directions.
 pub fn register_fd(fd: OwnedFd) -> io::Result<tokio::io::unix::AsyncFd<OwnedFd>> {

@@ -46,6 +46,8 @@ struct ChildArgs {
     cgroup_procs: c_int,
     user: Option<u32>,
     cwd: c_int,
+    /// Null, or the broker directory to bind-mount in a new mount namespace.
+    broker_src: *const libc::c_char,
     mask: libc::sigset_t,
     /// Written by the child when a step fails (then it exits 127); read by the parent.
     errno: c_int,
@@ -73,6 +75,11 @@ pub fn spawn(req: &SpawnRequest<'_>) -> io::Result<i32> {
         cgroup_procs: fd_or_none(&req.setup.cgroup_procs),
         user: req.setup.user,
         cwd: fd_or_none(&req.setup.cwd),
+        broker_src: req
+            .setup
+            .broker_dir
+            .as_ref()
+            .map_or(ptr::null(), |d| d.as_ptr()),
         // SAFETY: sigset_t is plain data; all-zero is a valid (empty) set, overwritten below.
         mask: unsafe { std::mem::zeroed() },
         errno: 0,
@@ -140,6 +147,30 @@ extern "C" fn child(arg: *mut c_void) -> c_int {
             && libc::syscall(libc::SYS_write, args.cgroup_procs, b"0".as_ptr(), 1) < 0
         {
             return fail(args);
+        }
+        if !args.broker_src.is_null() {
+            let none = ptr::null::<libc::c_char>();
+            let no_data = ptr::null::<c_void>();
+            if libc::syscall(libc::SYS_unshare, libc::CLONE_NEWNS) < 0
+                || libc::syscall(
+                    libc::SYS_mount,
+                    none,
+                    c"/".as_ptr(),
+                    none,
+                    (libc::MS_REC | libc::MS_SLAVE) as libc::c_ulong,
+                    no_data,
+                ) < 0
+                || libc::syscall(
+                    libc::SYS_mount,
+                    args.broker_src,
+                    super::BROKER_MOUNT_C.as_ptr(),
+                    none,
+                    libc::MS_BIND as libc::c_ulong,
+                    no_data,
+                ) < 0
+            {
+                return fail(args);
+            }
         }
         if let Some(id) = args.user {
             let id = id as libc::c_long;

@@ -1,0 +1,163 @@
+//! Job streams for a caller (`crate::job_ws`): a job's live output, and the terminal of an
+//! interactive job (input, window size, output). Every refusal comes before the WebSocket
+//! upgrade: the VM is the caller's (404), a place under the stream quotas (409 `busy`), then
+//! the job exists in the guest and the cursors lie within its output (404, 400).
+//!
+//! A terminal has one attachment at a time: a newer one replaces the older (which is closed
+//! with 1001 `replaced by another attachment`), so a client whose connection broke reattaches
+//! at once instead of waiting for the service to notice the old connection is dead.
+
+use warren_protocol::WindowSize;
+
+use super::*;
+use crate::streams::Ticket;
+
+/// An attached broker pipe, admitted under the stream quotas.
+pub struct BrokerOpen {
+    pub vm_id: String,
+    pub job: JobId,
+    pub ticket: Ticket,
+    pub attachment: crate::broker::Attachment,
+}
+
+/// A job stream admitted under the quotas.
+pub struct JobStream {
+    pub vm_id: String,
+    pub job: JobId,
+    pub ticket: Ticket,
+}
+
+impl Service {
+    /// Admits a job stream of the caller's VM `vm_id` reading from `at` (waking a suspended
+    /// VM); `terminal` makes it the job's one terminal attachment.
+    pub async fn open_job_stream(
+        &self,
+        p: &Principal,
+        vm_id: &str,
+        job: JobId,
+        at: Cursor,
+        terminal: bool,
+    ) -> Result<JobStream, ApiError> {
+        let rec = self.owned(p, vm_id, None)?;
+        let key = format!("{}/{job}", rec.id);
+        let ticket = if terminal {
+            // The holder is replaced only once the newcomer is known to be valid.
+            self.streams.check_exclusive(&p.workspace, &rec.id, &key)?;
+            self.probe(&rec.id, job, at).await?;
+            self.streams.admit_exclusive(&p.workspace, &rec.id, &key)?
+        } else {
+            let ticket = self.streams.admit(&p.workspace, &rec.id)?;
+            self.probe(&rec.id, job, at).await?;
+            ticket
+        };
+        Ok(JobStream {
+            vm_id: rec.id,
+            job,
+            ticket,
+        })
+    }
+
+    /// The service's broker pipes.
+    pub fn broker_pipes(&self) -> &crate::broker::Pipes {
+        &self.pipes
+    }
+
+    /// Attaches the controller holding `token` to job `job`'s broker pipe (see
+    /// `crate::broker` for the refusals), waking a suspended VM; a pipe whose job's
+    /// processes are all gone is forgotten and refused.
+    pub async fn open_broker(
+        &self,
+        p: &Principal,
+        vm_id: &str,
+        job: JobId,
+        token: &str,
+    ) -> Result<BrokerOpen, ApiError> {
+        let rec = self.owned(p, vm_id, None)?;
+        let attachment = self.pipes.attach(&p.workspace, &rec.id, job, token)?;
+        let ticket = self.streams.admit(&p.workspace, &rec.id)?;
+        if self.broker_job_done(&rec.id, job).await {
+            self.pipes.remove(&rec.id, job);
+            return Err(ApiError::new(
+                "not_found",
+                format!("no broker pipe for job {job}"),
+            ));
+        }
+        Ok(BrokerOpen {
+            vm_id: rec.id,
+            job,
+            ticket,
+            attachment,
+        })
+    }
+
+    /// Whether job `job`'s processes are all gone (or the guest no longer knows it), so its
+    /// broker pipe has ended.
+    pub async fn broker_job_done(&self, vm: &str, job: JobId) -> bool {
+        match self
+            .read(vm, job, Cursor::default(), 0, Duration::ZERO)
+            .await
+        {
+            Ok(o) => o.output_complete,
+            Err(e) => e.code == "not_found",
+        }
+    }
+
+    /// The job exists and the cursors lie within its output: asked without waiting (a
+    /// one-byte read: a status read accepts cursors in output already released).
+    async fn probe(&self, vm: &str, job: JobId, at: Cursor) -> Result<(), ApiError> {
+        self.read(vm, job, at, 1, Duration::ZERO).await.map(drop)
+    }
+
+    /// Reads a job's output at `at`: at most `max_bytes` per stream, waiting up to `wait`
+    /// while nothing is new and the job runs.
+    pub async fn job_read(
+        &self,
+        vm: &str,
+        job: JobId,
+        at: Cursor,
+        max_bytes: u32,
+        wait: Duration,
+    ) -> Result<JobOutput, ApiError> {
+        self.read(vm, job, at, max_bytes, wait).await
+    }
+
+    /// [`Service::job_read`] releasing an interactive job's output only before `release`
+    /// (what the client acknowledged).
+    pub async fn job_read_acked(
+        &self,
+        vm: &str,
+        job: JobId,
+        at: Cursor,
+        release: Cursor,
+        wait: Duration,
+    ) -> Result<JobOutput, ApiError> {
+        let req = JobOutputRequest {
+            job,
+            stdout_cursor: at.stdout,
+            stderr_cursor: at.stderr,
+            max_bytes: MAX_READ_PER_STREAM,
+            wait_ms: wait.as_millis().min(u128::from(MAX_OUTPUT_WAIT_MS)) as u32,
+        };
+        Ok(self
+            .warren
+            .job_output_acked(vm, req, (release.stdout, release.stderr))
+            .await?)
+    }
+
+    /// Writes terminal input (at most `MAX_INPUT_CHUNK` bytes), then closes the job's input
+    /// when `eof`; answered once the guest wrote it.
+    pub async fn job_input(
+        &self,
+        vm: &str,
+        job: JobId,
+        data: Vec<u8>,
+        eof: bool,
+    ) -> Result<(), ApiError> {
+        Ok(self.warren.job_input(vm, job, data, eof).await?)
+    }
+
+    /// Sets a terminal job's window size.
+    pub async fn job_resize(&self, vm: &str, job: JobId, size: WindowSize) -> Result<(), ApiError> {
+        Ok(self.warren.job_resize(vm, job, size).await?)
+    }
+}
