@@ -476,6 +476,9 @@ pub enum VmCmd {
         path: Option<String>,
         #[arg(long, default_value_t = 500)]
         limit: u32,
+        /// `{"paths": [...], "truncated": bool}` instead of one path per line.
+        #[arg(long)]
+        json: bool,
     },
     /// Prints `path:line:text` for lines matching a regular expression (Rust regex syntax)
     /// in the text files glob would list; exits 1 when nothing matches.

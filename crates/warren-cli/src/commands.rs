@@ -715,6 +715,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             pattern,
             path,
             limit,
+            json,
         } => {
             let w = open(cli, None)?;
             let r = w
@@ -727,6 +728,11 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                     },
                 )
                 .await?;
+            if *json {
+                let v = serde_json::json!({"paths": r.paths, "truncated": r.truncated});
+                println!("{}", serde_json::to_string_pretty(&v)?);
+                return Ok(0);
+            }
             let mut out = std::io::stdout().lock();
             for p in &r.paths {
                 writeln!(out, "{}", t.field(p))?;
