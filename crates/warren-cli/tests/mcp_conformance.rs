@@ -129,7 +129,9 @@ fn server_scenarios(suite: &Path) -> Vec<String> {
 fn test_mcp_conformance_suite_scenarios_pass_or_fail_as_recorded() {
     let dir = clients_dir();
     let suite = dir.join("node_modules/@modelcontextprotocol/conformance/dist/index.js");
-    let d = Daemon::start("");
+    // The suite opens an MCP session per scenario and never closes it (no DELETE): the
+    // default 16 sessions per token would refuse the later scenarios with quota_exceeded.
+    let d = Daemon::start("max_mcp_sessions_per_token = 64");
     let token = d.token_file(&d.token("conformance", &[]));
     let proxy = Proxy::start(&d, &token);
     let scenarios = server_scenarios(&suite);
