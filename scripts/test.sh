@@ -12,7 +12,11 @@ if ! command -v cargo-nextest >/dev/null; then cargo install --locked cargo-next
 # layout builder, and python3-cryptography signs for them (an implementation independent of
 # Warren's); e2fsprogs' debugfs reads images' file systems (~10 s to install the four).
 test_pkgs=()
-for p in curl util-linux python3-venv iproute2 nftables docker-registry skopeo umoci python3-cryptography e2fsprogs; do
+# Packaging tests (issue 19): dpkg-dev and lintian build and check the Debian packages,
+# systemd-container boots fresh Debian roots (debootstrap) for them, umoci builds the OCI
+# image, zstd packs the cached roots. docker-registry, skopeo and python3-cryptography serve
+# the OCI pull tests (tests/oci.rs).
+for p in curl util-linux python3-venv iproute2 nftables docker-registry skopeo umoci python3-cryptography e2fsprogs dpkg-dev lintian systemd-container debootstrap zstd; do
   dpkg -s "$p" >/dev/null 2>&1 || test_pkgs+=("$p")
 done
 if [ ${#test_pkgs[@]} -gt 0 ]; then
@@ -28,6 +32,8 @@ if command -v systemctl >/dev/null && systemctl is-active --quiet docker-registr
 fi
 echo "==> MCP client venv (PyPI mcp)"
 scripts/mcp-venv.sh
+echo "==> MCP conformance suite and Inspector CLI (npm registry, Node.js 20)"
+scripts/mcp-conformance/install.sh
 
 export WARREN_GUEST_AGENT="$(pwd)/target/x86_64-unknown-linux-gnu/release/warren-guest"
 # Images outlive the checkout, keyed by recipe digest: a rerun on the same machine reuses them.
@@ -48,3 +54,16 @@ echo "==> cargo doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
 echo "==> tests"
 cargo nextest run --workspace --no-fail-fast
+
+# Shipping (issue 19): packages built offline after a fetch, lintian-clean; installed, run,
+# upgraded, removed and purged in booted bookworm and trixie roots; the OCI image and the
+# Kubernetes manifests. Their caches live under /var/cache/warren-test.
+echo "==> Debian packages"
+scripts/build-debs --fetch
+WARREN_VIRTIOFSD_TARGET=/var/cache/warren-test/virtiofsd-target scripts/build-debs target/debian
+WARREN_TEST_DEBS=target/debian scripts/test-debs
+echo "==> OCI image"
+WARREN_ROOT_CACHE=/var/cache/warren-test/debs scripts/test-oci target/debian
+echo "==> Kubernetes manifests"
+scripts/test-k8s
+

@@ -4,10 +4,18 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+/// `warren --version`: the package version and the commit it was built from.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("WARREN_COMMIT"),
+    ")"
+);
+
 #[derive(Parser, Debug)]
 #[command(
     name = "warren",
-    version,
+    version = VERSION,
     about = "Private Linux workspaces in microVMs for AI coding agents"
 )]
 pub struct Cli {
@@ -44,7 +52,10 @@ pub enum Command {
     #[command(subcommand)]
     Vm(VmCmd),
     /// Checks this host: QEMU, firmware, accelerator, cgroups, privileges.
-    Preflight,
+    Preflight {
+        #[arg(long)]
+        json: bool,
+    },
     /// Measures boot, exec and file transfer costs against raw baselines.
     Bench(BenchArgs),
     /// Runs warrend: the JSON HTTP API, MCP at /mcp, and the local control socket.
@@ -54,10 +65,23 @@ pub enum Command {
         config: PathBuf,
     },
     /// Before a host shutdown: hibernates every running or paused VM (jobs are frozen and
-    /// continue after resume). Used by the service unit on stop.
+    /// continue after resume). Run by `warren-hibernate.service` when the host shuts down.
     Shutdown {
         #[arg(long, required = true)]
         hibernate_all: bool,
+        /// The service's configuration: its state and image directories (default: the
+        /// global options).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Prints a shell completion script for SHELL on stdout (bash, zsh, fish, elvish,
+    /// powershell).
+    Completions { shell: clap_complete::Shell },
+    /// Writes man pages (warren.1 and one per subcommand) into DIR (for packagers).
+    #[command(hide = true)]
+    ManPages {
+        #[arg(long)]
+        out_dir: PathBuf,
     },
     /// Workspace credentials for the service (an operator action).
     #[command(subcommand)]
@@ -506,6 +530,9 @@ pub enum VmCmd {
         path: Option<String>,
         #[arg(long, default_value_t = 500)]
         limit: u32,
+        /// `{"paths": [...], "truncated": bool}` instead of one path per line.
+        #[arg(long)]
+        json: bool,
     },
     /// Prints `path:line:text` for lines matching a regular expression (Rust regex syntax)
     /// in the text files glob would list; exits 1 when nothing matches.

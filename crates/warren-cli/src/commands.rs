@@ -14,6 +14,7 @@ use warren_protocol::{
 use warren_vmm::AccelChoice;
 
 use crate::cli::{Cli, Command, TokenCmd, VmCmd};
+use crate::progress::Progress;
 use crate::term::Term;
 
 /// Exit code for any Warren error (as opposed to the command's own code).
@@ -28,6 +29,11 @@ pub fn run(cli: Cli) -> Result<i32> {
     }
     if let Command::InterceptRefresh { sources } = &cli.command {
         return crate::refresh::intercept_refresh(sources);
+    }
+    match &cli.command {
+        Command::Completions { shell } => return crate::docs_gen::completions(*shell),
+        Command::ManPages { out_dir } => return crate::docs_gen::man_pages(out_dir),
+        _ => {}
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -66,7 +72,7 @@ async fn run_async(cli: Cli) -> Result<i32> {
     match &cli.command {
         Command::Image(cmd) => crate::image_cmd::image(&cli, cmd).await,
         Command::Vm(cmd) => vm(&cli, cmd).await,
-        Command::Preflight => preflight(&cli),
+        Command::Preflight { json } => preflight(&cli, *json),
         Command::Bench(args) if args.suite == "suspend" => {
             crate::bench_suspend::run(&cli, args).await
         }
@@ -94,7 +100,7 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::Token(cmd) => token(&cli, cmd),
         Command::Session(cmd) => crate::session_cmd::session(&cli, cmd).await,
         Command::Run(args) => crate::session_cmd::run(&cli, args).await,
-        Command::Shutdown { .. } => shutdown(&cli).await,
+        Command::Shutdown { config, .. } => shutdown(&cli, config.as_deref()).await,
         Command::Attach {
             vm,
             port,
@@ -104,7 +110,10 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::PortForward { vm, ports, service } => {
             crate::stream_cmd::port_forward(&cli, service, vm, ports).await
         }
-        Command::Supervise { .. } | Command::InterceptRefresh { .. } => {
+        Command::Supervise { .. }
+        | Command::InterceptRefresh { .. }
+        | Command::Completions { .. }
+        | Command::ManPages { .. } => {
             unreachable!("handled before the runtime starts")
         }
     }
@@ -125,8 +134,33 @@ async fn serve(config: &std::path::Path) -> Result<i32> {
     Ok(0)
 }
 
-async fn shutdown(cli: &Cli) -> Result<i32> {
-    let w = open(cli, None)?;
+async fn shutdown(cli: &Cli, config: Option<&std::path::Path>) -> Result<i32> {
+    // The service's state and image directories, as `warren serve --config` uses them. At
+    // host shutdown a configuration the service would refuse (say, no image configured yet)
+    // must not keep VMs the CLI started from being hibernated: it is reported, and the
+    // global options (default: the default state directory) are used instead.
+    let svc = config.and_then(|path| match warren_api::config::ServiceConfig::load(path) {
+        Ok(svc) => Some(svc),
+        Err(e) => {
+            eprintln!(
+                "warning: {e:#}; hibernating the VMs of {} instead",
+                cli.state_dir
+                    .clone()
+                    .unwrap_or_else(default_state_dir)
+                    .display()
+            );
+            None
+        }
+    });
+    let w = match svc {
+        Some(svc) => {
+            let exe = std::env::current_exe().context("locating the warren binary")?;
+            let mut cfg = WarrenConfig::new(svc.state_dir.clone(), exe);
+            cfg.image_dir = svc.image_dir();
+            Warren::open(cfg)?
+        }
+        None => open(cli, None)?,
+    };
     let t = Term::new(cli.raw);
     let mut failed = 0;
     for vm in w.list_vms()? {
@@ -136,11 +170,13 @@ async fn shutdown(cli: &Cli) -> Result<i32> {
         ) {
             continue;
         }
+        let progress = Progress::steps(format!("vm {}", vm.id));
+        progress.step("hibernating");
         match w
             .suspend_vm(&vm.id, warren_core::SuspendMode::Hibernate, true)
             .await
         {
-            Ok(r) => eprintln!("{} {}", r.id, r.state.as_str()),
+            Ok(r) => progress.finish(Some(r.state.as_str())),
             Err(e) => {
                 failed += 1;
                 eprintln!(
@@ -601,6 +637,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             pattern,
             path,
             limit,
+            json,
         } => {
             let w = open(cli, None)?;
             let r = w
@@ -613,6 +650,11 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                     },
                 )
                 .await?;
+            if *json {
+                let v = serde_json::json!({"paths": r.paths, "truncated": r.truncated});
+                println!("{}", serde_json::to_string_pretty(&v)?);
+                return Ok(0);
+            }
             let mut out = std::io::stdout().lock();
             for p in &r.paths {
                 writeln!(out, "{}", t.field(p))?;
@@ -666,14 +708,21 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             } else {
                 warren_core::SuspendMode::Hibernate
             };
+            let progress = Progress::steps(format!("vm {vm}"));
+            progress.step(match mode {
+                warren_core::SuspendMode::Pause => "pausing",
+                warren_core::SuspendMode::Hibernate => "hibernating",
+            });
             let rec = w.suspend_vm(vm, mode, *force).await?;
-            eprintln!("{} is {}", rec.id, rec.state.as_str());
+            progress.finish(Some(rec.state.as_str()));
             Ok(0)
         }
         VmCmd::Resume { vm } => {
             let w = open(cli, None)?;
+            let progress = Progress::steps(format!("vm {vm}"));
+            progress.step("resuming");
             let rec = w.resume_vm(vm).await?;
-            eprintln!("{} is {}", rec.id, rec.state.as_str());
+            progress.finish(Some(rec.state.as_str()));
             Ok(0)
         }
         VmCmd::Destroy { vm } => {
@@ -811,13 +860,11 @@ fn upto(bytes: &[u8], cursor: u64, end: u64) -> &[u8] {
     &bytes[..bytes.len().min(n)]
 }
 
-fn preflight(cli: &Cli) -> Result<i32> {
-    let mut problems = 0;
+/// `warren preflight [--json]`: each check is `ok`, `fail` or `info`; exit 1 on any failure.
+fn preflight(cli: &Cli, json: bool) -> Result<i32> {
+    let mut checks: Vec<(&'static str, String, String)> = Vec::new();
     let mut line = |ok: bool, what: &str, detail: String| {
-        if !ok {
-            problems += 1;
-        }
-        println!("{} {what}: {detail}", if ok { "ok  " } else { "FAIL" });
+        checks.push((if ok { "ok" } else { "fail" }, what.to_string(), detail));
     };
     match warren_vmm::accel::find_qemu() {
         Ok(q) => {
@@ -862,14 +909,18 @@ fn preflight(cli: &Cli) -> Result<i32> {
         .read(true)
         .write(true)
         .open("/dev/kvm");
-    println!(
-        "info accelerator: /dev/kvm {}; `auto` probes it once per host boot and falls back to TCG",
+    let kvm = format!(
+        "/dev/kvm {}; `auto` probes it once per host boot and falls back to TCG",
         if kvm.is_ok() {
             "opens"
         } else {
             "is unavailable"
         }
     );
+    checks.push(("info", "accelerator".into(), kvm));
+    let mut line = |ok: bool, what: &str, detail: String| {
+        checks.push((if ok { "ok" } else { "fail" }, what.to_string(), detail));
+    };
     let root = nix::unistd::geteuid().is_root();
     line(
         true,
@@ -948,5 +999,25 @@ fn preflight(cli: &Cli) -> Result<i32> {
         "images",
         format!("{} built (warren image build)", imgs.len()),
     );
-    Ok(if problems == 0 { 0 } else { 1 })
+    let failed = checks.iter().any(|(status, _, _)| *status == "fail");
+    if json {
+        let list: Vec<_> = checks
+            .iter()
+            .map(|(status, check, detail)| {
+                serde_json::json!({"check": check, "status": status, "detail": detail})
+            })
+            .collect();
+        let v = serde_json::json!({"ok": !failed, "checks": list});
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        for (status, check, detail) in &checks {
+            let tag = match *status {
+                "ok" => "ok  ",
+                "fail" => "FAIL",
+                _ => "info",
+            };
+            println!("{tag} {check}: {detail}");
+        }
+    }
+    Ok(if failed { 1 } else { 0 })
 }

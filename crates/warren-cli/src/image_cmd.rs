@@ -1,7 +1,7 @@
 //! `warren image ...`: build (a built-in recipe or a recipe file), list, remove.
 //!
-//! Build progress goes through [`progress_line`] only, so a terminal progress display can
-//! replace it in one place.
+//! Build and pull progress go through [`crate::progress::Progress`], like every long
+//! operation's.
 
 use std::path::PathBuf;
 
@@ -10,15 +10,11 @@ use warren_image::{BuildProgress, Recipe};
 
 use crate::cli::{Cli, ImageCmd};
 use crate::commands::open;
+use crate::progress::Progress;
 
-/// Prints one build or pull progress event (`[  12.3s] step: detail`) to stderr.
-pub(crate) fn progress_line(started: std::time::Instant, p: &BuildProgress) {
-    eprintln!(
-        "[{:>6.1}s] {}: {}",
-        started.elapsed().as_secs_f64(),
-        p.step,
-        p.detail
-    );
+/// Reports one build or pull event as a step of `progress`.
+fn report(progress: &Progress, p: &BuildProgress) {
+    progress.step(&format!("{}: {}", p.step, p.detail));
 }
 
 pub(crate) fn find_agent() -> Result<PathBuf> {
@@ -27,6 +23,8 @@ pub(crate) fn find_agent() -> Result<PathBuf> {
     let profile = dir.file_name().map(|s| s.to_owned()).unwrap_or_default();
     let candidates = [
         dir.join("warren-guest"),
+        // The Debian package: /usr/bin/warren and /usr/lib/warren/warren-guest.
+        dir.join("../lib/warren/warren-guest"),
         dir.join("../x86_64-unknown-linux-gnu/release/warren-guest"),
         dir.join("../x86_64-unknown-linux-gnu")
             .join(&profile)
@@ -83,10 +81,11 @@ pub(crate) async fn image(cli: &Cli, cmd: &ImageCmd) -> Result<i32> {
                 Some(a) => a.clone(),
                 None => find_agent()?,
             };
-            let started = std::time::Instant::now();
+            let progress = Progress::steps(format!("image {}", recipe.name()));
             let id = w
                 .images()
-                .build(&recipe, &agent, &mut |p| progress_line(started, &p))?;
+                .build(&recipe, &agent, &mut |p| report(&progress, &p))?;
+            progress.finish(Some(&format!("built {id}")));
             println!("{id}");
             Ok(0)
         }
@@ -105,10 +104,11 @@ pub(crate) async fn image(cli: &Cli, cmd: &ImageCmd) -> Result<i32> {
                 deadline: std::time::Duration::from_secs(*timeout_secs),
                 ..Default::default()
             };
-            let started = std::time::Instant::now();
+            let progress = Progress::steps(format!("pull {reference}"));
             let id = w
-                .pull_image(reference, &agent, opts, &mut |p| progress_line(started, &p))
+                .pull_image(reference, &agent, opts, &mut |p| report(&progress, &p))
                 .await?;
+            progress.finish(Some(&format!("pulled {id}")));
             println!("{id}");
             Ok(0)
         }

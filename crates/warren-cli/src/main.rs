@@ -19,10 +19,12 @@ mod cli;
 mod client;
 mod commands;
 mod copy;
+mod docs_gen;
 mod egress_file;
 mod host_keys;
 mod image_cmd;
 mod jobs_cmd;
+mod progress;
 mod refresh;
 mod remote_exec;
 mod session_cmd;
@@ -49,6 +51,9 @@ fn main() {
         eprintln!("warren: marking inherited descriptors close-on-exec failed: {e}");
         std::process::exit(1);
     }
+    // One TLS provider for the whole process: the HTTP clients (OCI pulls, the MCP bench
+    // client) are built without one of their own, so none of them picks a different backend.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let args = cli::Cli::parse();
     let level = match args.verbose {
         0 if matches!(args.command, cli::Command::Serve { .. }) => "info",

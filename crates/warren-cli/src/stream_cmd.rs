@@ -1,15 +1,15 @@
 //! `warren attach`, `warren port-forward` and `warren vm cp`: guest streams from the command
 //! line (`crate::stream_link` opens them through the service or in process).
 
-use std::io::{IsTerminal, Read, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use warren_protocol::stream::StreamTarget;
 
 use crate::cli::Cli;
+use crate::progress::Progress;
 use crate::stream_link::{Chunk, Opener, Rx, ServiceArgs};
 
 /// Chunk size moved at once.
@@ -186,54 +186,6 @@ pub fn parse_place(s: &str) -> Place {
 }
 
 /// Shows bytes moved on a terminal (stderr), at most a few times a second.
-struct Progress {
-    label: String,
-    total: u64,
-    done: u64,
-    started: Instant,
-    shown: Instant,
-    on: bool,
-}
-
-impl Progress {
-    fn new(label: String, total: u64) -> Progress {
-        let now = Instant::now();
-        Progress {
-            label,
-            total,
-            done: 0,
-            started: now,
-            shown: now,
-            on: std::io::stderr().is_terminal(),
-        }
-    }
-
-    fn add(&mut self, n: usize) {
-        self.done += n as u64;
-        if self.on && self.shown.elapsed() >= Duration::from_millis(250) {
-            self.shown = Instant::now();
-            self.show("");
-        }
-    }
-
-    fn show(&self, end: &str) {
-        let mib = self.done as f64 / (1 << 20) as f64;
-        let rate = mib / self.started.elapsed().as_secs_f64().max(1e-3);
-        let of = if self.total > 0 {
-            format!(" of {:.1} MiB", self.total as f64 / (1 << 20) as f64)
-        } else {
-            String::new()
-        };
-        eprint!("\r{}: {mib:.1} MiB{of} ({rate:.1} MiB/s){end}", self.label);
-    }
-
-    fn finish(&self) {
-        if self.on {
-            self.show("\n");
-        }
-    }
-}
-
 /// `warren vm cp SRC DST`: a host file or tree into a guest directory, or a guest file or
 /// tree into a host directory (both created when missing). The copy lands under its own
 /// name; an existing one is never replaced.
@@ -269,10 +221,10 @@ pub(crate) async fn upload(opener: &Opener, from: &Path, vm: &str, dir: &str) ->
         };
         crate::copy::pack(&src, w)
     });
-    let mut progress = Progress::new(format!("{} -> {vm}:{dir}", from.display()), total);
+    let progress = Progress::bytes(format!("{} -> {vm}:{dir}", from.display()), Some(total));
     let send = async {
         while let Some(c) = chunks.recv().await {
-            progress.add(c.len());
+            progress.inc(c.len() as u64);
             tx.send(&c).await?;
         }
         tx.eof().await?;
@@ -286,10 +238,10 @@ pub(crate) async fn upload(opener: &Opener, from: &Path, vm: &str, dir: &str) ->
         }
     };
     let packed = packer.await.map_err(|e| anyhow!("packing: {e}"))?;
-    progress.finish();
     sent?;
     packed?;
     wait_end(&mut rx).await?;
+    progress.finish(None);
     Ok(0)
 }
 
@@ -367,14 +319,14 @@ async fn download_into(
         }
         Ok(unpacked)
     });
-    let mut progress = Progress::new(format!("{vm}:{path}"), 0);
+    let progress = Progress::bytes(format!("{vm}:{path}"), None);
     let received = async {
         let mut unpacker_done = false;
         let mut dropped = 0u64;
         loop {
             match rx.next().await? {
                 Chunk::Data(d) => {
-                    progress.add(d.len());
+                    progress.inc(d.len() as u64);
                     if unpacker_done {
                         // Bounded: a guest that goes on sending after the archive is refused.
                         dropped += d.len() as u64;
@@ -399,11 +351,11 @@ async fn download_into(
     };
     let received = received.await;
     drop(chunks_tx);
-    progress.finish();
     let unpacked = unpacker.await.map_err(|e| anyhow!("unpacking: {e}"))?;
     // The unpacker's own error says why it stopped taking data; report that one first.
     let unpacked = unpacked?;
     received?;
+    progress.finish(None);
     Ok(unpacked)
 }
 

@@ -268,7 +268,7 @@ fn test_pool_handouts_distinct_and_fork_counters_independent() {
             "--",
             "sh",
             "-c",
-            "i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done",
+            "i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.1; done",
         ]),
         "start the counter",
     );

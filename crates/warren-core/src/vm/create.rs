@@ -3,7 +3,6 @@
 
 use std::os::unix::fs::{chown, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
 use rand::RngCore;
@@ -261,7 +260,7 @@ impl Warren {
     pub(super) async fn launch_and_wait(&self, dir: &VmDir) -> Result<u64, CoreError> {
         let dir = dir.clone();
         let t = std::time::Instant::now();
-        let supervisor = self.spawn_supervisor(&dir)?;
+        let supervisor = super::launch::spawn_supervisor(&self.cfg, &dir)?;
         tracing::debug!(ms = t.elapsed().as_millis() as u64, "supervisor spawned");
 
         let client = SupervisorClient::new(&dir.socket());
@@ -301,50 +300,6 @@ impl Warren {
                 Err(CoreError::BootFailed(reason))
             }
         }
-    }
-
-    /// Starts `warren supervise` for `dir`, detached; returns a pidfd on it (none on a kernel
-    /// without pidfds, where only the supervisor's own lock-file pid can reach it later).
-    fn spawn_supervisor(&self, dir: &VmDir) -> Result<Option<std::os::fd::OwnedFd>, CoreError> {
-        use std::os::unix::process::CommandExt;
-        let log = warren_vmm::sys::private_file::create(&dir.supervisor_log(), false)
-            .map_err(|e| CoreError::io("create", dir.supervisor_log(), e))?;
-        let log2 = log
-            .try_clone()
-            .map_err(|e| CoreError::io("dup", dir.supervisor_log(), e))?;
-        let mut cmd = std::process::Command::new(&self.cfg.supervisor_exe);
-        cmd.arg("supervise")
-            .arg("--vm-dir")
-            .arg(dir.path())
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2)
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-            )
-            // Its own session: terminal signals to the CLI never reach it.
-            .process_group(0);
-        // Credentials in the caller's environment (`ANTHROPIC_API_KEY`, `GH_TOKEN`, ...) stay
-        // with the caller: the supervisor, QEMU and virtiofsd never hold them.
-        for (name, _) in std::env::vars_os() {
-            if name.to_str().is_none_or(credential_variable) {
-                cmd.env_remove(&name);
-            }
-        }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| CoreError::io("spawn", &self.cfg.supervisor_exe, e))?;
-        // Opened before the reaper can reap it, so the pidfd is this child's.
-        let pid = rustix::process::Pid::from_child(&child);
-        let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
-            .map_err(|e| tracing::warn!(error = %e, "no pidfd on the supervisor"))
-            .ok();
-        // Reap it if it ends while we still run; otherwise init inherits it.
-        std::thread::spawn(move || {
-            let _ = child.wait();
-        });
-        Ok(pidfd)
     }
 }
 

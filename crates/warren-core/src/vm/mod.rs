@@ -22,6 +22,7 @@ mod create;
 pub mod fork;
 mod guest;
 pub mod jobs_seen;
+pub mod launch;
 mod mounts;
 pub mod pool;
 mod reconcile;
@@ -53,6 +54,8 @@ pub struct WarrenConfig {
     pub supervisor_exe: PathBuf,
     pub accel: AccelChoice,
     pub boot_timeout: Duration,
+    /// How supervisors are started (`WARREN_SUPERVISORS`, see [`launch`]).
+    pub supervisors: launch::SupervisorLaunch,
 }
 
 impl WarrenConfig {
@@ -64,6 +67,7 @@ impl WarrenConfig {
             supervisor_exe,
             accel: AccelChoice::Auto,
             boot_timeout: DEFAULT_BOOT_TIMEOUT,
+            supervisors: launch::SupervisorLaunch::from_env(),
         }
     }
 }

@@ -1,0 +1,290 @@
+//! Starting a VM's supervisor, detached from whoever asked for the VM.
+//!
+//! Two ways, chosen by `WARREN_SUPERVISORS` when the engine's configuration is made
+//! ([`SupervisorLaunch::from_env`]):
+//!
+//! - `child` (the default): a child process in its own process group. It outlives the CLI,
+//!   but it stays in the caller's cgroup: under a service manager that kills a service's
+//!   whole cgroup on stop, the VMs would die with the service.
+//! - `systemd`: a transient service unit of its own (`systemd-run`), `warren-vm-*.service`
+//!   in `warren-vms.slice`, started by PID 1 outside the caller's cgroup and mount
+//!   namespace. `warren.service` sets it, so stopping, restarting or crashing the service
+//!   leaves every VM running and the next service process re-adopts them (they are found
+//!   through their directories and locks, never through the process tree). Each unit is
+//!   ordered before `warren-hibernate.service`, whose stop at host shutdown hibernates every
+//!   VM before systemd stops the units. The supervisor's output goes to the same log file
+//!   as in `child` mode.
+//!
+//! Only an allow-list of the caller's environment reaches a supervisor started by systemd
+//! (`PATH`, `RUST_LOG`, `WARREN_*`): everything else comes from the service manager. In
+//! both ways no variable named like a credential (`*_TOKEN`, `*_API_KEY`, ...) reaches it.
+
+use std::io::Read;
+use std::os::fd::OwnedFd;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use rand::RngCore;
+use warren_supervisor::VmDir;
+
+use super::create::credential_variable;
+use super::WarrenConfig;
+use crate::error::CoreError;
+
+/// How long `systemd-run` may take to have the unit started.
+const SYSTEMD_RUN_DEADLINE: Duration = Duration::from_secs(30);
+
+/// The slice holding every supervisor started as a unit (shipped as `warren-vms.slice`).
+pub const VM_SLICE: &str = "warren-vms.slice";
+
+/// How supervisors are started; see the module documentation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SupervisorLaunch {
+    /// A detached child process (own process group).
+    Child,
+    /// A transient systemd service unit per supervisor.
+    Systemd,
+    /// `WARREN_SUPERVISORS` held something else: every launch is refused, naming it.
+    Invalid(String),
+}
+
+impl SupervisorLaunch {
+    /// From `WARREN_SUPERVISORS`: unset or `child`, or `systemd`.
+    pub fn from_env() -> SupervisorLaunch {
+        match std::env::var("WARREN_SUPERVISORS") {
+            Err(std::env::VarError::NotPresent) => SupervisorLaunch::Child,
+            Ok(v) => SupervisorLaunch::parse(&v),
+            Err(std::env::VarError::NotUnicode(v)) => {
+                SupervisorLaunch::Invalid(v.to_string_lossy().into_owned())
+            }
+        }
+    }
+
+    fn parse(v: &str) -> SupervisorLaunch {
+        match v {
+            "" | "child" => SupervisorLaunch::Child,
+            "systemd" => SupervisorLaunch::Systemd,
+            other => SupervisorLaunch::Invalid(other.to_string()),
+        }
+    }
+}
+
+/// Starts `warren supervise` for `dir`, detached; returns a pidfd on it when it is our
+/// child (none under systemd, or on a kernel without pidfds: then only the supervisor's
+/// own lock-file pid can reach it later).
+pub(super) fn spawn_supervisor(
+    cfg: &WarrenConfig,
+    dir: &VmDir,
+) -> Result<Option<OwnedFd>, CoreError> {
+    let log = warren_vmm::sys::private_file::create(&dir.supervisor_log(), false)
+        .map_err(|e| CoreError::io("create", dir.supervisor_log(), e))?;
+    match &cfg.supervisors {
+        SupervisorLaunch::Child => spawn_child(cfg, dir, log),
+        SupervisorLaunch::Systemd => {
+            drop(log);
+            spawn_unit(cfg, dir).map(|()| None)
+        }
+        SupervisorLaunch::Invalid(v) => Err(CoreError::InvalidArgument(format!(
+            "WARREN_SUPERVISORS={v:?}: expected child or systemd"
+        ))),
+    }
+}
+
+fn spawn_child(
+    cfg: &WarrenConfig,
+    dir: &VmDir,
+    log: std::fs::File,
+) -> Result<Option<OwnedFd>, CoreError> {
+    use std::os::unix::process::CommandExt;
+    let log2 = log
+        .try_clone()
+        .map_err(|e| CoreError::io("dup", dir.supervisor_log(), e))?;
+    let mut cmd = std::process::Command::new(&cfg.supervisor_exe);
+    cmd.arg("supervise")
+        .arg("--vm-dir")
+        .arg(dir.path())
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log2)
+        .env("RUST_LOG", rust_log())
+        // Its own session: terminal signals to the CLI never reach it.
+        .process_group(0);
+    // Credentials in the caller's environment (`ANTHROPIC_API_KEY`, `GH_TOKEN`, ...) stay
+    // with the caller: the supervisor, QEMU and virtiofsd never hold them.
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_none_or(credential_variable) {
+            cmd.env_remove(&name);
+        }
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| CoreError::io("spawn", &cfg.supervisor_exe, e))?;
+    // Opened before the reaper can reap it, so the pidfd is this child's.
+    let pid = rustix::process::Pid::from_child(&child);
+    let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+        .map_err(|e| tracing::warn!(error = %e, "no pidfd on the supervisor"))
+        .ok();
+    // Reap it if it ends while we still run; otherwise init inherits it.
+    std::thread::spawn(move || {
+        let _ = child.wait();
+    });
+    Ok(pidfd)
+}
+
+fn rust_log() -> String {
+    std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into())
+}
+
+/// The `systemd-run` arguments that start `dir`'s supervisor as unit `unit`.
+fn unit_args(cfg: &WarrenConfig, dir: &VmDir, unit: &str) -> Vec<std::ffi::OsString> {
+    let log = dir.supervisor_log();
+    let mut args: Vec<std::ffi::OsString> = vec![
+        "--quiet".into(),
+        "--collect".into(),
+        format!("--unit={unit}").into(),
+        format!("--slice={VM_SLICE}").into(),
+        format!(
+            "--description=Warren VM supervisor ({})",
+            dir.path().display()
+        )
+        .into(),
+        // `exec`: systemd-run fails when the binary cannot be executed.
+        "--property=Type=exec".into(),
+        "--property=Before=warren-hibernate.service".into(),
+        "--property=TimeoutStopSec=30".into(),
+    ];
+    for stream in ["StandardOutput", "StandardError"] {
+        let mut a = std::ffi::OsString::from(format!("--property={stream}=append:"));
+        a.push(&log);
+        args.push(a);
+    }
+    let mut env = vec![("RUST_LOG".to_string(), rust_log().into())];
+    for (k, v) in std::env::vars_os() {
+        if let Some(k) = k.to_str() {
+            if (k.starts_with("WARREN_") || k == "PATH")
+                && k != "WARREN_SUPERVISORS"
+                && !credential_variable(k)
+            {
+                env.push((k.to_string(), v));
+            }
+        }
+    }
+    for (k, v) in env {
+        let mut a = std::ffi::OsString::from(format!("--setenv={k}="));
+        a.push(v);
+        args.push(a);
+    }
+    args.push("--".into());
+    args.push(cfg.supervisor_exe.clone().into());
+    args.push("supervise".into());
+    args.push("--vm-dir".into());
+    args.push(dir.path().into());
+    args
+}
+
+fn spawn_unit(cfg: &WarrenConfig, dir: &VmDir) -> Result<(), CoreError> {
+    let name = dir
+        .path()
+        .file_name()
+        .and_then(|n| n.to_str())
+        .filter(|n| n.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'))
+        .ok_or_else(|| {
+            CoreError::InvalidArgument(format!(
+                "{}: a VM directory name must be ASCII letters, digits and dashes",
+                dir.path().display()
+            ))
+        })?;
+    // A fresh name per launch: the previous supervisor's unit may not be collected yet
+    // when a VM is resumed right after it hibernated.
+    let mut nonce = [0u8; 4];
+    rand::rng().fill_bytes(&mut nonce);
+    let unit = format!("warren-vm-{name}-{}.service", hex::encode(nonce));
+    let mut child = std::process::Command::new("systemd-run")
+        .args(unit_args(cfg, dir, &unit))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| CoreError::io("spawn", "systemd-run", e))?;
+    let started = Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) if started.elapsed() < SYSTEMD_RUN_DEADLINE => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(CoreError::BootFailed(format!(
+                    "systemd-run did not start {unit} within {}s",
+                    SYSTEMD_RUN_DEADLINE.as_secs()
+                )));
+            }
+            Err(e) => return Err(CoreError::io("wait", "systemd-run", e)),
+        }
+    };
+    if !status.success() {
+        let mut err = String::new();
+        if let Some(mut e) = child.stderr.take() {
+            let _ = (&mut e).take(4096).read_to_string(&mut err);
+        }
+        return Err(CoreError::BootFailed(format!(
+            "systemd-run could not start {unit} ({status}): {}",
+            err.trim()
+        )));
+    }
+    tracing::debug!(unit, "supervisor started as a systemd unit");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_supervisor_launch_parse_unknown_is_invalid() {
+        assert_eq!(SupervisorLaunch::parse(""), SupervisorLaunch::Child);
+        assert_eq!(SupervisorLaunch::parse("child"), SupervisorLaunch::Child);
+        assert_eq!(
+            SupervisorLaunch::parse("systemd"),
+            SupervisorLaunch::Systemd
+        );
+        assert_eq!(
+            SupervisorLaunch::parse("docker"),
+            SupervisorLaunch::Invalid("docker".into())
+        );
+    }
+
+    #[test]
+    fn test_unit_args_log_slice_and_command() {
+        let cfg = WarrenConfig::new("/var/lib/warren".into(), "/usr/bin/warren".into());
+        let dir = VmDir("/var/lib/warren/vms/abc".into());
+        let args: Vec<String> = unit_args(&cfg, &dir, "warren-vm-abc-1.service")
+            .into_iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let log = dir.supervisor_log().display().to_string();
+        for want in [
+            "--unit=warren-vm-abc-1.service".to_string(),
+            format!("--slice={VM_SLICE}"),
+            "--property=Type=exec".into(),
+            "--property=Before=warren-hibernate.service".into(),
+            format!("--property=StandardOutput=append:{log}"),
+            format!("--property=StandardError=append:{log}"),
+        ] {
+            assert!(args.contains(&want), "{want} in {args:?}");
+        }
+        let dash = args.iter().position(|a| a == "--").expect("--");
+        assert_eq!(
+            &args[dash + 1..],
+            [
+                "/usr/bin/warren",
+                "supervise",
+                "--vm-dir",
+                "/var/lib/warren/vms/abc"
+            ]
+        );
+        assert!(!args.iter().any(|a| a.contains("WARREN_SUPERVISORS")));
+    }
+}
