@@ -18,7 +18,10 @@
 //! - device nodes, FIFOs, sparse and unknown entries are **dropped** (counted);
 //! - with [`Options::whiteouts`] (OCI layers), `.wh.<name>` removes `<name>` of the layers
 //!   below and `.wh..wh..opq` empties its directory of them;
-//! - at most [`Options::max_entries`] entries and [`Options::max_bytes`] of file content.
+//! - at most [`Options::max_entries`] entries and [`Options::max_bytes`] of file content;
+//!   GNU long names and links and PAX headers are read with limits of their own (the `tar`
+//!   crate would buffer them whole, whatever size a header claims); a PAX `size` that
+//!   disagrees with the header, and GNU sparse entries with an extended map, are **refused**.
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -80,12 +83,21 @@ pub fn unpack(
     // Directories this archive made or named: an opaque whiteout keeps what this layer put
     // in them (names of this archive) and removes the rest.
     let mut made: HashSet<Vec<u8>> = HashSet::new();
+    let mut names_kept: u64 = 0;
     let mut archive = tar::Archive::new(input);
+    // Raw entries: the crate would read a GNU long name or link, or a PAX header, into
+    // memory whole, whatever size its header claims; [`Extensions`] reads them bounded.
     let entries = archive
         .entries()
-        .map_err(|e| err(b"archive", format!("reading: {e}")))?;
+        .map_err(|e| err(b"archive", format!("reading: {e}")))?
+        .raw(true);
+    let mut ext = Extensions::default();
     for entry in entries {
         let mut entry = entry.map_err(|e| err(b"archive", format!("reading: {e}")))?;
+        if ext.take_record(&mut entry)? {
+            continue;
+        }
+        let meta = ext.apply(&entry)?;
         done.entries += 1;
         if done.entries > opts.max_entries {
             return Err(err(
@@ -93,7 +105,7 @@ pub fn unpack(
                 format!("more than {} entries", opts.max_entries),
             ));
         }
-        let name = entry.path_bytes().into_owned();
+        let name = meta.name;
         // The root directory itself (`/`, as umoci writes it): nothing to make.
         if !name.is_empty() && name.iter().all(|b| *b == b'/') {
             continue;
@@ -125,14 +137,19 @@ pub fn unpack(
             done.whiteouts += 1;
             continue;
         }
+        // Names kept for the whole archive (opaque whiteouts, directory modes): bounded.
+        names_kept += name.len() as u64;
+        if names_kept > MAX_NAMES_KEPT {
+            return Err(err(
+                b"archive",
+                format!("more than {MAX_NAMES_KEPT} bytes of names"),
+            ));
+        }
         made.insert(comps.join(&b'/'));
         let header = entry.header();
         let raw_mode = header.mode().unwrap_or(0o644);
         let owner = if opts.keep_owner {
-            Some((
-                header.uid().unwrap_or(0) as u32,
-                header.gid().unwrap_or(0) as u32,
-            ))
+            Some((meta.uid, meta.gid))
         } else {
             None
         };
@@ -207,10 +224,9 @@ pub fn unpack(
                 done.setid_dropped += u64::from(setid);
             }
             tar::EntryType::Symlink => {
-                let target = entry
-                    .link_name_bytes()
-                    .ok_or_else(|| err(&name, "symlink without a target"))?
-                    .into_owned();
+                let target = meta
+                    .link
+                    .ok_or_else(|| err(&name, "symlink without a target"))?;
                 if target.len() > tree::MAX_NAME || target.is_empty() || target.contains(&0) {
                     return Err(err(&name, "symlink target empty, too long or with a NUL"));
                 }
@@ -230,10 +246,9 @@ pub fn unpack(
                 done.links += 1;
             }
             tar::EntryType::Link => {
-                let target = entry
-                    .link_name_bytes()
-                    .ok_or_else(|| err(&name, "hard link without a target"))?
-                    .into_owned();
+                let target = meta
+                    .link
+                    .ok_or_else(|| err(&name, "hard link without a target"))?;
                 let tcomps = components(&target)
                     .map_err(|e| err(&name, format!("hard link target refused: {}", e.reason)))?;
                 let Some((tlast, tparents)) = tcomps.split_last() else {
@@ -254,9 +269,15 @@ pub fn unpack(
                 .map_err(|e| err(&name, format!("hard link: {e}")))?;
                 done.links += 1;
             }
-            // PAX and GNU long-name records are consumed by the tar crate.
+            // PAX and GNU long-name records were consumed by [`Extensions`].
             _ => done.skipped += 1,
         }
+    }
+    if !ext.is_empty() {
+        return Err(err(
+            b"archive",
+            "an extension record describes no entry (the archive ends after it)",
+        ));
     }
     // Deepest first, so a read-only directory is set after its children were made.
     dir_modes.sort_by_key(|d| std::cmp::Reverse(d.0.len()));
@@ -267,6 +288,134 @@ pub fn unpack(
             .map_err(|e| err(&comps.join(&b'/'), format!("chmod: {e}")))?;
     }
     Ok(())
+}
+
+/// Largest GNU long name or long link record read (a name is at most [`tree::MAX_NAME`]).
+const MAX_LONG_NAME: u64 = tree::MAX_NAME as u64 + 1;
+/// Largest PAX extended header read (names, owners, times, extended attributes).
+const MAX_PAX: u64 = 1 << 20;
+/// Most bytes of entry names one archive may make the unpacker keep in memory.
+const MAX_NAMES_KEPT: u64 = 256 << 20;
+
+/// An entry's name, link target and owner after its extension records.
+struct EntryMeta {
+    name: Vec<u8>,
+    link: Option<Vec<u8>>,
+    uid: u32,
+    gid: u32,
+}
+
+/// The GNU long name and long link records and the PAX extended header that describe the
+/// next entry, each read with a size limit (the `tar` crate, iterating normally, would read
+/// them whole into memory: a header may claim gigabytes). The precedence is the crate's: a
+/// GNU long name over a PAX `path` over the header's name (likewise for link targets).
+#[derive(Default)]
+struct Extensions {
+    long_name: Option<Vec<u8>>,
+    long_link: Option<Vec<u8>>,
+    pax: Option<Vec<u8>>,
+}
+
+impl Extensions {
+    fn is_empty(&self) -> bool {
+        self.long_name.is_none() && self.long_link.is_none() && self.pax.is_none()
+    }
+
+    /// If `entry` is an extension record, reads it (bounded) and returns true.
+    fn take_record<R: Read>(&mut self, entry: &mut tar::Entry<'_, R>) -> Result<bool, TreeError> {
+        let kind = entry.header().entry_type();
+        let (slot, limit, what) = if kind.is_gnu_longname() {
+            (&mut self.long_name, MAX_LONG_NAME, "GNU long name")
+        } else if kind.is_gnu_longlink() {
+            (&mut self.long_link, MAX_LONG_NAME, "GNU long link")
+        } else if kind.is_pax_local_extensions() {
+            (&mut self.pax, MAX_PAX, "PAX header")
+        } else {
+            return Ok(false);
+        };
+        let size = entry.size();
+        if size > limit {
+            return Err(err(
+                b"archive",
+                format!("extension record ({what}) of {size} bytes, over the {limit}-byte limit"),
+            ));
+        }
+        if slot.is_some() {
+            return Err(err(
+                b"archive",
+                format!("two extension records ({what}) for one entry"),
+            ));
+        }
+        let mut data = Vec::new();
+        entry
+            .take(limit)
+            .read_to_end(&mut data)
+            .map_err(|e| err(b"archive", format!("reading an extension record: {e}")))?;
+        *slot = Some(data);
+        Ok(true)
+    }
+
+    /// The name, link target and owner of `entry` (a real entry), consuming the records.
+    fn apply<R: Read>(&mut self, entry: &tar::Entry<'_, R>) -> Result<EntryMeta, TreeError> {
+        let header = entry.header();
+        if header.as_gnu().is_some_and(|g| g.is_extended()) {
+            return Err(err(
+                &header.path_bytes(),
+                "a GNU sparse file with an extended map (not supported)",
+            ));
+        }
+        let strip = |mut v: Vec<u8>| {
+            while v.last() == Some(&0) {
+                v.pop();
+            }
+            v
+        };
+        let (mut pax_path, mut pax_link, mut uid, mut gid) = (None, None, None, None);
+        if let Some(pax) = self.pax.take() {
+            for rec in tar::PaxExtensions::new(&pax) {
+                let rec = rec.map_err(|e| err(b"archive", format!("PAX header: {e}")))?;
+                let number = || {
+                    rec.value()
+                        .ok()
+                        .and_then(|v| v.parse::<u32>().ok())
+                        .ok_or_else(|| err(b"archive", "PAX header: an owner is not a number"))
+                };
+                match rec.key_bytes() {
+                    b"path" => pax_path = Some(rec.value_bytes().to_vec()),
+                    b"linkpath" => pax_link = Some(rec.value_bytes().to_vec()),
+                    b"uid" => uid = Some(number()?),
+                    b"gid" => gid = Some(number()?),
+                    b"size" => {
+                        let size = rec.value().ok().and_then(|v| v.parse::<u64>().ok());
+                        if size != Some(entry.size()) {
+                            return Err(err(
+                                &header.path_bytes(),
+                                "the PAX size differs from the header's size (refused: parsers \
+                                 would disagree on where the next entry starts)",
+                            ));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let name = match (self.long_name.take(), pax_path) {
+            (Some(n), _) => strip(n),
+            (None, Some(p)) => p,
+            (None, None) => header.path_bytes().into_owned(),
+        };
+        let link = match (self.long_link.take(), pax_link) {
+            (Some(l), _) => Some(strip(l)),
+            (None, Some(l)) => Some(l),
+            (None, None) => header.link_name_bytes().map(|l| l.into_owned()),
+        };
+        Ok(EntryMeta {
+            name,
+            link,
+            uid: uid.unwrap_or_else(|| header.uid().unwrap_or(0) as u32),
+            gid: gid.unwrap_or_else(|| header.gid().unwrap_or(0) as u32),
+        })
+    }
 }
 
 /// Creates (or replaces) the regular file `name` in `parent`, never through a symlink.
@@ -427,5 +576,115 @@ mod tests {
             ..oci()
         };
         assert!(unpack(&a[..], &root, &opts, &mut done).is_err());
+    }
+
+    /// A reader that counts the bytes taken from it.
+    struct Counting<R> {
+        inner: R,
+        taken: std::rc::Rc<std::cell::Cell<u64>>,
+    }
+
+    impl<R: Read> Read for Counting<R> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.inner.read(buf)?;
+            self.taken.set(self.taken.get() + n as u64);
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn test_unpack_extension_records_bounded_in_memory() {
+        // A GNU long name or link, or a PAX header, is read into memory: a hostile layer (or a
+        // guest's `vm cp` archive) claiming gigabytes must be refused after a bounded read,
+        // never buffered whole. 64 MiB here stands for the 8 GiB a header can claim.
+        let dst = tempfile::tempdir().expect("dst");
+        let claimed: u64 = 64 << 20;
+        for kind in [
+            tar::EntryType::GNULongName,
+            tar::EntryType::GNULongLink,
+            tar::EntryType::XHeader,
+        ] {
+            let mut h = header(kind, claimed, 0o644);
+            h.set_path("././@LongLink").expect("path");
+            h.set_cksum();
+            let input = std::io::Read::chain(
+                std::io::Cursor::new(h.as_bytes().to_vec()),
+                std::io::repeat(b'a').take(claimed),
+            );
+            let taken = std::rc::Rc::new(std::cell::Cell::new(0));
+            let counted = Counting {
+                inner: input,
+                taken: taken.clone(),
+            };
+            let mut done = Unpacked::default();
+            let e = unpack(counted, dst.path(), &oci(), &mut done).expect_err("refused");
+            assert!(
+                taken.get() < 2 << 20,
+                "{kind:?}: read {} bytes before refusing ({e})",
+                taken.get()
+            );
+            assert!(e.reason.contains("extension record"), "{kind:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn test_unpack_long_names_and_pax_records_apply() {
+        let dst = tempfile::tempdir().expect("dst");
+        let long_dir = "d".repeat(150);
+        let long_file = format!("{long_dir}/{}", "f".repeat(150));
+        let long_target = "t".repeat(200);
+        let a = archive(|b| {
+            // GNU long name and long link (the builder writes them for long paths).
+            let mut h = header(tar::EntryType::Regular, 2, 0o644);
+            b.append_data(&mut h, &long_file, &b"ok"[..]).expect("long");
+            let mut h = header(tar::EntryType::Symlink, 0, 0o777);
+            b.append_link(&mut h, "ln", &long_target).expect("longlink");
+            // PAX path, linkpath, uid and gid.
+            b.append_pax_extensions([
+                ("path", &b"pax/named"[..]),
+                ("uid", &b"1234"[..]),
+                ("gid", &b"4321"[..]),
+            ])
+            .expect("pax");
+            let mut h = header(tar::EntryType::Regular, 1, 0o644);
+            b.append_data(&mut h, "short", &b"p"[..]).expect("short");
+            b.append_pax_extensions([("linkpath", &b"pax/named"[..])])
+                .expect("pax");
+            let mut h = header(tar::EntryType::Symlink, 0, 0o777);
+            b.append_link(&mut h, "plink", "x").expect("plink");
+        });
+        let got = run(&a, dst.path()).expect("unpack");
+        assert_eq!((got.files, got.links), (2, 2));
+        assert_eq!(
+            std::fs::read(dst.path().join(&long_file)).expect("long"),
+            b"ok"
+        );
+        assert_eq!(
+            std::fs::read_link(dst.path().join("ln")).expect("ln"),
+            Path::new(&long_target)
+        );
+        let meta = std::fs::metadata(dst.path().join("pax/named")).expect("pax");
+        assert!(!dst.path().join("short").exists());
+        if nix::unistd::geteuid().is_root() {
+            assert_eq!((meta.uid(), meta.gid()), (1234, 4321));
+        }
+        assert_eq!(
+            std::fs::read_link(dst.path().join("plink")).expect("plink"),
+            Path::new("pax/named")
+        );
+        // A PAX size that disagrees with the header: two parsers would see two archives.
+        let a = archive(|b| {
+            b.append_pax_extensions([("size", &b"5"[..])]).expect("pax");
+            let mut h = header(tar::EntryType::Regular, 1, 0o644);
+            b.append_data(&mut h, "sized", &b"x"[..]).expect("sized");
+        });
+        let e = run(&a, dst.path()).expect_err("pax size");
+        assert!(e.reason.contains("size"), "{e}");
+        // An extension record with no entry after it.
+        let a = archive(|b| {
+            b.append_pax_extensions([("path", &b"dangling"[..])])
+                .expect("pax");
+        });
+        assert!(run(&a, dst.path()).is_err());
     }
 }
