@@ -23,8 +23,9 @@
 //!    agent come from the kernel stage (the `minimal` recipe's): the image needs nothing of
 //!    its own to boot.
 
+use std::io::Read;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -154,6 +155,9 @@ pub async fn pull(
         .prefix(PULL_PREFIX)
         .tempdir_in(store.root())
         .map_err(ImageError::io("create temp dir in", store.root()))?;
+    // The same instant bounds the blocking unpack, which a timeout of this future alone would
+    // leave running (and writing into the work directory removed below).
+    let deadline = Instant::now() + opts.deadline;
     let result = tokio::time::timeout(
         opts.deadline,
         pull_into(
@@ -167,6 +171,7 @@ pub async fn pull(
             policy,
             opts,
             &kernel_recipe,
+            deadline,
             progress,
         ),
     )
@@ -214,6 +219,7 @@ async fn pull_into(
     policy: Option<&Policy>,
     opts: PullOptions,
     kernel_recipe: &Recipe,
+    deadline: Instant,
     progress: &mut (dyn FnMut(BuildProgress) + Send),
 ) -> Result<crate::manifest::Manifest, ImageError> {
     let refused = |reason: String| ImageError::OciRefused {
@@ -330,7 +336,14 @@ async fn pull_into(
         let compression = oci::layer_compression(&layer.media_type).unwrap_or(Compression::None);
         let (root2, file2, r2) = (root.clone(), file.clone(), r.whole());
         let (result, d) = tokio::task::spawn_blocking(move || {
-            let r = unpack_layer(&file2, compression, &root2, &unpack_opts, &mut done);
+            let r = unpack_layer(
+                &file2,
+                compression,
+                &root2,
+                &unpack_opts,
+                deadline,
+                &mut done,
+            );
             (r, done)
         })
         .await
@@ -431,24 +444,48 @@ async fn blocking_with_progress<T: Send + 'static>(
         .map_err(|e| ImageError::InvalidInput(format!("a pull step panicked: {e}")))?
 }
 
-/// Decompresses and unpacks one verified layer file.
+/// A reader that fails once `deadline` has passed: a layer that decompresses into an
+/// endless stream stops at the pull's deadline instead of running on in the background.
+struct DeadlineReader<R> {
+    inner: R,
+    deadline: Instant,
+}
+
+impl<R: Read> Read for DeadlineReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if Instant::now() >= self.deadline {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the pull's deadline passed while unpacking",
+            ));
+        }
+        self.inner.read(buf)
+    }
+}
+
+/// Decompresses and unpacks one verified layer file, before `deadline`.
 fn unpack_layer(
     file: &Path,
     compression: Compression,
     root: &Path,
     opts: &crate::unpack::Options,
+    deadline: Instant,
     done: &mut crate::unpack::Unpacked,
 ) -> Result<(), String> {
     let f = std::fs::File::open(file).map_err(|e| e.to_string())?;
     let r = std::io::BufReader::new(f);
+    let bounded = |inner: Box<dyn Read>| DeadlineReader { inner, deadline };
     let res = match compression {
-        Compression::None => crate::unpack::unpack(r, root, opts, done),
-        Compression::Gzip => {
-            crate::unpack::unpack(flate2::read::GzDecoder::new(r), root, opts, done)
-        }
+        Compression::None => crate::unpack::unpack(bounded(Box::new(r)), root, opts, done),
+        Compression::Gzip => crate::unpack::unpack(
+            bounded(Box::new(flate2::read::GzDecoder::new(r))),
+            root,
+            opts,
+            done,
+        ),
         Compression::Zstd => {
             let d = ruzstd::decoding::StreamingDecoder::new(r).map_err(|e| format!("zstd: {e}"))?;
-            crate::unpack::unpack(d, root, opts, done)
+            crate::unpack::unpack(bounded(Box::new(d)), root, opts, done)
         }
     };
     res.map_err(|e| e.to_string())
@@ -537,5 +574,49 @@ mod tests {
         assert!(job_config(br#"{"config":{"Env":["noequals"]}}"#).is_err());
         assert!(job_config(br#"{"config":{"WorkingDir":"../x"}}"#).is_err());
         assert_eq!(job_config(br#"{}"#).expect("empty"), (vec![], None));
+    }
+
+    #[test]
+    fn test_unpack_layer_stops_at_the_deadline() {
+        // A gzip layer of 256 MiB of zeros (a bomb stands in for any slow layer): with the
+        // deadline passed, the unpack stops at once instead of running on in the background.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let layer = dir.path().join("layer");
+        let mut gz = flate2::write::GzEncoder::new(
+            std::fs::File::create(&layer).expect("create"),
+            flate2::Compression::fast(),
+        );
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_size(256 << 20);
+        h.set_mode(0o644);
+        h.set_path("big").expect("path");
+        h.set_cksum();
+        std::io::Write::write_all(&mut gz, h.as_bytes()).expect("header");
+        std::io::copy(&mut std::io::repeat(0).take(256 << 20), &mut gz).expect("zeros");
+        gz.finish().expect("finish");
+        let root = dir.path().join("root");
+        std::fs::create_dir(&root).expect("mkdir");
+        let opts = crate::unpack::Options {
+            max_bytes: u64::MAX,
+            max_entries: 10,
+            keep_owner: false,
+            keep_sticky: false,
+            whiteouts: true,
+        };
+        let mut done = crate::unpack::Unpacked::default();
+        let started = Instant::now();
+        let e = unpack_layer(
+            &layer,
+            Compression::Gzip,
+            &root,
+            &opts,
+            Instant::now(),
+            &mut done,
+        )
+        .expect_err("deadline");
+        assert!(e.contains("deadline"), "{e}");
+        assert_eq!(done.bytes, 0);
+        assert!(started.elapsed() < Duration::from_secs(30));
     }
 }
