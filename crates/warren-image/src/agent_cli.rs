@@ -198,21 +198,7 @@ pub fn fetch(cli: &NpmAgentCli, downloads: &Path, registry: &str) -> Result<Path
         .prefix(PARTIAL_PREFIX)
         .tempfile_in(downloads)
         .map_err(ImageError::io("create temp file in", downloads))?;
-    let mut cmd = Command::new("curl");
-    cmd.args([
-        "--fail",
-        "--silent",
-        "--show-error",
-        "--location",
-        "--retry",
-        "3",
-        "--connect-timeout",
-        "30",
-        "--output",
-    ])
-    .arg(tmp.path())
-    .arg(&url);
-    run_output(cmd)?.map_err(|f| ImageError::NpmFetch {
+    run_output(curl_command(&url, tmp.path()))?.map_err(|f| ImageError::NpmFetch {
         package: cli.spec(),
         url: url.clone(),
         status: f.status,
@@ -222,6 +208,37 @@ pub fn fetch(cli: &NpmAgentCli, downloads: &Path, registry: &str) -> Result<Path
     tmp.persist(&cached)
         .map_err(|e| ImageError::io("rename", &cached)(e.error))?;
     Ok(cached)
+}
+
+/// Largest package tarball downloaded.
+const MAX_TARBALL: u64 = 1 << 30;
+
+/// `curl` downloading `url` into `out`: bounded in size and time (a registry or mirror
+/// sending an endless body must not fill the disk or hold the build forever), no URL
+/// globbing, HTTP(S) only.
+fn curl_command(url: &str, out: &Path) -> Command {
+    let mut cmd = Command::new("curl");
+    cmd.args([
+        "--fail",
+        "--silent",
+        "--show-error",
+        "--location",
+        "--globoff",
+        "--proto",
+        "=https,http",
+        "--retry",
+        "3",
+        "--connect-timeout",
+        "30",
+        "--max-time",
+        "1800",
+        "--max-filesize",
+    ])
+    .arg(MAX_TARBALL.to_string())
+    .arg("--output")
+    .arg(out)
+    .arg(url);
+    cmd
 }
 
 /// Prefix of in-progress downloads (removed by [`remove_partial_downloads`]).
@@ -384,6 +401,31 @@ mod tests {
             .expect("agents")
             .agent_clis()
             .to_vec()
+    }
+
+    #[test]
+    fn test_curl_command_bounded() {
+        let cmd = curl_command("https://registry.example/x/-/x-1.tgz", Path::new("/tmp/o"));
+        let args: Vec<String> = cmd
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        for (flag, value) in [
+            ("--max-filesize", Some(MAX_TARBALL.to_string())),
+            ("--max-time", Some("1800".to_string())),
+            ("--proto", Some("=https,http".to_string())),
+            ("--globoff", None),
+        ] {
+            let at = args.iter().position(|a| a == flag);
+            assert!(at.is_some(), "{flag} in {args:?}");
+            if let (Some(at), Some(v)) = (at, value) {
+                assert_eq!(args.get(at + 1), Some(&v), "{flag}");
+            }
+        }
+        assert_eq!(
+            args.last().map(String::as_str),
+            Some("https://registry.example/x/-/x-1.tgz")
+        );
     }
 
     #[test]

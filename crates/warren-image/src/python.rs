@@ -131,7 +131,9 @@ fn normalized(name: &str) -> String {
     out
 }
 
-fn curl(url: &str, out: &Path, max: u64) -> Result<Result<(), String>, ImageError> {
+/// `curl` downloading `url` into `out`, at most `max` bytes; no URL globbing (a file URL
+/// comes from the index's answer: `[1-100000]` or `{a,b}` in it must not fan out).
+fn curl_command(url: &str, out: &Path, max: u64) -> Command {
     let mut cmd = Command::new("curl");
     cmd.args([
         "--header",
@@ -140,6 +142,7 @@ fn curl(url: &str, out: &Path, max: u64) -> Result<Result<(), String>, ImageErro
         "--silent",
         "--show-error",
         "--location",
+        "--globoff",
         "--proto",
         "=https,http",
         "--retry",
@@ -154,7 +157,11 @@ fn curl(url: &str, out: &Path, max: u64) -> Result<Result<(), String>, ImageErro
     .arg("--output")
     .arg(out)
     .arg(url);
-    Ok(run_output(cmd)?
+    cmd
+}
+
+fn curl(url: &str, out: &Path, max: u64) -> Result<Result<(), String>, ImageError> {
+    Ok(run_output(curl_command(url, out, max))?
         .map(|_| ())
         .map_err(|f| format!("{} ({})", f.log_tail, f.status)))
 }
@@ -303,6 +310,21 @@ pub fn install(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_curl_command_no_globbing() {
+        let cmd = curl_command("https://files.example/a[1-9]{x,y}.whl", Path::new("/o"), 7);
+        let args: Vec<String> = cmd
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert!(args.iter().any(|a| a == "--globoff"), "{args:?}");
+        let at = args
+            .iter()
+            .position(|a| a == "--max-filesize")
+            .expect("max");
+        assert_eq!(args[at + 1], "7");
+    }
 
     #[test]
     fn test_python_package_validate() {
