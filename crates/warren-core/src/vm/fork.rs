@@ -66,6 +66,10 @@ impl Warren {
                 reason: Some("only a running VM can be forked (resume it first)".into()),
             });
         }
+        // Every start from an image goes through the image policy (a fork's copies too: a
+        // revoked key or an expired policy starts nothing), before anything else is read.
+        let image_id = warren_image::ImageId::parse(&parent.image_id)?;
+        self.check_image_policy(&image_id)?;
         let pdir = self.vm_dir(&parent.id);
         let pcfg: SupervisorConfig = serde_json::from_slice(
             &std::fs::read(pdir.config()).map_err(|e| CoreError::io("read", pdir.config(), e))?,
@@ -76,7 +80,6 @@ impl Warren {
                 "a VM with shares (a session's VM) cannot be forked yet".into(),
             ));
         }
-        let image_id = warren_image::ImageId::parse(&parent.image_id)?;
         let image = self.images.verify(&image_id)?;
         self.check_artifacts(&parent.id, &pdir, &image)?;
 
@@ -319,5 +322,71 @@ impl Warren {
         let ms = self.launch_and_wait(&dir).await?;
         settle_copy(&dir, &image.initramfs, &mut cfg, run_as)?;
         Ok(ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vm::WarrenConfig;
+
+    #[tokio::test]
+    async fn test_fork_refused_under_an_expired_image_policy() {
+        let state = tempfile::tempdir().expect("state");
+        let w = Warren::open(WarrenConfig::new(
+            state.path().to_path_buf(),
+            "/usr/bin/warren".into(),
+        ))
+        .expect("open");
+        let mut rec = VmRecord {
+            id: "vm-0123456789ab".into(),
+            image_id: "a".repeat(64),
+            state: VmState::Running,
+            reason: None,
+            memory_mib: 256,
+            vcpus: 1,
+            accel: "tcg".into(),
+            uid: 0,
+            created_unix: 0,
+            boot_ms: None,
+            workspace: "local-0".into(),
+            disk_mib: 0,
+            generation: 1,
+            request_id: None,
+            idle_seconds: 0,
+            idle_mode: "hibernate".into(),
+            last_active_unix: 0,
+            mounts: vec![],
+            ram_file: false,
+        };
+        w.store()
+            .insert(&mut rec, VM_UID_BASE, |_| Ok::<(), CoreError>(()))
+            .expect("insert");
+        // A live supervisor, as far as the engine can tell: its lock is held.
+        let dir = w.vm_dir(&rec.id);
+        std::fs::create_dir_all(dir.path()).expect("vm dir");
+        let lock = std::fs::File::create(dir.lock()).expect("lock");
+        let _held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            .map_err(|(_, e)| e)
+            .expect("flock");
+        let (_, public) = warren_image::trust::generate_key_pair().expect("key");
+        std::fs::write(
+            state.path().join(warren_image::policy::POLICY_FILE),
+            format!(
+                "version = 1\nexpires = 2001-01-01T00:00:00Z\n[[keys]]\nname = \"k\"\n\
+                 public_key = \"\"\"\n{public}\"\"\"\n"
+            ),
+        )
+        .expect("policy");
+        let e = w
+            .fork_vm(&ForkVm {
+                vm_id: rec.id.clone(),
+                count: 1,
+                ..ForkVm::default()
+            })
+            .await
+            .expect_err("refused");
+        assert_eq!(e.code(), "untrusted_image", "{e}");
+        assert!(e.to_string().contains("policy_expired"), "{e}");
     }
 }
