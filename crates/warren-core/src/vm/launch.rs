@@ -135,8 +135,16 @@ fn rust_log() -> String {
     std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into())
 }
 
-/// The `systemd-run` arguments that start `dir`'s supervisor as unit `unit`.
-fn unit_args(cfg: &WarrenConfig, dir: &VmDir, unit: &str) -> Vec<std::ffi::OsString> {
+/// The `systemd-run` arguments that start `dir`'s supervisor as unit `unit` (refused for
+/// paths systemd would not pass on verbatim, see [`check_unit_path`]).
+fn unit_args(
+    cfg: &WarrenConfig,
+    dir: &VmDir,
+    unit: &str,
+) -> Result<Vec<std::ffi::OsString>, CoreError> {
+    for p in [dir.path(), cfg.supervisor_exe.as_path()] {
+        check_unit_path(p)?;
+    }
     let log = dir.supervisor_log();
     let mut args: Vec<std::ffi::OsString> = vec![
         "--quiet".into(),
@@ -179,7 +187,25 @@ fn unit_args(cfg: &WarrenConfig, dir: &VmDir, unit: &str) -> Vec<std::ffi::OsStr
     args.push("supervise".into());
     args.push("--vm-dir".into());
     args.push(dir.path().into());
-    args
+    Ok(args)
+}
+
+/// Refuses a path systemd would not pass on verbatim: in a transient unit's command line
+/// (`systemd-run` before systemd 254, as on Debian 12, has no `--expand-environment=no`)
+/// `$NAME` and `${NAME}` are replaced by the unit's environment (and `$NAME` split at
+/// whitespace), so a state directory with a `$` would start another program or directory;
+/// control characters have no place in a unit's properties either.
+fn check_unit_path(p: &std::path::Path) -> Result<(), CoreError> {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = p.as_os_str().as_bytes();
+    if bytes.iter().any(|b| *b == b'$' || b.is_ascii_control()) || !p.is_absolute() {
+        return Err(CoreError::InvalidArgument(format!(
+            "{}: a path given to systemd-run must be absolute, without `$` or control \
+             characters (systemd would expand or refuse it)",
+            p.display()
+        )));
+    }
+    Ok(())
 }
 
 fn spawn_unit(cfg: &WarrenConfig, dir: &VmDir) -> Result<(), CoreError> {
@@ -200,7 +226,7 @@ fn spawn_unit(cfg: &WarrenConfig, dir: &VmDir) -> Result<(), CoreError> {
     rand::rng().fill_bytes(&mut nonce);
     let unit = format!("warren-vm-{name}-{}.service", hex::encode(nonce));
     let mut child = std::process::Command::new("systemd-run")
-        .args(unit_args(cfg, dir, &unit))
+        .args(unit_args(cfg, dir, &unit)?)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -257,10 +283,32 @@ mod tests {
     }
 
     #[test]
+    fn test_unit_paths_with_dollar_or_control_characters_refused() {
+        use std::path::Path;
+        check_unit_path(Path::new("/var/lib/warren/vms/abc")).expect("plain");
+        check_unit_path(Path::new("/srv/my state/vms/abc")).expect("space");
+        for bad in [
+            "/var/lib/$HOME/vms/abc",
+            "/var/lib/${X}/vms/abc",
+            "/var/lib/warren\n/vms/abc",
+            "relative/vms/abc",
+        ] {
+            let e = check_unit_path(Path::new(bad)).expect_err(bad).to_string();
+            assert!(e.contains("systemd-run"), "{bad}: {e}");
+        }
+        // The arguments spawn_unit passes to systemd-run are refused before any exist.
+        let cfg = WarrenConfig::new("/var/lib/$X".into(), "/usr/bin/warren".into());
+        let dir = VmDir("/var/lib/$X/vms/abc".into());
+        let e = unit_args(&cfg, &dir, "warren-vm-abc-1.service").expect_err("dollar");
+        assert!(e.to_string().contains("without `$`"), "{e}");
+    }
+
+    #[test]
     fn test_unit_args_log_slice_and_command() {
         let cfg = WarrenConfig::new("/var/lib/warren".into(), "/usr/bin/warren".into());
         let dir = VmDir("/var/lib/warren/vms/abc".into());
         let args: Vec<String> = unit_args(&cfg, &dir, "warren-vm-abc-1.service")
+            .expect("args")
             .into_iter()
             .map(|a| a.to_string_lossy().into_owned())
             .collect();
