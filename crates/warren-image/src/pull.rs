@@ -17,7 +17,8 @@
 //!    it is asked to, as the guest user).
 //! 5. Each layer: downloaded into a file while hashing (size and digest checked), then
 //!    unpacked by [`crate::unpack`] with whiteouts (hostile entries refused or dropped, see
-//!    there), within [`PullOptions::max_unpacked`].
+//!    there), within [`PullOptions::max_unpacked`] and the pull's deadline; every gzip
+//!    member and zstd frame is read, a zstd window over 100 MiB is refused.
 //! 6. The root tree is finished like a recipe's (guest user 1000, `/workspace`, mount
 //!    points), `mkfs.ext4 -d` makes the root filesystem, and the kernel, its modules and the
 //!    agent come from the kernel stage (the `minimal` recipe's): the image needs nothing of
@@ -463,6 +464,64 @@ impl<R: Read> Read for DeadlineReader<R> {
     }
 }
 
+/// A valid, empty zstd frame (single segment, content size 0, one empty raw block).
+const EMPTY_ZSTD_FRAME: [u8; 9] = [0x28, 0xb5, 0x2f, 0xfd, 0x20, 0x00, 0x01, 0x00, 0x00];
+
+/// A zstd stream of any number of frames, decoded one after the other (the spec allows
+/// several, and concatenating encoders write them; `ruzstd`'s streaming decoder stops after
+/// the first, so the rest of a layer would be silently left out).
+///
+/// The decoder keeps a frame's whole window in memory, and checks the window size against
+/// its 100 MiB limit only when a frame follows another (the first may declare terabytes).
+/// So the decoder is first primed with an empty frame, and every frame of the layer goes
+/// through that check.
+struct ZstdFrames<R: std::io::BufRead> {
+    decoder: ruzstd::decoding::FrameDecoder,
+    source: R,
+}
+
+impl<R: std::io::BufRead> ZstdFrames<R> {
+    fn new(mut source: R) -> Result<ZstdFrames<R>, String> {
+        let mut decoder = ruzstd::decoding::FrameDecoder::new();
+        decoder
+            .init(&EMPTY_ZSTD_FRAME[..])
+            .map_err(|e| format!("zstd: {e}"))?;
+        decoder
+            .reset(&mut source)
+            .map_err(|e| format!("zstd: {e}"))?;
+        Ok(ZstdFrames { decoder, source })
+    }
+}
+
+impl<R: std::io::BufRead> Read for ZstdFrames<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            let n = self.decoder.read(buf)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            if self.decoder.is_finished() {
+                if self.source.fill_buf()?.is_empty() {
+                    return Ok(0);
+                }
+                self.decoder
+                    .reset(&mut self.source)
+                    .map_err(|e| std::io::Error::other(format!("zstd: {e}")))?;
+                continue;
+            }
+            self.decoder
+                .decode_blocks(
+                    &mut self.source,
+                    ruzstd::decoding::BlockDecodingStrategy::UptoBytes(buf.len()),
+                )
+                .map_err(|e| std::io::Error::other(format!("zstd: {e}")))?;
+        }
+    }
+}
+
 /// Decompresses and unpacks one verified layer file, before `deadline`.
 fn unpack_layer(
     file: &Path,
@@ -478,13 +537,14 @@ fn unpack_layer(
     let res = match compression {
         Compression::None => crate::unpack::unpack(bounded(Box::new(r)), root, opts, done),
         Compression::Gzip => crate::unpack::unpack(
-            bounded(Box::new(flate2::read::GzDecoder::new(r))),
+            // Every member: a gzip file may hold several, and all of them are the layer.
+            bounded(Box::new(flate2::read::MultiGzDecoder::new(r))),
             root,
             opts,
             done,
         ),
         Compression::Zstd => {
-            let d = ruzstd::decoding::StreamingDecoder::new(r).map_err(|e| format!("zstd: {e}"))?;
+            let d = ZstdFrames::new(r)?;
             crate::unpack::unpack(bounded(Box::new(d)), root, opts, done)
         }
     };
@@ -618,5 +678,115 @@ mod tests {
         assert!(e.contains("deadline"), "{e}");
         assert_eq!(done.bytes, 0);
         assert!(started.elapsed() < Duration::from_secs(30));
+    }
+
+    /// A zstd frame (no checksum, no content size) with `window` as its window descriptor
+    /// byte, holding `data` in raw blocks.
+    fn zstd_frame(window: u8, data: &[u8]) -> Vec<u8> {
+        let mut out = vec![0x28, 0xb5, 0x2f, 0xfd, 0x00, window];
+        let chunks: Vec<&[u8]> = if data.is_empty() {
+            vec![&[][..]]
+        } else {
+            data.chunks(128 << 10).collect()
+        };
+        for (i, c) in chunks.iter().enumerate() {
+            let last = u32::from(i + 1 == chunks.len());
+            let h = last | ((c.len() as u32) << 3);
+            out.extend_from_slice(&h.to_le_bytes()[..3]);
+            out.extend_from_slice(c);
+        }
+        out
+    }
+
+    fn tar_of(files: &[(&str, &[u8])], end: bool) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (name, data) in files {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(tar::EntryType::Regular);
+            h.set_size(data.len() as u64);
+            h.set_mode(0o644);
+            b.append_data(&mut h, name, *data).expect("append");
+        }
+        if end {
+            b.into_inner().expect("tar")
+        } else {
+            b.get_ref().clone()
+        }
+    }
+
+    fn unpack_bytes(
+        bytes: &[u8],
+        compression: Compression,
+    ) -> (tempfile::TempDir, Result<(), String>) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let layer = dir.path().join("layer");
+        std::fs::write(&layer, bytes).expect("write");
+        let root = dir.path().join("root");
+        std::fs::create_dir(&root).expect("mkdir");
+        let opts = crate::unpack::Options {
+            max_bytes: u64::MAX,
+            max_entries: 100,
+            keep_owner: false,
+            keep_sticky: false,
+            whiteouts: true,
+        };
+        let mut done = crate::unpack::Unpacked::default();
+        let deadline = Instant::now() + Duration::from_secs(600);
+        let r = unpack_layer(&layer, compression, &root, &opts, deadline, &mut done);
+        (dir, r)
+    }
+
+    #[test]
+    fn test_zstd_layer_window_bounded_and_every_frame_read() {
+        // A window the decoder would keep in memory whole: 2 TiB declared, refused.
+        let tar = tar_of(&[("a", b"first")], true);
+        let (_d, r) = unpack_bytes(&zstd_frame(0xf8, &tar), Compression::Zstd);
+        let e = r.expect_err("huge window");
+        assert!(e.contains("window"), "{e}");
+        // A layer of two frames (as concatenating encoders write): both are unpacked.
+        let first = tar_of(&[("a", b"first")], false);
+        let whole = tar_of(&[("a", b"first"), ("b", b"second")], true);
+        let mut layer = zstd_frame(0x68, &first);
+        layer.extend(zstd_frame(0x68, &whole[first.len()..]));
+        let (d, r) = unpack_bytes(&layer, Compression::Zstd);
+        r.expect("two frames");
+        assert_eq!(
+            std::fs::read(d.path().join("root/b")).expect("b"),
+            b"second"
+        );
+        // Frames from an encoder (compressed blocks, a checksum), the tar split across two.
+        let big = vec![7u8; 3 << 20];
+        let whole = tar_of(&[("c", &big), ("d", b"tail")], true);
+        let cut = 1 << 20;
+        let mut layer = ruzstd::encoding::compress_to_vec(
+            &whole[..cut],
+            ruzstd::encoding::CompressionLevel::Fastest,
+        );
+        layer.extend(ruzstd::encoding::compress_to_vec(
+            &whole[cut..],
+            ruzstd::encoding::CompressionLevel::Fastest,
+        ));
+        let (d, r) = unpack_bytes(&layer, Compression::Zstd);
+        r.expect("encoded frames");
+        assert_eq!(std::fs::read(d.path().join("root/c")).expect("c"), big);
+        assert_eq!(std::fs::read(d.path().join("root/d")).expect("d"), b"tail");
+    }
+
+    #[test]
+    fn test_gzip_layer_every_member_read() {
+        let first = tar_of(&[("a", b"first")], false);
+        let whole = tar_of(&[("a", b"first"), ("b", b"second")], true);
+        let mut layer = Vec::new();
+        for part in [&first[..], &whole[first.len()..]] {
+            let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+            std::io::Write::write_all(&mut gz, part).expect("gz");
+            layer.extend(gz.finish().expect("finish"));
+        }
+        let (d, r) = unpack_bytes(&layer, Compression::Gzip);
+        r.expect("two members");
+        assert_eq!(
+            std::fs::read(d.path().join("root/b")).expect("b"),
+            b"second"
+        );
     }
 }
