@@ -26,6 +26,7 @@
 
 use std::io::Read;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -159,30 +160,33 @@ pub async fn pull(
     // The same instant bounds the blocking unpack, which a timeout of this future alone would
     // leave running (and writing into the work directory removed below).
     let deadline = Instant::now() + opts.deadline;
-    let result = tokio::time::timeout(
-        opts.deadline,
-        pull_into(
-            &store,
-            r.clone(),
-            &digest,
-            work.path(),
-            agent,
-            &agent_sha256,
-            &recipe_digest,
-            policy,
-            opts,
-            &kernel_recipe,
-            deadline,
-            progress,
-        ),
-    )
-    .await
-    .unwrap_or_else(|_| {
-        Err(ImageError::Oci {
-            reference: r.whole(),
-            reason: format!("the pull's {:?} deadline passed", opts.deadline),
-        })
-    });
+    let steps = BlockingSteps::default();
+    let result = steps
+        .run(
+            opts.deadline,
+            pull_into(
+                &store,
+                r.clone(),
+                &digest,
+                work.path(),
+                agent,
+                &agent_sha256,
+                &recipe_digest,
+                policy,
+                opts,
+                &kernel_recipe,
+                deadline,
+                &steps,
+                progress,
+            ),
+        )
+        .await
+        .unwrap_or_else(|| {
+            Err(ImageError::Oci {
+                reference: r.whole(),
+                reason: format!("the pull's {:?} deadline passed", opts.deadline),
+            })
+        });
     let manifest = match result {
         Ok(m) => m,
         Err(e) => {
@@ -221,6 +225,7 @@ async fn pull_into(
     opts: PullOptions,
     kernel_recipe: &Recipe,
     deadline: Instant,
+    steps: &BlockingSteps,
     progress: &mut (dyn FnMut(BuildProgress) + Send),
 ) -> Result<crate::manifest::Manifest, ImageError> {
     let refused = |reason: String| ImageError::OciRefused {
@@ -307,7 +312,7 @@ async fn pull_into(
             store.root().join("cache/downloads"),
         );
         let recipe = kernel_recipe.clone();
-        blocking_with_progress(progress, move |send| {
+        blocking_with_progress(steps, progress, move |send| {
             build::ensure_stage(&stages, &downloads, &recipe, send)
         })
         .await?
@@ -336,7 +341,9 @@ async fn pull_into(
             .await?;
         let compression = oci::layer_compression(&layer.media_type).unwrap_or(Compression::None);
         let (root2, file2, r2) = (root.clone(), file.clone(), r.whole());
+        let step = steps.start();
         let (result, d) = tokio::task::spawn_blocking(move || {
+            let _step = step;
             let r = unpack_layer(
                 &file2,
                 compression,
@@ -391,7 +398,7 @@ async fn pull_into(
         working_dir,
     };
     let recipe_digest = recipe_digest.to_string();
-    let manifest = blocking_with_progress(progress, move |send| {
+    let manifest = blocking_with_progress(steps, progress, move |send| {
         finish(&root2, &work2, size, send)?;
         let rootfs = work2.join(ROOTFS_FILE);
         let id = FileIdentity::of(&rootfs)?;
@@ -426,13 +433,44 @@ async fn pull_into(
     Ok(manifest)
 }
 
+/// The pull's steps on blocking threads (unpacking, the kernel stage, `mkfs`): a timeout
+/// drops the pull's future but cannot stop them, so the pull waits for them to end before it
+/// removes its work directory and releases the store's lock. Otherwise they would go on
+/// writing into a removed directory, unlocked, or their programs outlive the CLI.
+#[derive(Default)]
+struct BlockingSteps(Arc<()>);
+
+impl BlockingSteps {
+    /// A token a blocking step holds until it ends.
+    fn start(&self) -> Arc<()> {
+        self.0.clone()
+    }
+
+    /// Runs `fut` for at most `limit` (`None` past it), then waits until every blocking
+    /// step it started has ended.
+    async fn run<T>(
+        &self,
+        limit: Duration,
+        fut: impl std::future::Future<Output = T>,
+    ) -> Option<T> {
+        let out = tokio::time::timeout(limit, fut).await.ok();
+        while Arc::strong_count(&self.0) > 1 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        out
+    }
+}
+
 /// Runs `f` on a blocking thread, passing its progress events on as they happen.
 async fn blocking_with_progress<T: Send + 'static>(
+    steps: &BlockingSteps,
     progress: &mut (dyn FnMut(BuildProgress) + Send),
     f: impl FnOnce(&mut dyn FnMut(BuildProgress)) -> Result<T, ImageError> + Send + 'static,
 ) -> Result<T, ImageError> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let step = steps.start();
     let handle = tokio::task::spawn_blocking(move || {
+        let _step = step;
         f(&mut |p| {
             let _ = tx.send(p);
         })
@@ -634,6 +672,31 @@ mod tests {
         assert!(job_config(br#"{"config":{"Env":["noequals"]}}"#).is_err());
         assert!(job_config(br#"{"config":{"WorkingDir":"../x"}}"#).is_err());
         assert_eq!(job_config(br#"{}"#).expect("empty"), (vec![], None));
+    }
+
+    #[tokio::test]
+    async fn test_timed_out_pull_waits_for_its_blocking_steps() {
+        // A step (mkfs, the kernel stage) still running when the deadline passes: the pull
+        // returns only after it ended, so nothing writes into the removed work directory.
+        let steps = BlockingSteps::default();
+        let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let ended2 = ended.clone();
+        let mut progress = |_: BuildProgress| {};
+        let out = steps
+            .run(Duration::from_millis(20), async {
+                blocking_with_progress(&steps, &mut progress, move |_| {
+                    std::thread::sleep(Duration::from_millis(500));
+                    ended2.store(true, std::sync::atomic::Ordering::SeqCst);
+                    Ok(())
+                })
+                .await
+            })
+            .await;
+        assert!(out.is_none(), "the deadline passed");
+        assert!(
+            ended.load(std::sync::atomic::Ordering::SeqCst),
+            "returned while a blocking step still ran"
+        );
     }
 
     #[test]
