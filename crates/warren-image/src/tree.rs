@@ -293,7 +293,7 @@ impl Tree {
     }
 }
 
-fn list_fd(fd: OwnedFd, shown: &[u8]) -> Result<Vec<Vec<u8>>, TreeError> {
+pub(crate) fn list_fd(fd: OwnedFd, shown: &[u8]) -> Result<Vec<Vec<u8>>, TreeError> {
     let dir = nix::dir::Dir::from_fd(fd).map_err(|e| err(shown, e))?;
     let mut out = Vec::new();
     for e in dir {

@@ -117,7 +117,9 @@ pub fn unpack(
         let parent = tree.dir_all(parents)?;
         if opts.whiteouts && last.starts_with(WHITEOUT) {
             if *last == OPAQUE {
-                for child in tree.list(&String::from_utf8_lossy(&parents.join(&b'/')))? {
+                // Listed through the descriptor: a name is bytes, not necessarily UTF-8.
+                let listed = parent.try_clone().map_err(|e| err(&name, e))?;
+                for child in tree::list_fd(listed, &name)? {
                     let mut full = parents.join(&b'/');
                     if !full.is_empty() {
                         full.push(b'/');
@@ -444,6 +446,7 @@ fn create_file(parent: &OwnedFd, name: &[u8], shown: &[u8]) -> Result<OwnedFd, T
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::MetadataExt;
 
     fn archive(build: impl FnOnce(&mut tar::Builder<Vec<u8>>)) -> Vec<u8> {
@@ -590,6 +593,24 @@ mod tests {
             self.taken.set(self.taken.get() + n as u64);
             Ok(n)
         }
+    }
+
+    #[test]
+    fn test_unpack_opaque_whiteout_in_a_non_utf8_directory() {
+        let dst = tempfile::tempdir().expect("dst");
+        let raw = |b: &mut tar::Builder<Vec<u8>>, name: &[u8]| {
+            let mut h = header(tar::EntryType::Regular, 0, 0o644);
+            h.as_old_mut().name[..name.len()].copy_from_slice(name);
+            h.set_cksum();
+            b.append(&h, &b""[..]).expect("append");
+        };
+        let lower = archive(|b| raw(b, b"d\xff/old"));
+        run(&lower, dst.path()).expect("lower");
+        let upper = archive(|b| raw(b, b"d\xff/.wh..wh..opq"));
+        run(&upper, dst.path()).expect("upper");
+        let dir = dst.path().join(std::ffi::OsStr::from_bytes(b"d\xff"));
+        assert!(dir.is_dir());
+        assert!(!dir.join("old").exists());
     }
 
     #[test]
