@@ -623,6 +623,14 @@ fn finish(
     std::fs::remove_dir_all(root).map_err(ImageError::io("remove", root))
 }
 
+/// Most `Env` entries taken from an image config. Every exec carries them with the job's
+/// own variables, and an exec request holds at most 1024 variables and 1 MiB
+/// (`warren_protocol::limits::MAX_ENV`, `MAX_MESSAGE_BYTES`): an image whose `Env` could
+/// never fit is refused at pull rather than failing every exec.
+const MAX_IMAGE_ENV: usize = 512;
+/// Most bytes of `Env` taken from an image config (see [`MAX_IMAGE_ENV`]).
+const MAX_IMAGE_ENV_BYTES: usize = 256 << 10;
+
 /// The config's `Env` and `WorkingDir` (bounded and checked).
 fn job_config(config: &[u8]) -> Result<(Vec<String>, Option<String>), String> {
     let v: serde_json::Value =
@@ -630,8 +638,15 @@ fn job_config(config: &[u8]) -> Result<(Vec<String>, Option<String>), String> {
     let c = &v["config"];
     let mut env = Vec::new();
     if let Some(list) = c["Env"].as_array() {
-        if list.len() > 1024 {
-            return Err("config: more than 1024 Env entries".into());
+        if list.len() > MAX_IMAGE_ENV {
+            return Err(format!("config: more than {MAX_IMAGE_ENV} Env entries"));
+        }
+        let total: usize = list.iter().filter_map(|e| e.as_str()).map(str::len).sum();
+        if total > MAX_IMAGE_ENV_BYTES {
+            return Err(format!(
+                "config: Env holds {total} bytes, over the {MAX_IMAGE_ENV_BYTES}-byte limit \
+                 (every exec carries it)"
+            ));
         }
         for e in list {
             let e = e.as_str().ok_or("config: an Env entry is not a string")?;
@@ -672,6 +687,23 @@ mod tests {
         assert!(job_config(br#"{"config":{"Env":["noequals"]}}"#).is_err());
         assert!(job_config(br#"{"config":{"WorkingDir":"../x"}}"#).is_err());
         assert_eq!(job_config(br#"{}"#).expect("empty"), (vec![], None));
+    }
+
+    #[test]
+    fn test_job_config_env_fits_an_exec_request() {
+        // Every exec carries the image's Env: one that could never fit in an exec request
+        // (1024 variables and 1 MiB at most, the job's own included) is refused at pull.
+        let entries = |n: usize, len: usize| {
+            let list: Vec<String> = (0..n)
+                .map(|i| format!("V{i}={}", "x".repeat(len)))
+                .collect();
+            serde_json::to_vec(&serde_json::json!({"config": {"Env": list}})).expect("json")
+        };
+        assert!(job_config(&entries(MAX_IMAGE_ENV, 10)).is_ok());
+        let e = job_config(&entries(MAX_IMAGE_ENV + 1, 10)).expect_err("count");
+        assert!(e.contains("Env"), "{e}");
+        let e = job_config(&entries(40, 30 << 10)).expect_err("bytes");
+        assert!(e.contains("Env"), "{e}");
     }
 
     #[tokio::test]
