@@ -107,10 +107,35 @@ impl GuestChannel {
             .map_err(|_| ChannelError::Timeout(budget))?
     }
 
-    async fn connect_inner(path: &Path, secret: &[u8]) -> Result<GuestChannel, ChannelError> {
-        let stream = loop {
+    /// Connects the VMM's end of the channel (waiting for it to appear), giving up at
+    /// `deadline`; [`GuestChannel::connect_over`] then makes the session on it.
+    pub async fn connect_socket(
+        path: &Path,
+        deadline: Instant,
+    ) -> Result<UnixStream, ChannelError> {
+        let budget = deadline.saturating_duration_since(Instant::now());
+        tokio::time::timeout(budget, Self::socket(path))
+            .await
+            .map_err(|_| ChannelError::Timeout(budget))?
+    }
+
+    /// Resynchronises and authenticates over an already connected `stream`, giving up at
+    /// `deadline`.
+    pub async fn connect_over(
+        stream: UnixStream,
+        secret: &[u8],
+        deadline: Instant,
+    ) -> Result<GuestChannel, ChannelError> {
+        let budget = deadline.saturating_duration_since(Instant::now());
+        tokio::time::timeout(budget, Self::session(stream, secret))
+            .await
+            .map_err(|_| ChannelError::Timeout(budget))?
+    }
+
+    async fn socket(path: &Path) -> Result<UnixStream, ChannelError> {
+        loop {
             match UnixStream::connect(path).await {
-                Ok(s) => break s,
+                Ok(s) => return Ok(s),
                 Err(e)
                     if matches!(
                         e.kind(),
@@ -121,7 +146,15 @@ impl GuestChannel {
                 }
                 Err(e) => return Err(ChannelError::Connect(e)),
             }
-        };
+        }
+    }
+
+    async fn connect_inner(path: &Path, secret: &[u8]) -> Result<GuestChannel, ChannelError> {
+        let stream = Self::socket(path).await?;
+        Self::session(stream, secret).await
+    }
+
+    async fn session(stream: UnixStream, secret: &[u8]) -> Result<GuestChannel, ChannelError> {
         let mut stream = stream;
         let mut decoder = Decoder::new();
         let leftover = resync(&mut stream, &mut decoder).await?;

@@ -67,6 +67,9 @@ pub(crate) struct Shared {
     /// Why a requested stop happens, when it is not a destroy (hibernation).
     pub(crate) stop_reason: Mutex<Option<String>>,
     pub(crate) vmm_pid: Option<u32>,
+    /// The VMM is stopped (`SIGSTOP`) after a fast standby's save: it must not run again,
+    /// so the VM's stop kills it instead of asking it to quit ([`freeze_vmm`]).
+    pub(crate) vmm_frozen: std::sync::atomic::AtomicBool,
     /// The VM this supervisor serves (its identity, checked on re-adoption).
     pub(crate) vm_id: String,
     /// Guest RAM file (fast standby), if the VM has one.
@@ -239,6 +242,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         stop: Notify::new(),
         stop_reason: Mutex::new(None),
         vmm_pid: child.id(),
+        vmm_frozen: std::sync::atomic::AtomicBool::new(false),
         vm_id: cfg.vm_id.clone(),
         ram_file: cfg.launch.ram_file.clone(),
         boot_ms: Mutex::new(None),
@@ -283,10 +287,27 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         let ca_cert = ca_cert.clone();
         tokio::spawn(async move {
             let mut first = true;
+            // A restored guest's port was open when it was saved: the channel is connected
+            // before the restore, so the device finds it as the guest last saw it and sends
+            // no port-closed / port-opened messages behind the guest's back (a guest handling
+            // those while its first session starts can be left believing no host is there,
+            // its answers unwritten).
+            let mut preconnected = None;
             if restore {
-                if let Err(e) =
-                    restore_checkpoint(&control, &restore_state, standby, boot_deadline).await
-                {
+                let connected = match GuestChannel::connect_socket(&path, boot_deadline).await {
+                    Ok(stream) => {
+                        preconnected = Some(stream);
+                        Ok(())
+                    }
+                    Err(e) => Err(format!("connecting the guest channel: {e}")),
+                };
+                let restored = match connected {
+                    Ok(()) => {
+                        restore_checkpoint(&control, &restore_state, standby, boot_deadline).await
+                    }
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = restored {
                     let reason = format!("restoring the checkpoint failed: {e}");
                     tracing::error!(%reason);
                     *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
@@ -306,7 +327,11 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                     Instant::now() + RECONNECT_WAIT
                 };
                 let current = secret.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                match GuestChannel::connect(&path, &current, deadline).await {
+                let connected = match preconnected.take() {
+                    Some(stream) => GuestChannel::connect_over(stream, &current, deadline).await,
+                    None => GuestChannel::connect(&path, &current, deadline).await,
+                };
+                match connected {
                     Ok(ch) => {
                         if first {
                             let ms = launched_at.elapsed().as_millis() as u64;
@@ -437,7 +462,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
             // A VMM that already died explains a failed channel better than the channel does.
             let died = child.try_wait().ok().flatten();
             shared.phase.send_replace(VmPhase::Stopping);
-            stop_vmm(&backend, &endpoints, &mut child).await;
+            stop_vmm(&backend, &endpoints, &mut child, frozen(&shared)).await;
             match (died, fail) {
                 (Some(status), Some(_)) => (false, vmm_exit_reason(&dir, status, &tail)),
                 (_, Some(r)) => (false, r),
@@ -449,7 +474,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         }
         _ = sigterm.recv() => {
             shared.phase.send_replace(VmPhase::Stopping);
-            stop_vmm(&backend, &endpoints, &mut child).await;
+            stop_vmm(&backend, &endpoints, &mut child, frozen(&shared)).await;
             (true, "supervisor terminated (SIGTERM)".to_string())
         }
         _ = serve => unreachable!("the accept loop never ends"),
@@ -483,7 +508,14 @@ async fn stop_vmm(
     backend: &QemuBackend,
     endpoints: &warren_vmm::VmEndpoints,
     child: &mut tokio::process::Child,
+    frozen: bool,
 ) {
+    if frozen {
+        // Saved to a standby RAM file: the VMM never runs again (see `freeze_vmm`).
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        return;
+    }
     let quit = async {
         if let Ok(mut ctl) = backend.control(endpoints).await {
             let _ = ctl.quit().await;
@@ -875,6 +907,9 @@ async fn hibernate(shared: &Shared) -> Reply {
         .await
         .map_err(|e| error_chain(&e))?;
         migration_done(&mut q).await?;
+        if standby {
+            freeze_vmm(shared, true);
+        }
         if injected("hibernate:fail-save") {
             return Err("injected save failure".to_string());
         }
@@ -892,6 +927,7 @@ async fn hibernate(shared: &Shared) -> Reply {
         Ok(size) => size,
         Err(e) => {
             // Nothing is lost: the VM continues where it was.
+            freeze_vmm(shared, false);
             let _ = q.execute("migrate_cancel", None).await;
             let _ = std::fs::remove_file(&state);
             if let Some(ch) = &ch {
@@ -927,6 +963,7 @@ async fn hibernate(shared: &Shared) -> Reply {
         .and_then(|()| std::fs::rename(&tmp, &rec))
         .and_then(|()| std::fs::File::open(shared.dir.path())?.sync_all());
     if let Err(e) = written {
+        freeze_vmm(shared, false);
         if let Some(ch) = &ch {
             let _ = q.resume().await;
             let _ = thaw(ch).await;
@@ -941,6 +978,45 @@ async fn hibernate(shared: &Shared) -> Reply {
     shared.phase.send_replace(VmPhase::Stopping);
     shared.stop.notify_one();
     Ok(SupervisorResponse::Hibernated(info))
+}
+
+/// Whether the VMM was frozen after a standby save ([`freeze_vmm`]).
+fn frozen(shared: &Shared) -> bool {
+    shared.vmm_frozen.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Stops (`freeze`) or continues the VMM process with `SIGSTOP` / `SIGCONT`.
+///
+/// A fast standby's guest RAM is the file the VMM maps shared, and its device state was
+/// just saved: whatever the VMM does from then on must not reach that RAM. But a VMM left
+/// to quit still handles events, and a channel or console socket closing makes the
+/// virtio-serial device write a control message into the guest's rings, behind the saved
+/// device state; the restored guest (a standby resume, every clone of a template) then
+/// loses the host's port-open messages and its writes block until the next reconnect. So
+/// the VMM is stopped the moment the save completes and killed when the VM stops; it runs
+/// again only when the save fails after all and the VM continues.
+fn freeze_vmm(shared: &Shared, freeze: bool) {
+    use nix::sys::signal::{kill, Signal};
+    let Some(pid) = shared.vmm_pid.and_then(|p| i32::try_from(p).ok()) else {
+        return;
+    };
+    if !freeze && !frozen(shared) {
+        return;
+    }
+    let signal = if freeze {
+        Signal::SIGSTOP
+    } else {
+        Signal::SIGCONT
+    };
+    // The VMM is this process's child and is reaped only by the main loop, after the stop:
+    // the pid cannot have been reused.
+    if let Err(e) = kill(nix::unistd::Pid::from_raw(pid), signal) {
+        tracing::warn!(error = %e, ?signal, "signalling the VMM failed");
+        return;
+    }
+    shared
+        .vmm_frozen
+        .store(freeze, std::sync::atomic::Ordering::SeqCst);
 }
 
 fn injected(name: &str) -> bool {
