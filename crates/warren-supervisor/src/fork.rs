@@ -21,7 +21,7 @@ use warren_vmm::VmControl;
 
 use crate::proto::{Reply, SupervisorError, SupervisorResponse};
 use crate::server::{
-    capabilities, error_chain, guest_call, migration_done, qmp, ready_info, refused, thaw, Shared,
+    error_chain, guest_call, qmp, ready_info, refused, save_to_file, thaw, Shared,
 };
 
 pub(crate) async fn save(shared: &Shared, state: &Path, disk: &Path) -> Reply {
@@ -45,22 +45,7 @@ pub(crate) async fn save(shared: &Shared, state: &Path, disk: &Path) -> Reply {
     let saved: Result<u64, String> = async {
         q.pause().await.map_err(|e| error_chain(&e))?;
         let _ = std::fs::remove_file(state);
-        q.execute("migrate-set-capabilities", Some(capabilities(false)))
-            .await
-            .map_err(|e| error_chain(&e))?;
-        q.execute(
-            "migrate-set-parameters",
-            Some(serde_json::json!({"max-bandwidth": 1u64 << 40})),
-        )
-        .await
-        .map_err(|e| error_chain(&e))?;
-        q.execute(
-            "migrate",
-            Some(serde_json::json!({"uri": format!("file:{}", state.display())})),
-        )
-        .await
-        .map_err(|e| error_chain(&e))?;
-        migration_done(&mut q).await?;
+        save_to_file(&mut q, state, false).await?;
         let size = warren_vmm::sys::vmm_file::sync_regular(state)
             .map_err(|e| format!("fsync {}: {e}", state.display()))?;
         let from = shared.dir.run_dir().join("disk.qcow2");

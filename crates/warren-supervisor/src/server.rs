@@ -788,6 +788,33 @@ async fn repause(shared: &Shared) -> bool {
 }
 
 /// Polls a migration until it completes.
+/// Saves the paused VM's state into `state` (a migration to a file; `standby`: device state
+/// only, the RAM staying in its shared file) and waits until it completes.
+pub(crate) async fn save_to_file(
+    q: &mut Qmp,
+    state: &std::path::Path,
+    standby: bool,
+) -> Result<(), String> {
+    q.execute("migrate-set-capabilities", Some(capabilities(standby)))
+        .await
+        .map_err(|e| error_chain(&e))?;
+    // QEMU throttles migrations to 128 MiB/s by default, meant for live migration over a
+    // network; a stopped VM going to a local file should go at disk speed.
+    q.execute(
+        "migrate-set-parameters",
+        Some(serde_json::json!({"max-bandwidth": 1u64 << 40})),
+    )
+    .await
+    .map_err(|e| error_chain(&e))?;
+    q.execute(
+        "migrate",
+        Some(serde_json::json!({"uri": format!("file:{}", state.display())})),
+    )
+    .await
+    .map_err(|e| error_chain(&e))?;
+    migration_done(q).await
+}
+
 pub(crate) async fn migration_done(q: &mut Qmp) -> Result<(), String> {
     let deadline = Instant::now() + MIGRATION_LIMIT;
     loop {
@@ -889,24 +916,7 @@ async fn hibernate(shared: &Shared) -> Reply {
             q.pause().await.map_err(|e| error_chain(&e))?;
         }
         let _ = std::fs::remove_file(&state);
-        q.execute("migrate-set-capabilities", Some(capabilities(standby)))
-            .await
-            .map_err(|e| error_chain(&e))?;
-        // QEMU throttles migrations to 128 MiB/s by default, meant for live migration over a
-        // network; a stopped VM going to a local file should go at disk speed.
-        q.execute(
-            "migrate-set-parameters",
-            Some(serde_json::json!({"max-bandwidth": 1u64 << 40})),
-        )
-        .await
-        .map_err(|e| error_chain(&e))?;
-        q.execute(
-            "migrate",
-            Some(serde_json::json!({"uri": format!("file:{}", state.display())})),
-        )
-        .await
-        .map_err(|e| error_chain(&e))?;
-        migration_done(&mut q).await?;
+        save_to_file(&mut q, &state, standby).await?;
         if standby {
             freeze_vmm(shared, true);
         }
