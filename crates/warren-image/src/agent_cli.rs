@@ -213,11 +213,20 @@ pub fn fetch(cli: &NpmAgentCli, downloads: &Path, registry: &str) -> Result<Path
 /// Largest package tarball downloaded.
 const MAX_TARBALL: u64 = 1 << 30;
 
-/// `curl` downloading `url` into `out`: bounded in size and time (a registry or mirror
-/// sending an endless body must not fill the disk or hold the build forever), no URL
-/// globbing, HTTP(S) only.
+/// `curl` downloading an npm tarball `url` into `out` ([`bounded_curl`]).
 fn curl_command(url: &str, out: &Path) -> Command {
+    bounded_curl(url, out, MAX_TARBALL, &[])
+}
+
+/// `curl` downloading `url` into `out` with `headers`: at most `max` bytes and bounded in
+/// time (a registry or mirror sending an endless body must not fill the disk or hold the
+/// build forever), no URL globbing (a URL from a registry's answer must not fan out),
+/// HTTP(S) only. Shared by npm and Python package downloads.
+pub(crate) fn bounded_curl(url: &str, out: &Path, max: u64, headers: &[&str]) -> Command {
     let mut cmd = Command::new("curl");
+    for h in headers {
+        cmd.arg("--header").arg(h);
+    }
     cmd.args([
         "--fail",
         "--silent",
@@ -234,7 +243,7 @@ fn curl_command(url: &str, out: &Path) -> Command {
         "1800",
         "--max-filesize",
     ])
-    .arg(MAX_TARBALL.to_string())
+    .arg(max.to_string())
     .arg("--output")
     .arg(out)
     .arg(url);

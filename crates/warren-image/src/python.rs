@@ -134,30 +134,12 @@ fn normalized(name: &str) -> String {
 /// `curl` downloading `url` into `out`, at most `max` bytes; no URL globbing (a file URL
 /// comes from the index's answer: `[1-100000]` or `{a,b}` in it must not fan out).
 fn curl_command(url: &str, out: &Path, max: u64) -> Command {
-    let mut cmd = Command::new("curl");
-    cmd.args([
-        "--header",
-        "Accept: application/vnd.pypi.simple.v1+json",
-        "--fail",
-        "--silent",
-        "--show-error",
-        "--location",
-        "--globoff",
-        "--proto",
-        "=https,http",
-        "--retry",
-        "3",
-        "--connect-timeout",
-        "30",
-        "--max-time",
-        "1800",
-        "--max-filesize",
-    ])
-    .arg(max.to_string())
-    .arg("--output")
-    .arg(out)
-    .arg(url);
-    cmd
+    crate::agent_cli::bounded_curl(
+        url,
+        out,
+        max,
+        &["Accept: application/vnd.pypi.simple.v1+json"],
+    )
 }
 
 fn curl(url: &str, out: &Path, max: u64) -> Result<Result<(), String>, ImageError> {
