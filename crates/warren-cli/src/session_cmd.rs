@@ -292,27 +292,54 @@ fn project_of(cwd: &Path) -> Result<PathBuf> {
         .with_context(|| format!("resolving {}", dir.display()))
 }
 
-/// The agent's program (CMD replaces a shell; for an agent, CMD are its arguments).
+/// The agent's program (CMD replaces a shell; for an agent, CMD are its arguments). An agent
+/// starts through [`browser_launch`], which names the image's browser MCP server in its
+/// configuration when the guest has it.
 fn argv_for(agent: &str, command: &[String], tty: bool) -> Vec<String> {
-    let program = match agent {
-        "claude" => "claude",
-        "codex" => "codex",
-        "opencode" => "opencode",
-        _ => {
-            return if command.is_empty() {
-                let mut v = vec!["bash".to_string()];
-                if tty {
-                    v.push("-il".into());
-                }
-                v
-            } else {
-                command.to_vec()
-            };
-        }
+    let Some(script) = browser_launch(agent) else {
+        return if command.is_empty() {
+            let mut v = vec!["bash".to_string()];
+            if tty {
+                v.push("-il".into());
+            }
+            v
+        } else {
+            command.to_vec()
+        };
     };
-    let mut v = vec![program.to_string()];
+    let mut v = vec![
+        "sh".to_string(),
+        "-c".to_string(),
+        script,
+        agent.to_string(),
+    ];
     v.extend(command.iter().cloned());
     v
+}
+
+/// A shell script (run as `sh -c SCRIPT AGENT ARGS...`) that starts `agent` with ARGS and,
+/// when the guest has the `agents` image's browser block (`warren_image::browser`), the
+/// Chrome DevTools MCP server in its configuration: Claude Code by `--mcp-config=` (the `=`
+/// form, so the option takes one value and a prompt after it stays a prompt), Codex by a `-c`
+/// override, opencode by `OPENCODE_CONFIG` (merged with the user's own configuration).
+/// Decided in the guest, so it is the same in process and through the service. `None` for
+/// anything but the three agents.
+fn browser_launch(agent: &str) -> Option<String> {
+    use warren_image::browser::{MCP_CONFIG, MCP_WRAPPER, OPENCODE_CONFIG, SERVER_NAME};
+    let with = match agent {
+        "claude" => format!("exec claude --mcp-config={MCP_CONFIG} \"$@\""),
+        "codex" => {
+            format!("exec codex -c 'mcp_servers.{SERVER_NAME}.command=\"{MCP_WRAPPER}\"' \"$@\"")
+        }
+        "opencode" => format!("OPENCODE_CONFIG={OPENCODE_CONFIG} exec opencode \"$@\""),
+        _ => return None,
+    };
+    let probe = match agent {
+        "codex" => format!("[ -x {MCP_WRAPPER} ]"),
+        "claude" => format!("[ -f {MCP_CONFIG} ]"),
+        _ => format!("[ -f {OPENCODE_CONFIG} ]"),
+    };
+    Some(format!("if {probe}; then {with}; fi; exec {agent} \"$@\""))
 }
 
 /// The image a new session gets when `--image` is not given: the `agents` recipe (which
@@ -636,9 +663,79 @@ mod tests {
         assert_eq!(argv_for("shell", &[], false), vec!["bash"]);
         let cmd = vec!["git".to_string(), "status".to_string()];
         assert_eq!(argv_for("shell", &cmd, false), cmd);
+        let claude = argv_for("claude", &["--version".to_string()], false);
+        assert_eq!(claude[..2], ["sh", "-c"]);
+        assert_eq!(claude[3..], ["claude", "--version"]);
+    }
+
+    /// The launch scripts, run by a real `sh` with stand-in agents and browser files: each
+    /// agent gets the browser's MCP server only when the files are there, and its own
+    /// arguments unchanged either way.
+    #[test]
+    fn test_browser_launch_scripts_under_sh() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bin = dir.path().join("bin");
+        std::fs::create_dir(&bin).expect("bin");
+        for agent in ["claude", "codex", "opencode"] {
+            let p = bin.join(agent);
+            std::fs::write(&p, "#!/bin/sh\nprintf '%s|' \"$OPENCODE_CONFIG\" \"$@\"\n")
+                .expect("write");
+            std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .expect("chmod");
+        }
+        let root = dir.path().join("root");
+        let run = |agent: &str, with_files: bool| -> String {
+            let script = browser_launch(agent).expect("script");
+            // The guest paths, moved under a scratch root for the test.
+            let script = script.replace("/etc/warren/", &format!("{}/etc/", root.display()));
+            let script = script.replace(
+                "[ -x /usr/local/bin/",
+                &format!("[ -x {}/bin/", root.display()),
+            );
+            let _ = std::fs::remove_dir_all(&root);
+            if with_files {
+                std::fs::create_dir_all(root.join("etc")).expect("etc");
+                std::fs::create_dir_all(root.join("bin")).expect("bin");
+                for f in [
+                    "etc/mcp.json",
+                    "etc/opencode.json",
+                    "bin/warren-browser-mcp",
+                ] {
+                    std::fs::write(root.join(f), "x").expect("write");
+                }
+                std::fs::set_permissions(
+                    root.join("bin/warren-browser-mcp"),
+                    std::os::unix::fs::PermissionsExt::from_mode(0o755),
+                )
+                .expect("chmod");
+            }
+            let out = std::process::Command::new("sh")
+                .args(["-c", &script, agent, "a prompt", "--flag"])
+                .env("PATH", format!("{}:/usr/bin:/bin", bin.display()))
+                .env_remove("OPENCODE_CONFIG")
+                .output()
+                .expect("sh");
+            assert!(out.status.success(), "{out:?}");
+            String::from_utf8(out.stdout).expect("utf-8")
+        };
+        assert_eq!(run("claude", false), "|a prompt|--flag|");
         assert_eq!(
-            argv_for("claude", &["--version".to_string()], false),
-            vec!["claude", "--version"]
+            run("claude", true),
+            format!(
+                "|--mcp-config={}/etc/mcp.json|a prompt|--flag|",
+                root.display()
+            )
         );
+        assert_eq!(run("codex", false), "|a prompt|--flag|");
+        assert_eq!(
+            run("codex", true),
+            "|-c|mcp_servers.chrome-devtools.command=\"/usr/local/bin/warren-browser-mcp\"|a prompt|--flag|"
+        );
+        assert_eq!(run("opencode", false), "|a prompt|--flag|");
+        assert_eq!(
+            run("opencode", true),
+            format!("{}/etc/opencode.json|a prompt|--flag|", root.display())
+        );
+        assert_eq!(browser_launch("shell"), None);
     }
 }

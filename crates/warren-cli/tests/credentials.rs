@@ -86,6 +86,8 @@ out['anthropic_key_elsewhere'] = call('https://api.anthropic.com/v1/models?key='
 out['anthropic_key_to_openai'] = call('https://api.openai.com/v1/models', {'x-api-key': ak})
 out['openai_key'] = call('https://api.openai.com/v1/models', {'Authorization': 'Bearer ' + ok})
 out['gh_api'] = call('https://api.github.com/user', {'Authorization': 'token ' + gh})
+gh_cli = subprocess.run(['gh', 'api', 'user'], capture_output=True, text=True, timeout=300)
+out['gh_cli'] = [gh_cli.returncode, gh_cli.stdout + gh_cli.stderr]
 out['gh_basic_to_openai'] = call('https://api.openai.com/v1/models', {'Authorization': 'Basic ' + basic})
 out['gh_in_query'] = call('https://github.com/owner/repo.git/info/refs?service=git-upload-pack&access_token=' + gh)
 out['git_without_helper'] = git('clone', 'https://github.com/owner/repo.git', '/tmp/nohelper', extra={'GIT_CONFIG_COUNT': '0'})
@@ -215,7 +217,8 @@ async fn git_standin_status(topo: &egress_fixtures::Topology, token: &str) -> u1
 #[tokio::test(flavor = "multi_thread", worker_threads = 3)]
 async fn test_run_wires_keys_github_opencode_and_refreshes_on_host() {
     let started = std::time::Instant::now();
-    let dev = common::image_id("dev");
+    // The agents image: the one `warren run` gives agents, with gh.
+    let image = common::image_id("agents");
     let topo = egress_fixtures::Topology::new("unused")
         .await
         .expect("stand-in world");
@@ -324,7 +327,7 @@ async fn test_run_wires_keys_github_opencode_and_refreshes_on_host() {
         }
         c.output().expect("warren run")
     };
-    let mut wired = vec!["--image", dev.as_str(), "--egress"];
+    let mut wired = vec!["--image", image.as_str(), "--egress"];
     let egress_arg = egress.to_str().expect("utf-8").to_string();
     wired.push(&egress_arg);
     for c in [
@@ -395,6 +398,14 @@ async fn test_run_wires_keys_github_opencode_and_refreshes_on_host() {
     // alone in a query string.
     assert!(
         text("gh_api").contains(&format!("Authorization: token {GH_TOKEN}")),
+        "{v}"
+    );
+    // The GitHub CLI in the image, with the placeholder in its environment.
+    assert_eq!(v["gh_cli"][0], 0, "{v}");
+    assert!(
+        v["gh_cli"][1]
+            .as_str()
+            .is_some_and(|o| o.contains(&format!("Authorization: token {GH_TOKEN}"))),
         "{v}"
     );
     assert!(text("gh_basic_to_openai").starts_with("HTTP 403"), "{v}");

@@ -23,7 +23,7 @@
 
 use std::fs::File;
 use std::io::{BufReader, Read};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 use std::process::Command;
 
@@ -291,6 +291,10 @@ pub fn install(cli: &NpmAgentCli, tarball: &Path, root: &Path) -> Result<u64, Im
             cli.binary
         )));
     }
+    // Executable whatever the archive says, as npm makes a package's bins (a Node.js
+    // package's bin is a `#!/usr/bin/env node` script, often 0644 in the tarball).
+    std::fs::set_permissions(&binary, std::fs::Permissions::from_mode(0o755))
+        .map_err(ImageError::io("chmod", &binary))?;
     let bin_dir = root.join("usr/local/bin");
     std::fs::create_dir_all(&bin_dir).map_err(ImageError::io("create", &bin_dir))?;
     let link = bin_dir.join(&cli.command);

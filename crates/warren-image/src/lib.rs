@@ -7,6 +7,8 @@
 //! - [`recipe`]: recipe files (the built-in `minimal`, `dev`, `agents` are such files), strict
 //!   parsing, the canonical description and its digest.
 //! - [`agent_cli`]: a recipe's pinned npm packages (the agent CLIs): fetch, verify, unpack.
+//! - [`browser`]: where the `agents` image keeps its browser block (the DevTools MCP server's
+//!   wrapper and the agents' MCP configuration).
 //! - [`python`]: a recipe's pinned Python wheels: fetched and verified on the host, installed
 //!   offline.
 //! - `chroot`: running a recipe's commands confined (namespaces, `/proc`, a minimal `/dev`).
@@ -24,6 +26,7 @@
 #![forbid(unsafe_code)]
 
 pub mod agent_cli;
+pub mod browser;
 pub mod build;
 mod chroot;
 mod command;

@@ -70,6 +70,32 @@ pub const BUILTIN: [(&str, &str); 3] = [
     ("agents", include_str!("../recipes/agents.toml")),
 ];
 
+/// The files built-in recipes copy in, compiled in beside them: `(source, content)`, the
+/// source as a built-in recipe's `[[files]]` entry names it (relative to `recipes/`).
+pub const BUILTIN_FILES: [(&str, &[u8]); 3] = [
+    (
+        "browser/warren-browser-mcp",
+        include_bytes!("../recipes/browser/warren-browser-mcp"),
+    ),
+    (
+        "browser/mcp.json",
+        include_bytes!("../recipes/browser/mcp.json"),
+    ),
+    (
+        "browser/opencode.json",
+        include_bytes!("../recipes/browser/opencode.json"),
+    ),
+];
+
+/// Where a recipe's `[[files]]` sources are read from.
+#[derive(Clone, Copy)]
+enum FileSource<'a> {
+    /// A recipe file's directory on the host.
+    Dir(&'a Path),
+    /// [`BUILTIN_FILES`] (a built-in recipe's).
+    Builtin,
+}
+
 /// Names that are not recipe names: what pulled images record as their recipe.
 pub const OCI_RECIPE: &str = "oci";
 
@@ -252,7 +278,12 @@ impl Recipe {
             .find(|(n, _)| *n == name)
             .map(|(_, t)| *t)
             .ok_or_else(|| ImageError::UnknownRecipe(name.to_string()))?;
-        Self::parse(text, &format!("built-in recipe {name}"), None, 0)
+        Self::parse(
+            text,
+            &format!("built-in recipe {name}"),
+            FileSource::Builtin,
+            0,
+        )
     }
 
     /// Every built-in recipe, in display order.
@@ -284,7 +315,7 @@ impl Recipe {
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
-        let r = Self::parse(&text, &origin, Some(dir), 0)?;
+        let r = Self::parse(&text, &origin, FileSource::Dir(dir), 0)?;
         if Self::is_builtin(&r.name) || r.name == OCI_RECIPE {
             return Err(invalid(
                 &origin,
@@ -300,7 +331,7 @@ impl Recipe {
     fn parse(
         text: &str,
         origin: &str,
-        dir: Option<&Path>,
+        source: FileSource<'_>,
         depth: usize,
     ) -> Result<Recipe, ImageError> {
         let f: RecipeFile = toml::from_str(text).map_err(|e| invalid(origin, e.message()))?;
@@ -341,7 +372,12 @@ impl Recipe {
                             ),
                         )
                     })?;
-                Self::parse(text, &format!("built-in recipe {base}"), None, depth + 1)?
+                Self::parse(
+                    text,
+                    &format!("built-in recipe {base}"),
+                    FileSource::Builtin,
+                    depth + 1,
+                )?
             }
         };
         r.name = f.name.clone();
@@ -404,12 +440,9 @@ impl Recipe {
             r.python.push(p);
         }
         if !f.files.is_empty() {
-            let Some(dir) = dir else {
-                return Err(invalid(origin, "built-in recipes copy no files"));
-            };
             let mut total = r.files.iter().map(|f| f.size).sum::<u64>();
             for spec in f.files {
-                let file = read_copied(dir, &spec).map_err(|e| invalid(origin, e))?;
+                let file = read_copied(source, &spec).map_err(|e| invalid(origin, e))?;
                 total += file.size;
                 if total > MAX_COPY_TOTAL {
                     return Err(invalid(
@@ -536,8 +569,9 @@ impl Recipe {
     }
 }
 
-/// Reads one file a recipe copies in (a regular file; the path may be relative to `dir`).
-fn read_copied(dir: &Path, spec: &FileSpec) -> Result<CopiedFile, String> {
+/// Reads one file a recipe copies in (from the host, the path relative to the recipe file's
+/// directory, or from [`BUILTIN_FILES`] for a built-in recipe).
+fn read_copied(source: FileSource<'_>, spec: &FileSpec) -> Result<CopiedFile, String> {
     if image_path(&spec.dest).is_none() {
         return Err(format!(
             "file dest {:?} is not an absolute, normal path",
@@ -550,21 +584,14 @@ fn read_copied(dir: &Path, spec: &FileSpec) -> Result<CopiedFile, String> {
             spec.dest, spec.mode
         ));
     }
-    let src = dir.join(&spec.source);
-    let meta = std::fs::metadata(&src).map_err(|e| format!("{}: {e}", src.display()))?;
-    if !meta.is_file() || meta.len() > MAX_COPY_FILE {
-        return Err(format!(
-            "{}: not a regular file of at most {MAX_COPY_FILE} bytes",
-            src.display()
-        ));
-    }
-    let content = std::fs::read(&src).map_err(|e| format!("{}: {e}", src.display()))?;
-    if content.len() as u64 > MAX_COPY_FILE {
-        return Err(format!(
-            "{}: grew past {MAX_COPY_FILE} bytes",
-            src.display()
-        ));
-    }
+    let content = match source {
+        FileSource::Builtin => BUILTIN_FILES
+            .iter()
+            .find(|(name, _)| *name == spec.source)
+            .map(|(_, c)| c.to_vec())
+            .ok_or_else(|| format!("{:?} is not a built-in recipe file", spec.source))?,
+        FileSource::Dir(dir) => read_host_file(&dir.join(&spec.source))?,
+    };
     Ok(CopiedFile {
         dest: spec.dest.clone(),
         mode: spec.mode,
@@ -574,6 +601,26 @@ fn read_copied(dir: &Path, spec: &FileSpec) -> Result<CopiedFile, String> {
         size: content.len() as u64,
         content: std::sync::Arc::new(content),
     })
+}
+
+/// A file a recipe file copies in, read from the host: a regular file of at most
+/// [`MAX_COPY_FILE`] bytes.
+fn read_host_file(src: &Path) -> Result<Vec<u8>, String> {
+    let meta = std::fs::metadata(src).map_err(|e| format!("{}: {e}", src.display()))?;
+    if !meta.is_file() || meta.len() > MAX_COPY_FILE {
+        return Err(format!(
+            "{}: not a regular file of at most {MAX_COPY_FILE} bytes",
+            src.display()
+        ));
+    }
+    let content = std::fs::read(src).map_err(|e| format!("{}: {e}", src.display()))?;
+    if content.len() as u64 > MAX_COPY_FILE {
+        return Err(format!(
+            "{}: grew past {MAX_COPY_FILE} bytes",
+            src.display()
+        ));
+    }
+    Ok(content)
 }
 
 impl fmt::Display for Recipe {
@@ -587,7 +634,8 @@ mod tests {
     use super::*;
 
     /// The digests the built-in recipes had as Rust constants (and so the cached test
-    /// images): computed independently (Python's json with sorted keys) from those constants.
+    /// images): computed independently (Python's json with sorted keys) from those constants;
+    /// `agents` since then with the browser block.
     #[test]
     fn test_builtin_recipe_digests_unchanged() {
         for (name, want) in [
@@ -599,9 +647,11 @@ mod tests {
                 "dev",
                 "38364b9e7eaf3049a156623636c799c70a6e9335b23e8d77e2728502b3c32118",
             ),
+            // With the browser block (issue 20): its packages, npm package and files, the
+            // files' digests and sizes computed apart from the crate (Python's hashlib).
             (
                 "agents",
-                "4e60b2128d318f65f0b4e398bceaf25b1c1669abc10bbf3ced0c9b12532027a8",
+                "7b9f5cd6cb6f49b739d99daad3218126dd4e838348f2f758aa797f6f58a47ab0",
             ),
         ] {
             assert_eq!(
@@ -634,11 +684,20 @@ mod tests {
         assert!(!text.contains("agent_clis"), "{text}");
         let agents = Recipe::builtin("agents").expect("agents");
         let text = String::from_utf8(digest::canonical_json(&agents.description())).expect("utf-8");
-        assert_eq!(agents.agent_clis().len(), 3);
+        // The three agent CLIs and the browser block's DevTools MCP server.
+        assert_eq!(agents.agent_clis().len(), 4);
         for cli in agents.agent_clis() {
             assert!(text.contains(&cli.integrity), "{text}");
         }
-        assert_eq!(agents.packages(), dev.packages());
+        // dev's packages, then the browser block's.
+        assert_eq!(
+            agents.packages(),
+            [
+                dev.packages(),
+                &["chromium-headless-shell".into(), "gh".into()]
+            ]
+            .concat()
+        );
     }
 
     fn write_recipe(dir: &Path, text: &str) -> std::path::PathBuf {
