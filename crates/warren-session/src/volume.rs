@@ -480,6 +480,14 @@ mod tests {
             .count()
     }
 
+    /// Waits (10 s at most) until no loop device is backed by `image`.
+    fn wait_for_no_loops(image: &Path) {
+        let t = std::time::Instant::now();
+        while loops_backed_by(image) > 0 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Mounts of `mountpoint` (stacked ones counted).
     fn mounts_at(mountpoint: &Path) -> usize {
         let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
@@ -505,6 +513,14 @@ mod tests {
         for round in 0..3 {
             nix::mount::umount(&p.mountpoint).expect("unmount (a restart)");
             assert!(!p.is_mounted());
+            // Autoclear detaches the unmounted device asynchronously (later on a busy
+            // machine): wait for it, so the count below is of the remounts' devices alone.
+            wait_for_no_loops(&p.image);
+            assert_eq!(
+                loops_backed_by(&p.image),
+                0,
+                "round {round}: old device left"
+            );
             let barrier = std::sync::Barrier::new(8);
             std::thread::scope(|s| {
                 for _ in 0..8 {
@@ -536,10 +552,7 @@ mod tests {
         let e = ensure_mounted(&p).expect_err("gone");
         assert!(e.to_string().contains("gone"), "{e}");
         // Autoclear frees the devices at the unmount, asynchronously.
-        let t = std::time::Instant::now();
-        while loops_backed_by(&p.image) > 0 && t.elapsed() < Duration::from_secs(5) {
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_for_no_loops(&p.image);
         assert_eq!(loops_backed_by(&p.image), 0, "loop device left");
     }
 
