@@ -236,6 +236,10 @@ pub struct RunArgs {
     /// --network.
     #[arg(long, value_name = "FILE.toml")]
     pub egress: Option<PathBuf>,
+    /// Do not give the agent the image's browser (the Chrome DevTools MCP server of the
+    /// `agents` image, otherwise named in claude's, codex's and opencode's configuration).
+    #[arg(long)]
+    pub no_browser: bool,
 }
 
 #[derive(Subcommand, Debug)]

@@ -293,10 +293,10 @@ fn project_of(cwd: &Path) -> Result<PathBuf> {
 }
 
 /// The agent's program (CMD replaces a shell; for an agent, CMD are its arguments). An agent
-/// starts through [`browser_launch`], which names the image's browser MCP server in its
-/// configuration when the guest has it.
-fn argv_for(agent: &str, command: &[String], tty: bool) -> Vec<String> {
-    let Some(script) = browser_launch(agent) else {
+/// starts through [`agent_launch`]: with `browser`, it names the image's browser MCP server
+/// in the agent's configuration when the guest has it.
+fn argv_for(agent: &str, command: &[String], tty: bool, browser: bool) -> Vec<String> {
+    let Some(script) = agent_launch(agent, browser) else {
         return if command.is_empty() {
             let mut v = vec!["bash".to_string()];
             if tty {
@@ -317,20 +317,46 @@ fn argv_for(agent: &str, command: &[String], tty: bool) -> Vec<String> {
     v
 }
 
+/// The script that starts `agent` (`sh -c SCRIPT AGENT ARGS...`): Codex's home directory is
+/// made first (Codex refuses to start when `CODEX_HOME` does not exist, and a fresh
+/// project's `/agent-state` is empty), then [`browser_launch`]'s script, or the agent alone
+/// without `browser`. `None` for anything but the three agents.
+fn agent_launch(agent: &str, browser: bool) -> Option<String> {
+    let script = match browser {
+        true => browser_launch(agent)?,
+        false => {
+            if !matches!(agent, "claude" | "codex" | "opencode") {
+                return None;
+            }
+            format!("exec {agent} \"$@\"")
+        }
+    };
+    Some(match agent {
+        "codex" => format!("[ -z \"$CODEX_HOME\" ] || mkdir -p \"$CODEX_HOME\"; {script}"),
+        _ => script,
+    })
+}
+
 /// A shell script (run as `sh -c SCRIPT AGENT ARGS...`) that starts `agent` with ARGS and,
 /// when the guest has the `agents` image's browser block (`warren_image::browser`), the
-/// Chrome DevTools MCP server in its configuration: Claude Code by `--mcp-config=` (the `=`
-/// form, so the option takes one value and a prompt after it stays a prompt), Codex by a `-c`
-/// override, opencode by `OPENCODE_CONFIG` (merged with the user's own configuration).
-/// Decided in the guest, so it is the same in process and through the service. `None` for
-/// anything but the three agents.
+/// Chrome DevTools MCP server in its configuration, with startup and call limits that leave
+/// room for a browser on a slow or emulated CPU: Claude Code by `--mcp-config=` (the `=`
+/// form, so the option takes one value and a prompt after it stays a prompt) and
+/// `MCP_TIMEOUT` 60 s unless set, Codex by `-c` overrides (the command, a 120 s startup and a
+/// 300 s call limit), opencode by `OPENCODE_CONFIG` (merged with the user's own
+/// configuration; the file sets its limit). Decided in the guest, so it is the same in
+/// process and through the service. `None` for anything but the three agents.
 fn browser_launch(agent: &str) -> Option<String> {
     use warren_image::browser::{MCP_CONFIG, MCP_WRAPPER, OPENCODE_CONFIG, SERVER_NAME};
     let with = match agent {
-        "claude" => format!("exec claude --mcp-config={MCP_CONFIG} \"$@\""),
-        "codex" => {
-            format!("exec codex -c 'mcp_servers.{SERVER_NAME}.command=\"{MCP_WRAPPER}\"' \"$@\"")
-        }
+        "claude" => format!(
+            "MCP_TIMEOUT=\"${{MCP_TIMEOUT:-60000}}\" exec claude --mcp-config={MCP_CONFIG} \"$@\""
+        ),
+        "codex" => format!(
+            "exec codex -c 'mcp_servers.{SERVER_NAME}.command=\"{MCP_WRAPPER}\"' \
+             -c mcp_servers.{SERVER_NAME}.startup_timeout_sec=120 \
+             -c mcp_servers.{SERVER_NAME}.tool_timeout_sec=300 \"$@\""
+        ),
         "opencode" => format!("OPENCODE_CONFIG={OPENCODE_CONFIG} exec opencode \"$@\""),
         _ => return None,
     };
@@ -435,7 +461,7 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
         crate::agents::write_files(&state, &wiring.files, (s.owner_uid, s.owner_gid))?;
     }
     let tty = std::io::stdin().is_terminal() && std::io::stdout().is_terminal();
-    let argv = argv_for(agent, &args.command, tty);
+    let argv = argv_for(agent, &args.command, tty, !args.no_browser);
     let mut env = agent_env();
     if let Some(wiring) = wiring {
         env.extend(wiring.env);
@@ -520,7 +546,7 @@ async fn run_via_service(
     let tty = std::io::stdin().is_terminal() && std::io::stdout().is_terminal();
     let req = crate::remote_exec::ExecRequest {
         vm: vm.to_string(),
-        argv: argv_for(agent, &args.command, tty),
+        argv: argv_for(agent, &args.command, tty, !args.no_browser),
         env: agent_env(),
         cwd: rel,
         timeout_ms: None,
@@ -659,13 +685,21 @@ mod tests {
 
     #[test]
     fn test_argv_for_agents_and_shell() {
-        assert_eq!(argv_for("shell", &[], true), vec!["bash", "-il"]);
-        assert_eq!(argv_for("shell", &[], false), vec!["bash"]);
+        assert_eq!(argv_for("shell", &[], true, true), vec!["bash", "-il"]);
+        assert_eq!(argv_for("shell", &[], false, true), vec!["bash"]);
         let cmd = vec!["git".to_string(), "status".to_string()];
-        assert_eq!(argv_for("shell", &cmd, false), cmd);
-        let claude = argv_for("claude", &["--version".to_string()], false);
+        assert_eq!(argv_for("shell", &cmd, false, true), cmd);
+        let claude = argv_for("claude", &["--version".to_string()], false, true);
         assert_eq!(claude[..2], ["sh", "-c"]);
         assert_eq!(claude[3..], ["claude", "--version"]);
+        // --no-browser: the agent itself (Codex after making its home).
+        let claude = argv_for("claude", &["--version".to_string()], false, false);
+        assert_eq!(claude[2], "exec claude \"$@\"");
+        let codex = argv_for("codex", &["--version".to_string()], false, false);
+        assert_eq!(
+            codex[2],
+            "[ -z \"$CODEX_HOME\" ] || mkdir -p \"$CODEX_HOME\"; exec codex \"$@\""
+        );
     }
 
     /// The launch scripts, run by a real `sh` with stand-in agents and browser files: each
@@ -678,14 +712,17 @@ mod tests {
         std::fs::create_dir(&bin).expect("bin");
         for agent in ["claude", "codex", "opencode"] {
             let p = bin.join(agent);
-            std::fs::write(&p, "#!/bin/sh\nprintf '%s|' \"$OPENCODE_CONFIG\" \"$@\"\n")
-                .expect("write");
+            std::fs::write(
+                &p,
+                "#!/bin/sh\nprintf '%s|' \"$OPENCODE_CONFIG\" \"$MCP_TIMEOUT\" \"$@\"\n",
+            )
+            .expect("write");
             std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755))
                 .expect("chmod");
         }
         let root = dir.path().join("root");
         let run = |agent: &str, with_files: bool| -> String {
-            let script = browser_launch(agent).expect("script");
+            let script = agent_launch(agent, true).expect("script");
             // The guest paths, moved under a scratch root for the test.
             let script = script.replace("/etc/warren/", &format!("{}/etc/", root.display()));
             let script = script.replace(
@@ -710,32 +747,47 @@ mod tests {
                 .expect("chmod");
             }
             let out = std::process::Command::new("sh")
-                .args(["-c", &script, agent, "a prompt", "--flag"])
+                .args([
+                    "-c",
+                    &script,
+                    agent,
+                    "a prompt",
+                    "--flag",
+                    "",
+                    "a'b \"c\"",
+                    "$(id)",
+                    "--",
+                ])
                 .env("PATH", format!("{}:/usr/bin:/bin", bin.display()))
                 .env_remove("OPENCODE_CONFIG")
+                .env_remove("MCP_TIMEOUT")
+                .env_remove("CODEX_HOME")
                 .output()
                 .expect("sh");
             assert!(out.status.success(), "{out:?}");
             String::from_utf8(out.stdout).expect("utf-8")
         };
-        assert_eq!(run("claude", false), "|a prompt|--flag|");
+        let args = "a prompt|--flag||a'b \"c\"|$(id)|--|";
+        assert_eq!(run("claude", false), format!("||{args}"));
         assert_eq!(
             run("claude", true),
-            format!(
-                "|--mcp-config={}/etc/mcp.json|a prompt|--flag|",
-                root.display()
-            )
+            format!("|60000|--mcp-config={}/etc/mcp.json|{args}", root.display())
         );
-        assert_eq!(run("codex", false), "|a prompt|--flag|");
+        assert_eq!(run("codex", false), format!("||{args}"));
         assert_eq!(
             run("codex", true),
-            "|-c|mcp_servers.chrome-devtools.command=\"/usr/local/bin/warren-browser-mcp\"|a prompt|--flag|"
+            format!(
+                "||-c|mcp_servers.chrome-devtools.command=\"/usr/local/bin/warren-browser-mcp\"|\
+                 -c|mcp_servers.chrome-devtools.startup_timeout_sec=120|\
+                 -c|mcp_servers.chrome-devtools.tool_timeout_sec=300|{args}"
+            )
         );
-        assert_eq!(run("opencode", false), "|a prompt|--flag|");
+        assert_eq!(run("opencode", false), format!("||{args}"));
         assert_eq!(
             run("opencode", true),
-            format!("{}/etc/opencode.json|a prompt|--flag|", root.display())
+            format!("{}/etc/opencode.json||{args}", root.display())
         );
         assert_eq!(browser_launch("shell"), None);
+        assert_eq!(agent_launch("shell", false), None);
     }
 }

@@ -108,6 +108,18 @@ fn test_agents_image_clis_report_pinned_versions() {
             "{stdout}"
         );
     }
+    // Codex's configuration as `warren run codex` starts it names the browser's MCP server
+    // (read from its own `mcp list`, which starts no server), and not with --no-browser.
+    let out = warren_run(&env, &proj, &["codex", "--", "mcp", "list"]);
+    let stdout = ok(out, "warren run codex -- mcp list");
+    assert!(
+        stdout.contains("chrome-devtools") && stdout.contains("/usr/local/bin/warren-browser-mcp"),
+        "{stdout}"
+    );
+    let out = warren_run(&env, &proj, &["--no-browser", "codex", "--", "mcp", "list"]);
+    let stdout = ok(out, "warren run --no-browser codex -- mcp list");
+    assert!(!stdout.contains("chrome-devtools"), "{stdout}");
+
     let list = ok(env.run(&["session", "list", "--json"]), "session list");
     let v: serde_json::Value = serde_json::from_str(&list).expect("json");
     assert_eq!(v.as_array().map(Vec::len), Some(1), "{v}");
@@ -117,14 +129,20 @@ fn test_agents_image_clis_report_pinned_versions() {
 /// web server on the guest's loopback, opens its page through the server, takes a
 /// screenshot, then closes the server's input and checks that the server and its browser
 /// are gone. Prints one JSON object; its progress goes to stderr as it happens.
-const BROWSER_PROBE: &str = r#"import base64, json, os, re, signal, subprocess, sys, tempfile, time, zlib
-signal.alarm(420)
+const BROWSER_PROBE: &str = r#"import base64, glob, json, os, re, signal, subprocess, sys, tempfile, time, urllib.request, zlib
+signal.alarm(540)
 site = tempfile.mkdtemp()
 with open(site + '/index.html', 'w') as f:
     f.write('<html><head><title>Warren guest page</title></head>'
             '<body style="background:#00ff00"><h1>served inside the guest</h1></body></html>')
 web = subprocess.Popen([sys.executable, '-m', 'http.server', '8765', '--bind', '127.0.0.1',
                         '--directory', site], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+for _ in range(600):
+    try:
+        urllib.request.urlopen('http://127.0.0.1:8765/', timeout=5).read()
+        break
+    except OSError:
+        time.sleep(0.1)
 conf = json.load(open('/etc/warren/mcp.json'))['mcpServers']['chrome-devtools']
 out = {'command': conf['command']}
 t = time.time()
@@ -156,17 +174,29 @@ mcp.stdin.flush()
 out['server'] = init.get('serverInfo', {})
 out['tools'] = [x['name'] for x in rpc('tools/list')['tools']]
 step('init')
-# The first tool call connects the server to its browser, within the server's own 60 s bound
-# for that; an agent retries a call that ran out of it, and so does this client (the second
-# connect is quicker: the server's code is compiled by then).
-for attempt in range(3):
+# No browser yet: the first tool call starts it (the wrapper holds the call until it
+# answers), then the server connects to it, within the server's own 60 s bound for that. An
+# agent retries a call that ran out of it, and so does this client (the second connect is
+# quicker: the server's code is compiled by then); the attempts are reported.
+def browsers():
+    ps = subprocess.run(['ps', '-eo', 'pid=,args='], capture_output=True, text=True).stdout
+    return [l for l in ps.splitlines()
+            if any(a.endswith(('/chromium-headless-shell', '/chrome-devtools-mcp',
+                               '/warren-browser-mcp', '/chrome_crashpad_handler'))
+                   for a in l.split()[1:3])]
+out['browser_before_first_call'] = any('chromium' in l for l in browsers())
+out['list_pages_attempts'] = 0
+while True:
+    out['list_pages_attempts'] += 1
     r = rpc('tools/call', {'name': 'list_pages', 'arguments': {}})
     out['list_pages'] = text(r)[:300]
-    if not r.get('isError'):
+    out['list_pages_error'] = bool(r.get('isError'))
+    if not r.get('isError') or time.time() - t > 300:
         break
     print('browser probe: list_pages failed: %s' % out['list_pages'], file=sys.stderr, flush=True)
+    time.sleep(5)
 step('connected')
-r = rpc('tools/call', {'name': 'new_page', 'arguments': {'url': 'http://127.0.0.1:8765/'}})
+r = rpc('tools/call', {'name': 'new_page', 'arguments': {'url': 'http://127.0.0.1:8765/', 'timeout': 120000}})
 out['pages'] = text(r)
 step('page')
 m = re.search(r'(\d+): Warren guest page \(http://127\.0\.0\.1:8765/\)', out['pages'])
@@ -193,10 +223,8 @@ if imgs:
 # End of input ends the server, and the wrapper takes its browser down with it.
 mcp.stdin.close()
 out['exit'] = mcp.wait(60)
-ps = subprocess.run(['ps', '-eo', 'pid=,args='], capture_output=True, text=True).stdout
-out['browsers_left'] = [l for l in ps.splitlines()
-                        if any(a.endswith(('/chromium-headless-shell', '/chrome-devtools-mcp',
-                                           '/warren-browser-mcp')) for a in l.split()[1:3])]
+out['browsers_left'] = browsers()
+out['profiles_left'] = glob.glob(os.path.join(tempfile.gettempdir(), 'warren-browser-*'))
 out['gh'] = subprocess.run(['gh', '--version'], capture_output=True, text=True).stdout.split('\n')[0]
 web.kill()
 print(json.dumps(out))
@@ -240,11 +268,14 @@ fn test_agents_image_devtools_mcp_screenshots_a_guest_page() {
         started.elapsed(),
         serde_json::json!({
             "init": v["t_init"], "connected": v["t_connected"], "page": v["t_page"],
-            "screenshot": v["t_screenshot"]
+            "screenshot": v["t_screenshot"], "list_pages_attempts": v["list_pages_attempts"]
         })
     );
     assert_eq!(v["command"], warren_image::browser::MCP_WRAPPER, "{v}");
     assert_eq!(v["server"]["name"], "chrome_devtools", "{v}");
+    // The browser starts at the first tool call, not with the server.
+    assert_eq!(v["browser_before_first_call"], false, "{v}");
+    assert_eq!(v["list_pages_error"], false, "{v}");
     let tools: Vec<&str> = v["tools"]
         .as_array()
         .into_iter()
@@ -266,6 +297,7 @@ fn test_agents_image_devtools_mcp_screenshots_a_guest_page() {
     assert_eq!(v["pixel"], serde_json::json!([0, 255, 0]), "{v}");
     assert_eq!(v["exit"], 0, "{v}");
     assert_eq!(v["browsers_left"], serde_json::json!([]), "{v}");
+    assert_eq!(v["profiles_left"], serde_json::json!([]), "{v}");
     assert!(
         v["gh"]
             .as_str()

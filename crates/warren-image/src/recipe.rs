@@ -651,7 +651,7 @@ mod tests {
             // files' digests and sizes computed apart from the crate (Python's hashlib).
             (
                 "agents",
-                "7b9f5cd6cb6f49b739d99daad3218126dd4e838348f2f758aa797f6f58a47ab0",
+                "f82c0adf91082e2a4a96dfdb74ad3dbe65a7f3b0402eb66ff71565fa3a64fca0",
             ),
         ] {
             assert_eq!(
