@@ -274,8 +274,12 @@ pub fn install(cli: &NpmAgentCli, tarball: &Path, root: &Path) -> Result<u64, Im
     };
     let rel = cli.install_dir();
     let dest = root.join(&rel);
-    if let Some(parent) = dest.parent() {
-        std::fs::create_dir_all(parent).map_err(ImageError::io("create", parent))?;
+    // The packages' maintainer scripts ran as root in this tree before: every directory on
+    // the way is checked to be a real directory, never a link they planted (which the host
+    // kernel would follow out of the tree).
+    std::fs::create_dir_all(root).map_err(ImageError::io("create", root))?;
+    if let Some(parent) = rel.parent() {
+        real_dirs(root, parent, &cli.spec())?;
     }
     std::fs::create_dir(&dest).map_err(ImageError::io("create", &dest))?;
     let file = File::open(tarball).map_err(ImageError::io("open", tarball))?;
@@ -296,13 +300,47 @@ pub fn install(cli: &NpmAgentCli, tarball: &Path, root: &Path) -> Result<u64, Im
     std::fs::set_permissions(&binary, std::fs::Permissions::from_mode(0o755))
         .map_err(ImageError::io("chmod", &binary))?;
     let bin_dir = root.join("usr/local/bin");
-    std::fs::create_dir_all(&bin_dir).map_err(ImageError::io("create", &bin_dir))?;
+    real_dirs(root, Path::new("usr/local/bin"), &cli.spec())?;
     let link = bin_dir.join(&cli.command);
     // Relative, so it resolves the same inside the guest and in the build tree.
     let target = Path::new("..").join(rel.strip_prefix("usr/local").unwrap_or(&rel));
     std::os::unix::fs::symlink(target.join(&cli.binary), &link)
         .map_err(ImageError::io("symlink", &link))?;
     Ok(size)
+}
+
+/// Makes each directory of the relative path `rel` under `root` that is missing, and refuses
+/// any that exists as something else than a directory (a symbolic link included). Nothing
+/// runs in the tree meanwhile (the chroot's commands have ended), so what is checked is what
+/// is used.
+fn real_dirs(root: &Path, rel: &Path, package: &str) -> Result<(), ImageError> {
+    let mut at = root.to_path_buf();
+    for c in rel.components() {
+        let Component::Normal(name) = c else {
+            return Err(ImageError::NpmUnpack {
+                package: package.to_string(),
+                reason: format!("{} is not a plain relative path", rel.display()),
+            });
+        };
+        at.push(name);
+        match std::fs::symlink_metadata(&at) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(ImageError::NpmUnpack {
+                    package: package.to_string(),
+                    reason: format!(
+                        "{} is not a directory (a link is never followed)",
+                        at.display()
+                    ),
+                })
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::create_dir(&at).map_err(ImageError::io("create", &at))?
+            }
+            Err(e) => return Err(ImageError::io("stat", &at)(e)),
+        }
+    }
+    Ok(())
 }
 
 /// Unpacks a gzipped npm tarball into the empty directory `dest`, dropping the first path
@@ -555,5 +593,56 @@ mod tests {
         std::fs::write(&t, tgz).expect("write");
         let err = install(&agent_clis()[0], &t, &dir.path().join("root")).expect_err("no binary");
         assert!(err.to_string().contains("claude-code-linux-x64"), "{err}");
+    }
+
+    /// A bin that the tarball has 0644 (a Node.js script) is made executable, as npm does.
+    #[test]
+    fn test_install_makes_the_binary_executable() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tgz = tarball(&[("package/bin/opencode", tar::EntryType::Regular, b"bin")]);
+        let t = dir.path().join("t.tgz");
+        std::fs::write(&t, tgz).expect("write");
+        let root = dir.path().join("root");
+        install(&agent_clis()[2], &t, &root).expect("install");
+        let mode = std::fs::metadata(root.join("usr/local/bin/opencode"))
+            .expect("stat")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o755);
+    }
+
+    /// A link planted in the root tree where the install goes (as a package's maintainer
+    /// script could, running as root in the chroot) is refused, never followed: nothing is
+    /// written outside the tree.
+    #[test]
+    fn test_install_refuses_links_planted_on_its_path() {
+        for planted in [
+            "usr/local/lib",
+            "usr/local/lib/warren-agents",
+            "usr/local/bin",
+            "usr",
+        ] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let tgz = tarball(&[("package/bin/opencode", tar::EntryType::Regular, b"bin")]);
+            let t = dir.path().join("t.tgz");
+            std::fs::write(&t, tgz).expect("write");
+            let root = dir.path().join("root");
+            let outside = dir.path().join("outside");
+            std::fs::create_dir_all(&outside).expect("outside");
+            let at = root.join(planted);
+            std::fs::create_dir_all(at.parent().expect("parent")).expect("parents");
+            std::os::unix::fs::symlink(&outside, &at).expect("plant");
+            let err = install(&agent_clis()[2], &t, &root).expect_err(planted);
+            assert!(
+                err.to_string().contains("not a directory"),
+                "{planted}: {err}"
+            );
+            assert_eq!(
+                std::fs::read_dir(&outside).expect("outside").count(),
+                0,
+                "{planted}: written outside the tree"
+            );
+        }
     }
 }
