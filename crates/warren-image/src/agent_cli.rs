@@ -569,12 +569,18 @@ mod tests {
         }
     }
 
+    /// `DIR/t.tgz`: an opencode package holding only its binary, `bin` (0644).
+    fn opencode_tarball(dir: &Path) -> PathBuf {
+        let t = dir.join("t.tgz");
+        let tgz = tarball(&[("package/bin/opencode", tar::EntryType::Regular, b"bin")]);
+        std::fs::write(&t, tgz).expect("write");
+        t
+    }
+
     #[test]
     fn test_install_links_command_to_binary() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let tgz = tarball(&[("package/bin/opencode", tar::EntryType::Regular, b"bin")]);
-        let t = dir.path().join("t.tgz");
-        std::fs::write(&t, tgz).expect("write");
+        let t = opencode_tarball(dir.path());
         let root = dir.path().join("root");
         install(&agent_clis()[2], &t, &root).expect("install");
         let link = root.join("usr/local/bin/opencode");
@@ -600,9 +606,7 @@ mod tests {
     fn test_install_makes_the_binary_executable() {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().expect("tempdir");
-        let tgz = tarball(&[("package/bin/opencode", tar::EntryType::Regular, b"bin")]);
-        let t = dir.path().join("t.tgz");
-        std::fs::write(&t, tgz).expect("write");
+        let t = opencode_tarball(dir.path());
         let root = dir.path().join("root");
         install(&agent_clis()[2], &t, &root).expect("install");
         let mode = std::fs::metadata(root.join("usr/local/bin/opencode"))
@@ -624,9 +628,7 @@ mod tests {
             "usr",
         ] {
             let dir = tempfile::tempdir().expect("tempdir");
-            let tgz = tarball(&[("package/bin/opencode", tar::EntryType::Regular, b"bin")]);
-            let t = dir.path().join("t.tgz");
-            std::fs::write(&t, tgz).expect("write");
+            let t = opencode_tarball(dir.path());
             let root = dir.path().join("root");
             let outside = dir.path().join("outside");
             std::fs::create_dir_all(&outside).expect("outside");
