@@ -425,6 +425,10 @@ mod tests {
     /// A gzipped tar archive of `entries` (name, type, data), names written raw so that
     /// hostile ones survive.
     fn tarball(entries: &[(&str, tar::EntryType, &[u8])]) -> Vec<u8> {
+        tarball_with_mode(entries, 0o755)
+    }
+
+    fn tarball_with_mode(entries: &[(&str, tar::EntryType, &[u8])], mode: u32) -> Vec<u8> {
         let mut b = tar::Builder::new(flate2::write::GzEncoder::new(
             Vec::new(),
             flate2::Compression::fast(),
@@ -436,7 +440,7 @@ mod tests {
                 gnu.name[..name.len()].copy_from_slice(name.as_bytes());
             }
             h.set_entry_type(*kind);
-            h.set_mode(0o755);
+            h.set_mode(mode);
             h.set_size(data.len() as u64);
             if *kind == tar::EntryType::Symlink {
                 h.set_link_name("/etc/passwd").expect("link name");
@@ -569,10 +573,14 @@ mod tests {
         }
     }
 
-    /// `DIR/t.tgz`: an opencode package holding only its binary, `bin` (0644).
+    /// `DIR/t.tgz`: an opencode package holding only its binary, `bin`, 0644 as a Node.js
+    /// package's script bin is.
     fn opencode_tarball(dir: &Path) -> PathBuf {
         let t = dir.join("t.tgz");
-        let tgz = tarball(&[("package/bin/opencode", tar::EntryType::Regular, b"bin")]);
+        let tgz = tarball_with_mode(
+            &[("package/bin/opencode", tar::EntryType::Regular, b"bin")],
+            0o644,
+        );
         std::fs::write(&t, tgz).expect("write");
         t
     }
