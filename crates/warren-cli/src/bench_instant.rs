@@ -3,7 +3,10 @@
 //!
 //! (floor) raw QEMU: boot of the same kernel, initramfs and disk to the agent's ready line
 //!     (the cold floor), and a restore of the template's device state and RAM file to a
-//!     running VM (the restore floor: spawn, `migrate-incoming`, `cont`);
+//!     running VM (the restore floor: spawn, `migrate-incoming`, `cont`); and the guest's
+//!     own fork+exec+wait of `/bin/true` as the first thing asked after a standby resume
+//!     (cold: the fresh VMM translates every guest path anew under TCG) and right after
+//!     (warm). Restore floor plus cold fork+exec is what no resume to a first exec can beat;
 //! (cold) `vm create` to the first exec result, booting;
 //! (template) the same from the shape's template (built once first, timed on its own);
 //! (pool) a warm-pool hand-out to the first exec result (refilled between samples, untimed);
@@ -31,6 +34,8 @@ struct Report {
     samples: usize,
     raw_boot_ms_median: f64,
     raw_restore_ms_median: f64,
+    guest_fork_exec_after_restore_cold_ms_median: f64,
+    guest_fork_exec_after_restore_warm_ms_median: f64,
     cold_create_to_exec_ms_p50: f64,
     cold_create_to_exec_ms_p99: f64,
     template_build_ms: f64,
@@ -58,6 +63,21 @@ fn ms(t: Instant) -> f64 {
 async fn first_exec(w: &Warren, vm: &str) -> Result<()> {
     let job = w.exec_start(vm, exec_true()).await?;
     wait_job(w, vm, job).await
+}
+
+/// The guest's own fork+exec+wait of `/bin/true`, twice, in ms (outside job accounting).
+async fn guest_fork_exec(w: &Warren, vm: &str) -> Result<Vec<f64>> {
+    use warren_protocol::{BenchRequest, GuestResponse, HostRequest};
+    let sup = warren_supervisor::SupervisorClient::new(&w.vm_dir_path(vm).join("supervisor.sock"));
+    match sup
+        .guest(HostRequest::Bench(BenchRequest::ForkExecWait {
+            iterations: 2,
+        }))
+        .await?
+    {
+        GuestResponse::Bench(b) => Ok(b.samples_ns.iter().map(|n| *n as f64 / 1e6).collect()),
+        _ => bail!("unexpected bench reply"),
+    }
 }
 
 /// The supervisor's start steps of `vm`, plus the engine's total (`engine`) and the first
@@ -98,6 +118,10 @@ pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
     println!(
         "(floor)      raw QEMU boot to ready line {:.0} ms   raw restore of the template {:.0} ms",
         r.raw_boot_ms_median, r.raw_restore_ms_median
+    );
+    println!(
+        "(floor)      guest fork+exec+wait of /bin/true right after a standby resume {:.0} ms (cold), {:.1} ms (warm)",
+        r.guest_fork_exec_after_restore_cold_ms_median, r.guest_fork_exec_after_restore_warm_ms_median
     );
     println!(
         "(cold)       create to first exec {:.0} / {:.0} ms",
@@ -299,6 +323,19 @@ async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
         s.push(("first exec done".into(), ms(t)));
         add_steps(&mut ssteps, s);
     }
+    // The floor: the guest's own fork+exec+wait as the first request after a resume.
+    let (mut cold_fe, mut warm_fe) = (vec![], vec![]);
+    for _ in 0..n.min(5) {
+        w.suspend_vm(&sb.id, SuspendMode::Hibernate, true).await?;
+        w.resume_vm(&sb.id).await?;
+        let samples = guest_fork_exec(w, &sb.id).await?;
+        if let [cold, warm, ..] = samples[..] {
+            cold_fe.push(cold);
+            warm_fe.push(warm);
+        }
+    }
+    r.guest_fork_exec_after_restore_cold_ms_median = median(&mut cold_fe);
+    r.guest_fork_exec_after_restore_warm_ms_median = median(&mut warm_fe);
     w.destroy_vm(&sb.id).await?;
     r.standby_resume_to_exec_ms_p50 = pct(&mut standby, 0.5);
     r.standby_resume_to_exec_ms_p99 = pct(&mut standby, 0.99);

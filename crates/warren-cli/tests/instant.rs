@@ -115,6 +115,23 @@ fn test_template_clones_isolated_rekeyed_and_never_on_other_artifacts() {
     );
     assert_eq!(ma.len(), 32, "{ma}");
     assert_ne!(ma, mb);
+    // Both files are the in-memory ones bound over the disk's (the rekey never writes the
+    // root disk on the clone's start), and the guest user cannot change them.
+    for f in ["/etc/hostname", "/etc/machine-id"] {
+        assert_eq!(
+            line(&a, &format!("grep -c ' {f} ' /proc/self/mountinfo")),
+            "1",
+            "{f} is not bound"
+        );
+        assert_eq!(
+            line(
+                &a,
+                &format!("echo x 2>/dev/null > {f} && echo changed || echo refused")
+            ),
+            "refused",
+            "{f}"
+        );
+    }
 
     // Random output differs (the CRNG was reseeded with host entropy in each).
     let rng = "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'";

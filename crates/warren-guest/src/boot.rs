@@ -5,7 +5,8 @@
 //! 3. `secret`: read the per-VM secret from the initramfs into memory;
 //! 4. `root`: wait for `/dev/vda`, mount it (ext4) at `/newroot` and switch root into it the
 //!    way busybox `switch_root` does (the agent stays PID 1 and keeps running);
-//! 5. `system`: tmpfs, devpts, hostname;
+//! 5. `system`: tmpfs, devpts, hostname, the identity files in memory
+//!    ([`crate::identity_files`]);
 //! 6. `cgroup`: cgroup2 (`favordynmods`) with `jobs/` holding one cgroup per job;
 //! 7. `shares`: mount the host directories named by `warren.mount=TAG:PATH:rw|ro` kernel
 //!    arguments (virtio-fs; read-only is also enforced by the host's virtiofsd);
@@ -517,6 +518,7 @@ fn system_setup() -> Phase<()> {
         what: "sethostname",
         source: nix::Error::from_raw(e.raw_os_error()),
     })?;
+    crate::identity_files::bind();
     if !Path::new(WORKSPACE).exists() {
         fs::create_dir(WORKSPACE).map_err(io_err("mkdir", WORKSPACE))?;
         let id = Some(GUEST_USER_ID);

@@ -245,6 +245,53 @@ impl Port {
         }
     }
 
+    /// The newest `Sync` already sent: `nonce`, or a later one found in what the port has
+    /// now. The host resends its `Sync` every few milliseconds until one is acknowledged and
+    /// takes only the newest nonce's acknowledgement, and it sends nothing else before that; a
+    /// guest slow to answer (a boot, a restore on a cold translation cache) would otherwise
+    /// begin and end one session per queued `Sync`.
+    fn newest_sync(&self, mut nonce: SyncNonce) -> SyncNonce {
+        let mut rd = lock(&self.rd);
+        let mut chunk = [0u8; 4096];
+        let mut drained = 0;
+        // What is readable now joins the stash (the manager is the port's only reader here).
+        while drained < IDLE_READ {
+            match rustix::io::read(self.fd.get_ref(), &mut chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    rd.stash.extend_from_slice(&chunk[..n]);
+                    drained += n;
+                }
+            }
+        }
+        loop {
+            let mut probe = rd.decoder.clone();
+            let mut buf = rd.stash.clone();
+            let mut at = 0;
+            let mut later = None;
+            while at < buf.len() {
+                let got = probe.decode_in_place(&mut buf[at..]);
+                at += got.consumed;
+                match got.marker {
+                    Some(Event::Sync(n)) => {
+                        later = Some(n);
+                        break;
+                    }
+                    Some(_) => {}
+                    None => break,
+                }
+            }
+            match later {
+                Some(n) => {
+                    nonce = n;
+                    rd.decoder = probe;
+                    rd.stash.drain(..at);
+                }
+                None => return nonce,
+            }
+        }
+    }
+
     /// Starts a session: the previous one's pending output goes out whole, then
     /// `SyncAck(nonce)`.
     async fn begin(&self, nonce: &SyncNonce) -> io::Result<()> {
@@ -340,6 +387,7 @@ async fn manage(port: Arc<Port>, agent: Arc<Agent>) {
         };
         loop {
             epoch += 1;
+            nonce = port.newest_sync(nonce);
             if let Err(e) = port.begin(&nonce).await {
                 crate::console::log(format_args!("port write: {e}"));
                 break;

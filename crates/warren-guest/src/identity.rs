@@ -15,11 +15,10 @@
 //! 5. derives the new secret from the old one and the host's contribution
 //!    (`warren_protocol::auth::rekey`) and replaces the old one, which from then on neither
 //!    proves nor verifies anything: a later `Hello`/`Auth` made with it fails;
-//! 6. sets the hostname (and `/etc/hostname`) and writes `/etc/machine-id` (temp file and
-//!    rename);
+//! 6. sets the hostname and rewrites `/etc/hostname` and `/etc/machine-id`, which live in
+//!    memory ([`crate::identity_files`]: the disk's machine id follows a moment later);
 //! 7. answers with a proof made with the new secret.
 
-use std::io::Write;
 use std::sync::{PoisonError, RwLock};
 
 use sha2::{Digest, Sha256};
@@ -133,39 +132,14 @@ pub fn handle(secret: &Secret, pid1: bool, req: &Rekey) -> Response {
     }))
 }
 
-/// Hostname and machine id. A failure is logged on the console: the channel secret (the
-/// part that matters for isolation) has already moved, and a copy with the old hostname
-/// still works.
+/// Hostname and machine id ([`crate::identity_files`]). A failure is logged on the console:
+/// the channel secret (the part that matters for isolation) has already moved, and a copy
+/// with the old hostname still works.
 fn set_identity(hostname: &str, machine_id: &str) {
     if let Err(e) = rustix::system::sethostname(hostname.as_bytes()) {
         crate::console::log(format_args!("sethostname: {e}"));
     }
-    for (path, content) in [
-        ("/etc/hostname", format!("{hostname}\n")),
-        ("/etc/machine-id", format!("{machine_id}\n")),
-    ] {
-        if let Err(e) = replace_file(path, content.as_bytes()) {
-            crate::console::log(format_args!("write {path}: {e}"));
-        }
-    }
-}
-
-/// Writes `path` through a temporary file in the same directory renamed over it (root's,
-/// 0444: neither is the guest user's to change). Not fsynced: a flush through the clone's
-/// fresh disk layer would cost the restore more than the file is worth, and after a crash
-/// the file holds the old identity or the new one (ext4 orders the rename after the data).
-fn replace_file(path: &str, content: &[u8]) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let tmp = format!("{path}.warren-tmp");
-    let _ = std::fs::remove_file(&tmp);
-    let mut f = std::fs::OpenOptions::new()
-        .create_new(true)
-        .write(true)
-        .mode(0o444)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-        .open(&tmp)?;
-    f.write_all(content)?;
-    std::fs::rename(&tmp, path)
+    crate::identity_files::set(hostname, machine_id);
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ mod coherence;
 mod console;
 mod files;
 mod identity;
+mod identity_files;
 mod jobs;
 mod pty;
 mod reaper;

@@ -40,7 +40,7 @@ struct Client {
     send: h2::client::SendRequest<Bytes>,
 }
 
-async fn start_agent() -> Wire {
+fn new_agent() -> (Arc<Agent>, tempfile::TempDir) {
     let ws = tempfile::tempdir().expect("tempdir");
     let files = FilesConfig {
         workspace: ws.path().to_path_buf(),
@@ -65,10 +65,20 @@ async fn start_agent() -> Wire {
             shares: crate::coherence::Shares::default(),
         },
     });
+    (agent, ws)
+}
+
+/// The agent on one end of a socket pair; the other end, non-blocking, for tokio.
+fn serve_pair(agent: &Arc<Agent>) -> UnixStream {
     let (guest, host) = StdUnixStream::pair().expect("socketpair");
     crate::channel::start(guest, agent.clone()).expect("start");
     host.set_nonblocking(true).expect("nonblocking");
-    let stream = UnixStream::from_std(host).expect("tokio");
+    UnixStream::from_std(host).expect("tokio")
+}
+
+async fn start_agent() -> Wire {
+    let (agent, ws) = new_agent();
+    let stream = serve_pair(&agent);
     Wire::over(stream, Some(agent), Some(ws))
 }
 
@@ -437,6 +447,35 @@ async fn test_session_resync_mid_session_fresh_session_works() {
         }
         assert!(std::time::Instant::now() < deadline);
     }
+}
+
+#[tokio::test]
+async fn test_channel_queued_syncs_get_one_ack_for_the_newest() {
+    let (agent, _ws) = new_agent();
+    let mut host = serve_pair(&agent);
+    // Five resends queued before the agent reads any of them (a slow guest): one write.
+    let mut burst = Vec::new();
+    for n in 1..=5u8 {
+        burst.extend_from_slice(&framing::encode_sync(&[n; framing::SYNC_NONCE_LEN]));
+    }
+    host.write_all(&burst).await.expect("write");
+    let mut decoder = Decoder::new();
+    let mut acks = Vec::new();
+    let mut buf = vec![0u8; 4096];
+    let until = tokio::time::Instant::now() + Duration::from_millis(500);
+    while let Ok(Ok(n)) = tokio::time::timeout_at(until, host.read(&mut buf)).await {
+        if n == 0 {
+            break;
+        }
+        let mut events = Vec::new();
+        decoder.feed(&buf[..n], &mut events);
+        for ev in events {
+            if let Event::SyncAck(nonce) = ev {
+                acks.push(nonce[0]);
+            }
+        }
+    }
+    assert_eq!(acks, vec![5], "only the newest Sync is acknowledged");
 }
 
 #[tokio::test]

@@ -77,7 +77,7 @@ enum State {
 }
 
 /// Incremental decoder; see the module docs for the format.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Decoder {
     state: State,
     nonce: SyncNonce,

@@ -8,7 +8,8 @@
 //!    `x-ignore-shared` off, so a RAM file's pages are written too): the copies restore from
 //!    it into anonymous RAM of their own;
 //! 4. copy the disk overlay (quiescent: the vCPUs are stopped and the migration flushed the
-//!    block layer) to `disk`;
+//!    block layer) to `disk`; neither file is fsynced (they live only until the copies have
+//!    started);
 //! 5. QMP `cont` and `Thaw` (clock, entropy, jobs): the parent continues where it was.
 //!
 //! Any failure undoes 1 and 2 (the VM continues) and removes what was written.
@@ -46,13 +47,15 @@ pub(crate) async fn save(shared: &Shared, state: &Path, disk: &Path) -> Reply {
         q.pause().await.map_err(|e| error_chain(&e))?;
         let _ = std::fs::remove_file(state);
         save_to_file(&mut q, state, false).await?;
-        let size = warren_vmm::sys::vmm_file::sync_regular(state)
-            .map_err(|e| format!("fsync {}: {e}", state.display()))?;
+        // Neither file is flushed: the copies read them at once from the page cache and
+        // they are removed after that, and a crash abandons the fork anyway.
+        let size = warren_vmm::sys::vmm_file::regular_size(state)
+            .map_err(|e| format!("{}: {e}", state.display()))?;
+        // The disk is in the VMM's directory: copied through a checked descriptor, so a
+        // link the VMM planted there is refused instead of read with the supervisor's rights.
         let from = shared.dir.run_dir().join("disk.qcow2");
-        std::fs::copy(&from, disk).map_err(|e| format!("copying {}: {e}", from.display()))?;
-        std::fs::File::open(disk)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| format!("fsync {}: {e}", disk.display()))?;
+        warren_vmm::sys::vmm_file::copy_regular(&from, disk)
+            .map_err(|e| format!("copying {}: {e}", from.display()))?;
         Ok(size)
     }
     .await;

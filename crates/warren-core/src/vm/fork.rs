@@ -214,12 +214,12 @@ impl Warren {
                 .fork_save(&written, &disk)
                 .await?;
             std::fs::rename(&written, &state).map_err(|e| CoreError::io("rename", &written, e))?;
-            if nix::unistd::geteuid().is_root() {
-                chown(&state, Some(0), Some(TEMPLATE_GID))
-                    .map_err(|e| CoreError::io("chown", &state, e))?;
-            }
-            std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o440))
-                .map_err(|e| CoreError::io("chmod", &state, e))?;
+            // Written by the VMM: owner and mode change through a checked descriptor only.
+            let owner = nix::unistd::geteuid()
+                .is_root()
+                .then_some((0, TEMPLATE_GID));
+            warren_vmm::sys::vmm_file::claim_regular(&state, owner, 0o440)
+                .map_err(|e| CoreError::io("claim", &state, e))?;
             let secret = std::fs::read(pdir.secret())
                 .map_err(|e| CoreError::io("read", pdir.secret(), e))?;
             Ok::<_, CoreError>(secret)

@@ -346,11 +346,11 @@ impl Warren {
             for (from, to, mode) in &moves {
                 let dest = staging.join(to);
                 std::fs::rename(from, &dest).map_err(io("rename", from))?;
-                if root_user {
-                    chown(&dest, Some(0), Some(TEMPLATE_GID)).map_err(io("chown", &dest))?;
-                }
-                std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(*mode))
-                    .map_err(io("chmod", &dest))?;
+                // The build VM's VMM wrote most of these: owner and mode change through a
+                // checked descriptor, never through a link it could have planted.
+                let owner = root_user.then_some((0, TEMPLATE_GID));
+                warren_vmm::sys::vmm_file::claim_regular(&dest, owner, *mode)
+                    .map_err(io("claim", &dest))?;
             }
             let record = TemplateRecord {
                 key: key.clone(),

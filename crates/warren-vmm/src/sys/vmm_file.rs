@@ -31,6 +31,44 @@ pub fn open_regular(path: &Path) -> io::Result<File> {
     Ok(f)
 }
 
+/// The size of the regular file at `path` (checked as [`open_regular`] does).
+pub fn regular_size(path: &Path) -> io::Result<u64> {
+    Ok(open_regular(path)?.metadata()?.len())
+}
+
+/// Copies the regular file at `from` (checked as [`open_regular`] does) to a new file `to`
+/// (mode 0600, never an existing path); returns the bytes copied. Not flushed: the caller
+/// syncs what must survive a crash.
+pub fn copy_regular(from: &Path, to: &Path) -> io::Result<u64> {
+    let mut src = open_regular(from)?;
+    let mut dst = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+        .open(to)?;
+    io::copy(&mut src, &mut dst)
+}
+
+/// Takes over a file the VMM wrote, already moved out of its reach to `path`: refuses
+/// anything but a regular file with one link reached without a final symlink (a link the VMM
+/// planted would hand the change to whatever it names), then sets owner and mode through the
+/// open descriptor, never through the path.
+pub fn claim_regular(path: &Path, owner: Option<(u32, u32)>, mode: u32) -> io::Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let f = open_regular(path)?;
+    if f.metadata()?.nlink() != 1 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "it has other hard links, refused from the VMM's directory",
+        ));
+    }
+    if let Some((uid, gid)) = owner {
+        std::os::unix::fs::fchown(&f, Some(uid), Some(gid))?;
+    }
+    f.set_permissions(std::fs::Permissions::from_mode(mode))
+}
+
 /// Flushes the regular file at `path` to disk and returns its size.
 pub fn sync_regular(path: &Path) -> io::Result<u64> {
     let f = open_regular(path)?;
@@ -61,5 +99,48 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(5), "blocked on the FIFO");
         assert!(e.to_string().contains("not a regular file"), "{e}");
         assert!(open_regular(Path::new("/dev/null")).is_err(), "device");
+    }
+
+    #[test]
+    fn test_claim_and_copy_refuse_planted_links_and_act_on_the_file_itself() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let host = dir.path().join("host-secret");
+        std::fs::write(&host, b"host secret").expect("write");
+        std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
+        // A link planted where the VMM's state was: neither claimed nor copied.
+        let state = dir.path().join("state");
+        std::os::unix::fs::symlink(&host, &state).expect("symlink");
+        assert!(
+            claim_regular(&state, None, 0o440).is_err(),
+            "symlink claimed"
+        );
+        assert!(
+            copy_regular(&state, &dir.path().join("copy")).is_err(),
+            "symlink copied"
+        );
+        assert_eq!(mode(&host), 0o600, "the link's target changed");
+        // A hard link to another file.
+        let hard = dir.path().join("hard");
+        std::fs::hard_link(&host, &hard).expect("hard link");
+        assert!(
+            claim_regular(&hard, None, 0o440).is_err(),
+            "hard link claimed"
+        );
+        assert_eq!(mode(&host), 0o600);
+        // Positive controls: a plain file is claimed and copied.
+        let plain = dir.path().join("plain");
+        std::fs::write(&plain, b"state bytes").expect("write");
+        claim_regular(&plain, None, 0o440).expect("claim");
+        assert_eq!(mode(&plain), 0o440);
+        let copy = dir.path().join("copy");
+        assert_eq!(copy_regular(&plain, &copy).expect("copy"), 11);
+        assert_eq!(std::fs::read(&copy).expect("read"), b"state bytes");
+        assert!(
+            copy_regular(&plain, &copy).is_err(),
+            "an existing destination is replaced"
+        );
+        assert_eq!(regular_size(&plain).expect("size"), 11);
     }
 }
