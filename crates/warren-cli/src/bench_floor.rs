@@ -22,7 +22,8 @@ pub(crate) async fn raw_restore(w: &Warren, dir: &std::path::Path) -> Result<f64
     let _ = std::fs::remove_dir_all(&run_dir);
     std::fs::create_dir_all(&run_dir)?;
     let disk = run_dir.join("disk.qcow2");
-    warren_vmm::disk::create_overlay_of(&dir.join("disk.qcow2"), "qcow2", &disk)?;
+    let size = std::fs::metadata(&image.rootfs)?.len();
+    warren_vmm::disk::create_overlay_of_layer(&dir.join("disk.qcow2"), size, &disk)?;
     let accel = match key["accel"].as_str() {
         Some("kvm") => warren_vmm::Accel::Kvm,
         Some("tcg") => warren_vmm::Accel::Tcg,

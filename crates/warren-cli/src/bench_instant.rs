@@ -329,10 +329,14 @@ async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
         w.suspend_vm(&sb.id, SuspendMode::Hibernate, true).await?;
         w.resume_vm(&sb.id).await?;
         let samples = guest_fork_exec(w, &sb.id).await?;
-        if let [cold, warm, ..] = samples[..] {
-            cold_fe.push(cold);
-            warm_fe.push(warm);
-        }
+        let [cold, warm, ..] = samples[..] else {
+            bail!(
+                "the guest's bench answered {} samples, not 2",
+                samples.len()
+            );
+        };
+        cold_fe.push(cold);
+        warm_fe.push(warm);
     }
     r.guest_fork_exec_after_restore_cold_ms_median = median(&mut cold_fe);
     r.guest_fork_exec_after_restore_warm_ms_median = median(&mut warm_fe);

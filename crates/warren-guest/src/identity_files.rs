@@ -11,9 +11,12 @@
 //! bind-mounts them over the disk's files, keeping a descriptor of the disk's machine id open
 //! underneath. `Rekey` ([`set`]) then rewrites the tmpfs files in place (a bind mount pins the
 //! inode, so a rename would not show), and the new machine id reaches the disk
-//! [`PERSIST_DELAY`] later, off the start's critical path, through that descriptor (a cold
-//! boot of the copy keeps its machine id; the hostname is set at every boot anyway). The
-//! disk write is as durable as the earlier rename was: not fsynced.
+//! [`PERSIST_DELAY`] later, off the start's critical path, through that descriptor, or
+//! sooner at a `Freeze` (before a checkpoint or a fork's save) or a power-off (a cold boot
+//! of the copy keeps its machine id; the hostname is set at every boot anyway). The disk
+//! write is as durable as the earlier rename was: not fsynced. The in-place rewrite is not
+//! atomic, but no guest process runs while it happens: `Rekey` comes before `Thaw`, and a
+//! fork copy's processes stay frozen until then.
 //!
 //! An image whose files are not plain files (a link, say) keeps them on the disk: then `set`
 //! replaces them there, as before.
@@ -121,7 +124,7 @@ pub fn set(hostname: &str, machine_id: &str) {
         (HOSTNAME, format!("{hostname}\n")),
         (MACHINE_ID, format!("{machine_id}\n")),
     ];
-    let Some(bound) = BOUND.get() else {
+    if BOUND.get().is_none() {
         for (name, content) in &files {
             let path = Path::new("/etc").join(name);
             if let Err(e) = replace_file(&path, content.as_bytes()) {
@@ -129,7 +132,7 @@ pub fn set(hostname: &str, machine_id: &str) {
             }
         }
         return;
-    };
+    }
     for (name, content) in &files {
         let path = Path::new(IDENTITY_DIR).join(name);
         if let Err(e) = write_in_place(&path, content.as_bytes()) {
@@ -143,26 +146,29 @@ pub fn set(hostname: &str, machine_id: &str) {
         .is_none();
     if first {
         // A timer on the agent's runtime, not a thread: creating one is itself a cold path
-        // on the start's critical path.
-        let write = move || {
-            let content = PENDING
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take();
-            if let Some(c) = content {
-                if let Err(e) = persist(&bound.disk_machine_id, c.as_bytes()) {
-                    crate::console::log(format_args!("write /etc/machine-id (disk): {e}"));
-                }
-            }
-        };
+        // on the start's critical path. `Freeze` and power-off flush sooner.
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
                 rt.spawn(async move {
                     tokio::time::sleep(PERSIST_DELAY).await;
-                    let _ = tokio::task::spawn_blocking(write).await;
+                    let _ = tokio::task::spawn_blocking(flush).await;
                 });
             }
-            Err(_) => write(),
+            Err(_) => flush(),
+        }
+    }
+}
+
+/// Writes a pending machine id to the disk now (the timer's work; also run before a
+/// checkpoint or a fork's save, and at power-off, so none of them keeps the old one).
+pub fn flush() {
+    let content = PENDING
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    if let (Some(c), Some(bound)) = (content, BOUND.get()) {
+        if let Err(e) = persist(&bound.disk_machine_id, c.as_bytes()) {
+            crate::console::log(format_args!("write /etc/machine-id (disk): {e}"));
         }
     }
 }

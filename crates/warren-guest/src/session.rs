@@ -426,6 +426,8 @@ async fn serve_request(agent: &Arc<Agent>, req: HostRequest) -> Response {
             let frozen = agent.jobs.freeze();
             if frozen.is_ok() && agent.system.pid1 {
                 prepare_shares(&agent.system.shares).await;
+                // A checkpoint or a fork copy carries the disk as it is now.
+                crate::identity_files::flush();
             }
             frozen.map(GuestResponse::Frozen)
         }
@@ -541,6 +543,7 @@ fn power_off_soon(system: &System) {
     if !system.pid1 {
         return;
     }
+    crate::identity_files::flush();
     nix::unistd::sync();
     tokio::spawn(async {
         tokio::time::sleep(POWER_OFF_DELAY).await;

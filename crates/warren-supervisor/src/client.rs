@@ -150,11 +150,13 @@ impl SupervisorClient {
         &self,
         state: &std::path::Path,
         disk: &std::path::Path,
+        max_disk_bytes: u64,
     ) -> Result<(u64, u64), ClientError> {
         match self
             .request(&SupervisorRequest::ForkSave {
                 state: state.to_path_buf(),
                 disk: disk.to_path_buf(),
+                max_disk_bytes,
             })
             .await?
         {

@@ -25,7 +25,7 @@ use crate::server::{
     error_chain, guest_call, qmp, ready_info, refused, save_to_file, thaw, Shared,
 };
 
-pub(crate) async fn save(shared: &Shared, state: &Path, disk: &Path) -> Reply {
+pub(crate) async fn save(shared: &Shared, state: &Path, disk: &Path, max_disk: u64) -> Reply {
     if !matches!(*shared.phase.borrow(), crate::proto::VmPhase::Ready(_))
         || ready_info(shared).is_none()
     {
@@ -54,7 +54,7 @@ pub(crate) async fn save(shared: &Shared, state: &Path, disk: &Path) -> Reply {
         // The disk is in the VMM's directory: copied through a checked descriptor, so a
         // link the VMM planted there is refused instead of read with the supervisor's rights.
         let from = shared.dir.run_dir().join("disk.qcow2");
-        warren_vmm::sys::vmm_file::copy_regular(&from, disk)
+        warren_vmm::sys::vmm_file::copy_regular(&from, disk, max_disk)
             .map_err(|e| format!("copying {}: {e}", from.display()))?;
         Ok(size)
     }

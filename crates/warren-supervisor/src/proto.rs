@@ -32,10 +32,12 @@ pub enum SupervisorRequest {
     OpenStream(warren_protocol::stream::StreamTarget),
     /// For a fork: freezes the jobs, stops the vCPUs, writes memory and device state to
     /// `state` (`mapped-ram`, in the VM's run directory), copies the disk overlay to `disk`,
-    /// then runs the VM on and thaws it (`fork.rs`).
+    /// then runs the VM on and thaws it (`fork.rs`). A disk overlay larger than
+    /// `max_disk_bytes` is refused (the VMM wrote it; it could be a huge sparse file).
     ForkSave {
         state: std::path::PathBuf,
         disk: std::path::PathBuf,
+        max_disk_bytes: u64,
     },
 }
 

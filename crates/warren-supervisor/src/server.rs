@@ -626,9 +626,13 @@ async fn process(req: SupervisorRequest, shared: &Shared) -> Reply {
             let _l = shared.lifecycle.lock().await;
             hibernate(shared).await
         }
-        SupervisorRequest::ForkSave { state, disk } => {
+        SupervisorRequest::ForkSave {
+            state,
+            disk,
+            max_disk_bytes,
+        } => {
             let _l = shared.lifecycle.lock().await;
-            crate::fork::save(shared, &state, &disk).await
+            crate::fork::save(shared, &state, &disk, max_disk_bytes).await
         }
         SupervisorRequest::OpenStream(_) => Err(SupervisorError::Refused(
             "a stream is opened on a connection of its own".into(),

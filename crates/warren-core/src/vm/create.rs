@@ -230,12 +230,15 @@ impl Warren {
         };
         let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
         write_private(&dir.config(), &body)?;
+        hand_over_run(&dir, run_as)?;
         self.launch_and_wait(&dir).await
     }
 
     /// Makes a new VM's directory: root's (0711: the VMM may only traverse it), with the
-    /// VMM's own `run/` (0700, owned by the VM's uid when running as root). Returns it with
-    /// the (uid, gid) the VMM runs as.
+    /// VMM's `run/` (0700), still root's: the caller fills it and then hands it to the VM's
+    /// uid ([`hand_over_run`]) just before the launch, so nothing running as that uid (a
+    /// VMM of an earlier VM that had the same uid) can plant a link for root to follow while
+    /// it is being filled. Returns it with the (uid, gid) the VMM will run as.
     pub(super) fn make_vm_dir(
         &self,
         rec: &VmRecord,
@@ -252,7 +255,6 @@ impl Warren {
         let run_as = nix::unistd::geteuid()
             .is_root()
             .then_some((rec.uid, rec.uid));
-        give(&run, run_as)?;
         Ok((dir, run_as))
     }
 
@@ -301,6 +303,12 @@ impl Warren {
             }
         }
     }
+}
+
+/// Hands a filled `run/` to the VM's uid, last thing before the launch (see
+/// [`Warren::make_vm_dir`]).
+pub(super) fn hand_over_run(dir: &VmDir, run_as: Option<(u32, u32)>) -> Result<(), CoreError> {
+    give(&dir.run_dir(), run_as)
 }
 
 /// Hands `path` to the VM's uid (when running as root).

@@ -210,8 +210,14 @@ impl Warren {
         let state = fdir.join("state");
         let disk = fdir.join("disk.qcow2");
         let saved = async {
+            // A qcow2 overlay is at most its virtual size (the image's root file system) plus
+            // its metadata.
+            let virtual_size = std::fs::metadata(&image.rootfs)
+                .map_err(|e| CoreError::io("stat", &image.rootfs, e))?
+                .len();
+            let max_disk = virtual_size + virtual_size / 8 + (64 << 20);
             SupervisorClient::new(&pdir.socket())
-                .fork_save(&written, &disk)
+                .fork_save(&written, &disk, max_disk)
                 .await?;
             std::fs::rename(&written, &state).map_err(|e| CoreError::io("rename", &written, e))?;
             // Written by the VMM: owner and mode change through a checked descriptor only.
@@ -319,6 +325,7 @@ impl Warren {
         };
         let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
         write_private(&dir.config(), &body)?;
+        super::create::hand_over_run(&dir, run_as)?;
         let ms = self.launch_and_wait(&dir).await?;
         settle_copy(&dir, &image.initramfs, &mut cfg, run_as)?;
         Ok(ms)

@@ -446,7 +446,10 @@ impl Warren {
             .unwrap_or_default();
         write_private(&dir.path().join(TEMPLATE_MARKER), name.as_bytes())?;
         let disk = run.join("disk.qcow2");
-        warren_vmm::disk::create_overlay_of(&tpl.dir.join("disk.qcow2"), "qcow2", &disk)?;
+        let size = std::fs::metadata(&image.rootfs)
+            .map_err(io("stat", &image.rootfs))?
+            .len();
+        warren_vmm::disk::create_overlay_of_layer(&tpl.dir.join("disk.qcow2"), size, &disk)?;
         give(&disk)?;
         let state = dir.checkpoint_state();
         std::fs::copy(tpl.dir.join("state"), &state).map_err(io("copy", &state))?;
@@ -503,6 +506,7 @@ impl Warren {
         };
         let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
         write_private(&dir.config(), &body)?;
+        super::create::hand_over_run(&dir, run_as)?;
         let ms = self.launch_and_wait(&dir).await?;
         // The template's device state is consumed.
         let _ = std::fs::remove_file(&state);
@@ -522,12 +526,15 @@ pub(super) fn settle_copy(
     run_as: Option<(u32, u32)>,
 ) -> Result<(), CoreError> {
     let secret = std::fs::read(dir.secret()).map_err(io("read", dir.path()))?;
+    // The copy's VMM runs and owns `run/` by now: the file is made in the VM's own (root's)
+    // directory, given its owner and mode through its descriptor, and renamed in (a rename
+    // replaces whatever the VMM left at that name and never follows it).
+    let staged = dir.path().join("initramfs.cpio.new");
+    warren_image::write_vm_initramfs(base_initramfs, &secret, &staged)?;
+    warren_vmm::sys::vmm_file::claim_regular(&staged, run_as, 0o400)
+        .map_err(io("claim", &staged))?;
     let initramfs = dir.run_dir().join("initramfs.cpio");
-    let _ = std::fs::remove_file(&initramfs);
-    warren_image::write_vm_initramfs(base_initramfs, &secret, &initramfs)?;
-    std::fs::set_permissions(&initramfs, std::fs::Permissions::from_mode(0o400))
-        .map_err(io("chmod", &initramfs))?;
-    super::create::give(&initramfs, run_as)?;
+    std::fs::rename(&staged, &initramfs).map_err(io("rename", &staged))?;
     cfg.launch.initramfs = initramfs;
     cfg.launch.template_ram = None;
     cfg.launch.named_ram = true;

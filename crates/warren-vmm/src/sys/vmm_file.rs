@@ -36,11 +36,24 @@ pub fn regular_size(path: &Path) -> io::Result<u64> {
     Ok(open_regular(path)?.metadata()?.len())
 }
 
-/// Copies the regular file at `from` (checked as [`open_regular`] does) to a new file `to`
-/// (mode 0600, never an existing path); returns the bytes copied. Not flushed: the caller
-/// syncs what must survive a crash.
-pub fn copy_regular(from: &Path, to: &Path) -> io::Result<u64> {
-    let mut src = open_regular(from)?;
+/// Copies the regular file at `from` (checked as [`open_regular`] does, with one link and
+/// at most `max_len` bytes: a VMM could leave a huge sparse file) to a new file `to` (mode
+/// 0600, never an existing path); returns the bytes copied. Not flushed: the caller syncs
+/// what must survive a crash.
+pub fn copy_regular(from: &Path, to: &Path, max_len: u64) -> io::Result<u64> {
+    let src = open_regular(from)?;
+    let meta = src.metadata()?;
+    one_link(&meta)?;
+    if meta.len() > max_len {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "it is {} bytes, more than the {max_len} allowed",
+                meta.len()
+            ),
+        ));
+    }
+    let mut src = io::Read::take(src, max_len);
     let mut dst = OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -50,19 +63,26 @@ pub fn copy_regular(from: &Path, to: &Path) -> io::Result<u64> {
     io::copy(&mut src, &mut dst)
 }
 
-/// Takes over a file the VMM wrote, already moved out of its reach to `path`: refuses
-/// anything but a regular file with one link reached without a final symlink (a link the VMM
-/// planted would hand the change to whatever it names), then sets owner and mode through the
-/// open descriptor, never through the path.
-pub fn claim_regular(path: &Path, owner: Option<(u32, u32)>, mode: u32) -> io::Result<()> {
-    use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let f = open_regular(path)?;
-    if f.metadata()?.nlink() != 1 {
+fn one_link(meta: &std::fs::Metadata) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    if meta.nlink() != 1 {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             "it has other hard links, refused from the VMM's directory",
         ));
     }
+    Ok(())
+}
+
+/// Takes over a file the VMM wrote, moved to `path` in a directory it cannot write: refuses
+/// anything but a regular file with one link reached without a final symlink (a link the VMM
+/// planted would hand the change to whatever it names), then sets owner and mode through the
+/// open descriptor, never through the path. A VMM that still runs may hold a descriptor of
+/// the file and go on writing it: the caller treats its content as untrusted.
+pub fn claim_regular(path: &Path, owner: Option<(u32, u32)>, mode: u32) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let f = open_regular(path)?;
+    one_link(&f.metadata()?)?;
     if let Some((uid, gid)) = owner {
         std::os::unix::fs::fchown(&f, Some(uid), Some(gid))?;
     }
@@ -117,7 +137,7 @@ mod tests {
             "symlink claimed"
         );
         assert!(
-            copy_regular(&state, &dir.path().join("copy")).is_err(),
+            copy_regular(&state, &dir.path().join("copy"), 1 << 20).is_err(),
             "symlink copied"
         );
         assert_eq!(mode(&host), 0o600, "the link's target changed");
@@ -135,12 +155,21 @@ mod tests {
         claim_regular(&plain, None, 0o440).expect("claim");
         assert_eq!(mode(&plain), 0o440);
         let copy = dir.path().join("copy");
-        assert_eq!(copy_regular(&plain, &copy).expect("copy"), 11);
+        assert_eq!(copy_regular(&plain, &copy, 11).expect("copy"), 11);
         assert_eq!(std::fs::read(&copy).expect("read"), b"state bytes");
         assert!(
-            copy_regular(&plain, &copy).is_err(),
+            copy_regular(&plain, &copy, 11).is_err(),
             "an existing destination is replaced"
         );
         assert_eq!(regular_size(&plain).expect("size"), 11);
+        // Too large, or hard-linked: not copied.
+        assert!(
+            copy_regular(&plain, &dir.path().join("c2"), 10).is_err(),
+            "over the cap"
+        );
+        assert!(
+            copy_regular(&hard, &dir.path().join("c3"), 1 << 20).is_err(),
+            "hard link"
+        );
     }
 }
