@@ -9,14 +9,7 @@ use crate::error::VmmError;
 /// Creates `overlay` backed by `base` (absolute path, raw format: an image's verified root
 /// filesystem), with the base's virtual size.
 pub fn create_overlay(base: &Path, overlay: &Path) -> Result<(), VmmError> {
-    let out = Command::new("qemu-img")
-        .arg("create")
-        .arg("-q")
-        .args(["-f", "qcow2", "-F", "raw", "-b"])
-        .arg(base)
-        .arg(overlay)
-        .output();
-    finish(out)
+    qemu_img_create(base, "raw", overlay, None)
 }
 
 /// Creates `overlay` over a template's frozen disk layer `base` (qcow2, backed by the
@@ -24,19 +17,27 @@ pub fn create_overlay(base: &Path, overlay: &Path) -> Result<(), VmmError> {
 /// header names a backing chain that root must never open (a FIFO, a device, a network
 /// URL). The VMM that uses the overlay opens the chain with its own rights.
 pub fn create_overlay_of_layer(base: &Path, size: u64, overlay: &Path) -> Result<(), VmmError> {
-    let out = Command::new("qemu-img")
-        .arg("create")
-        .arg("-q")
-        .args(["-f", "qcow2", "-F", "qcow2", "-u", "-b"])
-        .arg(base)
-        .arg(overlay)
-        .arg(size.to_string())
-        .output();
-    finish(out)
+    qemu_img_create(base, "qcow2", overlay, Some(size))
 }
 
-fn finish(out: std::io::Result<std::process::Output>) -> Result<(), VmmError> {
-    let out = out.map_err(|source| VmmError::Spawn {
+/// `qemu-img create` of a qcow2 `overlay` over `base`; with `size`, `base` is not opened
+/// (`-u`).
+fn qemu_img_create(
+    base: &Path,
+    base_format: &str,
+    overlay: &Path,
+    size: Option<u64>,
+) -> Result<(), VmmError> {
+    let mut cmd = Command::new("qemu-img");
+    cmd.args(["create", "-q", "-f", "qcow2", "-F", base_format]);
+    if size.is_some() {
+        cmd.arg("-u");
+    }
+    cmd.arg("-b").arg(base).arg(overlay);
+    if let Some(size) = size {
+        cmd.arg(size.to_string());
+    }
+    let out = cmd.output().map_err(|source| VmmError::Spawn {
         program: "qemu-img".into(),
         source,
     })?;
