@@ -789,6 +789,10 @@ pub struct VmForkArgs {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct VmForked {
     pub vms: Vec<VmInfo>,
+    /// The fork of a session's VM: the new session of each copy, in the same order (each
+    /// with a copy of the session's files).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub session_ids: Vec<String>,
 }
 
 /// The warm pools, by shape.

@@ -150,6 +150,10 @@ pub struct DeviceArgs {
     /// none). Not with --direct; --mount directories are never counted.
     #[arg(long)]
     pub storage_mib: Option<u64>,
+    /// Restore the session's VM from the template of its shape (image, memory, vCPUs, the
+    /// session's shares), built on first use, instead of booting it.
+    #[arg(long, env = "WARREN_TEMPLATES")]
+    pub template: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -396,7 +400,7 @@ pub enum VmCmd {
         ram_file: bool,
         /// Restore from the template of this VM's shape (image, memory, vCPUs, NIC), built
         /// on first use, instead of booting: each clone gets its own disk layer, channel
-        /// secret, entropy, hostname and machine id. Shapes with shares or a RAM file boot.
+        /// secret, entropy, hostname and machine id. A VM with a RAM file boots.
         #[arg(long, env = "WARREN_TEMPLATES")]
         template: bool,
         /// Give the VM a NIC behind Warren's fail-closed egress: `allowlist` (bare

@@ -740,11 +740,20 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                 })
                 .await?;
             let ids: Vec<&str> = copies.iter().map(|c| c.id.as_str()).collect();
+            // A session's VM: each copy is a new session's.
+            let sessions = w.sessions_of_vms(&copies)?;
             if *json {
-                println!("{}", serde_json::json!({ "vm_ids": ids }));
+                let mut out = serde_json::json!({ "vm_ids": ids });
+                if !sessions.is_empty() {
+                    out["session_ids"] = serde_json::json!(sessions);
+                }
+                println!("{out}");
             } else {
-                for id in ids {
-                    println!("{id}");
+                for (i, id) in ids.iter().enumerate() {
+                    match sessions.get(i) {
+                        Some(s) => println!("{id}  session {s}"),
+                        None => println!("{id}"),
+                    }
                 }
             }
             Ok(0)
@@ -757,7 +766,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             } else {
                 for t in list {
                     println!(
-                        "{}  image {}  {} MiB  {} vCPU  {} {}  nic {}  {}",
+                        "{}  image {}  {} MiB  {} vCPU  {} {}  nic {}  shares [{}]  {}",
                         t.name,
                         &t.key.image_id[..12.min(t.key.image_id.len())],
                         t.key.memory_mib,
@@ -765,6 +774,16 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                         t.key.accel,
                         t.key.cpu,
                         t.key.network,
+                        t.key
+                            .shares
+                            .iter()
+                            .map(|s| format!(
+                                "{}:{}",
+                                s.guest,
+                                if s.read_only { "ro" } else { "rw" }
+                            ))
+                            .collect::<Vec<_>>()
+                            .join(" "),
                         if t.valid { "valid" } else { "stale" }
                     );
                 }

@@ -39,6 +39,7 @@ fn devices(d: &DeviceArgs) -> Result<SessionDevices> {
         source_identity: None,
         objects_identity: None,
         storage_mib: d.storage_mib,
+        template: d.template,
     })
 }
 

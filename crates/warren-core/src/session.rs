@@ -55,6 +55,11 @@ pub struct SessionDevices {
     /// The size asked for the copy's own filesystem, MiB (fixed when the session is made).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage_mib: Option<u64>,
+    /// Restore the session's VMs from the template of their shape (image, memory, vCPUs,
+    /// the session's shares, NIC) instead of booting them (`vm::template`). Not a device: it
+    /// never makes two sessions' devices differ.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub template: bool,
 }
 
 /// A session's own filesystem when a storage limit applies and none was asked: room for a
@@ -170,7 +175,7 @@ fn owner_of(uid: u32, gid: u32) -> Option<Owner> {
     (uid != nix::unistd::geteuid().as_raw()).then_some(Owner { uid, gid })
 }
 
-fn session_error(e: warren_session::SessionError) -> CoreError {
+pub(crate) fn session_error(e: warren_session::SessionError) -> CoreError {
     use warren_session::SessionError as S;
     match e {
         S::NotARepository(p) => CoreError::InvalidArgument(format!(
@@ -200,7 +205,7 @@ fn valid_name(n: &str) -> bool {
 }
 
 impl Warren {
-    fn sessions_dir(&self) -> PathBuf {
+    pub(crate) fn sessions_dir(&self) -> PathBuf {
         self.config().state_dir.join("sessions")
     }
 
@@ -239,6 +244,21 @@ impl Warren {
             .into_iter()
             .find(|s| s.id == id_or_name || s.name == id_or_name)
             .ok_or_else(|| CoreError::SessionNotFound(id_or_name.to_string()))
+    }
+
+    /// The ids of the sessions whose VMs are `vms`, in their order; empty when none of them
+    /// is a session's.
+    pub fn sessions_of_vms(&self, vms: &[VmRecord]) -> Result<Vec<String>, CoreError> {
+        let all = self.store().sessions(None)?;
+        let ids: Vec<String> = vms
+            .iter()
+            .filter_map(|v| {
+                all.iter()
+                    .find(|s| s.vm_id.as_deref() == Some(v.id.as_str()))
+                    .map(|s| s.id.clone())
+            })
+            .collect();
+        Ok(ids)
     }
 
     /// The newest session of `workspace` whose project is `project`.
@@ -391,7 +411,7 @@ impl Warren {
     /// image deleted: nothing the guest wrote is walked), else the directory. `held`: the
     /// volume still being made, torn down under the lock it holds (taking the lock again
     /// would wait for ourselves).
-    fn discard_copy(&self, id: &str, dir: &Path, direct: bool, held: Option<Volume>) {
+    pub(crate) fn discard_copy(&self, id: &str, dir: &Path, direct: bool, held: Option<Volume>) {
         if let Some(v) = held {
             if let Err(e) = v.teardown() {
                 tracing::warn!(error = %e, session = id, "removing a session volume failed");
@@ -584,6 +604,7 @@ impl Warren {
             mounts: self.session_mounts(s, devices)?,
             network: devices.network.clone(),
             generation: Some(generation),
+            template: devices.template,
             ..Default::default()
         };
         let vm = self.create_vm(&req, warn).await?;
@@ -783,7 +804,7 @@ fn session_lock(id: &str) -> std::sync::Arc<tokio::sync::Mutex<()>> {
 
 /// Runs `f` on the runtime's blocking pool: session copies, host git and reads of
 /// guest-written files never occupy an async worker.
-async fn blocking<T, F>(f: F) -> Result<T, CoreError>
+pub(crate) async fn blocking<T, F>(f: F) -> Result<T, CoreError>
 where
     T: Send + 'static,
     F: FnOnce() -> Result<T, CoreError> + Send + 'static,
@@ -807,6 +828,7 @@ fn merge_devices(have: &SessionDevices, want: &SessionDevices) -> SessionDevices
         source_identity: have.source_identity,
         objects_identity: have.objects_identity,
         storage_mib: have.storage_mib,
+        template: want.template || have.template,
     }
 }
 
@@ -836,8 +858,16 @@ mod tests {
             source_identity: None,
             objects_identity: None,
             storage_mib: None,
+            template: false,
         };
         assert!(have.differences(&SessionDevices::default()).is_empty());
+        // Templates are no device: asking for them differs from nothing, and sticks.
+        let templated = SessionDevices {
+            template: true,
+            ..Default::default()
+        };
+        assert!(have.differences(&templated).is_empty());
+        assert!(merge_devices(&have, &templated).template);
         let networked = SessionDevices {
             network: Some(crate::vm::NetworkRequest::default()),
             ..Default::default()

@@ -367,30 +367,7 @@ impl Store {
         let mut conn = self.conn();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         admit(&tx)?;
-        tx.execute(
-            "INSERT INTO sessions (id, name, workspace, owner_uid, owner_gid, source, source_git,
-                                   dir, direct, vm_id, created_unix, devices, storage_mib,
-                                   generation)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
-            params![
-                s.id,
-                s.name,
-                s.workspace,
-                s.owner_uid,
-                s.owner_gid,
-                s.source.to_string_lossy(),
-                s.source_git
-                    .as_ref()
-                    .map(|p| p.to_string_lossy().into_owned()),
-                s.dir.to_string_lossy(),
-                s.direct,
-                s.vm_id,
-                s.created_unix as i64,
-                s.devices.to_string(),
-                s.storage_mib as i64,
-                s.generation as i64,
-            ],
-        )?;
+        insert_session_in(&tx, s)?;
         tx.commit()?;
         Ok(())
     }
@@ -455,6 +432,38 @@ impl Store {
             )
             .optional()
     }
+}
+
+/// Inserts session `s` inside the caller's transaction.
+pub(crate) fn insert_session_in(
+    tx: &Transaction<'_>,
+    s: &SessionRecord,
+) -> Result<(), rusqlite::Error> {
+    tx.execute(
+        "INSERT INTO sessions (id, name, workspace, owner_uid, owner_gid, source, source_git,
+                               dir, direct, vm_id, created_unix, devices, storage_mib,
+                               generation)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+        params![
+            s.id,
+            s.name,
+            s.workspace,
+            s.owner_uid,
+            s.owner_gid,
+            s.source.to_string_lossy(),
+            s.source_git
+                .as_ref()
+                .map(|p| p.to_string_lossy().into_owned()),
+            s.dir.to_string_lossy(),
+            s.direct,
+            s.vm_id,
+            s.created_unix as i64,
+            s.devices.to_string(),
+            s.storage_mib as i64,
+            s.generation as i64,
+        ],
+    )?;
+    Ok(())
 }
 
 /// Inserts `rec` with the lowest free uid at or above `uid_base` (part of a caller's

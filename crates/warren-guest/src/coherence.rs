@@ -21,6 +21,9 @@
 //!   beneath that clone without following symlinks. A `Thaw` without a listing (the jobs did
 //!   not freeze in time, or no `Freeze` came first) does the whole pass then.
 //!
+//!   The root of every share has its attributes fetched again (`statx` with
+//!   `AT_STATX_FORCE_SYNC`): a mount's root is never dropped from the cache.
+//!
 //! VMs without shares skip both halves. Every input (`cgroup.procs`, `/proc` links and maps)
 //! is read with a size cap, and each pass is bounded in entries and time: what a guest process
 //! controls here are names in its own share, never anything of the host.
@@ -122,6 +125,17 @@ impl Shares {
         };
         let mut truncated = prepared.truncated;
         let mut revalidated = 0;
+        // A share's root is never dropped from the cache, and its attributes may describe
+        // another directory than the one served now (a template clone's shares were stand-ins
+        // when the template was saved): fetched again from virtiofsd.
+        for mount in self.mounts.iter() {
+            let _ = rustix::fs::statx(
+                rustix::fs::CWD,
+                mount,
+                rustix::fs::AtFlags::STATX_FORCE_SYNC,
+                rustix::fs::StatxFlags::BASIC_STATS,
+            );
+        }
         for (mount, rels) in &prepared.plan {
             let Ok(tree) = crate::sys::readonly_clone(mount) else {
                 // Unmounted by guest root since boot: nothing to revalidate there.

@@ -89,11 +89,14 @@ pub(crate) fn as_owner<T: Send>(
     })
 }
 
-/// Copies `entries` from `src` into `dst` (an existing directory).
+/// Copies `entries` from `src` into `dst` (an existing directory). `tree`: a whole tree's
+/// copy (a fork): directories listed are created even when empty, and files keep their
+/// modification times (so a git index over them stays valid).
 pub(crate) fn copy_entries(
     src: &Path,
     dst: &Path,
     entries: &[Entry],
+    tree: bool,
 ) -> Result<CopyStats, SessionError> {
     let src_fd = nix::fcntl::open(
         src,
@@ -107,6 +110,7 @@ pub(crate) fn copy_entries(
         dst,
         dst_dirs: HashSet::new(),
         stats: CopyStats::default(),
+        tree,
     };
     for e in entries {
         copier.entry(e)?;
@@ -122,6 +126,7 @@ struct Copier<'a> {
     /// Destination directories (relative) created or checked.
     dst_dirs: HashSet<PathBuf>,
     stats: CopyStats,
+    tree: bool,
 }
 
 impl Copier<'_> {
@@ -174,10 +179,14 @@ impl Copier<'_> {
             let input =
                 nix::fcntl::openat2(&dir, name, beneath(OFlag::O_RDONLY | OFlag::O_NONBLOCK))
                     .map_err(|err| SessionError::io("open", &from)(err.into()))?;
-            self.stats.bytes += copy_file(input, &from, &to, st.st_mode)?;
+            self.stats.bytes += copy_file(input, &from, &to, st.st_mode, self.tree)?;
             self.stats.files += 1;
         } else if kind == SFlag::S_IFDIR {
-            // A tracked path that became a directory: its files are listed as untracked.
+            // In a tree's copy, the directory itself; else a tracked path that became a
+            // directory, whose files are listed as untracked.
+            if self.tree {
+                self.make_dirs(&e.path)?;
+            }
         } else {
             self.skip(&e.path, SkipReason::SpecialFile);
         }
@@ -266,10 +275,16 @@ fn beneath(flags: OFlag) -> OpenHow {
 }
 
 /// Copies one regular file, opened by the caller, byte for byte with its permission bits
-/// (set-id bits dropped); returns the bytes copied. A file swapped for anything but a regular
-/// file after the stat is refused (it was opened without blocking, so a FIFO is not waited
-/// on).
-fn copy_file(input: OwnedFd, from: &Path, to: &Path, mode: u32) -> Result<u64, SessionError> {
+/// (set-id bits dropped) and, with `times`, its access and modification times; returns the
+/// bytes copied. A file swapped for anything but a regular file after the stat is refused (it
+/// was opened without blocking, so a FIFO is not waited on).
+fn copy_file(
+    input: OwnedFd,
+    from: &Path,
+    to: &Path,
+    mode: u32,
+    times: bool,
+) -> Result<u64, SessionError> {
     let mut input = fs::File::from(input);
     let meta = input.metadata().map_err(SessionError::io("stat", from))?;
     if !meta.is_file() {
@@ -291,5 +306,17 @@ fn copy_file(input: OwnedFd, from: &Path, to: &Path, mode: u32) -> Result<u64, S
     output
         .set_permissions(Permissions::from_mode(mode | 0o600))
         .map_err(SessionError::io("chmod", to))?;
+    if times {
+        let mut t = fs::FileTimes::new();
+        if let Ok(m) = meta.modified() {
+            t = t.set_modified(m);
+        }
+        if let Ok(a) = meta.accessed() {
+            t = t.set_accessed(a);
+        }
+        output
+            .set_times(t)
+            .map_err(SessionError::io("set times", to))?;
+    }
     Ok(n)
 }

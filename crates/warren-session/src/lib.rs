@@ -21,6 +21,7 @@
 //!
 //! - [`prepare`]: make a session from a source checkout; [`direct`] validates a directory
 //!   mounted as is.
+//! - [`fork`]: a new session whose workspace is a copy of another's (`vm_fork`).
 //! - [`status`]: what the session still holds (uncommitted paths, unexported commits).
 //! - [`export`]: the session's HEAD as a branch of the source repository.
 //! - [`remove`]: delete a session, refusing while it holds work unless forced.
@@ -36,6 +37,7 @@ mod beneath;
 mod copy;
 mod error;
 mod export;
+mod fork;
 mod git;
 pub mod guard;
 mod prepare;
@@ -50,6 +52,7 @@ use std::path::{Path, PathBuf};
 pub use copy::{SkipReason, Skipped};
 pub use error::SessionError;
 pub use export::{export, Exported};
+pub use fork::{fork, Forked, MAX_FORK_ENTRIES};
 pub use git::Owner;
 pub use prepare::{direct, prepare, Head, Prepared};
 pub use retention::{remove, status, Retention};

@@ -145,24 +145,39 @@ impl SupervisorClient {
         self.request(&SupervisorRequest::Resume).await.map(|_| ())
     }
 
-    /// See [`SupervisorRequest::ForkSave`].
+    /// See [`SupervisorRequest::ForkSave`]; `hold`: [`SupervisorRequest::ForkSaveHeld`].
     pub async fn fork_save(
         &self,
         state: &std::path::Path,
         disk: &std::path::Path,
         max_disk_bytes: u64,
+        hold: bool,
     ) -> Result<(u64, u64), ClientError> {
-        match self
-            .request(&SupervisorRequest::ForkSave {
-                state: state.to_path_buf(),
-                disk: disk.to_path_buf(),
+        let (state, disk) = (state.to_path_buf(), disk.to_path_buf());
+        let req = if hold {
+            SupervisorRequest::ForkSaveHeld {
+                state,
+                disk,
                 max_disk_bytes,
-            })
-            .await?
-        {
+            }
+        } else {
+            SupervisorRequest::ForkSave {
+                state,
+                disk,
+                max_disk_bytes,
+            }
+        };
+        match self.request(&req).await? {
             SupervisorResponse::ForkSaved { size, paused_ms } => Ok((size, paused_ms)),
             _ => Err(ClientError::Unexpected),
         }
+    }
+
+    /// See [`SupervisorRequest::ForkRelease`].
+    pub async fn fork_release(&self) -> Result<(), ClientError> {
+        self.request(&SupervisorRequest::ForkRelease)
+            .await
+            .map(|_| ())
     }
 
     pub async fn hibernate(&self) -> Result<crate::proto::CheckpointInfo, ClientError> {

@@ -93,8 +93,12 @@ pub fn client_limit(req: &SupervisorRequest) -> Duration {
             Duration::from_millis((*timeout_ms).min(crate::proto::MAX_WAIT_READY_MS))
         }
         SupervisorRequest::Guest(r) => RECONNECT_WAIT + guest_limit(r),
-        SupervisorRequest::Pause | SupervisorRequest::Resume => SUSPEND_LIMIT,
-        SupervisorRequest::Hibernate | SupervisorRequest::ForkSave { .. } => HIBERNATE_LIMIT,
+        SupervisorRequest::Pause | SupervisorRequest::Resume | SupervisorRequest::ForkRelease => {
+            SUSPEND_LIMIT
+        }
+        SupervisorRequest::Hibernate
+        | SupervisorRequest::ForkSave { .. }
+        | SupervisorRequest::ForkSaveHeld { .. } => HIBERNATE_LIMIT,
         // Until the stream is open; the open stream itself has no deadline.
         SupervisorRequest::OpenStream(_) => RECONNECT_WAIT + CONTROL_LIMIT,
     };

@@ -13,9 +13,17 @@
 //! 5. QMP `cont` and `Thaw` (clock, entropy, jobs): the parent continues where it was.
 //!
 //! Any failure undoes 1 and 2 (the VM continues) and removes what was written.
+//!
+//! A held save (`ForkSaveHeld`, the fork of a session's VM) skips step 5: the VM stays
+//! stopped with its jobs frozen (phase `Paused`) while the engine copies the session's files,
+//! so the copies' files match their memory. A plain `Resume` is refused meanwhile;
+//! `ForkRelease` runs the VM on, and so does the end of [`HOLD_LIMIT`] if the engine never
+//! comes back.
 
 use std::path::Path;
-use std::time::Instant;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use warren_protocol::HostRequest;
 use warren_vmm::VmControl;
@@ -25,7 +33,31 @@ use crate::server::{
     error_chain, guest_call, qmp, ready_info, refused, save_to_file, thaw, Shared,
 };
 
-pub(crate) async fn save(shared: &Shared, state: &Path, disk: &Path, max_disk: u64) -> Reply {
+/// The longest a held fork save keeps the VM stopped.
+pub const HOLD_LIMIT: Duration = Duration::from_secs(600);
+
+/// Whether a fork holds the VM stopped.
+pub(crate) fn held(shared: &Shared) -> bool {
+    !shared.fork_hold.load(Ordering::SeqCst).is_multiple_of(2)
+}
+
+/// Ends a hold (if there is one) and runs the VM on.
+pub(crate) async fn release(shared: &Shared) -> Reply {
+    let n = shared.fork_hold.load(Ordering::SeqCst);
+    if n.is_multiple_of(2) {
+        return Ok(SupervisorResponse::Resumed);
+    }
+    shared.fork_hold.store(n + 1, Ordering::SeqCst);
+    crate::server::resume(shared).await
+}
+
+pub(crate) async fn save(
+    shared: &Arc<Shared>,
+    state: &Path,
+    disk: &Path,
+    max_disk: u64,
+    hold: bool,
+) -> Reply {
     if !matches!(*shared.phase.borrow(), crate::proto::VmPhase::Ready(_))
         || ready_info(shared).is_none()
     {
@@ -59,6 +91,27 @@ pub(crate) async fn save(shared: &Shared, state: &Path, disk: &Path, max_disk: u
         Ok(size)
     }
     .await;
+    if hold && saved.is_ok() {
+        // Stays stopped and frozen for the engine's copy of its files (see the module docs).
+        if let (Ok(size), Some(info)) = (&saved, ready_info(shared)) {
+            let size = *size;
+            let n = shared.fork_hold.fetch_add(1, Ordering::SeqCst) + 1;
+            shared
+                .phase
+                .send_replace(crate::proto::VmPhase::Paused(info));
+            let later = shared.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(HOLD_LIMIT).await;
+                let _l = later.lifecycle.lock().await;
+                if later.fork_hold.load(Ordering::SeqCst) == n {
+                    tracing::warn!("a fork's hold ran out; the VM runs on");
+                    let _ = release(&later).await;
+                }
+            });
+            let paused_ms = t.elapsed().as_millis() as u64;
+            return Ok(SupervisorResponse::ForkSaved { size, paused_ms });
+        }
+    }
     // The parent runs on whatever happened: the migration left it stopped.
     let resumed = q.resume().await;
     let thawed = thaw(&ch).await;

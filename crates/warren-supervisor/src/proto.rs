@@ -39,6 +39,16 @@ pub enum SupervisorRequest {
         disk: std::path::PathBuf,
         max_disk_bytes: u64,
     },
+    /// `ForkSave`, but the VM stays stopped and frozen afterwards (phase `Paused`, a plain
+    /// `Resume` refused) until `ForkRelease` or [`crate::fork::HOLD_LIMIT`]: the fork of a
+    /// session's VM copies the session's files while the guest cannot change them.
+    ForkSaveHeld {
+        state: std::path::PathBuf,
+        disk: std::path::PathBuf,
+        max_disk_bytes: u64,
+    },
+    /// Ends a `ForkSaveHeld`: the VM runs on as after `Resume`.
+    ForkRelease,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

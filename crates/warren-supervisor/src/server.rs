@@ -70,6 +70,9 @@ pub(crate) struct Shared {
     /// The VMM is stopped (`SIGSTOP`) after a fast standby's save: it must not run again,
     /// so the VM's stop kills it instead of asking it to quit ([`freeze_vmm`]).
     pub(crate) vmm_frozen: std::sync::atomic::AtomicBool,
+    /// A fork holds the VM stopped (`ForkSaveHeld`) until it releases it: a plain resume is
+    /// refused meanwhile. Counts holds, so a hold's time limit never ends a later one.
+    pub(crate) fork_hold: std::sync::atomic::AtomicU64,
     /// The VM this supervisor serves (its identity, checked on re-adoption).
     pub(crate) vm_id: String,
     /// Guest RAM file (fast standby), if the VM has one.
@@ -243,6 +246,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         stop_reason: Mutex::new(None),
         vmm_pid: child.id(),
         vmm_frozen: std::sync::atomic::AtomicBool::new(false),
+        fork_hold: std::sync::atomic::AtomicU64::new(0),
         vm_id: cfg.vm_id.clone(),
         ram_file: cfg.launch.ram_file.clone(),
         boot_ms: Mutex::new(None),
@@ -271,8 +275,11 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
     let failure = Arc::new(Mutex::new(None::<String>));
     let restore = cfg.restore;
     let clone = cfg.clone.clone();
-    // A template's checkpoint leaves RAM in its file (mapped privately by the clone).
-    let standby = cfg.launch.ram_file.is_some() || cfg.launch.template_ram.is_some();
+    // A template's checkpoint leaves RAM in its file (mapped privately by the clone, or
+    // copied into a shared file of its own for a clone with shares).
+    let standby = cfg.launch.ram_file.is_some()
+        || cfg.launch.template_ram.is_some()
+        || cfg.launch.clone_ram.is_some();
     {
         let shared = shared.clone();
         let path = endpoints.channel.clone();
@@ -599,7 +606,7 @@ async fn handle(conn: UnixStream, shared: Arc<Shared>) {
     }
 }
 
-async fn process(req: SupervisorRequest, shared: &Shared) -> Reply {
+async fn process(req: SupervisorRequest, shared: &Arc<Shared>) -> Reply {
     match req {
         SupervisorRequest::Status => Ok(SupervisorResponse::Status(status(shared))),
         SupervisorRequest::WaitReady { timeout_ms } => {
@@ -620,6 +627,12 @@ async fn process(req: SupervisorRequest, shared: &Shared) -> Reply {
         }
         SupervisorRequest::Resume => {
             let _l = shared.lifecycle.lock().await;
+            if crate::fork::held(shared) {
+                return Err(SupervisorError::Refused(
+                    "a fork is copying this VM's session files; it runs on when they are copied"
+                        .into(),
+                ));
+            }
             resume(shared).await
         }
         SupervisorRequest::Hibernate => {
@@ -632,7 +645,19 @@ async fn process(req: SupervisorRequest, shared: &Shared) -> Reply {
             max_disk_bytes,
         } => {
             let _l = shared.lifecycle.lock().await;
-            crate::fork::save(shared, &state, &disk, max_disk_bytes).await
+            crate::fork::save(shared, &state, &disk, max_disk_bytes, false).await
+        }
+        SupervisorRequest::ForkSaveHeld {
+            state,
+            disk,
+            max_disk_bytes,
+        } => {
+            let _l = shared.lifecycle.lock().await;
+            crate::fork::save(shared, &state, &disk, max_disk_bytes, true).await
+        }
+        SupervisorRequest::ForkRelease => {
+            let _l = shared.lifecycle.lock().await;
+            crate::fork::release(shared).await
         }
         SupervisorRequest::OpenStream(_) => Err(SupervisorError::Refused(
             "a stream is opened on a connection of its own".into(),
@@ -747,7 +772,7 @@ async fn pause(shared: &Shared) -> Reply {
     Ok(SupervisorResponse::Paused)
 }
 
-async fn resume(shared: &Shared) -> Reply {
+pub(crate) async fn resume(shared: &Shared) -> Reply {
     let Some(info) = (match &*shared.phase.borrow() {
         VmPhase::Paused(i) => Some(i.clone()),
         _ => None,

@@ -54,8 +54,10 @@ impl Service {
         };
         match self.warren.fork_vm(&req).await {
             Ok(copies) => {
+                let session_ids = self.warren.sessions_of_vms(&copies)?;
                 let out = VmForked {
                     vms: copies.into_iter().map(|r| self.info(r)).collect(),
+                    session_ids,
                 };
                 let stored = serde_json::json!({ "ok": to_value(&out)? });
                 self.receipts

@@ -79,6 +79,7 @@ impl Service {
                 source_identity: None,
                 objects_identity: None,
                 storage_mib: a.storage_mib,
+                template: img.template || img.pool > 0,
             },
             owner: (host.uid, gid),
             workspace: p.workspace.clone(),

@@ -134,7 +134,10 @@ impl Warren {
             })?;
         let bench_port = req.raw_bench_port;
         let started = match &template {
-            Some(tpl) => self.start_clone(&rec, &image, accel, network, tpl).await,
+            Some(tpl) => {
+                self.start_clone(&rec, &image, accel, virtiofsd, network, tpl)
+                    .await
+            }
             None => {
                 self.start(&rec, &image, accel, virtiofsd, network, bench_port)
                     .await
@@ -220,6 +223,7 @@ impl Warren {
                 network,
                 bench_port: bench_port.then(|| run.join("bench-port.sock")),
                 template_ram: None,
+                clone_ram: None,
                 named_ram: false,
                 groups: vec![],
             },

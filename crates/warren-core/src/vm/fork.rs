@@ -30,6 +30,7 @@ use std::path::PathBuf;
 use rand::RngCore;
 use warren_supervisor::{SupervisorClient, SupervisorConfig};
 
+use super::fork_session::SessionFork;
 use super::template::{settle_copy, TEMPLATE_GID};
 use super::{now_unix, write_private, Limits, Warren, VM_UID_BASE};
 use crate::error::CoreError;
@@ -75,11 +76,6 @@ impl Warren {
             &std::fs::read(pdir.config()).map_err(|e| CoreError::io("read", pdir.config(), e))?,
         )
         .map_err(|e| CoreError::InvalidArgument(format!("supervisor config: {e}")))?;
-        if !pcfg.launch.shares.is_empty() {
-            return Err(CoreError::InvalidArgument(
-                "a VM with shares (a session's VM) cannot be forked yet".into(),
-            ));
-        }
         let image = self.images.verify(&image_id)?;
         self.check_artifacts(&parent.id, &pdir, &image)?;
 
@@ -105,6 +101,13 @@ impl Warren {
                 }
             })
             .collect();
+        // A session's VM: a new session per copy, with a copy of the session's files.
+        let sessions = self.plan_session_fork(&parent, &pcfg, &recs)?;
+        if let Some(plan) = &sessions {
+            for (i, r) in recs.iter_mut().enumerate() {
+                r.mounts = plan.mounts_of_copy(i, &parent.mounts);
+            }
+        }
         let ws = parent.workspace.clone();
         let add = Usage {
             vms: u64::from(req.count),
@@ -122,10 +125,15 @@ impl Warren {
             for r in recs.iter_mut() {
                 vmstore::insert_in(tx, r, VM_UID_BASE)?;
             }
+            if let Some(plan) = &sessions {
+                Self::admit_session_fork(tx, plan, (req.host_limits, req.workspace_limits))?;
+            }
             Ok(())
         })?;
 
-        let result = self.fork_into(&parent, &pcfg, &image, &recs).await;
+        let result = self
+            .fork_into(&parent, &pcfg, &image, &recs, sessions.as_ref())
+            .await;
         let mut out = Vec::new();
         let mut first_err = None;
         for (rec, r) in recs.iter_mut().zip(result) {
@@ -152,6 +160,9 @@ impl Warren {
                 for r in &out {
                     let _ = self.destroy_vm(&r.id).await;
                 }
+                if let Some(plan) = &sessions {
+                    self.discard_session_fork(plan);
+                }
                 Err(e)
             }
             None => Ok(out),
@@ -165,6 +176,7 @@ impl Warren {
         pcfg: &SupervisorConfig,
         image: &warren_image::VerifiedImage,
         recs: &[VmRecord],
+        sessions: Option<&SessionFork>,
     ) -> Vec<Result<u64, CoreError>> {
         let all = |e: CoreError| -> Vec<Result<u64, CoreError>> {
             let msg = e.to_string();
@@ -191,7 +203,15 @@ impl Warren {
         if let Err(e) = made {
             return all(e);
         }
-        let out = self.fork_saved(parent, pcfg, image, recs, &fdir).await;
+        if let Some(plan) = sessions {
+            if let Err(e) = self.make_session_fork_volumes(plan).await {
+                let _ = std::fs::remove_dir_all(&fdir);
+                return all(e);
+            }
+        }
+        let out = self
+            .fork_saved(parent, pcfg, image, recs, &fdir, sessions)
+            .await;
         let _ = std::fs::remove_dir_all(&fdir);
         out
     }
@@ -203,6 +223,7 @@ impl Warren {
         image: &warren_image::VerifiedImage,
         recs: &[VmRecord],
         fdir: &std::path::Path,
+        sessions: Option<&SessionFork>,
     ) -> Vec<Result<u64, CoreError>> {
         let pdir = self.vm_dir(&parent.id);
         // Written by the parent's VMM in its own run directory, then moved out of its reach.
@@ -216,9 +237,17 @@ impl Warren {
                 .map_err(|e| CoreError::io("stat", &image.rootfs, e))?
                 .len();
             let max_disk = virtual_size + virtual_size / 8 + (64 << 20);
-            SupervisorClient::new(&pdir.socket())
-                .fork_save(&written, &disk, max_disk)
+            let client = SupervisorClient::new(&pdir.socket());
+            client
+                .fork_save(&written, &disk, max_disk, sessions.is_some())
                 .await?;
+            if let Some(plan) = sessions {
+                // The parent is held stopped: its files are copied as its memory was saved.
+                let copied = self.copy_session_fork_files(plan).await;
+                let released = client.fork_release().await;
+                copied?;
+                released?;
+            }
             std::fs::rename(&written, &state).map_err(|e| CoreError::io("rename", &written, e))?;
             // Written by the VMM: owner and mode change through a checked descriptor only.
             let owner = nix::unistd::geteuid()
@@ -246,7 +275,8 @@ impl Warren {
         let artifacts = super::artifacts::RuntimeArtifacts::load(&pdir)
             .ok()
             .flatten();
-        let starts = recs.iter().map(|rec| {
+        let starts = recs.iter().enumerate().map(|(i, rec)| {
+            let shares = sessions.map(|p| p.shares_of_copy(i, &pcfg.launch.shares));
             self.start_fork_copy(
                 rec,
                 pcfg,
@@ -256,6 +286,7 @@ impl Warren {
                 &secret,
                 marker.as_deref(),
                 artifacts.as_ref(),
+                shares,
             )
         });
         futures_util::future::join_all(starts).await
@@ -272,7 +303,9 @@ impl Warren {
         secret: &[u8],
         marker: Option<&[u8]>,
         artifacts: Option<&super::artifacts::RuntimeArtifacts>,
+        shares: Option<Result<Vec<warren_vmm::backend::Share>, CoreError>>,
     ) -> Result<u64, CoreError> {
+        let shares = shares.transpose()?;
         let (dir, run_as) = self.make_vm_dir(rec)?;
         match artifacts {
             Some(a) => a.store(&dir)?,
@@ -302,11 +335,17 @@ impl Warren {
         };
         launch.incoming = true;
         // The parent's RAM block was `mem` if it had a RAM file or started from a template.
-        launch.named_ram =
-            launch.named_ram || launch.template_ram.is_some() || launch.ram_file.is_some();
+        launch.named_ram = launch.named_ram
+            || launch.template_ram.is_some()
+            || launch.clone_ram.is_some()
+            || launch.ram_file.is_some();
         launch.template_ram = None;
+        launch.clone_ram = None;
         launch.ram_file = None;
         launch.groups = if root { vec![TEMPLATE_GID] } else { vec![] };
+        if let Some(shares) = shares {
+            launch.shares = shares;
+        }
         // Only loaded, then overwritten by the restore.
         launch.initramfs = image.initramfs.clone();
         if let Some(net) = &mut launch.network {

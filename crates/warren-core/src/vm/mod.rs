@@ -20,6 +20,7 @@ use crate::store::{MountSpec, Store, Usage};
 pub mod artifacts;
 mod create;
 pub mod fork;
+mod fork_session;
 mod guest;
 pub mod jobs_seen;
 pub mod launch;

@@ -2,11 +2,13 @@
 //! it instead of booting.
 //!
 //! **Shape** ([`TemplateKey`]): image, memory, vCPUs, accelerator, CPU model and device set
-//! (number of shares, NIC or not). Templates serve VMs without shares and without a RAM
-//! file (plain `vm create`/`vm_create`, with or without a network); session VMs (which
-//! always have shares) and `--ram-file` VMs boot cold. A share needs guest RAM the device
-//! backend can map (a shared memfd), while a clone's RAM is a private mapping of the
-//! template's file: see `docs/instant.md`.
+//! (the shares' guest paths and modes, NIC or not). Templates serve every VM but `--ram-file`
+//! ones: plain `vm create`/`vm_create` and the session VMs of `warren run` and
+//! `session_create` (their shares are part of the shape; which host directories they show
+//! is each clone's own). A share needs guest RAM the device backend can map, while a plain
+//! clone's RAM is a private mapping of the template's file: a clone with shares gets a
+//! shared copy of that file of its own instead (`warren_vmm::sys::clone_ram`). See
+//! `docs/instant.md`.
 //!
 //! **Build** (once per shape, under a lock file so concurrent creates build it once): a
 //! normal cold create with guest RAM in a file (counted against the host limits while it
@@ -54,7 +56,10 @@ use warren_vmm::{Accel, LaunchSpec};
 use super::artifacts::RuntimeArtifacts;
 use super::{write_private, CreateVm, SuspendMode, Warren, VM_UID_BASE};
 use crate::error::CoreError;
-use crate::store::VmRecord;
+use crate::store::{MountSpec, VmRecord};
+
+/// The `nobody` user and group: owner of a template build's stand-in share directories.
+const NOBODY: u32 = 65534;
 
 /// Group of the templates' RAM files and disk layers; a clone's VMM gets it as its only
 /// supplementary group.
@@ -76,8 +81,18 @@ pub struct TemplateKey {
     pub vcpus: u32,
     pub accel: String,
     pub cpu: String,
-    pub shares: u32,
+    /// The shares in the order they are attached (tags `fs0`, `fs1`, ...).
+    pub shares: Vec<TemplateShare>,
     pub network: bool,
+}
+
+/// One share of a template's shape: where the guest mounts it and how. The host directory
+/// is not part of the shape: each clone's virtiofsd serves its own.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TemplateShare {
+    pub guest: String,
+    pub read_only: bool,
 }
 
 impl TemplateKey {
@@ -144,14 +159,14 @@ impl Warren {
     }
 
     /// The key of the template that could serve `req` on `image` under `accel`; `None` for
-    /// shapes templates do not serve (shares, a RAM file).
+    /// shapes templates do not serve (a RAM file).
     pub(super) fn template_key(
         &self,
         req: &CreateVm,
         image: &VerifiedImage,
         accel: Accel,
     ) -> Option<TemplateKey> {
-        if !req.mounts.is_empty() || req.ram_file {
+        if req.ram_file {
             return None;
         }
         Some(TemplateKey {
@@ -160,7 +175,14 @@ impl Warren {
             vcpus: req.vcpus.unwrap_or(super::DEFAULT_VCPUS),
             accel: accel.to_string(),
             cpu: warren_vmm::qemu::default_cpu(accel).to_string(),
-            shares: 0,
+            shares: req
+                .mounts
+                .iter()
+                .map(|m| TemplateShare {
+                    guest: m.guest.clone(),
+                    read_only: m.read_only,
+                })
+                .collect(),
             network: req.network.is_some(),
         })
     }
@@ -288,6 +310,9 @@ impl Warren {
         image: &VerifiedImage,
     ) -> Result<Template, CoreError> {
         let t = std::time::Instant::now();
+        // Empty directories stand in for the shares while the template boots: which host
+        // directories a share shows is each clone's own.
+        let shares = BuildShares::make(&self.templates_dir(), key)?;
         let build = CreateVm {
             image: Some(image.id.to_string()),
             memory_mib: Some(key.memory_mib),
@@ -296,16 +321,23 @@ impl Warren {
             host_limits: req.host_limits,
             idle_seconds: Some(0),
             ram_file: true,
+            mounts: shares.mounts.clone(),
             // A NIC whose egress allows nothing: the clone's supervisor sets up its own.
             network: key.network.then(super::NetworkRequest::default),
             ..CreateVm::default()
         };
         let mut ignore = |_: &str| {};
-        let rec = Box::pin(self.create_vm(&build, &mut ignore)).await?;
-        let made = self.save_template(key, &rec).await;
-        if let Err(e) = self.destroy_vm(&rec.id).await {
-            tracing::warn!(vm = %rec.id, error = %e, "destroying a template's build VM");
-        }
+        let made = match Box::pin(self.create_vm(&build, &mut ignore)).await {
+            Ok(rec) => {
+                let made = self.save_template(key, &rec).await;
+                if let Err(e) = self.destroy_vm(&rec.id).await {
+                    tracing::warn!(vm = %rec.id, error = %e, "destroying a template's build VM");
+                }
+                made
+            }
+            Err(e) => Err(e),
+        };
+        shares.remove();
         let dir = made?;
         tracing::info!(
             template = %dir.display(),
@@ -432,6 +464,7 @@ impl Warren {
         rec: &VmRecord,
         image: &VerifiedImage,
         accel: Accel,
+        virtiofsd: Option<PathBuf>,
         network: Option<warren_vmm::NetSpec>,
         tpl: &Template,
     ) -> Result<u64, CoreError> {
@@ -464,6 +497,30 @@ impl Warren {
         };
         let mut machine_id = [0u8; 16];
         rand::rng().fill_bytes(&mut machine_id);
+        // Its shares (the template's guest paths and tags, this VM's own directories) are
+        // attached as a fresh boot would attach them; the kernel arguments only matter to a
+        // later fresh boot (the restored guest mounted the template's at its boot).
+        let (shares, mut extra_cmdline) = super::mounts::shares_of(&rec.mounts);
+        if network.is_some() {
+            extra_cmdline.push(warren_supervisor::network::guest_kernel_arg());
+        }
+        let template_ram = tpl.dir.join("ram");
+        let clone_ram = if shares.is_empty() {
+            None
+        } else {
+            let ram = warren_vmm::sys::clone_ram::path(&rec.id)
+                .map_err(io("create", Path::new("/dev/shm")))?;
+            let t = std::time::Instant::now();
+            let bytes = warren_vmm::sys::clone_ram::copy_from_template(&template_ram, &ram, run_as)
+                .map_err(io("copy", &template_ram))?;
+            tracing::debug!(
+                vm = %rec.id,
+                ms = t.elapsed().as_millis() as u64,
+                bytes,
+                "clone RAM copied"
+            );
+            Some(ram)
+        };
         let mut cfg = SupervisorConfig {
             vm_id: rec.id.clone(),
             launch: LaunchSpec {
@@ -479,19 +536,16 @@ impl Warren {
                 vcpus: rec.vcpus,
                 accel,
                 cpu: Some(tpl.record.key.cpu.clone()),
-                extra_cmdline: if network.is_some() {
-                    vec![warren_supervisor::network::guest_kernel_arg()]
-                } else {
-                    vec![]
-                },
+                extra_cmdline,
                 run_as,
                 cgroup,
                 incoming: true,
-                shares: vec![],
-                virtiofsd: None,
+                shares,
+                virtiofsd,
                 ram_file: None,
                 network,
-                template_ram: Some(tpl.dir.join("ram")),
+                template_ram: clone_ram.is_none().then_some(template_ram),
+                clone_ram,
                 named_ram: false,
                 groups: if root { vec![TEMPLATE_GID] } else { vec![] },
                 bench_port: None,
@@ -507,7 +561,14 @@ impl Warren {
         let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
         write_private(&dir.config(), &body)?;
         super::create::hand_over_run(&dir, run_as)?;
-        let ms = self.launch_and_wait(&dir).await?;
+        let launched = self.launch_and_wait(&dir).await;
+        if cfg.launch.clone_ram.is_some() {
+            // The VMM has it mapped (or is gone): the memory lives as long as the VMM.
+            if let Err(e) = warren_vmm::sys::clone_ram::remove(&rec.id) {
+                tracing::warn!(vm = %rec.id, error = %e, "removing a clone's RAM file");
+            }
+        }
+        let ms = launched?;
         // The template's device state is consumed.
         let _ = std::fs::remove_file(&state);
         settle_copy(&dir, &image.initramfs, &mut cfg, run_as)?;
@@ -537,6 +598,7 @@ pub(super) fn settle_copy(
     std::fs::rename(&staged, &initramfs).map_err(io("rename", &staged))?;
     cfg.launch.initramfs = initramfs;
     cfg.launch.template_ram = None;
+    cfg.launch.clone_ram = None;
     cfg.launch.named_ram = true;
     cfg.launch.incoming = false;
     cfg.restore = false;
@@ -587,6 +649,70 @@ impl Warren {
     }
 }
 
+/// The empty host directories a template's build VM shares (one per share of the shape),
+/// under `STATE/templates/shares-<key digest>-<random>/`, owned by `nobody` when Warren runs
+/// as root: the guest sees them as its user's, as it will see a clone's own.
+struct BuildShares {
+    root: Option<PathBuf>,
+    mounts: Vec<MountSpec>,
+}
+
+impl BuildShares {
+    fn make(templates: &Path, key: &TemplateKey) -> Result<Self, CoreError> {
+        if key.shares.is_empty() {
+            return Ok(BuildShares {
+                root: None,
+                mounts: vec![],
+            });
+        }
+        let mut id = [0u8; 4];
+        rand::rng().fill_bytes(&mut id);
+        let root = templates.join(format!("shares-{}-{}", key.digest(), hex::encode(id)));
+        std::fs::create_dir(&root).map_err(io("create", &root))?;
+        let mut made = BuildShares {
+            root: Some(root.clone()),
+            mounts: vec![],
+        };
+        let owner = if nix::unistd::geteuid().is_root() {
+            (NOBODY, NOBODY)
+        } else {
+            (
+                nix::unistd::geteuid().as_raw(),
+                nix::unistd::getegid().as_raw(),
+            )
+        };
+        for (i, share) in key.shares.iter().enumerate() {
+            let dir = root.join(format!("fs{i}"));
+            let made_dir = std::fs::create_dir(&dir)
+                .and_then(|()| chown(&dir, Some(owner.0), Some(owner.1)))
+                .and_then(|()| dir.canonicalize());
+            let host = match made_dir {
+                Ok(h) => h,
+                Err(e) => {
+                    made.remove();
+                    return Err(CoreError::io("create", &dir, e));
+                }
+            };
+            made.mounts.push(MountSpec {
+                host,
+                guest: share.guest.clone(),
+                read_only: share.read_only,
+                owner: Some(owner),
+                identity: None,
+            });
+        }
+        Ok(made)
+    }
+
+    fn remove(&self) {
+        if let Some(root) = &self.root {
+            if let Err(e) = std::fs::remove_dir_all(root) {
+                tracing::warn!(dir = %root.display(), error = %e, "removing a template build's shares");
+            }
+        }
+    }
+}
+
 /// A template directory's name: `t-<32 hex>-<8 hex>`.
 fn valid_dir_name(name: &str) -> bool {
     name.len() == 2 + 32 + 1 + 8
@@ -618,7 +744,7 @@ mod tests {
             vcpus: 1,
             accel: "tcg".into(),
             cpu: "max".into(),
-            shares: 0,
+            shares: vec![],
             network: false,
         }
     }
@@ -644,7 +770,27 @@ mod tests {
                 cpu: "host".into(),
                 ..key()
             },
-            TemplateKey { shares: 1, ..key() },
+            TemplateKey {
+                shares: vec![TemplateShare {
+                    guest: "/workspace".into(),
+                    read_only: false,
+                }],
+                ..key()
+            },
+            TemplateKey {
+                shares: vec![TemplateShare {
+                    guest: "/workspace".into(),
+                    read_only: true,
+                }],
+                ..key()
+            },
+            TemplateKey {
+                shares: vec![TemplateShare {
+                    guest: "/work".into(),
+                    read_only: false,
+                }],
+                ..key()
+            },
             TemplateKey {
                 network: true,
                 ..key()

@@ -71,7 +71,7 @@ pub fn qemu_args(spec: &LaunchSpec, attach: Attach<'_>, tsc_khz: u64) -> Vec<Str
             "-M",
             "microvm,acpi=on,memory-backend=mem",
         ]);
-    } else if let Some(ram) = &spec.ram_file {
+    } else if let Some(ram) = spec.clone_ram.as_ref().or(spec.ram_file.as_ref()) {
         // Guest RAM in a per-VM file (shared, so device backends can map it too).
         push(&[
             "-object",
@@ -257,6 +257,7 @@ mod tests {
             network: None,
             bench_port: None,
             template_ram: None,
+            clone_ram: None,
             named_ram: false,
             groups: vec![],
         }
@@ -277,6 +278,27 @@ mod tests {
         let s = qemu_args(&resumed, Attach::Fds, 1).join(" ");
         assert!(s.contains("memory-backend-ram,id=mem,size=512M"), "{s}");
         assert!(s.contains("memory-backend=mem"), "{s}");
+    }
+
+    #[test]
+    fn test_qemu_args_clone_ram_shared_file_under_the_template_block_name() {
+        let mut sp = spec();
+        sp.clone_ram = Some(PathBuf::from("/dev/shm/warren-0/vm-1.ram"));
+        sp.shares = vec![crate::backend::Share {
+            tag: "fs0".into(),
+            host_dir: PathBuf::from("/s"),
+            read_only: false,
+            owner: None,
+            identity: None,
+        }];
+        let s = qemu_args(&sp, Attach::Fds, 1).join(" ");
+        assert!(
+            s.contains(
+                "memory-backend-file,id=mem,size=512M,mem-path=/dev/shm/warren-0/vm-1.ram,share=on"
+            ),
+            "{s}"
+        );
+        assert!(!s.contains("memory-backend-memfd"), "{s}");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! `unsafe` (in `process` and `share_seccomp`, for `pre_exec`).
 
 pub mod cgroup;
+pub mod clone_ram;
 pub mod private_file;
 pub mod process;
 pub mod share_seccomp;

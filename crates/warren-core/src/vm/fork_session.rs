@@ -1,0 +1,223 @@
+//! The fork of a session's VM: each copy gets a new session of its own, with a copy of the
+//! session's files taken while the parent is stopped.
+//!
+//! 1. **Plan** ([`Warren::plan_session_fork`]): the parent must be a copy session's VM (a
+//!    direct session's files are the user's directory itself, and a VM with `--mount`s
+//!    outside a session has no files of its own to copy: both are refused). One new session
+//!    record per copy: `<name>-fork-<hex>`, the parent session's source, owner, devices and
+//!    storage size, and the copy's VM.
+//! 2. **Admission**, in the fork's one transaction: the copies' session storage against the
+//!    storage limits, and the session rows.
+//! 3. **Directories** before the parent stops: each copy's own filesystem when the parent
+//!    session has one.
+//! 4. **Files**, with the parent held stopped and its jobs frozen after its save
+//!    (`ForkSaveHeld`): each copy's workspace is a copy of the parent's
+//!    (`warren_session::fork`), then the parent runs on (`ForkRelease`). The copies' memory
+//!    and files are thus of the same instant.
+//! 5. **Shares**: a copy's first share (the workspace) is its own session's; the others (the
+//!    source objects, read-only; the project's agent state; `--mount`s) are the parent's
+//!    directories, as every session of the project shares them. The copy's virtiofsd takes
+//!    the parent's migrated state, which names files by their path in the share, so it finds
+//!    them in the copy.
+//!
+//! If anything fails, every new session row and directory goes (the copies' VMs fail with
+//! the reason).
+
+use rand::RngCore;
+use warren_session::volume::{Volume, VolumePaths};
+use warren_supervisor::SupervisorConfig;
+
+use super::{now_unix, Limits, Warren};
+use crate::error::CoreError;
+use crate::session::{blocking, check_storage, session_error};
+use crate::store::{MountSpec, SessionRecord, VmRecord};
+
+/// A session fork in progress.
+#[derive(Debug)]
+pub(super) struct SessionFork {
+    parent: SessionRecord,
+    /// One per copy, in the copies' order; rows inserted at admission.
+    pub(super) copies: Vec<SessionRecord>,
+}
+
+impl Warren {
+    /// The session whose VM is `parent` and a new session per copy in `copies` (see the
+    /// module docs); `None` for a VM without shares.
+    pub(super) fn plan_session_fork(
+        &self,
+        parent: &VmRecord,
+        pcfg: &SupervisorConfig,
+        copies: &[VmRecord],
+    ) -> Result<Option<SessionFork>, CoreError> {
+        if pcfg.launch.shares.is_empty() {
+            return Ok(None);
+        }
+        let session = self
+            .store()
+            .sessions(None)?
+            .into_iter()
+            .find(|s| s.vm_id.as_deref() == Some(parent.id.as_str()))
+            .ok_or_else(|| {
+                CoreError::InvalidArgument(
+                    "a VM with --mount shares cannot be forked (the copies would write the same host directories); a session's VM can".into(),
+                )
+            })?;
+        if session.direct {
+            return Err(CoreError::InvalidArgument(format!(
+                "session {} is direct: its files are {} itself, which a fork cannot copy",
+                session.name,
+                session.source.display()
+            )));
+        }
+        let workspace = warren_session::workspace_dir(&session.dir);
+        if pcfg.launch.shares.first().map(|s| &s.host_dir) != Some(&workspace) {
+            return Err(CoreError::InvalidArgument(format!(
+                "VM {}'s first share is not session {}'s workspace",
+                parent.id, session.name
+            )));
+        }
+        let base: String = session.name.chars().take(48).collect();
+        let copies = copies
+            .iter()
+            .map(|vm| {
+                let mut idb = [0u8; 6];
+                rand::rng().fill_bytes(&mut idb);
+                let id = format!("ses-{}", hex::encode(idb));
+                let dir = if session.storage_mib > 0 {
+                    VolumePaths::new(&self.sessions_dir(), &id).session_dir()
+                } else {
+                    self.sessions_dir().join(&id)
+                };
+                SessionRecord {
+                    name: format!("{base}-fork-{}", hex::encode(&idb[..3])),
+                    id,
+                    dir,
+                    vm_id: Some(vm.id.clone()),
+                    created_unix: now_unix(),
+                    generation: 1,
+                    ..session.clone()
+                }
+            })
+            .collect();
+        Ok(Some(SessionFork {
+            parent: session,
+            copies,
+        }))
+    }
+
+    /// The new sessions' share of the fork's admission transaction: their storage against
+    /// (host, workspace) limits, then their rows.
+    pub(super) fn admit_session_fork(
+        tx: &rusqlite::Transaction<'_>,
+        plan: &SessionFork,
+        limits: (Limits, Limits),
+    ) -> Result<(), CoreError> {
+        let add = plan.parent.storage_mib * plan.copies.len() as u64;
+        check_storage(tx, &plan.parent.workspace, add, limits)?;
+        for s in &plan.copies {
+            crate::store::insert_session_in(tx, s).map_err(|e| match e {
+                rusqlite::Error::SqliteFailure(f, _)
+                    if f.code == rusqlite::ErrorCode::ConstraintViolation =>
+                {
+                    CoreError::Conflict(format!("a session named {:?} already exists", s.name))
+                }
+                e => CoreError::Store(e),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Each copy's own filesystem, when the parent session has one (before the parent stops:
+    /// making one takes a while).
+    pub(super) async fn make_session_fork_volumes(
+        &self,
+        plan: &SessionFork,
+    ) -> Result<(), CoreError> {
+        if plan.parent.storage_mib == 0 {
+            return Ok(());
+        }
+        for s in &plan.copies {
+            let paths = VolumePaths::new(&self.sessions_dir(), &s.id);
+            let mib = plan.parent.storage_mib;
+            // The row stands for the volume from here on; the lock goes with the handle.
+            let made: Volume =
+                blocking(move || Volume::create(&paths, mib).map_err(session_error)).await?;
+            drop(made);
+        }
+        Ok(())
+    }
+
+    /// Copies the parent session's files into every copy's directory (the parent is held
+    /// stopped meanwhile).
+    pub(super) async fn copy_session_fork_files(
+        &self,
+        plan: &SessionFork,
+    ) -> Result<(), CoreError> {
+        let owner = (plan.parent.owner_uid != nix::unistd::geteuid().as_raw()).then_some(
+            warren_session::Owner {
+                uid: plan.parent.owner_uid,
+                gid: plan.parent.owner_gid,
+            },
+        );
+        for s in &plan.copies {
+            let (from, to) = (plan.parent.dir.clone(), s.dir.clone());
+            let t = std::time::Instant::now();
+            let f =
+                blocking(move || warren_session::fork(&from, &to, owner).map_err(session_error))
+                    .await?;
+            tracing::info!(
+                session = %s.id,
+                files = f.files,
+                bytes = f.bytes,
+                ms = t.elapsed().as_millis() as u64,
+                "session files copied for a fork"
+            );
+            for k in &f.skipped {
+                tracing::warn!(session = %s.id, path = %k.path.display(), reason = ?k.reason, "not copied");
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes every new session of a failed fork: directories (or filesystems), then rows.
+    pub(super) fn discard_session_fork(&self, plan: &SessionFork) {
+        for s in &plan.copies {
+            self.discard_copy(&s.id, &s.dir, false, None);
+            if let Err(e) = self.store().delete_session(&s.id) {
+                tracing::warn!(session = %s.id, error = %e, "removing a failed fork's session");
+            }
+        }
+    }
+}
+
+impl SessionFork {
+    /// Copy `i`'s shares: the parent's, with the first (the workspace) its own session's.
+    pub(super) fn shares_of_copy(
+        &self,
+        i: usize,
+        parent: &[warren_vmm::backend::Share],
+    ) -> Result<Vec<warren_vmm::backend::Share>, CoreError> {
+        let mut shares = parent.to_vec();
+        let ws = warren_session::workspace_dir(&self.copies[i].dir);
+        let ws = ws
+            .canonicalize()
+            .map_err(|e| CoreError::io("resolve", &ws, e))?;
+        let identity = warren_vmm::qemu::virtiofs::identity_of(&ws)
+            .map_err(|e| CoreError::io("stat", &ws, e))?;
+        if let Some(first) = shares.first_mut() {
+            first.host_dir = ws;
+            first.identity = Some(identity);
+        }
+        Ok(shares)
+    }
+
+    /// Copy `i`'s VM record mounts: the parent's, with the first its own workspace.
+    pub(super) fn mounts_of_copy(&self, i: usize, parent: &[MountSpec]) -> Vec<MountSpec> {
+        let mut mounts = parent.to_vec();
+        if let Some(first) = mounts.first_mut() {
+            first.host = warren_session::workspace_dir(&self.copies[i].dir);
+            first.identity = None;
+        }
+        mounts
+    }
+}
