@@ -13,6 +13,8 @@
 //! (concurrent) 8 creates from the template at once, to all 8 first exec results;
 //! (fork) a fork of 4 of a running VM, to all 4 first exec results;
 //! (standby) resume from fast standby to the first exec result;
+//! (sessions) a session created to its first exec cold and from its template, and a fork
+//!   of a session's VM into 2 new sessions (`bench_instant_sessions.rs`);
 //! (breakdown) where a template restore and a standby resume spend their time: the
 //!     supervisor's own steps (socket up, VMM spawned, state restored, channel
 //!     authenticated, rekeyed, thawed, ready) and the engine's wait, medians.
@@ -54,6 +56,7 @@ struct Report {
     standby_vs_cold: f64,
     template_breakdown_ms: BTreeMap<String, f64>,
     standby_breakdown_ms: BTreeMap<String, f64>,
+    sessions: crate::bench_instant_sessions::SessionFigures,
 }
 
 fn ms(t: Instant) -> f64 {
@@ -149,6 +152,16 @@ pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
     println!(
         "(standby)    resume to first exec {:.0} / {:.0} ms   ratio {:.3} (target <= 0.1)",
         r.standby_resume_to_exec_ms_p50, r.standby_resume_to_exec_ms_p99, r.standby_vs_cold
+    );
+    let s = &r.sessions;
+    println!(
+        "(sessions)   create to first exec: cold {:.0} ms, template {:.0} ms   ratio {:.3}; fork of 2 to 2 first execs {:.0} ms   ratio vs one cold session {:.3}  ({} samples)",
+        s.cold_create_to_exec_ms_p50,
+        s.template_create_to_exec_ms_p50,
+        s.template_vs_cold,
+        s.fork2_ms,
+        s.fork2_vs_cold,
+        s.samples
     );
     for (name, b) in [
         ("template restore", &r.template_breakdown_ms),
@@ -345,5 +358,8 @@ async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
     r.standby_resume_to_exec_ms_p99 = pct(&mut standby, 0.99);
     r.standby_vs_cold = r.standby_resume_to_exec_ms_p50 / cold50;
     r.standby_breakdown_ms = medians(ssteps);
+
+    // Session VMs (three shares): cold against their template, and a fork of a session.
+    r.sessions = crate::bench_instant_sessions::measure(w, &args.image, n.min(5)).await?;
     Ok(r)
 }

@@ -9,6 +9,7 @@ mod bench;
 mod bench_floor;
 mod bench_image;
 mod bench_instant;
+mod bench_instant_sessions;
 mod bench_load;
 mod bench_network;
 mod bench_service;
