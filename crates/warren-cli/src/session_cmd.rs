@@ -13,6 +13,9 @@ use crate::client::Conn;
 use crate::commands::open;
 use crate::term::Term;
 
+/// Said when `--template` (or `WARREN_TEMPLATES`) meets a session made by the service.
+const TEMPLATE_VIA_SERVICE: &str = "through the service, the image's `template` setting decides whether the session's VM restores from a template; --template (WARREN_TEMPLATES) is not used";
+
 fn caller() -> (u32, u32) {
     (
         nix::unistd::getuid().as_raw(),
@@ -78,6 +81,9 @@ async fn session_via_service(
         } => {
             if !d.mounts.is_empty() {
                 anyhow::bail!("--mount is not available through the service");
+            }
+            if d.template {
+                t.warn(TEMPLATE_VIA_SERVICE);
             }
             let repo = std::path::absolute(repo)
                 .with_context(|| format!("resolving {}", repo.display()))?;
@@ -508,6 +514,9 @@ async fn run_via_service(
             s
         }
         None => {
+            if d.template {
+                t.warn(TEMPLATE_VIA_SERVICE);
+            }
             let mut req = json!({"repo": project, "direct": args.direct});
             let image = d
                 .image

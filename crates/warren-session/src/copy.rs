@@ -12,7 +12,7 @@
 //! filesystem uid/gid are the owner's ([`as_owner`]): the kernel checks the owner's permissions
 //! when reading the source and makes the owner own everything created.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, OpenOptions, Permissions};
 use std::io;
 use std::os::fd::OwnedFd;
@@ -89,14 +89,23 @@ pub(crate) fn as_owner<T: Send>(
     })
 }
 
+/// How a tree is copied by [`copy_entries`] for a fork.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TreeCopy {
+    /// The copy fails past this instant.
+    pub deadline: std::time::Instant,
+}
+
 /// Copies `entries` from `src` into `dst` (an existing directory). `tree`: a whole tree's
-/// copy (a fork): directories listed are created even when empty, and files keep their
-/// modification times (so a git index over them stays valid).
+/// copy (a fork): directories listed are created even when empty, files keep their
+/// modification times (so a git index over them stays valid) and their holes, files with
+/// several links in the tree stay one file with several links (so a copy takes no more room
+/// than the original), and the copy stops at the deadline.
 pub(crate) fn copy_entries(
     src: &Path,
     dst: &Path,
     entries: &[Entry],
-    tree: bool,
+    tree: Option<TreeCopy>,
 ) -> Result<CopyStats, SessionError> {
     let src_fd = nix::fcntl::open(
         src,
@@ -111,8 +120,17 @@ pub(crate) fn copy_entries(
         dst_dirs: HashSet::new(),
         stats: CopyStats::default(),
         tree,
+        links: HashMap::new(),
     };
     for e in entries {
+        if let Some(t) = tree {
+            if std::time::Instant::now() > t.deadline {
+                return Err(SessionError::TooLarge {
+                    what: format!("copying {}", src.display()),
+                    limit: "the fork's copy deadline".into(),
+                });
+            }
+        }
         copier.entry(e)?;
     }
     Ok(copier.stats)
@@ -126,7 +144,9 @@ struct Copier<'a> {
     /// Destination directories (relative) created or checked.
     dst_dirs: HashSet<PathBuf>,
     stats: CopyStats,
-    tree: bool,
+    tree: Option<TreeCopy>,
+    /// (device, inode) of files with several links already copied, and their copy.
+    links: HashMap<(u64, u64), PathBuf>,
 }
 
 impl Copier<'_> {
@@ -176,15 +196,24 @@ impl Copier<'_> {
             self.stats.symlinks += 1;
         } else if kind == SFlag::S_IFREG {
             self.make_parent(&e.path)?;
+            let key = (st.st_dev, st.st_ino);
+            if self.tree.is_some() && st.st_nlink > 1 {
+                if let Some(first) = self.links.get(&key) {
+                    fs::hard_link(first, &to).map_err(SessionError::io("link", &to))?;
+                    self.stats.files += 1;
+                    return Ok(());
+                }
+                self.links.insert(key, to.clone());
+            }
             let input =
                 nix::fcntl::openat2(&dir, name, beneath(OFlag::O_RDONLY | OFlag::O_NONBLOCK))
                     .map_err(|err| SessionError::io("open", &from)(err.into()))?;
-            self.stats.bytes += copy_file(input, &from, &to, st.st_mode, self.tree)?;
+            self.stats.bytes += copy_file(input, &from, &to, st.st_mode, self.tree.is_some())?;
             self.stats.files += 1;
         } else if kind == SFlag::S_IFDIR {
             // In a tree's copy, the directory itself; else a tracked path that became a
             // directory, whose files are listed as untracked.
-            if self.tree {
+            if self.tree.is_some() {
                 self.make_dirs(&e.path)?;
             }
         } else {
@@ -268,22 +297,22 @@ impl Copier<'_> {
 }
 
 /// `openat2` resolution for the working tree: beneath it, no symlink anywhere on the way.
-fn beneath(flags: OFlag) -> OpenHow {
+pub(crate) fn beneath(flags: OFlag) -> OpenHow {
     OpenHow::new()
         .flags(flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
         .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS)
 }
 
 /// Copies one regular file, opened by the caller, byte for byte with its permission bits
-/// (set-id bits dropped) and, with `times`, its access and modification times; returns the
-/// bytes copied. A file swapped for anything but a regular file after the stat is refused (it
+/// (set-id bits dropped) and, with `tree`, only its data extents (holes stay holes) and its
+/// access and modification times; returns the bytes copied. A file swapped for anything but a regular file after the stat is refused (it
 /// was opened without blocking, so a FIFO is not waited on).
 fn copy_file(
     input: OwnedFd,
     from: &Path,
     to: &Path,
     mode: u32,
-    times: bool,
+    tree: bool,
 ) -> Result<u64, SessionError> {
     let mut input = fs::File::from(input);
     let meta = input.metadata().map_err(SessionError::io("stat", from))?;
@@ -301,12 +330,16 @@ fn copy_file(
         .mode(mode | 0o600)
         .open(to)
         .map_err(SessionError::io("create", to))?;
-    let n = io::copy(&mut input, &mut output).map_err(SessionError::io("copy", from))?;
+    let n = if tree {
+        copy_data(&mut input, &mut output, meta.len()).map_err(SessionError::io("copy", from))?
+    } else {
+        io::copy(&mut input, &mut output).map_err(SessionError::io("copy", from))?
+    };
     // The umask may have masked bits at creation.
     output
         .set_permissions(Permissions::from_mode(mode | 0o600))
         .map_err(SessionError::io("chmod", to))?;
-    if times {
+    if tree {
         let mut t = fs::FileTimes::new();
         if let Ok(m) = meta.modified() {
             t = t.set_modified(m);
@@ -319,4 +352,30 @@ fn copy_file(
             .map_err(SessionError::io("set times", to))?;
     }
     Ok(n)
+}
+
+/// Copies the data extents of `input` (of `len` bytes) to the same offsets of the empty
+/// `output`, which ends up `len` bytes long: a sparse file stays sparse.
+fn copy_data(input: &mut fs::File, output: &mut fs::File, len: u64) -> io::Result<u64> {
+    use io::{Read, Seek, SeekFrom};
+    let mut copied = 0u64;
+    let mut pos: i64 = 0;
+    let end = i64::try_from(len).map_err(|_| io::Error::other("file too large"))?;
+    while pos < end {
+        let data = match nix::unistd::lseek(&*input, pos, nix::unistd::Whence::SeekData) {
+            Ok(off) => off,
+            Err(Errno::ENXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let hole = nix::unistd::lseek(&*input, data, nix::unistd::Whence::SeekHole)?.min(end);
+        if hole <= data {
+            break;
+        }
+        input.seek(SeekFrom::Start(data as u64))?;
+        output.seek(SeekFrom::Start(data as u64))?;
+        copied += io::copy(&mut (&mut *input).take((hole - data) as u64), output)?;
+        pos = hole;
+    }
+    output.set_len(len)?;
+    Ok(copied)
 }

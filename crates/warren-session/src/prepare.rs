@@ -341,7 +341,7 @@ fn build(git: &Git, src: &Source, paths: &SessionPaths) -> Result<Prepared, Sess
 
     let (stats, shared) = as_owner(run_as, || {
         let shared = copy_index(&src.repo.git_dir, &paths.git_dir)?;
-        let stats = copy_entries(&src.toplevel, &paths.workspace, &src.entries, false)?;
+        let stats = copy_entries(&src.toplevel, &paths.workspace, &src.entries, None)?;
         Ok((stats, shared))
     })?;
     if !shared.is_empty() {

@@ -124,6 +124,15 @@ fn unexported(
 /// Deletion never follows symlinks: the objects link and any link the guest made are
 /// removed, not their targets.
 pub fn remove(session_dir: &Path, force: bool, owner: Option<Owner>) -> Result<(), SessionError> {
+    if force {
+        // A session whose directory was never made (a fork cut off between its admission
+        // and its copy): nothing to remove, and its record must still go.
+        if let Err(e) = std::fs::symlink_metadata(session_dir) {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                return Ok(());
+            }
+        }
+    }
     let paths = SessionPaths::new(session_dir);
     paths.check_session()?;
     if !force {

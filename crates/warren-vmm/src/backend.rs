@@ -67,10 +67,11 @@ pub struct LaunchSpec {
     /// stay in the clone's own memory; the file is never changed.
     #[serde(default)]
     pub template_ram: Option<PathBuf>,
-    /// Guest RAM is this shared file, the VM's own copy of a template's RAM: a clone with
-    /// shares, whose device backends (virtiofsd) must map guest RAM, which a private mapping
-    /// of the template's file would not let them. The restore reads RAM from it as from a RAM
-    /// file; later checkpoints save RAM in full, as for a shared memfd.
+    /// Guest RAM is a shared memfd of the VM's own that the backend fills with this template
+    /// RAM file's data before QEMU starts (`sys::clone_ram`): a clone with shares, whose
+    /// device backends (virtiofsd) must map guest RAM, which a private mapping of the
+    /// template's file would not let them. The restore reads RAM from it as from a RAM file;
+    /// later checkpoints save RAM in full, as for any shared memfd.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clone_ram: Option<PathBuf>,
     /// Anonymous guest RAM under the backend id `mem` (instead of the machine's own RAM

@@ -238,9 +238,16 @@ impl Warren {
                 .len();
             let max_disk = virtual_size + virtual_size / 8 + (64 << 20);
             let client = SupervisorClient::new(&pdir.socket());
-            client
+            let saved = client
                 .fork_save(&written, &disk, max_disk, sessions.is_some())
-                .await?;
+                .await;
+            if let Err(e) = saved {
+                if sessions.is_some() {
+                    // A reply lost after a held save must not leave the parent stopped.
+                    let _ = client.fork_release().await;
+                }
+                return Err(e.into());
+            }
             if let Some(plan) = sessions {
                 // The parent is held stopped: its files are copied as its memory was saved.
                 let copied = self.copy_session_fork_files(plan).await;

@@ -32,6 +32,11 @@ use crate::error::CoreError;
 use crate::session::{blocking, check_storage, session_error};
 use crate::store::{MountSpec, SessionRecord, VmRecord};
 
+/// The longest the copies of a session's files may take together: the parent is held
+/// stopped meanwhile (and runs on by itself after `warren_supervisor::fork::HOLD_LIMIT`,
+/// which is longer).
+pub const COPY_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// A session fork in progress.
 #[derive(Debug)]
 pub(super) struct SessionFork {
@@ -148,11 +153,12 @@ impl Warren {
     }
 
     /// Copies the parent session's files into every copy's directory (the parent is held
-    /// stopped meanwhile).
+    /// stopped meanwhile), all within [`COPY_LIMIT`].
     pub(super) async fn copy_session_fork_files(
         &self,
         plan: &SessionFork,
     ) -> Result<(), CoreError> {
+        let deadline = std::time::Instant::now() + COPY_LIMIT;
         let owner = (plan.parent.owner_uid != nix::unistd::geteuid().as_raw()).then_some(
             warren_session::Owner {
                 uid: plan.parent.owner_uid,
@@ -162,9 +168,10 @@ impl Warren {
         for s in &plan.copies {
             let (from, to) = (plan.parent.dir.clone(), s.dir.clone());
             let t = std::time::Instant::now();
-            let f =
-                blocking(move || warren_session::fork(&from, &to, owner).map_err(session_error))
-                    .await?;
+            let f = blocking(move || {
+                warren_session::fork(&from, &to, owner, deadline).map_err(session_error)
+            })
+            .await?;
             tracing::info!(
                 session = %s.id,
                 files = f.files,
@@ -172,8 +179,14 @@ impl Warren {
                 ms = t.elapsed().as_millis() as u64,
                 "session files copied for a fork"
             );
-            for k in &f.skipped {
-                tracing::warn!(session = %s.id, path = %k.path.display(), reason = ?k.reason, "not copied");
+            if let Some(first) = f.skipped.first() {
+                // Counted, not listed: the guest decides how many there are.
+                tracing::warn!(
+                    session = %s.id,
+                    count = f.skipped.len(),
+                    first = %first.path.display(),
+                    "special files not copied (FIFOs, sockets, device nodes)"
+                );
             }
         }
         Ok(())

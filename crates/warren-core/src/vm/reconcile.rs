@@ -163,11 +163,6 @@ impl Warren {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(CoreError::io("remove", dir.path(), e)),
         }
-        // A clone's RAM copy is unlinked once its VMM mapped it; one a crash left behind
-        // goes with the VM.
-        if let Err(e) = warren_vmm::sys::clone_ram::remove(&rec.id) {
-            tracing::warn!(vm = %rec.id, error = %e, "removing a clone's RAM file");
-        }
         self.store.delete(&rec.id)?;
         Ok(())
     }

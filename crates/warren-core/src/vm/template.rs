@@ -7,8 +7,8 @@
 //! `session_create` (their shares are part of the shape; which host directories they show
 //! is each clone's own). A share needs guest RAM the device backend can map, while a plain
 //! clone's RAM is a private mapping of the template's file: a clone with shares gets a
-//! shared copy of that file of its own instead (`warren_vmm::sys::clone_ram`). See
-//! `docs/instant.md`.
+//! shared memfd of its own holding the template's RAM instead (`warren_vmm::sys::clone_ram`).
+//! See `docs/instant.md`.
 //!
 //! **Build** (once per shape, under a lock file so concurrent creates build it once): a
 //! normal cold create with guest RAM in a file (counted against the host limits while it
@@ -69,6 +69,8 @@ pub const TEMPLATE_WORKSPACE: &str = "warren-templates";
 /// File in a clone's VM directory naming the template its disk backs onto.
 const TEMPLATE_MARKER: &str = "template";
 const RECORD: &str = "template.json";
+/// A build's staging directory or stand-in shares older than this were left by a crash.
+const STALE_BUILD: Duration = Duration::from_secs(3600);
 /// Largest `template.json` accepted.
 const MAX_RECORD_BYTES: u64 = 16 * 1024;
 
@@ -242,6 +244,22 @@ impl Warren {
         let mut dirs = Vec::new();
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("building-") || name.starts_with("shares-") {
+                // A build's staging or stand-in shares a crash left behind (a build in
+                // progress is far younger).
+                let stale = e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|age| age > STALE_BUILD);
+                if stale {
+                    if let Err(err) = std::fs::remove_dir_all(e.path()) {
+                        tracing::warn!(error = %err, %name, "removing a crashed template build's files");
+                    }
+                }
+                continue;
+            }
             if name.ends_with(".current") {
                 if let Ok(n) = std::fs::read_to_string(e.path()) {
                     used.push(n.trim().to_string());
@@ -505,21 +523,12 @@ impl Warren {
             extra_cmdline.push(warren_supervisor::network::guest_kernel_arg());
         }
         let template_ram = tpl.dir.join("ram");
-        let clone_ram = if shares.is_empty() {
-            None
+        // With shares, the backend copies the template's RAM into a shared memfd of the
+        // clone's own (`warren_vmm::sys::clone_ram`); without, QEMU maps the file privately.
+        let (template_ram, clone_ram) = if shares.is_empty() {
+            (Some(template_ram), None)
         } else {
-            let ram = warren_vmm::sys::clone_ram::path(&rec.id)
-                .map_err(io("create", Path::new("/dev/shm")))?;
-            let t = std::time::Instant::now();
-            let bytes = warren_vmm::sys::clone_ram::copy_from_template(&template_ram, &ram, run_as)
-                .map_err(io("copy", &template_ram))?;
-            tracing::debug!(
-                vm = %rec.id,
-                ms = t.elapsed().as_millis() as u64,
-                bytes,
-                "clone RAM copied"
-            );
-            Some(ram)
+            (None, Some(template_ram))
         };
         let mut cfg = SupervisorConfig {
             vm_id: rec.id.clone(),
@@ -544,7 +553,7 @@ impl Warren {
                 virtiofsd,
                 ram_file: None,
                 network,
-                template_ram: clone_ram.is_none().then_some(template_ram),
+                template_ram,
                 clone_ram,
                 named_ram: false,
                 groups: if root { vec![TEMPLATE_GID] } else { vec![] },
@@ -561,14 +570,7 @@ impl Warren {
         let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
         write_private(&dir.config(), &body)?;
         super::create::hand_over_run(&dir, run_as)?;
-        let launched = self.launch_and_wait(&dir).await;
-        if cfg.launch.clone_ram.is_some() {
-            // The VMM has it mapped (or is gone): the memory lives as long as the VMM.
-            if let Err(e) = warren_vmm::sys::clone_ram::remove(&rec.id) {
-                tracing::warn!(vm = %rec.id, error = %e, "removing a clone's RAM file");
-            }
-        }
-        let ms = launched?;
+        let ms = self.launch_and_wait(&dir).await?;
         // The template's device state is consumed.
         let _ = std::fs::remove_file(&state);
         settle_copy(&dir, &image.initramfs, &mut cfg, run_as)?;

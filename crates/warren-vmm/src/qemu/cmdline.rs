@@ -14,6 +14,8 @@ pub const QMP_FD: i32 = 6;
 /// Share `i` (in `LaunchSpec::shares` order) is a vhost-user connection already made to its
 /// virtiofsd, at descriptor `SHARE_FD_BASE + i`.
 pub const SHARE_FD_BASE: i32 = 7;
+/// A clone's RAM memfd (`LaunchSpec::clone_ram`), past the shares' descriptors.
+pub const RAM_FD: i32 = SHARE_FD_BASE + 32;
 
 /// How the VMM reaches its endpoints.
 #[derive(Debug, Clone, Copy)]
@@ -71,7 +73,19 @@ pub fn qemu_args(spec: &LaunchSpec, attach: Attach<'_>, tsc_khz: u64) -> Vec<Str
             "-M",
             "microvm,acpi=on,memory-backend=mem",
         ]);
-    } else if let Some(ram) = spec.clone_ram.as_ref().or(spec.ram_file.as_ref()) {
+    } else if spec.clone_ram.is_some() {
+        // The clone's own memfd holding the template's RAM, passed at `RAM_FD` and opened
+        // again through /proc (QEMU takes a RAM file by path only).
+        push(&[
+            "-object",
+            &format!(
+                "memory-backend-file,id=mem,size={}M,mem-path=/proc/self/fd/{RAM_FD},share=on",
+                spec.memory.0
+            ),
+            "-M",
+            "microvm,acpi=on,memory-backend=mem",
+        ]);
+    } else if let Some(ram) = &spec.ram_file {
         // Guest RAM in a per-VM file (shared, so device backends can map it too).
         push(&[
             "-object",
@@ -283,7 +297,7 @@ mod tests {
     #[test]
     fn test_qemu_args_clone_ram_shared_file_under_the_template_block_name() {
         let mut sp = spec();
-        sp.clone_ram = Some(PathBuf::from("/dev/shm/warren-0/vm-1.ram"));
+        sp.clone_ram = Some(PathBuf::from("/t/template.ram"));
         sp.shares = vec![crate::backend::Share {
             tag: "fs0".into(),
             host_dir: PathBuf::from("/s"),
@@ -293,12 +307,14 @@ mod tests {
         }];
         let s = qemu_args(&sp, Attach::Fds, 1).join(" ");
         assert!(
-            s.contains(
-                "memory-backend-file,id=mem,size=512M,mem-path=/dev/shm/warren-0/vm-1.ram,share=on"
-            ),
+            s.contains("memory-backend-file,id=mem,size=512M,mem-path=/proc/self/fd/39,share=on"),
             "{s}"
         );
         assert!(!s.contains("memory-backend-memfd"), "{s}");
+        assert!(
+            !s.contains("template.ram"),
+            "the template's file is never QEMU's: {s}"
+        );
     }
 
     #[test]

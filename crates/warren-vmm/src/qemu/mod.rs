@@ -82,6 +82,17 @@ impl VmBackend for QemuBackend {
             }
             None => None,
         };
+        // A clone with shares: its own shared RAM, filled from the template's file.
+        let ram = match &spec.clone_ram {
+            Some(template) => Some(
+                crate::sys::clone_ram::memfd_from_template(
+                    template,
+                    u64::from(spec.memory.0) << 20,
+                )
+                .map_err(|e| VmmError::io("copy the template RAM of", template, e))?,
+            ),
+            None => None,
+        };
         let args = qemu_args(spec, Attach::Fds, self.tsc_khz);
         let mut cmd = tokio::process::Command::new(&self.qemu);
         cmd.args(&args)
@@ -106,6 +117,9 @@ impl VmBackend for QemuBackend {
             if let Some(tap) = &tap {
                 fds.push((tap.as_raw_fd(), cmdline::TAP_FD));
             }
+            if let Some(ram) = &ram {
+                fds.push((ram.as_raw_fd(), cmdline::RAM_FD));
+            }
             fds.extend(listeners.iter().map(|(l, n)| (l.as_raw_fd(), *n)));
             fds.extend(
                 share_conns
@@ -120,7 +134,7 @@ impl VmBackend for QemuBackend {
             source,
         })?;
         // QEMU holds its own copies now; the supervisor keeps only the paths to connect to.
-        drop((tap, listeners, share_conns));
+        drop((tap, listeners, share_conns, ram));
         if let (Some(cg), Some(pid)) = (&spec.cgroup, child.id()) {
             crate::sys::cgroup::add_pid(cg, pid)?;
         }
