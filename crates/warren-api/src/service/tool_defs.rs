@@ -95,7 +95,7 @@ pub fn tool_defs(images: &[String]) -> Vec<ToolDef> {
         ),
         tool::<VmForkArgs, VmForked>(
             "vm_fork",
-            "Make count independent copies of a running VM (processes, memory and files), each with its own identity, secrets and network namespace (with the VM's egress policy); open TCP connections are dead in the copies, and userspace random state of copied processes is duplicated. Admitted against the limits as one request; the VM pauses briefly and runs on.",
+            "Make count independent copies of a running VM (processes, memory and files), each with its own identity, secrets and network namespace (with the VM's egress policy); open TCP connections are dead in the copies, and userspace random state of copied processes is duplicated. A session's VM: each copy is a new session (session_ids) with a copy of the session's files, taken while the VM is held stopped. Admitted against the limits as one request; the VM pauses briefly and runs on.",
         ),
         tool::<NoArgs, PoolReport>(
             "pool_status",
