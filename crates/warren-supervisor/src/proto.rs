@@ -40,7 +40,7 @@ pub enum SupervisorRequest {
         max_disk_bytes: u64,
     },
     /// `ForkSave`, but the VM stays stopped and frozen afterwards (phase `Paused`, a plain
-    /// `Resume` refused) until `ForkRelease` or [`crate::fork::HOLD_LIMIT`]: the fork of a
+    /// `Resume` refused) until `ForkRelease` or the hold limit (10 minutes): the fork of a
     /// session's VM copies the session's files while the guest cannot change them.
     ForkSaveHeld {
         state: std::path::PathBuf,
