@@ -234,3 +234,220 @@ impl SessionFork {
         mounts
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::VmState;
+    use crate::vm::WarrenConfig;
+    use std::path::PathBuf;
+    use warren_vmm::backend::{MemMib, Share};
+    use warren_vmm::{Accel, LaunchSpec};
+
+    fn warren(state: &std::path::Path) -> Warren {
+        Warren::open(WarrenConfig::new(
+            state.to_path_buf(),
+            "/usr/bin/warren".into(),
+        ))
+        .expect("open")
+    }
+
+    fn vm(id: &str) -> VmRecord {
+        VmRecord {
+            id: id.into(),
+            image_id: "a".repeat(64),
+            state: VmState::Running,
+            reason: None,
+            memory_mib: 256,
+            vcpus: 1,
+            accel: "tcg".into(),
+            uid: 0,
+            created_unix: 0,
+            boot_ms: None,
+            workspace: "local-0".into(),
+            disk_mib: 0,
+            generation: 1,
+            request_id: None,
+            idle_seconds: 0,
+            idle_mode: "hibernate".into(),
+            last_active_unix: 0,
+            mounts: vec![],
+            ram_file: false,
+        }
+    }
+
+    /// The parent's supervisor config with one share per host directory.
+    fn config(vm_id: &str, shares: &[PathBuf]) -> SupervisorConfig {
+        let p = PathBuf::from;
+        SupervisorConfig {
+            vm_id: vm_id.into(),
+            launch: LaunchSpec {
+                name: vm_id.into(),
+                run_dir: p("/nonexistent/run"),
+                stderr_log: p("/nonexistent/stderr"),
+                kernel: p("/nonexistent/kernel"),
+                initramfs: p("/nonexistent/initramfs"),
+                disk: p("/nonexistent/disk"),
+                memory: MemMib(256),
+                vcpus: 1,
+                accel: Accel::Tcg,
+                cpu: None,
+                extra_cmdline: vec![],
+                run_as: None,
+                cgroup: None,
+                incoming: false,
+                shares: shares
+                    .iter()
+                    .enumerate()
+                    .map(|(i, d)| Share {
+                        tag: format!("fs{i}"),
+                        host_dir: d.clone(),
+                        read_only: false,
+                        owner: None,
+                        identity: None,
+                    })
+                    .collect(),
+                virtiofsd: None,
+                ram_file: None,
+                network: None,
+                bench_port: None,
+                template_ram: None,
+                clone_ram: None,
+                named_ram: false,
+                groups: vec![],
+            },
+            boot_timeout_ms: 1000,
+            restore: false,
+            clone: None,
+            restore_from: None,
+        }
+    }
+
+    fn session(w: &Warren, name: &str, vm_id: &str, direct: bool) -> SessionRecord {
+        let id = format!("ses-{name}");
+        let s = SessionRecord {
+            id: id.clone(),
+            name: name.into(),
+            workspace: "local-0".into(),
+            owner_uid: 0,
+            owner_gid: 0,
+            source: PathBuf::from("/nonexistent/project"),
+            source_git: (!direct).then(|| PathBuf::from("/nonexistent/project/.git")),
+            dir: w.sessions_dir().join(&id),
+            direct,
+            vm_id: Some(vm_id.into()),
+            created_unix: 0,
+            devices: serde_json::json!({}),
+            storage_mib: 0,
+            generation: 1,
+        };
+        w.store()
+            .insert_session(&s, |_| Ok::<(), rusqlite::Error>(()))
+            .expect("insert session");
+        s
+    }
+
+    #[test]
+    fn test_plain_vm_without_shares_is_no_session_fork() {
+        let state = tempfile::tempdir().expect("state");
+        let w = warren(state.path());
+        let parent = vm("vm-000000000001");
+        let plan = w
+            .plan_session_fork(&parent, &config(&parent.id, &[]), &[vm("vm-00000000000c")])
+            .expect("plan");
+        assert!(plan.is_none());
+    }
+
+    #[test]
+    fn test_vm_with_mounts_outside_a_session_refused() {
+        let state = tempfile::tempdir().expect("state");
+        let w = warren(state.path());
+        let parent = vm("vm-000000000002");
+        // A session of another VM does not make this one a session's.
+        session(&w, "other", "vm-0000000000ff", false);
+        let e = w
+            .plan_session_fork(
+                &parent,
+                &config(&parent.id, &[PathBuf::from("/srv/data")]),
+                &[vm("vm-00000000000c")],
+            )
+            .expect_err("refused");
+        assert_eq!(e.code(), "invalid_argument", "{e}");
+        assert!(e.to_string().contains("--mount"), "{e}");
+    }
+
+    #[test]
+    fn test_direct_session_refused() {
+        let state = tempfile::tempdir().expect("state");
+        let w = warren(state.path());
+        let parent = vm("vm-000000000003");
+        let s = session(&w, "mine", &parent.id, true);
+        let e = w
+            .plan_session_fork(
+                &parent,
+                &config(&parent.id, &[s.source.clone()]),
+                &[vm("vm-00000000000c")],
+            )
+            .expect_err("refused");
+        assert_eq!(e.code(), "invalid_argument", "{e}");
+        assert!(e.to_string().contains("is direct"), "{e}");
+    }
+
+    #[test]
+    fn test_session_whose_first_share_is_not_its_workspace_refused() {
+        let state = tempfile::tempdir().expect("state");
+        let w = warren(state.path());
+        let parent = vm("vm-000000000004");
+        session(&w, "mine", &parent.id, false);
+        let e = w
+            .plan_session_fork(
+                &parent,
+                &config(&parent.id, &[PathBuf::from("/srv/elsewhere")]),
+                &[vm("vm-00000000000c")],
+            )
+            .expect_err("refused");
+        assert_eq!(e.code(), "invalid_argument", "{e}");
+        assert!(e.to_string().contains("workspace"), "{e}");
+    }
+
+    #[test]
+    fn test_copy_session_plans_one_new_session_per_copy() {
+        let state = tempfile::tempdir().expect("state");
+        let w = warren(state.path());
+        let parent = vm("vm-000000000005");
+        let s = session(&w, "mine", &parent.id, false);
+        let ws = warren_session::workspace_dir(&s.dir);
+        let copies = [vm("vm-00000000000c"), vm("vm-00000000000d")];
+        let plan = w
+            .plan_session_fork(
+                &parent,
+                &config(&parent.id, &[ws, PathBuf::from("/srv/objects")]),
+                &copies,
+            )
+            .expect("plan")
+            .expect("a session fork");
+        assert_eq!(plan.copies.len(), 2);
+        for (c, v) in plan.copies.iter().zip(&copies) {
+            assert!(c.name.starts_with("mine-fork-"), "{}", c.name);
+            assert_eq!(c.vm_id.as_deref(), Some(v.id.as_str()));
+            assert_ne!(c.id, s.id);
+            assert_ne!(c.dir, s.dir);
+            assert!(!c.direct);
+        }
+        assert_ne!(plan.copies[0].id, plan.copies[1].id);
+        let mounts = plan.mounts_of_copy(
+            1,
+            &[crate::store::MountSpec {
+                host: warren_session::workspace_dir(&s.dir),
+                guest: "/workspace".into(),
+                read_only: false,
+                owner: None,
+                identity: None,
+            }],
+        );
+        assert_eq!(
+            mounts[0].host,
+            warren_session::workspace_dir(&plan.copies[1].dir)
+        );
+    }
+}
