@@ -385,7 +385,7 @@ mod tests {
         let e = w
             .plan_session_fork(
                 &parent,
-                &config(&parent.id, &[s.source.clone()]),
+                &config(&parent.id, std::slice::from_ref(&s.source)),
                 &[vm("vm-00000000000c")],
             )
             .expect_err("refused");
