@@ -50,6 +50,7 @@ pub(crate) async fn raw_restore(w: &Warren, dir: &std::path::Path) -> Result<f64
         network: None,
         template_ram: Some(dir.join("ram")),
         clone_ram: None,
+        fork_ram: None,
         named_ram: false,
         groups: vec![],
         bench_port: None,

@@ -2,7 +2,8 @@
 //! other and from the template (disk, memory, random output, identity, channel secret) and
 //! leave the template's secret for good; a template made on other artifacts is never used;
 //! pool hand-outs under 8 concurrent creates are all distinct; a fork of a VM with a running
-//! counter yields copies whose counters continue independently.
+//! counter yields copies whose counters continue independently; a fork's copies map the
+//! parent's saved RAM copy-on-write and hibernate and resume with their own memory.
 
 mod common;
 
@@ -345,6 +346,70 @@ fn test_pool_handouts_distinct_and_fork_counters_independent() {
     let p0 = read(&parent);
     common::wait_until("parent's counter moves on", 60, || read(&parent) > p0 + 3);
     let _ = parent.warren(&["vm", "cancel", &parent.id, &job]);
+    for c in copies {
+        c.destroy();
+    }
+    parent.destroy();
+}
+
+/// A fork of a cold-booted VM (its RAM the machine's own block): the copies map the parent's
+/// saved pages copy-on-write instead of loading them, see the parent's memory, keep their
+/// writes to themselves, and a copy hibernates and resumes with its own memory (its RAM block
+/// keeps the parent's name; a copy that took another lost its memory on its first resume).
+#[test]
+fn test_fork_of_cold_vm_maps_saved_ram_and_copy_hibernates_with_its_memory() {
+    common::ensure_image("minimal");
+    let env = TestEnv::new();
+    let parent = Vm {
+        env: &env,
+        id: env.create_vm("minimal"),
+    };
+    // /dev/shm is memory only: what is there survives only with the VM's memory.
+    line(&parent, "echo from-parent > /dev/shm/mark");
+    let out = ok(
+        parent.warren(&["vm", "fork", &parent.id, "--count", "2", "--json"]),
+        "fork",
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let copies: Vec<Vm<'_>> = v["vm_ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|i| Vm {
+            env: &env,
+            id: i.as_str().expect("id").to_string(),
+        })
+        .collect();
+    assert_eq!(copies.len(), 2);
+    for c in &copies {
+        let pids = common::pids_matching(&format!("process=warren-{}", c.id));
+        assert_eq!(pids.len(), 1, "one VMM for {}", c.id);
+        let cmd = std::fs::read(format!("/proc/{}/cmdline", pids[0])).expect("cmdline");
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        assert!(
+            cmd.contains("id=microvm.ram,") && cmd.contains(",share=off,readonly=on,rom=off"),
+            "the copy maps the saved RAM privately: {cmd}"
+        );
+        assert!(
+            cmd.contains(",offset=1048576,"),
+            "at the pages region: {cmd}"
+        );
+        assert_eq!(line(c, "cat /dev/shm/mark"), "from-parent");
+    }
+    line(&copies[0], "echo from-copy > /dev/shm/mark");
+    assert_eq!(line(&copies[1], "cat /dev/shm/mark"), "from-parent");
+    assert_eq!(line(&parent, "cat /dev/shm/mark"), "from-parent");
+    // The copy hibernates and resumes into its own memory, not a fresh boot.
+    let c0 = &copies[0];
+    ok(
+        c0.warren(&["vm", "suspend", &c0.id, "--force"]),
+        "hibernate copy",
+    );
+    assert_eq!(c0.state(), "hibernated");
+    ok(c0.warren(&["vm", "resume", &c0.id]), "resume copy");
+    assert_eq!(line(c0, "cat /dev/shm/mark"), "from-copy");
+    let rec = env.record(&c0.id).expect("record");
+    assert_eq!(rec["generation"], 1, "no fresh boot: {rec}");
     for c in copies {
         c.destroy();
     }

@@ -74,6 +74,11 @@ pub struct LaunchSpec {
     /// later checkpoints save RAM in full, as for any shared memfd.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clone_ram: Option<PathBuf>,
+    /// A fork's copy: guest RAM is a private (copy-on-write) mapping of the pages region of
+    /// the parent's `mapped-ram` checkpoint, which the restore then reads no RAM page from
+    /// (`qemu::mapped_ram`). The block is `mem` when `named_ram`, else the machine's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork_ram: Option<ForkRam>,
     /// Anonymous guest RAM under the backend id `mem` (instead of the machine's own RAM
     /// block), so checkpoints of a VM that started from a template (whose RAM block is
     /// `mem`) load into it.
@@ -82,6 +87,13 @@ pub struct LaunchSpec {
     /// Supplementary groups of the VMM process (the templates' group for a clone).
     #[serde(default)]
     pub groups: Vec<u32>,
+}
+
+/// Where a fork's copy finds its guest RAM: `path` from byte `offset` on.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ForkRam {
+    pub path: PathBuf,
+    pub offset: u64,
 }
 
 /// A VM's network: its namespace (created by the supervisor, which also runs the egress

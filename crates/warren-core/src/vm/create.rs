@@ -224,6 +224,7 @@ impl Warren {
                 bench_port: bench_port.then(|| run.join("bench-port.sock")),
                 template_ram: None,
                 clone_ram: None,
+                fork_ram: None,
                 named_ram: false,
                 groups: vec![],
             },

@@ -36,6 +36,10 @@ use super::{now_unix, write_private, Limits, Warren, VM_UID_BASE};
 use crate::error::CoreError;
 use crate::store::{self as vmstore, Usage, VmRecord, VmState};
 
+/// How long the parent's VMM may take to close the state file it wrote (it does once its
+/// migration is cleaned up) before the fork is refused as having a writer left.
+const WRITER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Most copies one fork makes.
 pub const MAX_FORK_COUNT: u32 = 16;
 
@@ -238,9 +242,19 @@ impl Warren {
                 .len();
             let max_disk = virtual_size + virtual_size / 8 + (64 << 20);
             let client = SupervisorClient::new(&pdir.socket());
+            let t = std::time::Instant::now();
             let saved = client
                 .fork_save(&written, &disk, max_disk, sessions.is_some())
                 .await;
+            if let Ok((size, paused_ms)) = &saved {
+                tracing::info!(
+                    vm = %parent.id,
+                    size,
+                    paused_ms,
+                    ms = t.elapsed().as_millis() as u64,
+                    "parent saved for a fork"
+                );
+            }
             if let Err(e) = saved {
                 if sessions.is_some() {
                     // A reply lost after a held save must not leave the parent stopped.
@@ -262,12 +276,48 @@ impl Warren {
                 .then_some((0, TEMPLATE_GID));
             warren_vmm::sys::vmm_file::claim_regular(&state, owner, 0o440)
                 .map_err(|e| CoreError::io("claim", &state, e))?;
+            // Copies without shares map the saved RAM copy-on-write instead of loading it (a
+            // session's copies need shared RAM for their virtiofsd, so they load theirs).
+            let fork_ram = if sessions.is_none() {
+                let block = if parent_ram_named(&pcfg.launch) {
+                    "mem"
+                } else {
+                    warren_vmm::qemu::mapped_ram::DEFAULT_RAM_ID
+                };
+                let len = u64::from(pcfg.launch.memory.0) << 20;
+                match warren_vmm::qemu::mapped_ram::detach_block(&state, block, len) {
+                    Ok(offset) => Some(warren_vmm::backend::ForkRam {
+                        path: state.clone(),
+                        offset,
+                    }),
+                    Err(e) => {
+                        tracing::warn!(
+                            vm = %parent.id,
+                            error = %e,
+                            "the fork's copies load its RAM in full: its RAM block was not found in the saved state"
+                        );
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            // The copies read the state, and those that map it keep reading it as long as they
+            // run: no process may be left able to write it (the parent's VMM could have kept
+            // a descriptor of the file it wrote).
+            let checked = state.clone();
+            tokio::task::spawn_blocking(move || {
+                warren_vmm::sys::vmm_file::refuse_writers(&checked, WRITER_WAIT)
+                    .map_err(|e| CoreError::io("check for writers of", &checked, e))
+            })
+            .await
+            .map_err(|e| CoreError::BootFailed(format!("writer check: {e}")))??;
             let secret = std::fs::read(pdir.secret())
                 .map_err(|e| CoreError::io("read", pdir.secret(), e))?;
-            Ok::<_, CoreError>(secret)
+            Ok::<_, CoreError>((secret, fork_ram))
         }
         .await;
-        let secret = match saved {
+        let (secret, fork_ram) = match saved {
             Ok(s) => s,
             Err(e) => {
                 let _ = std::fs::remove_file(&written);
@@ -294,6 +344,7 @@ impl Warren {
                 marker.as_deref(),
                 artifacts.as_ref(),
                 shares,
+                fork_ram.clone(),
             )
         });
         futures_util::future::join_all(starts).await
@@ -311,6 +362,7 @@ impl Warren {
         marker: Option<&[u8]>,
         artifacts: Option<&super::artifacts::RuntimeArtifacts>,
         shares: Option<Result<Vec<warren_vmm::backend::Share>, CoreError>>,
+        fork_ram: Option<warren_vmm::backend::ForkRam>,
     ) -> Result<u64, CoreError> {
         let shares = shares.transpose()?;
         let (dir, run_as) = self.make_vm_dir(rec)?;
@@ -341,11 +393,8 @@ impl Warren {
             None
         };
         launch.incoming = true;
-        // The parent's RAM block was `mem` if it had a RAM file or started from a template.
-        launch.named_ram = launch.named_ram
-            || launch.template_ram.is_some()
-            || launch.clone_ram.is_some()
-            || launch.ram_file.is_some();
+        launch.named_ram = parent_ram_named(&launch);
+        launch.fork_ram = fork_ram;
         launch.template_ram = None;
         launch.clone_ram = None;
         launch.ram_file = None;
@@ -376,6 +425,12 @@ impl Warren {
         settle_copy(&dir, &image.initramfs, &mut cfg, run_as)?;
         Ok(ms)
     }
+}
+
+/// Whether a VM's RAM block is `mem` (a RAM file, or started from a template) rather than
+/// the machine's own; a VM with shares has `mem` whatever this says (its memfd).
+fn parent_ram_named(l: &warren_vmm::LaunchSpec) -> bool {
+    l.named_ram || l.template_ram.is_some() || l.clone_ram.is_some() || l.ram_file.is_some()
 }
 
 #[cfg(test)]

@@ -313,6 +313,7 @@ mod tests {
                 bench_port: None,
                 template_ram: None,
                 clone_ram: None,
+                fork_ram: None,
                 named_ram: false,
                 groups: vec![],
             },

@@ -59,7 +59,27 @@ pub fn qemu_args(spec: &LaunchSpec, attach: Attach<'_>, tsc_khz: u64) -> Vec<Str
         "-name",
         &format!("warren-{},process=warren-{}", spec.name, spec.name),
     ]);
-    if let Some(ram) = &spec.template_ram {
+    if let Some(fr) = &spec.fork_ram {
+        // The parent's saved pages, mapped privately at their offset in its checkpoint: the
+        // copy's writes stay its own, and it loads no page (`mapped_ram`). The block keeps the
+        // parent's name, which the checkpoint's device state refers to.
+        let id = if spec.named_ram {
+            "mem"
+        } else {
+            super::mapped_ram::DEFAULT_RAM_ID
+        };
+        push(&[
+            "-object",
+            &format!(
+                "memory-backend-file,id={id},size={}M,mem-path={},offset={},share=off,readonly=on,rom=off,x-use-canonical-path-for-ramblock-id=off",
+                spec.memory.0,
+                fr.path.display(),
+                fr.offset
+            ),
+            "-M",
+            &format!("microvm,acpi=on,memory-backend={id}"),
+        ]);
+    } else if let Some(ram) = &spec.template_ram {
         // A template's RAM file, mapped privately: the clone reads the template's pages and
         // its writes stay its own (`readonly=on`: the file is opened read-only; `rom=off`:
         // the guest may still write its private copy).
@@ -272,6 +292,7 @@ mod tests {
             bench_port: None,
             template_ram: None,
             clone_ram: None,
+            fork_ram: None,
             named_ram: false,
             groups: vec![],
         }
@@ -291,6 +312,28 @@ mod tests {
         resumed.named_ram = true;
         let s = qemu_args(&resumed, Attach::Fds, 1).join(" ");
         assert!(s.contains("memory-backend-ram,id=mem,size=512M"), "{s}");
+        assert!(s.contains("memory-backend=mem"), "{s}");
+    }
+
+    #[test]
+    fn test_qemu_args_fork_ram_private_mapping_at_offset_under_the_parents_block_name() {
+        let mut sp = spec();
+        sp.fork_ram = Some(crate::backend::ForkRam {
+            path: PathBuf::from("/f/state"),
+            offset: 1 << 20,
+        });
+        let s = qemu_args(&sp, Attach::Fds, 1).join(" ");
+        assert!(
+            s.contains("memory-backend-file,id=microvm.ram,size=512M,mem-path=/f/state,offset=1048576,share=off,readonly=on,rom=off"),
+            "{s}"
+        );
+        assert!(
+            s.contains("microvm,acpi=on,memory-backend=microvm.ram"),
+            "{s}"
+        );
+        sp.named_ram = true;
+        let s = qemu_args(&sp, Attach::Fds, 1).join(" ");
+        assert!(s.contains("memory-backend-file,id=mem,"), "{s}");
         assert!(s.contains("memory-backend=mem"), "{s}");
     }
 

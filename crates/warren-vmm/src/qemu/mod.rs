@@ -10,6 +10,7 @@
 //! their own with no interface but a down `lo` (`sys::process::confine`).
 
 mod cmdline;
+pub mod mapped_ram;
 pub mod qmp;
 pub mod virtiofs;
 

@@ -1,5 +1,6 @@
 //! Host specifics: cgroups and process confinement. The only place in this crate with
-//! `unsafe` (in `process` and `share_seccomp`, for `pre_exec`).
+//! `unsafe` (in `process` and `share_seccomp`, for `pre_exec`; in `vmm_file`, for the
+//! `F_SETLEASE` fcntl no safe wrapper offers).
 
 pub mod cgroup;
 pub mod clone_ram;

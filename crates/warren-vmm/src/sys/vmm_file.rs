@@ -89,6 +89,38 @@ pub fn claim_regular(path: &Path, owner: Option<(u32, u32)>, mode: u32) -> io::R
     f.set_permissions(std::fs::Permissions::from_mode(mode))
 }
 
+/// Refuses the regular file at `path` while any process holds it open for writing (a
+/// descriptor, or a writable shared mapping): a read lease is granted only when none does.
+/// The VMM that wrote a file may keep a descriptor after [`claim_regular`]; a file other VMs
+/// go on reading (a fork's saved RAM, which its copies map) must have no writer left. An
+/// honest VMM closes its file just after its migration completes, so a writer is waited for
+/// up to `wait` before the refusal.
+pub fn refuse_writers(path: &Path, wait: std::time::Duration) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let f = open_regular(path)?;
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        // SAFETY: fcntl on a descriptor this function owns, with integer arguments only.
+        let r =
+            unsafe { nix::libc::fcntl(f.as_raw_fd(), nix::libc::F_SETLEASE, nix::libc::F_RDLCK) };
+        if r != -1 {
+            // The lease goes with the descriptor; dropped at once, nothing waits on it.
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(nix::libc::EAGAIN) {
+            return Err(e);
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(io::Error::new(
+                io::ErrorKind::ResourceBusy,
+                "another process still holds it open for writing",
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 /// Flushes the regular file at `path` to disk and returns its size.
 pub fn sync_regular(path: &Path) -> io::Result<u64> {
     let f = open_regular(path)?;
@@ -100,6 +132,49 @@ pub fn sync_regular(path: &Path) -> io::Result<u64> {
 mod tests {
     use super::*;
     use std::time::{Duration, Instant};
+
+    #[test]
+    fn test_refuse_writers_while_a_descriptor_or_shared_mapping_can_write() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("state");
+        std::fs::write(&p, vec![7u8; 8192]).expect("write");
+        let short = Duration::from_millis(20);
+        refuse_writers(&p, short).expect("no writer: accepted");
+        let w = OpenOptions::new().write(true).open(&p).expect("writer");
+        let t = Instant::now();
+        let e = refuse_writers(&p, short).expect_err("a writer: refused");
+        assert_eq!(e.kind(), io::ErrorKind::ResourceBusy, "{e}");
+        assert!(t.elapsed() < Duration::from_secs(2));
+        // A writable shared mapping outlives its descriptor and is a writer too.
+        let rw = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&p)
+            .expect("rw");
+        drop(w);
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh 4 KiB shared mapping of a file this test owns, unmapped below and
+        // never read or written through.
+        let addr = unsafe {
+            nix::libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                nix::libc::PROT_READ | nix::libc::PROT_WRITE,
+                nix::libc::MAP_SHARED,
+                rw.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(addr, nix::libc::MAP_FAILED, "mmap");
+        drop(rw);
+        assert!(
+            refuse_writers(&p, short).is_err(),
+            "a writable mapping: refused"
+        );
+        // SAFETY: the mapping made above, 4096 bytes long.
+        assert_eq!(unsafe { nix::libc::munmap(addr, 4096) }, 0, "munmap");
+        refuse_writers(&p, short).expect("writers gone: accepted");
+    }
 
     #[test]
     fn test_vmm_files_refuse_symlinks_fifos_and_devices_without_blocking() {
