@@ -230,8 +230,13 @@ impl Warren {
         sessions: Option<&SessionFork>,
     ) -> Vec<Result<u64, CoreError>> {
         let pdir = self.vm_dir(&parent.id);
-        // Written by the parent's VMM in its own run directory, then moved out of its reach.
-        let written = pdir.run_dir().join("fork.state");
+        // Written by the parent's VMM in its own run directory, then moved out of its reach;
+        // named after this fork, so two forks of one parent never take each other's file.
+        let tag = fdir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let written = pdir.run_dir().join(format!("fork-{tag}.state"));
         let state = fdir.join("state");
         let disk = fdir.join("disk.qcow2");
         let saved = async {
@@ -276,6 +281,21 @@ impl Warren {
                 .then_some((0, TEMPLATE_GID));
             warren_vmm::sys::vmm_file::claim_regular(&state, owner, 0o440)
                 .map_err(|e| CoreError::io("claim", &state, e))?;
+            // The copies read the state, and those that map it keep reading it as long as they
+            // run: no process may be left able to write it (the parent's VMM could have kept
+            // a descriptor of the file it wrote). Checked before anything in it is read.
+            let checked = state.clone();
+            let t = std::time::Instant::now();
+            tokio::task::spawn_blocking(move || {
+                warren_vmm::sys::vmm_file::refuse_writers(&checked, WRITER_WAIT)
+                    .map_err(|e| CoreError::io("check for writers of", &checked, e))
+            })
+            .await
+            .map_err(|e| CoreError::BootFailed(format!("writer check: {e}")))??;
+            tracing::debug!(
+                ms = t.elapsed().as_millis() as u64,
+                "no writer of the fork's state"
+            );
             // Copies without shares map the saved RAM copy-on-write instead of loading it (a
             // session's copies need shared RAM for their virtiofsd, so they load theirs).
             let fork_ram = if sessions.is_none() {
@@ -285,7 +305,13 @@ impl Warren {
                     warren_vmm::qemu::mapped_ram::DEFAULT_RAM_ID
                 };
                 let len = u64::from(pcfg.launch.memory.0) << 20;
-                match warren_vmm::qemu::mapped_ram::detach_block(&state, block, len) {
+                let path = state.clone();
+                let detached = tokio::task::spawn_blocking(move || {
+                    warren_vmm::qemu::mapped_ram::detach_block(&path, block, len)
+                })
+                .await
+                .map_err(|e| CoreError::BootFailed(format!("reading the fork's state: {e}")))?;
+                match detached {
                     Ok(offset) => Some(warren_vmm::backend::ForkRam {
                         path: state.clone(),
                         offset,
@@ -294,7 +320,7 @@ impl Warren {
                         tracing::warn!(
                             vm = %parent.id,
                             error = %e,
-                            "the fork's copies load its RAM in full: its RAM block was not found in the saved state"
+                            "the fork's copies load its RAM in full: its RAM block cannot be mapped from the saved state"
                         );
                         None
                     }
@@ -302,16 +328,6 @@ impl Warren {
             } else {
                 None
             };
-            // The copies read the state, and those that map it keep reading it as long as they
-            // run: no process may be left able to write it (the parent's VMM could have kept
-            // a descriptor of the file it wrote).
-            let checked = state.clone();
-            tokio::task::spawn_blocking(move || {
-                warren_vmm::sys::vmm_file::refuse_writers(&checked, WRITER_WAIT)
-                    .map_err(|e| CoreError::io("check for writers of", &checked, e))
-            })
-            .await
-            .map_err(|e| CoreError::BootFailed(format!("writer check: {e}")))??;
             let secret = std::fs::read(pdir.secret())
                 .map_err(|e| CoreError::io("read", pdir.secret(), e))?;
             Ok::<_, CoreError>((secret, fork_ram))

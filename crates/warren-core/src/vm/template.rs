@@ -432,11 +432,14 @@ impl Warren {
             std::fs::File::open(&root)
                 .and_then(|f| f.sync_all())
                 .map_err(io("fsync", &root))?;
-            warm_page_cache(&root.join(&name).join("ram"));
             Ok(root.join(name))
         })();
         if result.is_err() {
             let _ = std::fs::remove_dir_all(&staging);
+        }
+        if let Ok(dir) = &result {
+            let ram = dir.join("ram");
+            let _ = tokio::task::spawn_blocking(move || warm_page_cache(&ram)).await;
         }
         self.collect_templates();
         result
@@ -580,10 +583,6 @@ impl Warren {
     }
 }
 
-/// After a restored copy (template clone, fork) came up with a secret of its own: writes
-/// its per-VM initramfs with that secret and rewrites its supervisor config for later
-/// launches (a resume restores into anonymous RAM under the block name `mem`; a fresh boot
-/// boots its own disk with its own initramfs).
 /// Reads a template's RAM file once, holes included, so its whole content is in the page
 /// cache: a clone's pages, and every page a fork's save of a clone reads (it reads all of
 /// guest RAM, and a hole first read through a clone's mapping costs a new zeroed page: ~1 s
@@ -603,6 +602,11 @@ fn warm_page_cache(path: &Path) {
     }
 }
 
+/// After a restored copy (template clone, fork) came up with a secret of its own: writes
+/// its per-VM initramfs with that secret and rewrites its supervisor config for later
+/// launches (a resume restores into anonymous RAM under the block name it started with:
+/// `mem`, or a fork parent's machine block; a fresh boot boots its own disk with its own
+/// initramfs).
 pub(super) fn settle_copy(
     dir: &VmDir,
     base_initramfs: &Path,

@@ -60,7 +60,8 @@ pub fn qemu_args(spec: &LaunchSpec, attach: Attach<'_>, tsc_khz: u64) -> Vec<Str
         &format!("warren-{},process=warren-{}", spec.name, spec.name),
     ]);
     if let Some(fr) = &spec.fork_ram {
-        // The parent's saved pages, mapped privately at their offset in its checkpoint: the
+        // The parent's saved pages, mapped privately at their offset in its checkpoint (opened
+        // by the backend and passed at `RAM_FD`, its path kept off this command line): the
         // copy's writes stay its own, and it loads no page (`mapped_ram`). The block keeps the
         // parent's name, which the checkpoint's device state refers to.
         let id = if spec.named_ram {
@@ -71,9 +72,8 @@ pub fn qemu_args(spec: &LaunchSpec, attach: Attach<'_>, tsc_khz: u64) -> Vec<Str
         push(&[
             "-object",
             &format!(
-                "memory-backend-file,id={id},size={}M,mem-path={},offset={},share=off,readonly=on,rom=off,x-use-canonical-path-for-ramblock-id=off",
+                "memory-backend-file,id={id},size={}M,mem-path=/proc/self/fd/{RAM_FD},offset={},share=off,readonly=on,rom=off,x-use-canonical-path-for-ramblock-id=off",
                 spec.memory.0,
-                fr.path.display(),
                 fr.offset
             ),
             "-M",
@@ -324,8 +324,12 @@ mod tests {
         });
         let s = qemu_args(&sp, Attach::Fds, 1).join(" ");
         assert!(
-            s.contains("memory-backend-file,id=microvm.ram,size=512M,mem-path=/f/state,offset=1048576,share=off,readonly=on,rom=off"),
+            s.contains("memory-backend-file,id=microvm.ram,size=512M,mem-path=/proc/self/fd/39,offset=1048576,share=off,readonly=on,rom=off"),
             "{s}"
+        );
+        assert!(
+            !s.contains("/f/state"),
+            "the path stays off the command line: {s}"
         );
         assert!(
             s.contains("microvm,acpi=on,memory-backend=microvm.ram"),

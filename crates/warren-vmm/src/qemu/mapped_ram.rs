@@ -28,6 +28,9 @@ const VERSION: u32 = 1;
 const PAGE: u64 = 4096;
 /// The pages region's alignment in the file.
 const ALIGN: u64 = 1 << 20;
+/// Bytes a checkpoint may hold past its guest RAM (the firmware and ROM blocks, each 1 MiB
+/// aligned, and device state: ~5 MiB for a microvm).
+pub const SLACK: u64 = 64 << 20;
 /// Version, page size, bitmap offset, pages offset.
 const HEADER_LEN: u64 = 4 + 8 + 8 + 8;
 
@@ -106,17 +109,26 @@ pub fn find_block(head: &[u8], name: &str, len: u64, file_len: u64) -> io::Resul
 }
 
 /// Clears block `name`'s page bitmap in checkpoint `path` (a regular file reached without a
-/// final symlink) so a restore reads none of its pages, and returns the offset of its pages
-/// region, which the restored VMM maps as the block instead.
+/// final symlink, at most `len` + [`SLACK`] bytes: the copies keep it as long as they run)
+/// so a restore reads none of its pages, and returns the offset of its pages region, which
+/// the restored VMM maps as the block instead. Call it once no other process can write the
+/// file (`sys::vmm_file::refuse_writers`); the open never waits (`O_NONBLOCK`: a lease
+/// another process holds refuses it instead of blocking until the lease breaks).
 pub fn detach_block(path: &Path, name: &str, len: u64) -> io::Result<u64> {
     let f = OpenOptions::new()
         .read(true)
         .write(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
         .open(path)?;
     let meta = f.metadata()?;
     if !meta.is_file() {
         return Err(invalid(format!("{} is not a regular file", path.display())));
+    }
+    if meta.len() > len.saturating_add(SLACK) {
+        return Err(invalid(format!(
+            "the checkpoint is {} bytes, more than {len} bytes of RAM allow",
+            meta.len()
+        )));
     }
     let mut head = vec![0u8; HEAD.min(usize::try_from(meta.len()).unwrap_or(HEAD))];
     f.read_exact_at(&mut head, 0)?;
@@ -224,6 +236,15 @@ mod tests {
         let (mut b, want) = checkpoint("mem", len, 64);
         b.resize((want.pages_offset + len) as usize, 0x77);
         std::fs::write(&path, &b).expect("write");
+        // Positive control of the size bound: the same file grown past it is refused.
+        let big = dir.path().join("big");
+        std::fs::write(&big, &b).expect("write");
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&big)
+            .expect("open");
+        f.set_len(len + SLACK + 1).expect("grow");
+        assert!(detach_block(&big, "mem", len).is_err(), "oversized");
         assert_eq!(
             detach_block(&path, "mem", len).expect("detach"),
             want.pages_offset

@@ -14,6 +14,7 @@ pub mod mapped_ram;
 pub mod qmp;
 pub mod virtiofs;
 
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -93,6 +94,16 @@ impl VmBackend for QemuBackend {
                 .map_err(|e| VmmError::io("copy the template RAM of", template, e))?,
             ),
             None => None,
+        };
+        // A fork's copy: the parent's saved state, opened here (read-only) and passed at
+        // `RAM_FD`, so its path never appears on the VMM's command line, which every local
+        // user can read.
+        let ram = match (&spec.fork_ram, ram) {
+            (Some(fr), None) => Some(OwnedFd::from(
+                crate::sys::vmm_file::open_regular(&fr.path)
+                    .map_err(|e| VmmError::io("open the fork's RAM", &fr.path, e))?,
+            )),
+            (_, ram) => ram,
         };
         let args = qemu_args(spec, Attach::Fds, self.tsc_khz);
         let mut cmd = tokio::process::Command::new(&self.qemu);

@@ -86,7 +86,10 @@ pub fn claim_regular(path: &Path, owner: Option<(u32, u32)>, mode: u32) -> io::R
     if let Some((uid, gid)) = owner {
         std::os::unix::fs::fchown(&f, Some(uid), Some(gid))?;
     }
-    f.set_permissions(std::fs::Permissions::from_mode(mode))
+    f.set_permissions(std::fs::Permissions::from_mode(mode))?;
+    // Checked again: the VMM, the owner until the chown, could have linked a second name
+    // to the file meanwhile (through its own descriptor).
+    one_link(&f.metadata()?)
 }
 
 /// Refuses the regular file at `path` while any process holds it open for writing (a
