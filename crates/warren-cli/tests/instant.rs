@@ -394,6 +394,10 @@ fn test_fork_of_cold_vm_maps_saved_ram_and_copy_hibernates_with_its_memory() {
             cmd.contains(",offset=1048576,"),
             "at the pages region: {cmd}"
         );
+        assert!(
+            !cmd.contains("/forks/"),
+            "the saved state's path is on no command line: {cmd}"
+        );
         assert_eq!(line(c, "cat /dev/shm/mark"), "from-parent");
     }
     line(&copies[0], "echo from-copy > /dev/shm/mark");
