@@ -414,6 +414,24 @@ fn test_fork_of_cold_vm_maps_saved_ram_and_copy_hibernates_with_its_memory() {
     assert_eq!(line(c0, "cat /dev/shm/mark"), "from-copy");
     let rec = env.record(&c0.id).expect("record");
     assert_eq!(rec["generation"], 1, "no fresh boot: {rec}");
+    // A copy settled by an earlier Warren has `mem` in its config for this block: its
+    // checkpoint's own block name wins, and it resumes with its memory all the same.
+    let cfg_path = env.vm_dir(&c0.id).join("supervisor.json");
+    let cfg = std::fs::read_to_string(&cfg_path).expect("config");
+    assert!(cfg.contains("\"named_ram\": false"), "{cfg}");
+    std::fs::write(
+        &cfg_path,
+        cfg.replace("\"named_ram\": false", "\"named_ram\": true"),
+    )
+    .expect("old config");
+    ok(
+        c0.warren(&["vm", "suspend", &c0.id, "--force"]),
+        "hibernate again",
+    );
+    ok(c0.warren(&["vm", "resume", &c0.id]), "resume again");
+    assert_eq!(line(c0, "cat /dev/shm/mark"), "from-copy");
+    let rec = env.record(&c0.id).expect("record");
+    assert_eq!(rec["generation"], 1, "no fresh boot: {rec}");
     for c in copies {
         c.destroy();
     }

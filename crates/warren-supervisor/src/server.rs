@@ -145,13 +145,39 @@ pub fn run(dir: PathBuf) -> Result<(), SuperviseError> {
     rt.block_on(run_async(VmDir(dir)))
 }
 
+/// A resume from hibernation names guest RAM as its checkpoint does: fork copies settled
+/// before their block kept its name (a cold-booted parent's `microvm.ram`) have `mem` in
+/// their config, and their checkpoints would not load. Only plain anonymous RAM is renamed.
+fn name_ram_as_checkpoint(dir: &VmDir, cfg: &mut SupervisorConfig) {
+    let l = &cfg.launch;
+    let plain = l.shares.is_empty()
+        && l.ram_file.is_none()
+        && l.template_ram.is_none()
+        && l.clone_ram.is_none()
+        && l.fork_ram.is_none();
+    if !cfg.restore || cfg.restore_from.is_some() || !plain {
+        return;
+    }
+    let len = u64::from(l.memory.0) << 20;
+    let named = match warren_vmm::qemu::mapped_ram::guest_ram_block(&dir.checkpoint_state(), len) {
+        Some("mem") => true,
+        Some(_) => false,
+        None => return,
+    };
+    if named != cfg.launch.named_ram {
+        tracing::warn!(named, "guest RAM named as the checkpoint names it");
+        cfg.launch.named_ram = named;
+    }
+}
+
 async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
     let timings = Timings::new();
     let cfg_bytes = std::fs::read(dir.config()).map_err(|source| SuperviseError::Config {
         path: dir.config(),
         source,
     })?;
-    let cfg: SupervisorConfig = serde_json::from_slice(&cfg_bytes)?;
+    let mut cfg: SupervisorConfig = serde_json::from_slice(&cfg_bytes)?;
+    name_ram_as_checkpoint(&dir, &mut cfg);
     // Replaced by a rekey (`rekey.rs`): every later session uses the current one.
     let secret = Arc::new(Mutex::new(std::fs::read(dir.secret()).map_err(
         |source| SuperviseError::Config {

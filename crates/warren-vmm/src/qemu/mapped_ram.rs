@@ -108,6 +108,24 @@ pub fn find_block(head: &[u8], name: &str, len: u64, file_len: u64) -> io::Resul
     }
 }
 
+/// The name of guest RAM's block (`mem` or [`DEFAULT_RAM_ID`], `len` bytes) in the
+/// `mapped-ram` checkpoint at `path`, when exactly one of them is found: a restore must
+/// name its RAM as the checkpoint does. `None` when neither or both are (or on any error).
+pub fn guest_ram_block(path: &Path, len: u64) -> Option<&'static str> {
+    let f = crate::sys::vmm_file::open_regular(path).ok()?;
+    let file_len = f.metadata().ok()?.len();
+    let mut head = vec![0u8; HEAD.min(usize::try_from(file_len).ok()?)];
+    f.read_exact_at(&mut head, 0).ok()?;
+    let found: Vec<&'static str> = ["mem", DEFAULT_RAM_ID]
+        .into_iter()
+        .filter(|n| find_block(&head, n, len, file_len).is_ok())
+        .collect();
+    match found.as_slice() {
+        [one] => Some(one),
+        _ => None,
+    }
+}
+
 /// Clears block `name`'s page bitmap in checkpoint `path` (a regular file reached without a
 /// final symlink, at most `len` + [`SLACK`] bytes: the copies keep it as long as they run)
 /// so a restore reads none of its pages, and returns the offset of its pages region, which
@@ -254,6 +272,8 @@ mod tests {
         assert!(after[bm.clone()].iter().all(|x| *x == 0));
         assert_eq!(after[..bm.start], b[..bm.start]);
         assert_eq!(after[bm.end..], b[bm.end..]);
+        assert_eq!(guest_ram_block(&path, len), Some("mem"));
+        assert_eq!(guest_ram_block(&path, len * 2), None, "other length");
         // A symlink is not followed.
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&path, &link).expect("symlink");
