@@ -462,27 +462,7 @@ mod tests {
             "/usr/bin/warren".into(),
         ))
         .expect("open");
-        let mut rec = VmRecord {
-            id: "vm-0123456789ab".into(),
-            image_id: "a".repeat(64),
-            state: VmState::Running,
-            reason: None,
-            memory_mib: 256,
-            vcpus: 1,
-            accel: "tcg".into(),
-            uid: 0,
-            created_unix: 0,
-            boot_ms: None,
-            workspace: "local-0".into(),
-            disk_mib: 0,
-            generation: 1,
-            request_id: None,
-            idle_seconds: 0,
-            idle_mode: "hibernate".into(),
-            last_active_unix: 0,
-            mounts: vec![],
-            ram_file: false,
-        };
+        let mut rec = crate::vm::test_vm("vm-0123456789ab");
         w.store()
             .insert(&mut rec, VM_UID_BASE, |_| Ok::<(), CoreError>(()))
             .expect("insert");

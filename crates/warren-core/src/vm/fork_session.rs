@@ -238,7 +238,6 @@ impl SessionFork {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::VmState;
     use crate::vm::WarrenConfig;
     use std::path::PathBuf;
     use warren_vmm::backend::{MemMib, Share};
@@ -253,27 +252,7 @@ mod tests {
     }
 
     fn vm(id: &str) -> VmRecord {
-        VmRecord {
-            id: id.into(),
-            image_id: "a".repeat(64),
-            state: VmState::Running,
-            reason: None,
-            memory_mib: 256,
-            vcpus: 1,
-            accel: "tcg".into(),
-            uid: 0,
-            created_unix: 0,
-            boot_ms: None,
-            workspace: "local-0".into(),
-            disk_mib: 0,
-            generation: 1,
-            request_id: None,
-            idle_seconds: 0,
-            idle_mode: "hibernate".into(),
-            last_active_unix: 0,
-            mounts: vec![],
-            ram_file: false,
-        }
+        crate::vm::test_vm(id)
     }
 
     /// The parent's supervisor config with one share per host directory.

@@ -442,6 +442,32 @@ pub(crate) fn now_unix() -> u64 {
         .as_secs()
 }
 
+/// A running VM's record, 256 MiB, for the engine's unit tests.
+#[cfg(test)]
+pub(crate) fn test_vm(id: &str) -> crate::store::VmRecord {
+    crate::store::VmRecord {
+        id: id.into(),
+        image_id: "a".repeat(64),
+        state: crate::store::VmState::Running,
+        reason: None,
+        memory_mib: 256,
+        vcpus: 1,
+        accel: "tcg".into(),
+        uid: 0,
+        created_unix: 0,
+        boot_ms: None,
+        workspace: "local-0".into(),
+        disk_mib: 0,
+        generation: 1,
+        request_id: None,
+        idle_seconds: 0,
+        idle_mode: "hibernate".into(),
+        last_active_unix: 0,
+        mounts: vec![],
+        ram_file: false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
