@@ -185,8 +185,8 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
                     break (GOING_AWAY, "job finished".into());
                 }
             }
-            end = life.tick(&service, &p, &vm_id, &mut sink) => {
-                if let Some(end) = end {
+            duty = life.due() => {
+                if let Some(end) = life.perform(duty, &service, &p, &vm_id, &mut sink).await {
                     break end;
                 }
             }

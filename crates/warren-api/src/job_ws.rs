@@ -282,8 +282,8 @@ async fn run(
                 let why = ticket.closed.borrow().map(|r| r.as_str()).unwrap_or("closed");
                 break (GOING_AWAY, why.into());
             }
-            end = life.tick(&service, &p, &vm_id, &mut sink) => {
-                if let Some(end) = end {
+            duty = life.due() => {
+                if let Some(end) = life.perform(duty, &service, &p, &vm_id, &mut sink).await {
                     break end;
                 }
             }

@@ -201,8 +201,8 @@ async fn run(
                 let why = ticket.closed.borrow().map(|r| r.as_str()).unwrap_or("closed");
                 break (GOING_AWAY, why.into());
             }
-            end = life.tick(&service, &p, &vm_id, &mut sink) => {
-                if let Some(end) = end {
+            duty = life.due() => {
+                if let Some(end) = life.perform(duty, &service, &p, &vm_id, &mut sink).await {
                     break end;
                 }
             }
@@ -334,24 +334,35 @@ impl Lifeline {
         self.heard.clone()
     }
 
-    /// Waits for the next duty and does it: `Some` close code and reason when the stream must
-    /// end.
-    pub(crate) async fn tick(
+    /// Waits for the next duty. Cancel-safe (it only waits on intervals), so it can race the
+    /// data branches of a stream's loop; the duty is done by [`Lifeline::perform`] in the
+    /// branch's body, where no other branch can cut it short (a ping dropped half-sent
+    /// would let a download-only client look silent).
+    pub(crate) async fn due(&mut self) -> Duty {
+        tokio::select! {
+            _ = self.recheck.tick() => Duty::Recheck,
+            _ = self.ping.tick() => Duty::Ping,
+        }
+    }
+
+    /// Does `duty`: `Some` close code and reason when the stream must end.
+    pub(crate) async fn perform(
         &mut self,
+        duty: Duty,
         service: &Service,
         p: &Principal,
         vm_id: &str,
         sink: &mut futures_util::stream::SplitSink<WebSocket, Message>,
     ) -> Option<(u16, String)> {
-        tokio::select! {
-            _ = self.recheck.tick() => {
+        match duty {
+            Duty::Recheck => {
                 if let Err(e) = service.credentials().recheck(p) {
                     return Some((POLICY, e.message));
                 }
                 service.stream_activity(vm_id);
                 None
             }
-            _ = self.ping.tick() => {
+            Duty::Ping => {
                 if self.heard.silent_for() > PING_TIMEOUT {
                     return Some((GOING_AWAY, "the client answered no ping".into()));
                 }
@@ -397,6 +408,14 @@ impl Lifeline {
             }
         }
     }
+}
+
+/// What a stream's [`Lifeline`] has to do next.
+pub(crate) enum Duty {
+    /// Check the credential again and count the stream as activity.
+    Recheck,
+    /// Ping the client (ending the stream when it answered none for too long).
+    Ping,
 }
 
 /// The client's half of a WebSocket, as the stream tasks send on it.

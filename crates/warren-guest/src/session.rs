@@ -135,11 +135,25 @@ async fn handle(
         // A reset stream or a session end drops this task (and with it the target).
         return crate::streams::serve(agent, authenticated, req, respond).await;
     }
-    let work = answer(&agent, &auth, req);
+    let work = async {
+        let request = match read_request(req).await {
+            Ok(request) => request,
+            Err(reply) => return reply,
+        };
+        if !runs_to_completion(&request) {
+            return encode(dispatch(&agent, &auth, request).await);
+        }
+        // Its own task: a reset (or the session's end) leaves it running to its end.
+        let (agent, auth) = (agent.clone(), auth.clone());
+        tokio::spawn(async move { encode(dispatch(&agent, &auth, request).await) })
+            .await
+            .unwrap_or(Reply::Status(http::StatusCode::INTERNAL_SERVER_ERROR))
+    };
     tokio::pin!(work);
     let reply = tokio::select! {
         reply = &mut work => reply,
-        // The host reset the stream: drop the work (e.g. a long-poll) unanswered.
+        // The host reset the stream: a read or a long-poll is dropped unanswered; a change
+        // goes on in its task (see [`runs_to_completion`]).
         _ = std::future::poll_fn(|cx| respond.poll_reset(cx)) => return,
     };
     let (status, body) = match reply {
@@ -160,40 +174,72 @@ async fn handle(
     }
 }
 
-async fn answer(
-    agent: &Arc<Agent>,
-    auth: &Mutex<AuthState>,
-    req: http::Request<RecvStream>,
-) -> Reply {
+/// Reads and decodes a request; `Err` holds the reply to a bad one.
+async fn read_request(req: http::Request<RecvStream>) -> Result<HostRequest, Reply> {
     if req.uri().path() != RPC_PATH {
-        return Reply::Status(http::StatusCode::NOT_FOUND);
+        return Err(Reply::Status(http::StatusCode::NOT_FOUND));
     }
     if req.method() != http::Method::POST {
-        return Reply::Status(http::StatusCode::METHOD_NOT_ALLOWED);
+        return Err(Reply::Status(http::StatusCode::METHOD_NOT_ALLOWED));
     }
     let mut body = req.into_body();
     let mut buf = Vec::new();
     while let Some(chunk) = body.data().await {
         let Ok(chunk) = chunk else {
-            return Reply::Abandon;
+            return Err(Reply::Abandon);
         };
         let _ = body.flow_control().release_capacity(chunk.len());
         if buf.len() + chunk.len() > MAX_MESSAGE_BYTES {
-            return encode(Err(GuestError::new(
+            return Err(encode(Err(GuestError::new(
                 ErrorCode::InvalidArgument,
                 "request exceeds the message size limit",
-            )));
+            ))));
         }
         buf.extend_from_slice(&chunk);
     }
-    let response = match warren_protocol::decode::<HostRequest>(&buf) {
-        Ok(request) => dispatch(agent, auth, request).await,
-        Err(e) => Err(GuestError::new(
+    warren_protocol::decode::<HostRequest>(&buf).map_err(|e| {
+        encode(Err(GuestError::new(
             ErrorCode::InvalidArgument,
             format!("undecodable request: {e}"),
-        )),
-    };
-    encode(response)
+        )))
+    })
+}
+
+/// Requests that change something: once begun they run to their end even when the host
+/// resets the stream or the session ends. Cut half-way, a thaw would set the clock and leave
+/// the jobs frozen, an input chunk would reach the job in part, a write would be torn. Reads
+/// and long-polls are dropped with their stream. Every variant is named, so a new request
+/// is placed on purpose.
+fn runs_to_completion(req: &HostRequest) -> bool {
+    match req {
+        HostRequest::Hello(_)
+        | HostRequest::Auth(_)
+        | HostRequest::Ping
+        | HostRequest::JobList
+        | HostRequest::JobOutput(_)
+        | HostRequest::JobOutputAcked(_)
+        | HostRequest::FileRead(_)
+        | HostRequest::ReadVersioned(_)
+        | HostRequest::Glob(_)
+        | HostRequest::Grep(_)
+        | HostRequest::Bench(_)
+        | HostRequest::Discard(_)
+        | HostRequest::Source(_) => false,
+        HostRequest::ExecStart(_)
+        | HostRequest::ExecBroker(_)
+        | HostRequest::ExecInteractive(_)
+        | HostRequest::JobInput(_)
+        | HostRequest::JobResize(_)
+        | HostRequest::JobCancel(_)
+        | HostRequest::FileWrite(_)
+        | HostRequest::WriteChecked(_)
+        | HostRequest::Edit(_)
+        | HostRequest::Freeze
+        | HostRequest::Thaw(_)
+        | HostRequest::InstallCa(_)
+        | HostRequest::Rekey(_)
+        | HostRequest::PowerOff => true,
+    }
 }
 
 fn encode(response: Response) -> Reply {

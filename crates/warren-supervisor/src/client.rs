@@ -103,7 +103,7 @@ impl SupervisorClient {
             .map_err(|_| ClientError::Timeout(limit))??;
         let (rd, wr) = s.into_split();
         Ok(crate::stream_frame::GuestStream {
-            reader: crate::stream_frame::StreamReader(rd),
+            reader: crate::stream_frame::StreamReader(crate::stream_frame::FrameReader::new(rd)),
             writer: crate::stream_frame::StreamWriter(wr),
         })
     }

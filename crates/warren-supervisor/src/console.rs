@@ -20,20 +20,47 @@ const TAIL: usize = 4096;
 
 /// The last bytes the console printed, shared with the supervisor for error reports.
 #[derive(Clone, Default)]
-pub struct ConsoleTail(Arc<Mutex<Vec<u8>>>);
+pub struct ConsoleTail(Arc<Mutex<Tail>>);
+
+#[derive(Default)]
+struct Tail {
+    bytes: Vec<u8>,
+    /// How the console connection went: `None` until it was made or failed.
+    link: Option<Result<(), String>>,
+}
 
 impl ConsoleTail {
     pub fn text(&self) -> String {
         let t = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        String::from_utf8_lossy(&t).into_owned()
+        String::from_utf8_lossy(&t.bytes).into_owned()
     }
 
     fn push(&self, data: &[u8]) {
         let mut t = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        t.extend_from_slice(data);
-        if t.len() > TAIL {
-            let cut = t.len() - TAIL;
-            t.drain(..cut);
+        t.bytes.extend_from_slice(data);
+        if t.bytes.len() > TAIL {
+            let cut = t.bytes.len() - TAIL;
+            t.bytes.drain(..cut);
+        }
+    }
+
+    /// Records how connecting the console went (for [`ConsoleTail::report`]).
+    pub fn linked(&self, link: Result<(), String>) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).link = Some(link);
+    }
+
+    /// The console part of a failure reason: its last `n` lines, or why there are none (a
+    /// console never connected holds the VMM before it starts the guest).
+    pub fn report(&self, n: usize) -> String {
+        let lines = self.last_lines(n);
+        if !lines.is_empty() {
+            return format!("\nconsole:\n{lines}");
+        }
+        let t = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match &t.link {
+            Some(Ok(())) => "\nconsole: the guest printed nothing".into(),
+            Some(Err(e)) => format!("\nconsole: not connected ({e})"),
+            None => "\nconsole: not connected yet".into(),
         }
     }
 

@@ -290,8 +290,14 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         let path = endpoints.console.clone();
         tokio::spawn(async move {
             match console::connect(&path, Duration::from_secs(10)).await {
-                Ok(s) => console::pump(s, dir, tail).await,
-                Err(e) => tracing::warn!(error = %e, "console unavailable"),
+                Ok(s) => {
+                    tail.linked(Ok(()));
+                    console::pump(s, dir, tail).await
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "console unavailable");
+                    tail.linked(Err(e.to_string()));
+                }
             }
         })
     };
@@ -447,10 +453,8 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                     Err(e) => {
                         let mut reason =
                             format!("the guest agent did not come up: {}", error_chain(&e));
-                        let lines = tail.last_lines(20);
-                        if !lines.is_empty() {
-                            reason.push_str(&format!("\nconsole:\n{lines}"));
-                        }
+                        reason.push_str(&vmm_cpu_note(shared.vmm_pid));
+                        reason.push_str(&tail.report(20));
                         // The console tail is the guest's text: escaped and cut in the log.
                         tracing::error!(reason = %crate::log::guest_text(&reason), "guest channel failed");
                         *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
@@ -568,11 +572,39 @@ fn vmm_exit_reason(dir: &VmDir, status: std::process::ExitStatus, tail: &Console
     if let Some(l) = stderr.lines().rev().find(|l| !l.trim().is_empty()) {
         reason.push_str(&format!(": {l}"));
     }
-    let lines = tail.last_lines(10);
-    if !lines.is_empty() {
-        reason.push_str(&format!("\nconsole:\n{lines}"));
-    }
+    reason.push_str(&tail.report(10));
     reason
+}
+
+/// How much CPU the VMM had used, for a guest that never answered: near none means it
+/// never ran the guest (held before start, or stopped), a lot means the guest ran but
+/// its agent never spoke.
+fn vmm_cpu_note(pid: Option<u32>) -> String {
+    let Some(pid) = pid else {
+        return String::new();
+    };
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return " (the VMM is gone)".into();
+    };
+    // The fields after the command (which may hold spaces) are space-separated; utime and
+    // stime are the 14th and 15th of the whole line.
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+        return String::new();
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok());
+    let (Some(state), Some(u), Some(s)) = (f.first(), ticks(11), ticks(12)) else {
+        return String::new();
+    };
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .filter(|&hz| hz > 0)
+        .unwrap_or(100);
+    format!(
+        " (the VMM is in state {state} and used {:.1}s of CPU)",
+        (u + s) as f64 / hz as f64
+    )
 }
 
 fn describe_status(s: std::process::ExitStatus) -> String {
@@ -619,17 +651,44 @@ async fn handle(conn: UnixStream, shared: Arc<Shared>) {
         let channel = shared.channel(RECONNECT_WAIT).await;
         return crate::stream::serve(channel, target, rd, wr).await;
     }
-    // A client that goes away cancels its request (and with it the guest's HTTP/2 stream).
+    // A client that goes away cancels a guest call or a wait (and with it the guest's HTTP/2
+    // stream). A lifecycle step runs to its end in a task of its own whatever the client
+    // does: cut half-way it would leave the VM stopped, or its jobs frozen, behind a phase
+    // that says otherwise. The client then only misses the answer.
     let gone = async {
         let mut b = [0u8; 1];
         let _ = rd.read(&mut b).await;
     };
+    let work = async {
+        if runs_to_completion(&req) {
+            let shared = shared.clone();
+            tokio::spawn(async move { process(req, &shared).await })
+                .await
+                .unwrap_or_else(|e| Err(SupervisorError::Failed(format!("internal error: {e}"))))
+        } else {
+            process(req, &shared).await
+        }
+    };
     tokio::select! {
-        reply = process(req, &shared) => {
+        reply = work => {
             let _ = write_frame(&mut wr, &reply).await;
         }
         _ = gone => {}
     }
+}
+
+/// Requests that change the VM's state: never cancelled by the client leaving (see
+/// [`handle`]).
+fn runs_to_completion(req: &SupervisorRequest) -> bool {
+    matches!(
+        req,
+        SupervisorRequest::Pause
+            | SupervisorRequest::Resume
+            | SupervisorRequest::Hibernate
+            | SupervisorRequest::ForkSave { .. }
+            | SupervisorRequest::ForkSaveHeld { .. }
+            | SupervisorRequest::ForkRelease
+    )
 }
 
 async fn process(req: SupervisorRequest, shared: &Arc<Shared>) -> Reply {

@@ -16,7 +16,7 @@ use warren_protocol::stream::{self, StreamTarget, ERROR_TRAILER, EXIT_TRAILER};
 
 use crate::channel::GuestChannel;
 use crate::proto::{write_frame, Reply, SupervisorError, SupervisorResponse};
-use crate::stream_frame::{read_stream_frame, write_data, write_end, StreamEnd, StreamFrame};
+use crate::stream_frame::{write_data, write_end, FrameReader, StreamEnd, StreamFrame};
 
 /// Opens `target` and bridges it to the client until the stream ends.
 pub async fn serve(
@@ -48,8 +48,9 @@ pub async fn serve(
         return;
     }
     let inbound = async {
+        let mut rd = FrameReader::new(&mut rd);
         loop {
-            match read_stream_frame(&mut rd).await {
+            match rd.next().await {
                 Ok(Some(StreamFrame::Data(d))) => {
                     if stream::send_paced(&mut send, Bytes::from(d)).await.is_err() {
                         // The guest's side is gone; its end frame tells the client.
@@ -60,7 +61,7 @@ pub async fn serve(
                     let _ = send.send_data(Bytes::new(), true);
                     // Wait for the client to go away; the guest decides the end.
                     let mut b = [0u8; 1];
-                    let _ = tokio::io::AsyncReadExt::read(&mut rd, &mut b).await;
+                    let _ = tokio::io::AsyncReadExt::read(rd.get_mut(), &mut b).await;
                     return;
                 }
                 // Gone, or a frame a client must not send: abandon the stream.

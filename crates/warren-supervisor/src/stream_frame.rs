@@ -50,31 +50,79 @@ pub enum StreamFrame {
     End(StreamEnd),
 }
 
-/// Reads the next frame; `Ok(None)` when the peer closed the connection between frames.
-pub async fn read_stream_frame<R: AsyncRead + Unpin>(
-    r: &mut R,
-) -> Result<Option<StreamFrame>, FrameError> {
-    let mut head = [0u8; 5];
-    match r.read_exact(&mut head[..1]).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e.into()),
+/// Reads stream frames from `R`. [`FrameReader::next`] is cancel-safe: a frame read in part
+/// when its future is dropped (a `select!` took another branch) stays here and the next call
+/// goes on with it, so a reader raced against timers never loses its place in the stream.
+pub struct FrameReader<R> {
+    r: R,
+    head: [u8; 5],
+    /// Header bytes read so far (5: the header is complete and `body` is being filled).
+    head_have: usize,
+    body: Vec<u8>,
+    body_have: usize,
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    pub fn new(r: R) -> Self {
+        FrameReader {
+            r,
+            head: [0; 5],
+            head_have: 0,
+            body: Vec::new(),
+            body_have: 0,
+        }
     }
-    r.read_exact(&mut head[1..]).await?;
-    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
-    match head[0] {
-        KIND_DATA if (1..=MAX_STREAM_DATA).contains(&len) => {
-            let mut data = vec![0u8; len];
-            r.read_exact(&mut data).await?;
-            Ok(Some(StreamFrame::Data(data)))
+
+    /// The next frame; `Ok(None)` when the peer closed the connection between frames. Each
+    /// await reads into this reader's own buffers, so dropping the future loses nothing.
+    pub async fn next(&mut self) -> Result<Option<StreamFrame>, FrameError> {
+        while self.head_have < self.head.len() {
+            let n = self.r.read(&mut self.head[self.head_have..]).await?;
+            if n == 0 {
+                if self.head_have == 0 {
+                    return Ok(None);
+                }
+                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+            }
+            self.head_have += n;
+            if self.head_have == self.head.len() {
+                let len = self.body_len()?;
+                self.body = vec![0u8; len];
+                self.body_have = 0;
+            }
         }
-        KIND_EOF if len == 0 => Ok(Some(StreamFrame::Eof)),
-        KIND_END if len <= MAX_END => {
-            let mut body = vec![0u8; len];
-            r.read_exact(&mut body).await?;
-            Ok(Some(StreamFrame::End(postcard::from_bytes(&body)?)))
+        while self.body_have < self.body.len() {
+            let n = self.r.read(&mut self.body[self.body_have..]).await?;
+            if n == 0 {
+                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+            }
+            self.body_have += n;
         }
-        _ => Err(FrameError::BadStreamFrame),
+        self.head_have = 0;
+        let body = std::mem::take(&mut self.body);
+        Ok(Some(match self.head[0] {
+            KIND_DATA => StreamFrame::Data(body),
+            KIND_EOF => StreamFrame::Eof,
+            _ => StreamFrame::End(postcard::from_bytes(&body)?),
+        }))
+    }
+
+    /// The body length the complete header announces, refused before anything is allocated
+    /// when the kind is unknown or the length out of its bounds.
+    fn body_len(&self) -> Result<usize, FrameError> {
+        let h = self.head;
+        let len = u32::from_be_bytes([h[1], h[2], h[3], h[4]]) as usize;
+        match h[0] {
+            KIND_DATA if (1..=MAX_STREAM_DATA).contains(&len) => Ok(len),
+            KIND_EOF if len == 0 => Ok(0),
+            KIND_END if len <= MAX_END => Ok(len),
+            _ => Err(FrameError::BadStreamFrame),
+        }
+    }
+
+    /// The reader underneath (to wait for the peer to close, say).
+    pub fn get_mut(&mut self) -> &mut R {
+        &mut self.r
     }
 }
 
@@ -129,23 +177,24 @@ impl GuestStream {
     pub fn from_connected(s: tokio::net::UnixStream) -> GuestStream {
         let (rd, wr) = s.into_split();
         GuestStream {
-            reader: StreamReader(rd),
+            reader: StreamReader(FrameReader::new(rd)),
             writer: StreamWriter(wr),
         }
     }
 }
 
 /// Receives what the guest sends.
-pub struct StreamReader(pub(crate) OwnedReadHalf);
+pub struct StreamReader(pub(crate) FrameReader<OwnedReadHalf>);
 
 /// Sends to the guest.
 pub struct StreamWriter(pub(crate) OwnedWriteHalf);
 
 impl StreamReader {
     /// The next data chunk, or how the stream ended. A connection that closes without an
-    /// `end` frame (the supervisor died) ends with an error.
+    /// `end` frame (the supervisor died) ends with an error. Cancel-safe (see
+    /// [`FrameReader`]).
     pub async fn next(&mut self) -> Result<Result<Vec<u8>, StreamEnd>, FrameError> {
-        match read_stream_frame(&mut self.0).await? {
+        match self.0.next().await? {
             Some(StreamFrame::Data(d)) => Ok(Ok(d)),
             Some(StreamFrame::End(end)) => Ok(Err(end)),
             Some(StreamFrame::Eof) => Err(FrameError::BadStreamFrame),
@@ -186,32 +235,72 @@ mod tests {
             error: Some("x".repeat(10_000)),
         };
         write_end(&mut buf, &end).await.expect("end");
-        let mut r = &buf[..];
+        let mut r = FrameReader::new(&buf[..]);
         assert_eq!(
-            read_stream_frame(&mut r).await.expect("read"),
+            r.next().await.expect("read"),
             Some(StreamFrame::Data(b"abc".to_vec()))
         );
-        assert_eq!(
-            read_stream_frame(&mut r).await.expect("read"),
-            Some(StreamFrame::Eof)
-        );
-        match read_stream_frame(&mut r).await.expect("read") {
+        assert_eq!(r.next().await.expect("read"), Some(StreamFrame::Eof));
+        match r.next().await.expect("read") {
             Some(StreamFrame::End(e)) => {
                 assert_eq!(e.code, 2);
                 assert!(e.error.expect("error").len() <= MAX_END / 2);
             }
             other => panic!("{other:?}"),
         }
-        assert_eq!(read_stream_frame(&mut r).await.expect("read"), None);
+        assert_eq!(r.next().await.expect("read"), None);
         for bad in [
             vec![KIND_DATA, 0, 0, 0, 0],
             vec![KIND_DATA, 0, 0x20, 0, 0],
             vec![KIND_EOF, 0, 0, 0, 1],
             vec![9, 0, 0, 0, 0],
         ] {
-            let mut r = &bad[..];
-            assert!(read_stream_frame(&mut r).await.is_err(), "{bad:?}");
+            let mut r = FrameReader::new(&bad[..]);
+            assert!(r.next().await.is_err(), "{bad:?}");
         }
+        // A connection that ends inside a frame is an error, not a clean close.
+        let mut r = FrameReader::new(&buf[..7]);
+        assert!(r.next().await.is_err());
         assert!(write_data(&mut Vec::new(), b"").await.is_err());
+    }
+
+    #[tokio::test]
+    async fn test_reader_raced_against_a_timer_keeps_its_place_in_the_stream() {
+        // The bytes arrive a few at a time and every read is abandoned by a timer that
+        // fires first, again and again: no frame may be lost or misread.
+        let (mut tx, rx) = tokio::io::duplex(64);
+        let sent: Vec<Vec<u8>> = (1..=40u32)
+            .map(|i| (0..i * 37).map(|j| (i * 7 + j) as u8).collect())
+            .collect();
+        let mut wire = Vec::new();
+        for d in &sent {
+            write_data(&mut wire, d).await.expect("data");
+        }
+        write_eof(&mut wire).await.expect("eof");
+        let feeder = tokio::spawn(async move {
+            for piece in wire.chunks(3) {
+                tx.write_all(piece).await.expect("feed");
+                tokio::task::yield_now().await;
+            }
+        });
+        let mut r = FrameReader::new(rx);
+        let (mut got, mut abandoned) = (Vec::new(), 0);
+        loop {
+            tokio::select! {
+                biased;
+                () = tokio::task::yield_now() => abandoned += 1,
+                f = r.next() => match f.expect("frame") {
+                    Some(StreamFrame::Data(d)) => got.push(d),
+                    Some(StreamFrame::Eof) => break,
+                    other => panic!("{other:?}"),
+                },
+            }
+        }
+        feeder.await.expect("feeder");
+        assert_eq!(got, sent);
+        assert!(
+            abandoned > 0,
+            "no read was abandoned, so nothing was tested"
+        );
     }
 }

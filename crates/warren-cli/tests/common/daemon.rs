@@ -417,16 +417,7 @@ impl Drop for Daemon {
         for vm in self.all_vms() {
             if let Some(id) = vm["id"].as_str() {
                 if std::thread::panicking() {
-                    // What the failing test's VMs said, before their directories go.
-                    for f in ["supervisor.log", "console.log", "qemu.stderr"] {
-                        let text = std::fs::read_to_string(self.env.vm_dir(id).join(f))
-                            .unwrap_or_default();
-                        let tail: Vec<&str> = text.lines().rev().take(30).collect();
-                        eprintln!("--- {id} {f} (last lines)");
-                        for l in tail.iter().rev() {
-                            eprintln!("{l}");
-                        }
-                    }
+                    super::print_vm_logs(&self.env, id);
                 }
                 let _ = self.env.run(&["vm", "destroy", id]);
             }

@@ -358,8 +358,23 @@ impl Drop for TestEnv {
         let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
         for vm in list.as_array().into_iter().flatten() {
             if let Some(id) = vm["id"].as_str().or_else(|| vm["vm_id"].as_str()) {
+                if std::thread::panicking() {
+                    print_vm_logs(self, id);
+                }
                 let _ = self.cmd().args(["vm", "destroy", id]).output();
             }
+        }
+    }
+}
+
+/// Prints the last lines of a VM's logs (for a failing test, before its directory goes).
+pub fn print_vm_logs(env: &TestEnv, id: &str) {
+    for f in ["supervisor.log", "console.log", "qemu.stderr"] {
+        let text = std::fs::read_to_string(env.vm_dir(id).join(f)).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(30).collect();
+        eprintln!("--- {id} {f} (last lines)");
+        for l in tail.iter().rev() {
+            eprintln!("{l}");
         }
     }
 }
@@ -367,6 +382,7 @@ impl Drop for TestEnv {
 impl Drop for TestVm {
     fn drop(&mut self) {
         if std::thread::panicking() {
+            print_vm_logs(&self.env, &self.id);
             let _ = self.warren(&["vm", "destroy", &self.id]);
             return;
         }

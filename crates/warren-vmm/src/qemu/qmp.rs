@@ -32,6 +32,9 @@ pub struct Qmp {
     next_id: u64,
     /// Bytes of a message whose end has not arrived yet.
     pending: Vec<u8>,
+    /// Bytes of commands not yet written: a deadline that fires mid-write leaves the rest
+    /// here, and the next exchange sends it first, so commands are never torn or merged.
+    outbox: Vec<u8>,
     /// The deadline of each exchange: [`REPLY_LIMIT`] (shorter only in unit tests).
     limit: Duration,
 }
@@ -55,6 +58,7 @@ impl Qmp {
             writer: w,
             next_id: 0,
             pending: Vec::new(),
+            outbox: Vec::new(),
             limit,
         };
         let greeting = tokio::time::timeout(limit, q.read_msg())
@@ -115,10 +119,19 @@ impl Qmp {
         }
         let mut line = msg.to_string();
         line.push('\n');
-        self.writer
-            .write_all(line.as_bytes())
-            .await
-            .map_err(VmmError::QmpIo)?;
+        self.outbox.extend_from_slice(line.as_bytes());
+        // Plain writes are cancel-safe: what is written leaves the outbox at once.
+        while !self.outbox.is_empty() {
+            let n = self
+                .writer
+                .write(&self.outbox)
+                .await
+                .map_err(VmmError::QmpIo)?;
+            if n == 0 {
+                return Err(VmmError::QmpIo(std::io::ErrorKind::WriteZero.into()));
+            }
+            self.outbox.drain(..n);
+        }
         loop {
             let v = self.read_msg().await?;
             if v.get("event").is_some() || v.get("id").and_then(Value::as_u64) != Some(id) {
@@ -259,6 +272,46 @@ mod tests {
                 .expect_err("the slow reply is late");
             assert!(matches!(e, VmmError::QmpTimeout { .. }), "{e}");
             q.limit = Duration::from_secs(30);
+            let v = q.execute("query-status", None).await.expect("next");
+            assert_eq!(v["which"], "next", "{v}");
+        });
+        server.join().expect("server");
+    }
+
+    #[test]
+    fn test_qmp_command_cut_mid_write_by_its_deadline_is_finished_before_the_next() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("qmp");
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let server = vmm(&path, move |mut r, mut w| {
+            w.write_all(GREETING.as_bytes()).expect("greet");
+            let caps = command(&mut r);
+            writeln!(w, "{{\"return\": {{}}, \"id\": {caps}}}").expect("reply");
+            // Reads nothing until the big command timed out with most of it unsent.
+            let _ = rx.recv();
+            let (big, next) = (command(&mut r), command(&mut r));
+            writeln!(w, "{{\"return\": {{}}, \"id\": {big}}}").expect("reply");
+            writeln!(w, "{{\"return\": {{\"which\": \"next\"}}, \"id\": {next}}}").expect("reply");
+        });
+        rt().block_on(async {
+            let mut q = Qmp::connect_within(&path, Duration::from_secs(30))
+                .await
+                .expect("connect");
+            q.limit = Duration::from_millis(300);
+            // Far more than a socket buffer holds: the write blocks until the deadline.
+            let big = json!({ "data": "x".repeat(8 << 20) });
+            let e = q
+                .execute("human-monitor-command", Some(big))
+                .await
+                .expect_err("the big command cannot be written in time");
+            assert!(matches!(e, VmmError::QmpTimeout { .. }), "{e}");
+            assert!(
+                !q.outbox.is_empty(),
+                "the command was written whole: nothing tested"
+            );
+            tx.send(()).expect("release");
+            q.limit = Duration::from_secs(30);
+            // The server parses both commands as whole JSON lines, or the test fails there.
             let v = q.execute("query-status", None).await.expect("next");
             assert_eq!(v["which"], "next", "{v}");
         });
