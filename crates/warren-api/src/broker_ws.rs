@@ -54,6 +54,8 @@ pub const QUEUE_BYTES: usize = 1 << 20;
 pub const STALL: Duration = Duration::from_secs(10);
 /// How often the attachment looks whether its job's processes are all gone.
 pub const JOB_CHECK: Duration = Duration::from_secs(5);
+/// The longest one job check may wait for the guest's answer.
+pub const JOB_CHECK_LIMIT: Duration = Duration::from_secs(2);
 /// WebSocket close code for broken framing (RFC 6455 "protocol error").
 const PROTOCOL: u16 = 1002;
 
@@ -181,12 +183,15 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
                 break (GOING_AWAY, why.into());
             }
             _ = job_check.tick() => {
-                if service.broker_job_done(&vm_id, job).await {
+                // Bounded: a guest slow to answer must not hold off the loop's other
+                // duties (the credential recheck); no answer counts as not finished.
+                let done = tokio::time::timeout(JOB_CHECK_LIMIT, service.broker_job_done(&vm_id, job));
+                if matches!(done.await, Ok(true)) {
                     break (GOING_AWAY, "job finished".into());
                 }
             }
             duty = life.due() => {
-                if let Some(end) = life.perform(duty, &service, &p, &vm_id, &mut sink).await {
+                if let Some(end) = life.perform(duty, &service, &p, &vm_id, &mut sink, &mut ticket.closed).await {
                     break end;
                 }
             }

@@ -283,7 +283,7 @@ async fn run(
                 break (GOING_AWAY, why.into());
             }
             duty = life.due() => {
-                if let Some(end) = life.perform(duty, &service, &p, &vm_id, &mut sink).await {
+                if let Some(end) = life.perform(duty, &service, &p, &vm_id, &mut sink, &mut ticket.closed).await {
                     break end;
                 }
             }

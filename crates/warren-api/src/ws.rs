@@ -202,7 +202,7 @@ async fn run(
                 break (GOING_AWAY, why.into());
             }
             duty = life.due() => {
-                if let Some(end) = life.perform(duty, &service, &p, &vm_id, &mut sink).await {
+                if let Some(end) = life.perform(duty, &service, &p, &vm_id, &mut sink, &mut ticket.closed).await {
                     break end;
                 }
             }
@@ -352,7 +352,8 @@ impl Lifeline {
         service: &Service,
         p: &Principal,
         vm_id: &str,
-        sink: &mut futures_util::stream::SplitSink<WebSocket, Message>,
+        sink: &mut Sink,
+        closed: &mut tokio::sync::watch::Receiver<Option<crate::streams::CloseReason>>,
     ) -> Option<(u16, String)> {
         match duty {
             Duty::Recheck => {
@@ -366,11 +367,9 @@ impl Lifeline {
                 if self.heard.silent_for() > PING_TIMEOUT {
                     return Some((GOING_AWAY, "the client answered no ping".into()));
                 }
-                let ping = sink.send(Message::Ping(Default::default()));
-                if !matches!(tokio::time::timeout(SEND_STALL, ping).await, Ok(Ok(()))) {
-                    return Some((GOING_AWAY, "client gone".into()));
-                }
-                None
+                // Sent as data is: still watching the stream's end and the credential.
+                let ping = Message::Ping(Default::default());
+                self.send(service, p, sink, closed, ping).await
             }
         }
     }

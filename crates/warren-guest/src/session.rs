@@ -207,9 +207,10 @@ async fn read_request(req: http::Request<RecvStream>) -> Result<HostRequest, Rep
 
 /// Requests that change something: once begun they run to their end even when the host
 /// resets the stream or the session ends. Cut half-way, a thaw would set the clock and leave
-/// the jobs frozen, an input chunk would reach the job in part, a write would be torn. Reads
-/// and long-polls are dropped with their stream. Every variant is named, so a new request
-/// is placed on purpose.
+/// the jobs frozen, a write would be torn. Reads and long-polls are dropped with their
+/// stream, and so is a job's input: it waits on the job's pace (see `jobs::interactive`),
+/// so kept past its stream it could pile up in the agent and arrive after the input that
+/// replaced it. Every variant is named, so a new request is placed on purpose.
 fn runs_to_completion(req: &HostRequest) -> bool {
     match req {
         HostRequest::Hello(_)
@@ -224,11 +225,11 @@ fn runs_to_completion(req: &HostRequest) -> bool {
         | HostRequest::Grep(_)
         | HostRequest::Bench(_)
         | HostRequest::Discard(_)
-        | HostRequest::Source(_) => false,
+        | HostRequest::Source(_)
+        | HostRequest::JobInput(_) => false,
         HostRequest::ExecStart(_)
         | HostRequest::ExecBroker(_)
         | HostRequest::ExecInteractive(_)
-        | HostRequest::JobInput(_)
         | HostRequest::JobResize(_)
         | HostRequest::JobCancel(_)
         | HostRequest::FileWrite(_)

@@ -25,13 +25,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use warren_protocol::HostRequest;
 use warren_vmm::VmControl;
 
 use crate::proto::{Reply, SupervisorError, SupervisorResponse};
-use crate::server::{
-    error_chain, guest_call, qmp, ready_info, refused, save_to_file, thaw, Shared,
-};
+use crate::server::{error_chain, freeze, qmp, ready_info, refused, save_to_file, thaw, Shared};
 
 /// The longest a held fork save keeps the VM stopped.
 pub const HOLD_LIMIT: Duration = Duration::from_secs(600);
@@ -67,7 +64,7 @@ pub(crate) async fn save(
     }
     let ch = shared.channel(crate::deadline::RECONNECT_WAIT).await?;
     let t = Instant::now();
-    guest_call(&ch, HostRequest::Freeze).await?;
+    freeze(shared, &ch).await?;
     let mut q = match qmp(&shared.control).await {
         Ok(q) => q,
         Err(e) => {

@@ -4,6 +4,7 @@
 //! spawned it, so that thread must be the process's only one.
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -70,6 +71,9 @@ pub(crate) struct Shared {
     /// The VMM is stopped (`SIGSTOP`) after a fast standby's save: it must not run again,
     /// so the VM's stop kills it instead of asking it to quit ([`freeze_vmm`]).
     pub(crate) vmm_frozen: std::sync::atomic::AtomicBool,
+    /// A `Freeze` failed in a way that may have frozen the jobs after all and its undoing
+    /// `Thaw` could not be sent: the next connection thaws them first ([`freeze`]).
+    pub(crate) thaw_owed: std::sync::atomic::AtomicBool,
     /// A fork holds the VM stopped (`ForkSaveHeld`) until it releases it: a plain resume is
     /// refused meanwhile. Counts holds, so a hold's time limit never ends a later one.
     pub(crate) fork_hold: std::sync::atomic::AtomicU64,
@@ -81,8 +85,8 @@ pub(crate) struct Shared {
     /// The VMM's QMP socket.
     pub(crate) control: PathBuf,
     pub(crate) dir: VmDir,
-    /// Suspend and resume run one at a time.
-    pub(crate) lifecycle: tokio::sync::Mutex<()>,
+    /// Lifecycle steps (suspend, resume, fork) run one at a time (see [`process`]).
+    pub(crate) lifecycle: Arc<tokio::sync::Mutex<()>>,
     /// Where the start went (reported in `Status`).
     pub(crate) timings: Timings,
 }
@@ -272,13 +276,14 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         stop_reason: Mutex::new(None),
         vmm_pid: child.id(),
         vmm_frozen: std::sync::atomic::AtomicBool::new(false),
+        thaw_owed: std::sync::atomic::AtomicBool::new(false),
         fork_hold: std::sync::atomic::AtomicU64::new(0),
         vm_id: cfg.vm_id.clone(),
         ram_file: cfg.launch.ram_file.clone(),
         boot_ms: Mutex::new(None),
         control: endpoints.control.clone(),
         dir: dir.clone(),
-        lifecycle: tokio::sync::Mutex::new(()),
+        lifecycle: Arc::new(tokio::sync::Mutex::new(())),
         timings: timings.clone(),
     });
 
@@ -395,6 +400,13 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                                     shared.stop.notify_one();
                                     return;
                                 }
+                            }
+                        }
+                        if !first && shared.thaw_owed.swap(false, Ordering::SeqCst) {
+                            // Before any step can use the channel again (see [`freeze`]).
+                            if let Err(e) = thaw(&ch).await {
+                                tracing::warn!(error = %e, "thawing jobs left frozen failed");
+                                shared.thaw_owed.store(true, Ordering::SeqCst);
                             }
                         }
                         if first && restore {
@@ -651,46 +663,27 @@ async fn handle(conn: UnixStream, shared: Arc<Shared>) {
         let channel = shared.channel(RECONNECT_WAIT).await;
         return crate::stream::serve(channel, target, rd, wr).await;
     }
-    // A client that goes away cancels a guest call or a wait (and with it the guest's HTTP/2
-    // stream). A lifecycle step runs to its end in a task of its own whatever the client
-    // does: cut half-way it would leave the VM stopped, or its jobs frozen, behind a phase
-    // that says otherwise. The client then only misses the answer.
+    // A client that goes away cancels its request: a guest call (and with it the guest's
+    // HTTP/2 stream), a wait, or a lifecycle step still waiting for its turn. A step that
+    // began runs to its end (see [`process`]); the client then only misses the answer.
     let gone = async {
         let mut b = [0u8; 1];
         let _ = rd.read(&mut b).await;
     };
-    let work = async {
-        if runs_to_completion(&req) {
-            let shared = shared.clone();
-            tokio::spawn(async move { process(req, &shared).await })
-                .await
-                .unwrap_or_else(|e| Err(SupervisorError::Failed(format!("internal error: {e}"))))
-        } else {
-            process(req, &shared).await
-        }
-    };
     tokio::select! {
-        reply = work => {
+        reply = process(req, &shared) => {
             let _ = write_frame(&mut wr, &reply).await;
         }
         _ = gone => {}
     }
 }
 
-/// Requests that change the VM's state: never cancelled by the client leaving (see
-/// [`handle`]).
-fn runs_to_completion(req: &SupervisorRequest) -> bool {
-    matches!(
-        req,
-        SupervisorRequest::Pause
-            | SupervisorRequest::Resume
-            | SupervisorRequest::Hibernate
-            | SupervisorRequest::ForkSave { .. }
-            | SupervisorRequest::ForkSaveHeld { .. }
-            | SupervisorRequest::ForkRelease
-    )
-}
-
+/// Answers one request. A lifecycle step waits for the lifecycle lock as part of the
+/// request, so a client that gives up while another step runs leaves nothing queued behind
+/// it (a pause run minutes later would stop a VM its engine believes running). Once the
+/// lock is held the step runs in a task of its own to its end whatever the client does: cut
+/// half-way it would leave the VM stopped, or its jobs frozen, behind a phase that says
+/// otherwise.
 async fn process(req: SupervisorRequest, shared: &Arc<Shared>) -> Reply {
     match req {
         SupervisorRequest::Status => Ok(SupervisorResponse::Status(status(shared))),
@@ -706,43 +699,20 @@ async fn process(req: SupervisorRequest, shared: &Arc<Shared>) -> Reply {
             shared.stop.notify_one();
             Ok(SupervisorResponse::Stopping)
         }
-        SupervisorRequest::Pause => {
-            let _l = shared.lifecycle.lock().await;
-            pause(shared).await
-        }
-        SupervisorRequest::Resume => {
-            let _l = shared.lifecycle.lock().await;
-            if crate::fork::held(shared) {
-                return Err(SupervisorError::Refused(
-                    "a fork is copying this VM's session files; it runs on when they are copied"
-                        .into(),
-                ));
-            }
-            resume(shared).await
-        }
-        SupervisorRequest::Hibernate => {
-            let _l = shared.lifecycle.lock().await;
-            hibernate(shared).await
-        }
-        SupervisorRequest::ForkSave {
-            state,
-            disk,
-            max_disk_bytes,
-        } => {
-            let _l = shared.lifecycle.lock().await;
-            crate::fork::save(shared, &state, &disk, max_disk_bytes, false).await
-        }
-        SupervisorRequest::ForkSaveHeld {
-            state,
-            disk,
-            max_disk_bytes,
-        } => {
-            let _l = shared.lifecycle.lock().await;
-            crate::fork::save(shared, &state, &disk, max_disk_bytes, true).await
-        }
-        SupervisorRequest::ForkRelease => {
-            let _l = shared.lifecycle.lock().await;
-            crate::fork::release(shared).await
+        step @ (SupervisorRequest::Pause
+        | SupervisorRequest::Resume
+        | SupervisorRequest::Hibernate
+        | SupervisorRequest::ForkSave { .. }
+        | SupervisorRequest::ForkSaveHeld { .. }
+        | SupervisorRequest::ForkRelease) => {
+            let held = shared.lifecycle.clone().lock_owned().await;
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                let _held = held;
+                lifecycle_step(step, &shared).await
+            })
+            .await
+            .unwrap_or_else(|e| Err(SupervisorError::Failed(format!("internal error: {e}"))))
         }
         SupervisorRequest::OpenStream(_) => Err(SupervisorError::Refused(
             "a stream is opened on a connection of its own".into(),
@@ -754,6 +724,35 @@ async fn process(req: SupervisorRequest, shared: &Arc<Shared>) -> Reply {
             let ch = shared.channel(RECONNECT_WAIT).await?;
             guest_call(&ch, r).await.map(SupervisorResponse::Guest)
         }
+    }
+}
+
+/// One lifecycle step, with the lifecycle lock held by the caller.
+async fn lifecycle_step(req: SupervisorRequest, shared: &Arc<Shared>) -> Reply {
+    match req {
+        SupervisorRequest::Pause => pause(shared).await,
+        SupervisorRequest::Resume => {
+            if crate::fork::held(shared) {
+                return Err(SupervisorError::Refused(
+                    "a fork is copying this VM's session files; it runs on when they are copied"
+                        .into(),
+                ));
+            }
+            resume(shared).await
+        }
+        SupervisorRequest::Hibernate => hibernate(shared).await,
+        SupervisorRequest::ForkSave {
+            state,
+            disk,
+            max_disk_bytes,
+        } => crate::fork::save(shared, &state, &disk, max_disk_bytes, false).await,
+        SupervisorRequest::ForkSaveHeld {
+            state,
+            disk,
+            max_disk_bytes,
+        } => crate::fork::save(shared, &state, &disk, max_disk_bytes, true).await,
+        SupervisorRequest::ForkRelease => crate::fork::release(shared).await,
+        _ => Err(SupervisorError::Refused("not a lifecycle step".into())),
     }
 }
 
@@ -801,6 +800,24 @@ pub(crate) async fn guest_call(
     }
 }
 
+/// Freezes the guest's jobs for a lifecycle step. Only the guest's own refusal means they
+/// were not frozen: a Freeze whose answer was lost (a timeout, a dropped channel) may have
+/// happened, since the guest runs it to its end. It is undone at once, or, when the
+/// channel cannot carry the `Thaw`, on the next connection, so the jobs of a VM that keeps
+/// running are never left frozen.
+pub(crate) async fn freeze(shared: &Shared, ch: &GuestChannel) -> Result<(), SupervisorError> {
+    match guest_call(ch, HostRequest::Freeze).await {
+        Ok(_) => Ok(()),
+        Err(e @ SupervisorError::Guest(_)) => Err(e),
+        Err(e) => {
+            if thaw(ch).await.is_err() {
+                shared.thaw_owed.store(true, Ordering::SeqCst);
+            }
+            Err(e)
+        }
+    }
+}
+
 /// The host's clock and fresh entropy for a guest that runs again.
 pub(crate) async fn thaw(ch: &GuestChannel) -> Result<(), SupervisorError> {
     use rand::RngCore;
@@ -834,14 +851,7 @@ async fn pause(shared: &Shared) -> Reply {
     }
     let ch = shared.channel(RECONNECT_WAIT).await?;
     let info = ready_info(shared).ok_or_else(|| SupervisorError::NotReady("not running".into()))?;
-    if let Err(e) = guest_call(&ch, HostRequest::Freeze).await {
-        if matches!(e, SupervisorError::Timeout(_)) {
-            // The cut-off Freeze may still reach a guest that is only slow: undo it, so the
-            // jobs of a VM that keeps running are never left frozen.
-            let _ = thaw(&ch).await;
-        }
-        return Err(e);
-    }
+    freeze(shared, &ch).await?;
     let stopped = match qmp(&shared.control).await {
         Ok(mut q) => q
             .pause()
@@ -1011,7 +1021,7 @@ async fn hibernate(shared: &Shared) -> Reply {
         None
     } else {
         let ch = shared.channel(RECONNECT_WAIT).await?;
-        guest_call(&ch, HostRequest::Freeze).await?;
+        freeze(shared, &ch).await?;
         Some(ch)
     };
     let mut q = match qmp(&shared.control).await {

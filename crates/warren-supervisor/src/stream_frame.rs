@@ -60,6 +60,8 @@ pub struct FrameReader<R> {
     head_have: usize,
     body: Vec<u8>,
     body_have: usize,
+    /// A bad frame or a torn connection ended the stream: every later call fails too.
+    failed: bool,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -70,12 +72,24 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             head_have: 0,
             body: Vec::new(),
             body_have: 0,
+            failed: false,
         }
     }
 
     /// The next frame; `Ok(None)` when the peer closed the connection between frames. Each
     /// await reads into this reader's own buffers, so dropping the future loses nothing.
     pub async fn next(&mut self) -> Result<Option<StreamFrame>, FrameError> {
+        if self.failed {
+            return Err(FrameError::BadStreamFrame);
+        }
+        // An I/O error or a bad frame leaves the reader failed; a cut (the future dropped
+        // while it waits) leaves it where it was.
+        let frame = self.read_frame().await;
+        self.failed = frame.is_err();
+        frame
+    }
+
+    async fn read_frame(&mut self) -> Result<Option<StreamFrame>, FrameError> {
         while self.head_have < self.head.len() {
             let n = self.r.read(&mut self.head[self.head_have..]).await?;
             if n == 0 {
@@ -103,7 +117,8 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         Ok(Some(match self.head[0] {
             KIND_DATA => StreamFrame::Data(body),
             KIND_EOF => StreamFrame::Eof,
-            _ => StreamFrame::End(postcard::from_bytes(&body)?),
+            KIND_END => StreamFrame::End(postcard::from_bytes(&body)?),
+            _ => return Err(FrameError::BadStreamFrame),
         }))
     }
 
@@ -255,8 +270,12 @@ mod tests {
             vec![KIND_EOF, 0, 0, 0, 1],
             vec![9, 0, 0, 0, 0],
         ] {
-            let mut r = FrameReader::new(&bad[..]);
+            // Followed by a good frame: a failed reader stays failed, never reads on.
+            let mut bytes = bad.clone();
+            write_eof(&mut bytes).await.expect("eof");
+            let mut r = FrameReader::new(&bytes[..]);
             assert!(r.next().await.is_err(), "{bad:?}");
+            assert!(r.next().await.is_err(), "{bad:?} then");
         }
         // A connection that ends inside a frame is an error, not a clean close.
         let mut r = FrameReader::new(&buf[..7]);

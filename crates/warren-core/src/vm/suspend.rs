@@ -56,7 +56,17 @@ impl Warren {
         }
         match mode {
             SuspendMode::Pause => {
-                client.pause().await?;
+                if let Err(e) = client.pause().await {
+                    // A pause that began runs to its end in the supervisor even when this
+                    // call gave up on it: its phase says which way it went.
+                    let paused = matches!(
+                        client.status().await.map(|st| st.phase),
+                        Ok(warren_supervisor::VmPhase::Paused(_))
+                    );
+                    if !paused {
+                        return Err(e.into());
+                    }
+                }
                 self.store.set_state(id, VmState::Paused, None, None)?;
                 rec.state = VmState::Paused;
             }
@@ -116,7 +126,19 @@ impl Warren {
         let mut rec = self.get_vm(id)?;
         let dir = self.vm_dir(id);
         match rec.state {
-            VmState::Running => return Ok(rec),
+            VmState::Running => {
+                // A pause this engine gave up on may have finished after all: a stopped VM
+                // recorded as running is resumed, not left stuck.
+                let client = SupervisorClient::new(&dir.socket());
+                if matches!(
+                    client.status().await.map(|st| st.phase),
+                    Ok(warren_supervisor::VmPhase::Paused(_))
+                ) {
+                    tracing::warn!(vm = %id, "the VM was paused behind a running record; resuming it");
+                    client.resume().await?;
+                }
+                return Ok(rec);
+            }
             VmState::Paused => {
                 SupervisorClient::new(&dir.socket()).resume().await?;
             }
