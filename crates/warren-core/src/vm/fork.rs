@@ -25,7 +25,8 @@
 //! the copies would write at the same time.
 
 use std::os::unix::fs::{chown, PermissionsExt};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use rand::RngCore;
 use warren_supervisor::{SupervisorClient, SupervisorConfig};
@@ -189,9 +190,20 @@ impl Warren {
                 .collect()
         };
         let forks = self.cfg.state_dir.join("forks");
+        sweep_fork_leftovers(&forks, &self.vm_dir(&parent.id).run_dir());
         let mut tag = [0u8; 6];
         rand::rng().fill_bytes(&mut tag);
         let fdir = forks.join(hex::encode(tag));
+        let tag = hex::encode(tag);
+        // Removed however this ends, a cancelled call included: the parent's supervisor
+        // finishes a save it began whoever waits for it, and its files are this fork's.
+        let _leftovers = Leftovers {
+            dir: fdir.clone(),
+            written: self
+                .vm_dir(&parent.id)
+                .run_dir()
+                .join(format!("fork-{tag}.state")),
+        };
         let made = (|| -> Result<(), CoreError> {
             std::fs::create_dir_all(&forks).map_err(|e| CoreError::io("create", &forks, e))?;
             std::fs::set_permissions(&forks, std::fs::Permissions::from_mode(0o711))
@@ -213,11 +225,8 @@ impl Warren {
                 return all(e);
             }
         }
-        let out = self
-            .fork_saved(parent, pcfg, image, recs, &fdir, sessions)
-            .await;
-        let _ = std::fs::remove_dir_all(&fdir);
-        out
+        self.fork_saved(parent, pcfg, image, recs, &fdir, sessions)
+            .await
     }
 
     async fn fork_saved(
@@ -449,10 +458,105 @@ fn parent_ram_named(l: &warren_vmm::LaunchSpec) -> bool {
     l.named_ram || l.template_ram.is_some() || l.clone_ram.is_some() || l.ram_file.is_some()
 }
 
+/// A fork's own files: its directory under `forks/` and the state the parent's VMM writes
+/// in its run directory, removed when the fork ends however it ends.
+struct Leftovers {
+    dir: PathBuf,
+    written: PathBuf,
+}
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        // A VMM still writing keeps its unlinked file until it closes it; the space goes then.
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_file(&self.written);
+    }
+}
+
+/// How long a fork's files may sit unchanged before a later fork takes them for leftovers
+/// (a save and a hold are bounded well below it).
+const LEFTOVER_AGE: Duration = Duration::from_secs(2 * 3600);
+
+/// Removes what forks left behind: a save that finished after its caller was gone writes its
+/// files where [`Leftovers`] can no longer remove them. Only files unchanged for
+/// [`LEFTOVER_AGE`], so no fork under way loses its own.
+fn sweep_fork_leftovers(forks: &Path, parent_run: &Path) {
+    let stale = |p: &Path| {
+        std::fs::symlink_metadata(p)
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > LEFTOVER_AGE)
+    };
+    if let Ok(dirs) = std::fs::read_dir(forks) {
+        for e in dirs.flatten() {
+            let p = e.path();
+            let newest_inside = std::fs::read_dir(&p)
+                .map(|d| d.flatten().all(|f| stale(&f.path())))
+                .unwrap_or(true);
+            if stale(&p) && newest_inside {
+                tracing::info!(path = %p.display(), "removing a fork's leftover files");
+                let _ = std::fs::remove_dir_all(&p);
+            }
+        }
+    }
+    if let Ok(files) = std::fs::read_dir(parent_run) {
+        for e in files.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with("fork-") && name.ends_with(".state") && stale(&e.path()) {
+                tracing::info!(path = %e.path().display(), "removing a fork's leftover state");
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::vm::WarrenConfig;
+
+    #[test]
+    fn test_sweep_removes_only_fork_files_left_unchanged_for_long() {
+        let t = tempfile::tempdir().expect("tempdir");
+        let (forks, run) = (t.path().join("forks"), t.path().join("run"));
+        for d in [&forks, &run] {
+            std::fs::create_dir(d).expect("mkdir");
+        }
+        let old = std::time::SystemTime::now() - LEFTOVER_AGE - Duration::from_secs(60);
+        let age = |p: &Path| {
+            let f = std::fs::File::open(p).expect("open");
+            f.set_modified(old).expect("set mtime");
+        };
+        let file = |p: PathBuf| {
+            std::fs::write(&p, b"x").expect("write");
+            p
+        };
+        // Left behind: an old fork directory with old files, an old state file.
+        let gone = forks.join("aaaa");
+        std::fs::create_dir(&gone).expect("mkdir");
+        age(&file(gone.join("disk.qcow2")));
+        age(&gone);
+        let gone_state = file(run.join("fork-aaaa.state"));
+        age(&gone_state);
+        // Under way: a new directory, an old directory with a file still being written, a
+        // new state file; and an old file of the parent's that is not a fork's.
+        let live = forks.join("bbbb");
+        std::fs::create_dir(&live).expect("mkdir");
+        let busy = forks.join("cccc");
+        std::fs::create_dir(&busy).expect("mkdir");
+        file(busy.join("disk.qcow2"));
+        age(&busy);
+        let live_state = file(run.join("fork-bbbb.state"));
+        let other = file(run.join("mem"));
+        age(&other);
+        sweep_fork_leftovers(&forks, &run);
+        assert!(!gone.exists() && !gone_state.exists());
+        for kept in [&live, &busy, &live_state, &other] {
+            assert!(kept.exists(), "{}", kept.display());
+        }
+    }
 
     #[tokio::test]
     async fn test_fork_refused_under_an_expired_image_policy() {
