@@ -169,10 +169,10 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
         tokio::select! {
             frame = out_rx.recv() => {
                 let Some(frame) = frame else { break (INTERNAL, "internal error".into()) };
-                limit.take(frame.len()).await;
+                let at = limit.debit(frame.len());
                 counters.down.fetch_add(frame.len() as u64, Ordering::Relaxed);
                 let msg = Message::Binary(frame.into());
-                if let Some(end) = life.send(&service, &p, &mut sink, &mut ticket.closed, msg).await {
+                if let Some(end) = life.send(&service, &p, &mut sink, &mut ticket.closed, at, msg).await {
                     break end;
                 }
             }

@@ -252,20 +252,20 @@ async fn run(
         tokio::select! {
             r = reads.recv() => match r {
                 Some(Read::Data(tag, data)) => {
-                    limit.take(data.len()).await;
+                    let at = limit.debit(data.len());
                     sent += data.len() as u64;
                     let mut msg = Vec::with_capacity(data.len() + 1);
                     msg.push(tag);
                     msg.extend_from_slice(&data);
                     let msg = Message::Binary(msg.into());
-                    if let Some(end) = life.send(&service, &p, &mut sink, &mut ticket.closed, msg).await {
+                    if let Some(end) = life.send(&service, &p, &mut sink, &mut ticket.closed, at, msg).await {
                         break end;
                     }
                 }
                 Some(Read::Exit(ev)) => {
                     let text = serde_json::to_string(&ev).unwrap_or_default();
                     let msg = Message::Text(text.into());
-                    if let Some(end) = life.send(&service, &p, &mut sink, &mut ticket.closed, msg).await {
+                    if let Some(end) = life.send(&service, &p, &mut sink, &mut ticket.closed, None, msg).await {
                         break end;
                     }
                     break (NORMAL, "job finished".into());

@@ -233,18 +233,23 @@ impl RateLimit {
 
     /// Waits until `n` bytes may pass.
     pub async fn take(&mut self, n: usize) {
+        if let Some(at) = self.debit(n) {
+            tokio::time::sleep_until(at).await;
+        }
+    }
+
+    /// Counts `n` bytes as passed and says when they may go (`None`: now), for a sender
+    /// that waits in a race of its own.
+    pub fn debit(&mut self, n: usize) -> Option<tokio::time::Instant> {
         if self.rate == 0 {
-            return;
+            return None;
         }
         let now = tokio::time::Instant::now();
         let refill = now.duration_since(self.last).as_secs_f64() * self.rate as f64;
         self.tokens = (self.tokens + refill).min(Self::burst(self.rate));
         self.last = now;
         self.tokens -= n as f64;
-        if self.tokens < 0.0 {
-            let wait = -self.tokens / self.rate as f64;
-            tokio::time::sleep(Duration::from_secs_f64(wait)).await;
-        }
+        (self.tokens < 0.0).then(|| now + Duration::from_secs_f64(-self.tokens / self.rate as f64))
     }
 }
 

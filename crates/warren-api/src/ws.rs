@@ -177,10 +177,10 @@ async fn run(
         tokio::select! {
             next = next_down(&mut reader) => match next {
                 Ok(data) => {
-                    limit.take(data.len()).await;
+                    let at = limit.debit(data.len());
                     counters.down.fetch_add(data.len() as u64, Ordering::Relaxed);
                     let msg = Message::Binary(data.into());
-                    if let Some(end) = life.send(&service, &p, &mut sink, &mut ticket.closed, msg).await {
+                    if let Some(end) = life.send(&service, &p, &mut sink, &mut ticket.closed, at, msg).await {
                         break end;
                     }
                 }
@@ -369,7 +369,7 @@ impl Lifeline {
                 }
                 // Sent as data is: still watching the stream's end and the credential.
                 let ping = Message::Ping(Default::default());
-                self.send(service, p, sink, closed, ping).await
+                self.send(service, p, sink, closed, None, ping).await
             }
         }
     }
@@ -385,11 +385,18 @@ impl Lifeline {
         p: &Principal,
         sink: &mut Sink,
         closed: &mut tokio::sync::watch::Receiver<Option<crate::streams::CloseReason>>,
+        not_before: Option<tokio::time::Instant>,
         msg: Message,
     ) -> Option<(u16, String)> {
-        let send = sink.send(msg);
+        // Paced by a rate limit: the wait is raced like the send, so a slow rate never
+        // holds off the stream's end or the credential recheck.
+        let start = not_before.unwrap_or_else(tokio::time::Instant::now);
+        let send = async {
+            tokio::time::sleep_until(start).await;
+            sink.send(msg).await
+        };
         tokio::pin!(send);
-        let stall = tokio::time::sleep(SEND_STALL);
+        let stall = tokio::time::sleep_until(start + SEND_STALL);
         tokio::pin!(stall);
         loop {
             tokio::select! {
@@ -457,8 +464,13 @@ pub(crate) mod tests {
 
     /// A service on a fresh state directory (no VM is ever started).
     pub(crate) fn test_service(dir: &std::path::Path) -> Arc<Service> {
+        test_service_with(dir, "")
+    }
+
+    /// [`test_service`] with `tables` (TOML) added to its configuration.
+    fn test_service_with(dir: &std::path::Path, tables: &str) -> Arc<Service> {
         let text = format!(
-            "state_dir = {:?}\naccel = \"tcg\"\n[images.dev]\nid = \"{}\"\n",
+            "state_dir = {:?}\naccel = \"tcg\"\n[images.dev]\nid = \"{}\"\n{tables}",
             dir.join("state"),
             "0".repeat(64)
         );
@@ -519,12 +531,16 @@ pub(crate) mod tests {
     }
 
     /// A guest stream of `p` to vm1 whose guest sends as fast as it is taken, to a client
-    /// that reads nothing, once nothing moves any more. Returns when `run` ended, and the
-    /// client's connection (to keep).
+    /// that reads nothing (or, `drain`, reads everything), once nothing moves any more.
+    /// Returns when `run` ended, and the client's connection (to keep).
     async fn stuck_stream(
         service: &Arc<Service>,
         p: Principal,
-    ) -> (tokio::sync::oneshot::Receiver<()>, tokio::net::TcpStream) {
+        drain: bool,
+    ) -> (
+        tokio::sync::oneshot::Receiver<()>,
+        tokio::net::tcp::OwnedWriteHalf,
+    ) {
         let ticket = service.streams().admit(&p.workspace, "vm1").expect("admit");
         let (ours, guest) = tokio::net::UnixStream::pair().expect("pair");
         let opened = crate::service::streams::Opened {
@@ -551,15 +567,22 @@ pub(crate) mod tests {
             let _ = done_tx.send(());
         })
         .await;
+        let (mut rd, wr) = client.into_split();
+        tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let mut buf = vec![0u8; 64 * 1024];
+            while drain && matches!(rd.read(&mut buf).await, Ok(n) if n > 0) {}
+            std::future::pending::<()>().await
+        });
         until_stuck(&written).await;
-        (done, client)
+        (done, wr)
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn test_stream_to_a_client_that_stopped_reading_still_closes_on_suspend() {
         let dir = tempfile::tempdir().expect("tmp");
         let service = test_service(dir.path());
-        let (done, _client) = stuck_stream(&service, Principal::local(0)).await;
+        let (done, _client) = stuck_stream(&service, Principal::local(0), false).await;
         assert_eq!(
             service
                 .streams()
@@ -582,12 +605,32 @@ pub(crate) mod tests {
             .issue("alice", None, &crate::auth::PolicyRequest::default())
             .expect("issue");
         let p = service.credentials().authenticate(&secret).expect("token");
-        let (done, _client) = stuck_stream(&service, p).await;
+        let (done, _client) = stuck_stream(&service, p, false).await;
         service.credentials().revoke(&info.id).expect("revoke");
         // Rechecked every RECHECK; the close frame then gets CLOSE_WAIT.
         tokio::time::timeout(RECHECK + CLOSE_WAIT + Duration::from_secs(5), done)
             .await
             .expect("revocation ends the stream although its client reads nothing")
+            .expect("ended");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn test_slow_rate_limit_never_holds_off_revocation() {
+        let dir = tempfile::tempdir().expect("tmp");
+        // Past the 1 MiB burst each 64 KiB chunk waits 16 s for its turn: far beyond the
+        // recheck, which must still close the stream on time.
+        let service = test_service_with(dir.path(), "[streams]\nrate_bytes = 4096\n");
+        let (info, secret) = service
+            .credentials()
+            .issue("alice", None, &crate::auth::PolicyRequest::default())
+            .expect("issue");
+        let p = service.credentials().authenticate(&secret).expect("token");
+        let (done, _client) = stuck_stream(&service, p, true).await;
+        service.credentials().revoke(&info.id).expect("revoke");
+        // The client reads, so the close frame goes at once.
+        tokio::time::timeout(RECHECK + Duration::from_secs(4), done)
+            .await
+            .expect("revocation ends a rate-limited stream on time")
             .expect("ended");
     }
 

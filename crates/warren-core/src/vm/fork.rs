@@ -270,8 +270,15 @@ impl Warren {
                 );
             }
             if let Err(e) = saved {
-                if sessions.is_some() {
-                    // A reply lost after a held save must not leave the parent stopped.
+                // A reply lost after a held save must not leave the parent stopped. One the
+                // supervisor answered with a refusal held nothing: a release then could only
+                // end another fork's hold, while it copies that fork's files.
+                let answered = matches!(
+                    e,
+                    warren_supervisor::client::ClientError::Supervisor(_)
+                        | warren_supervisor::client::ClientError::Connect { .. }
+                );
+                if sessions.is_some() && !answered {
                     let _ = client.fork_release().await;
                 }
                 return Err(e.into());
