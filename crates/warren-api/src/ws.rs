@@ -596,17 +596,23 @@ pub(crate) mod tests {
         assert_eq!(service.streams().count("vm1"), 0);
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn test_stream_to_a_client_that_stopped_reading_still_closes_on_revocation() {
-        let dir = tempfile::tempdir().expect("tmp");
-        let service = test_service(dir.path());
+    /// A workspace token's id and its principal (to revoke while its stream is open).
+    fn token(service: &Service) -> (String, Principal) {
         let (info, secret) = service
             .credentials()
             .issue("alice", None, &crate::auth::PolicyRequest::default())
             .expect("issue");
         let p = service.credentials().authenticate(&secret).expect("token");
+        (info.id, p)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn test_stream_to_a_client_that_stopped_reading_still_closes_on_revocation() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let service = test_service(dir.path());
+        let (id, p) = token(&service);
         let (done, _client) = stuck_stream(&service, p, false).await;
-        service.credentials().revoke(&info.id).expect("revoke");
+        service.credentials().revoke(&id).expect("revoke");
         // Rechecked every RECHECK; the close frame then gets CLOSE_WAIT.
         tokio::time::timeout(RECHECK + CLOSE_WAIT + Duration::from_secs(5), done)
             .await
@@ -620,13 +626,9 @@ pub(crate) mod tests {
         // Past the 1 MiB burst each 64 KiB chunk waits 16 s for its turn: far beyond the
         // recheck, which must still close the stream on time.
         let service = test_service_with(dir.path(), "[streams]\nrate_bytes = 4096\n");
-        let (info, secret) = service
-            .credentials()
-            .issue("alice", None, &crate::auth::PolicyRequest::default())
-            .expect("issue");
-        let p = service.credentials().authenticate(&secret).expect("token");
+        let (id, p) = token(&service);
         let (done, _client) = stuck_stream(&service, p, true).await;
-        service.credentials().revoke(&info.id).expect("revoke");
+        service.credentials().revoke(&id).expect("revoke");
         // The client reads, so the close frame goes at once.
         tokio::time::timeout(RECHECK + Duration::from_secs(4), done)
             .await
