@@ -91,6 +91,95 @@ fn warren_protocol_ready() -> &'static str {
     "warren-guest: ready"
 }
 
+/// A kernel whose timer calibration the host disturbed (made certain here: a QEMU wrapper
+/// names a wrong APIC clock on the command line of the first boots) is stopped by the agent
+/// before anything runs, and the VM is booted again: once is invisible but for the logs,
+/// three times in a row fail the create, saying why.
+#[test]
+fn test_lifecycle_disturbed_timer_calibration_boots_again() {
+    use std::os::unix::fs::PermissionsExt;
+    ensure_image("minimal");
+    let env = TestEnv::new();
+    let qemu = std::env::var_os("PATH")
+        .and_then(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join("qemu-system-x86_64"))
+                .find(|p| p.is_file())
+        })
+        .expect("qemu-system-x86_64 on PATH");
+    // The VMM runs as the VM's uid: the wrapper and its counter must be open to it.
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let counter = dir.path().join("boots-to-disturb");
+    let wrapper = dir.path().join("qemu");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/bash\nn=$(cat {c})\nif [ \"$n\" -gt 0 ]; then\n  echo $((n-1)) > {c}\n  \
+             set -- \"${{@/warren.apic_bus_khz=1000000/warren.apic_bus_khz=3000000}}\"\nfi\n\
+             exec {q} \"$@\"\n",
+            c = counter.display(),
+            q = qemu.display()
+        ),
+    )
+    .expect("write wrapper");
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let disturb = |n: u32| {
+        std::fs::write(&counter, format!("{n}\n")).expect("counter");
+        std::fs::set_permissions(&counter, std::fs::Permissions::from_mode(0o666)).expect("chmod");
+    };
+    let image = pinned_image("minimal");
+    let create = || {
+        env.cmd()
+            .env("WARREN_QEMU", &wrapper)
+            .env("WARREN_ACCEL", "tcg")
+            .args(["vm", "create", "--image", &image, "--json"])
+            .output()
+            .expect("run warren")
+    };
+
+    // The first boot is disturbed: the create succeeds on the second.
+    disturb(1);
+    let out = create();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "create: {stderr}");
+    assert_eq!(
+        std::fs::read_to_string(&counter).expect("counter").trim(),
+        "0"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("create json");
+    let id = v["vm_id"].as_str().expect("vm_id").to_string();
+    let logs = env.run(&["vm", "logs", &id]);
+    let logs = String::from_utf8_lossy(&logs.stdout).into_owned();
+    let failed = logs
+        .find("guest: clock failed: ")
+        .expect("the first boot's line");
+    let ready = logs.rfind(warren_protocol_ready()).expect("ready");
+    assert!(failed < ready, "{logs}");
+    assert!(logs.contains("3000000 kHz"), "{logs}");
+    let sup = std::fs::read_to_string(env.vm_dir(&id).join("supervisor.log")).expect("log");
+    assert_eq!(sup.matches("VMM launched").count(), 2, "{sup}");
+    let r = env.run(&["vm", "exec", &id, "--", "echo", "alive"]);
+    assert_eq!(String::from_utf8_lossy(&r.stdout).trim(), "alive");
+    let r = env.run(&["vm", "destroy", &id]);
+    assert!(r.status.success());
+
+    // Every boot disturbed: three boots, then a refusal that says why.
+    disturb(5);
+    let out = create();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a create whose kernel never calibrated"
+    );
+    assert!(stderr.contains("guest: clock failed: "), "{stderr}");
+    assert!(stderr.contains("booted 3 times"), "{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(&counter).expect("counter").trim(),
+        "2"
+    );
+}
+
 #[test]
 fn test_lifecycle_bad_create_arguments_rejected() {
     ensure_image("minimal");

@@ -1,5 +1,6 @@
 //! Guest bring-up, run once by PID 1 before the runtime starts. Phases, in order:
 //! 1. `early-mounts`: proc, sysfs, devtmpfs; the console becomes stdin/stdout/stderr;
+//!    then `clock`: is the kernel's timer sound ([`crate::clock`])?
 //! 2. `modules`: `finit_module` the boot-critical modules listed in `/etc/warren/modules`
 //!    (the rest are opened now and loaded in the background once the agent serves);
 //! 3. `secret`: read the per-VM secret from the initramfs into memory;
@@ -88,9 +89,15 @@ pub enum BootError {
         #[source]
         source: nix::Error,
     },
+    #[error(transparent)]
+    Clock(#[from] crate::clock::ClockError),
     #[error("{0}")]
     Other(String),
 }
+
+/// The phase whose failure the host answers by booting the VM again
+/// ([`warren_protocol::CLOCK_FAILED_LINE`]).
+const CLOCK_PHASE: &str = "clock";
 
 type Phase<T> = Result<T, BootError>;
 
@@ -123,6 +130,8 @@ pub fn boot() -> Result<Booted, (&'static str, BootError)> {
     let cmdline = fs::read_to_string("/proc/cmdline")
         .map_err(io_err("read", "/proc/cmdline"))
         .map_err(|e| ("early-mounts", e))?;
+    // Before anything that sleeps: a kernel without a timer never wakes from a sleep.
+    crate::clock::check(&cmdline).map_err(|e| (CLOCK_PHASE, e.into()))?;
     let shares = parse_shares(&cmdline).map_err(|e| ("shares", e))?;
     let net = parse_net(&cmdline).map_err(|e| ("network", e))?;
     let deferred = load_modules(!shares.is_empty(), net.is_some()).map_err(|e| ("modules", e))?;
@@ -657,6 +666,14 @@ pub fn power_off() -> ! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_clock_phase_prints_the_line_the_host_looks_for() {
+        assert_eq!(
+            format!("guest: {CLOCK_PHASE} failed: "),
+            warren_protocol::CLOCK_FAILED_LINE
+        );
+    }
 
     #[test]
     fn test_parse_net() {

@@ -9,6 +9,7 @@
 
 mod boot;
 mod channel;
+mod clock;
 mod coherence;
 mod console;
 mod files;

@@ -48,6 +48,18 @@ pub const BENCH_PORT_NAME: &str = "org.warren.bench.0";
 /// through it.
 pub const BENCH_PORT_ARG: &str = "warren.bench_port";
 
+/// Kernel argument naming the frequency (kHz) at which the VMM runs the local APIC timer's
+/// input clock (QEMU and KVM: 1 GHz). The agent checks the kernel's own measurement of it
+/// at boot ([`CLOCK_FAILED_LINE`]); without the argument it checks only that a timer exists.
+pub const APIC_BUS_ARG: &str = "warren.apic_bus_khz";
+
+/// The console line (a prefix) of a boot the agent stopped because the kernel measured its
+/// timer wrongly: the VMM's CPU was held up while the kernel calibrated the local APIC timer
+/// (a loaded host under TCG), and the kernel either turned the timer off (the VM would hang
+/// at its first sleep) or set it to fire late. Nothing ran yet; the host boots such a VM
+/// again.
+pub const CLOCK_FAILED_LINE: &str = "guest: clock failed: ";
+
 /// HTTP/2 request path used for every operation; the operation is the body's enum variant.
 pub const RPC_PATH: &str = "/warren/v1";
 

@@ -246,6 +246,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
                     &dir,
                     false,
                     format!("setting up the network failed: {}", error_chain(&e)),
+                    false,
                 );
                 return Err(e.into());
             }
@@ -257,7 +258,7 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
     let launched = match backend.launch(&cfg.launch) {
         Ok(l) => l,
         Err(e) => {
-            record_exit(&dir, false, format!("launching the VMM failed: {e}"));
+            record_exit(&dir, false, format!("launching the VMM failed: {e}"), false);
             return Err(e.into());
         }
     };
@@ -539,9 +540,19 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         }
     }
     let _ = tokio::time::timeout(Duration::from_secs(1), console_task).await;
+    // Read once the console is drained: the guest's last line comes just before the VMM ends.
+    let never_ready = shared
+        .boot_ms
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .is_none();
+    let boot_again = !requested && never_ready && !restore && clock_failed(&tail);
+    if boot_again {
+        tracing::warn!("the guest's kernel measured its timer wrongly; the VM can boot again");
+    }
     // Namespace, TAP device, rules and egress go before the exit is recorded.
     drop(network);
-    record_exit(&dir, requested, reason);
+    record_exit(&dir, requested, reason, boot_again);
     for p in [
         dir.socket(),
         endpoints.console,
@@ -631,10 +642,19 @@ fn describe_status(s: std::process::ExitStatus) -> String {
     }
 }
 
-fn record_exit(dir: &VmDir, requested: bool, reason: String) {
+/// Whether the guest's agent stopped the boot over the kernel's timer
+/// ([`warren_protocol::CLOCK_FAILED_LINE`], printed at the start of a line).
+fn clock_failed(tail: &ConsoleTail) -> bool {
+    tail.text()
+        .lines()
+        .any(|l| l.starts_with(warren_protocol::CLOCK_FAILED_LINE))
+}
+
+fn record_exit(dir: &VmDir, requested: bool, reason: String, boot_again: bool) {
     let rec = ExitRecord {
         requested,
         reason,
+        boot_again,
         unix_time: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()

@@ -263,11 +263,58 @@ impl Warren {
         Ok((dir, run_as))
     }
 
-    /// Starts the VM's supervisor and waits until its guest answers (or fails to).
+    /// Starts the VM's supervisor and waits until its guest answers (or fails to). A cold
+    /// boot whose kernel measured its timer wrongly (`ExitRecord::boot_again`: the host held
+    /// the VM's CPU up while the kernel calibrated it) is booted again, up to
+    /// [`BOOT_ATTEMPTS`] times in all, each time logged; the boot time returned counts them.
     pub(super) async fn launch_and_wait(&self, dir: &VmDir) -> Result<u64, CoreError> {
+        let started = std::time::Instant::now();
+        for attempt in 1..=BOOT_ATTEMPTS {
+            let before = started.elapsed().as_millis() as u64;
+            match self.launch_once(dir, attempt > 1).await? {
+                Ok(ms) => return Ok(before + ms),
+                Err(Failed { reason, boot_again }) if boot_again && attempt < BOOT_ATTEMPTS => {
+                    tracing::warn!(
+                        vm = %dir.path().display(),
+                        attempt,
+                        reason = %warren_supervisor::log::guest_text(&reason),
+                        "the guest's kernel measured its timer wrongly (a busy host); booting the VM again"
+                    );
+                    for p in [dir.exit_record(), dir.socket()] {
+                        match std::fs::remove_file(&p) {
+                            Ok(()) => {}
+                            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                            Err(e) => return Err(CoreError::io("remove", &p, e)),
+                        }
+                    }
+                }
+                Err(Failed { reason, boot_again }) => {
+                    return Err(CoreError::BootFailed(if boot_again {
+                        format!(
+                            "{reason}\n(booted {BOOT_ATTEMPTS} times; each time the host held \
+                             the VM's CPU up while its kernel calibrated the timer: the host is \
+                             too busy to boot VMs under TCG)"
+                        )
+                    } else {
+                        reason
+                    }));
+                }
+            }
+        }
+        unreachable!("the last attempt returns")
+    }
+
+    /// One supervisor start and its wait: the boot time, or why the boot failed; an error
+    /// when the supervisor could not be started. `again`: a boot after
+    /// [`Failed::boot_again`] (the supervisor's log is appended to, not replaced).
+    async fn launch_once(
+        &self,
+        dir: &VmDir,
+        again: bool,
+    ) -> Result<Result<u64, Failed>, CoreError> {
         let dir = dir.clone();
         let t = std::time::Instant::now();
-        let supervisor = super::launch::spawn_supervisor(&self.cfg, &dir)?;
+        let supervisor = super::launch::spawn_supervisor(&self.cfg, &dir, again)?;
         tracing::debug!(ms = t.elapsed().as_millis() as u64, "supervisor spawned");
 
         let client = SupervisorClient::new(&dir.socket());
@@ -280,11 +327,10 @@ impl Warren {
                 if let Some(fd) = &supervisor {
                     let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::KILL);
                 }
-                let reason = dir
+                return Ok(Err(dir
                     .read_exit()
-                    .map(|r| r.reason)
-                    .unwrap_or_else(|| tail(&dir.supervisor_log(), 10));
-                return Err(CoreError::BootFailed(reason));
+                    .map(Failed::from)
+                    .unwrap_or_else(|| Failed::from(tail(&dir.supervisor_log(), 10)))));
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -292,7 +338,7 @@ impl Warren {
             .wait_ready(self.cfg.boot_timeout + Duration::from_secs(5))
             .await
         {
-            Ok(st) => Ok(st.boot_ms.unwrap_or(0)),
+            Ok(st) => Ok(Ok(st.boot_ms.unwrap_or(0))),
             Err(e) => {
                 // The supervisor records the precise reason (console tail included).
                 let _ = client.stop().await;
@@ -301,11 +347,44 @@ impl Warren {
                     kill_supervisor(&dir);
                     wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
                 }
-                let reason = dir.read_exit().map(|r| r.reason).unwrap_or_else(|| {
-                    format!("{e}; supervisor log:\n{}", tail(&dir.supervisor_log(), 10))
-                });
-                Err(CoreError::BootFailed(reason))
+                Ok(Err(dir.read_exit().map(Failed::from).unwrap_or_else(
+                    || {
+                        Failed::from(format!(
+                            "{e}; supervisor log:\n{}",
+                            tail(&dir.supervisor_log(), 10)
+                        ))
+                    },
+                )))
             }
+        }
+    }
+}
+
+/// Boots of one VM [`Warren::launch_and_wait`] makes at most: a kernel's timer calibration
+/// fails only when the host stalls the VM in a window of a few milliseconds, so two in a row
+/// are rare and three mean a host too loaded to boot.
+const BOOT_ATTEMPTS: u32 = 3;
+
+/// A boot that did not come up, and whether booting again may help.
+struct Failed {
+    reason: String,
+    boot_again: bool,
+}
+
+impl From<String> for Failed {
+    fn from(reason: String) -> Failed {
+        Failed {
+            reason,
+            boot_again: false,
+        }
+    }
+}
+
+impl From<warren_supervisor::layout::ExitRecord> for Failed {
+    fn from(r: warren_supervisor::layout::ExitRecord) -> Failed {
+        Failed {
+            reason: r.reason,
+            boot_again: r.boot_again && !r.requested,
         }
     }
 }

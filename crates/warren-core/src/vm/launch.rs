@@ -71,12 +71,14 @@ impl SupervisorLaunch {
 
 /// Starts `warren supervise` for `dir`, detached; returns a pidfd on it when it is our
 /// child (none under systemd, or on a kernel without pidfds: then only the supervisor's
-/// own lock-file pid can reach it later).
+/// own lock-file pid can reach it later). Its log replaces the last one, or with `append`
+/// follows it (a VM booted again keeps the first boot's story).
 pub(super) fn spawn_supervisor(
     cfg: &WarrenConfig,
     dir: &VmDir,
+    append: bool,
 ) -> Result<Option<OwnedFd>, CoreError> {
-    let log = warren_vmm::sys::private_file::create(&dir.supervisor_log(), false)
+    let log = warren_vmm::sys::private_file::create(&dir.supervisor_log(), append)
         .map_err(|e| CoreError::io("create", dir.supervisor_log(), e))?;
     match &cfg.supervisors {
         SupervisorLaunch::Child => spawn_child(cfg, dir, log),

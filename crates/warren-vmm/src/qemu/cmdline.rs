@@ -28,14 +28,23 @@ pub enum Attach<'a> {
     Paths(&'a VmEndpoints),
 }
 
+/// The rate of QEMU's local APIC timer clock, emulated (TCG) or in KVM: one count per
+/// nanosecond before the guest's divider.
+pub const APIC_BUS_KHZ: u64 = 1_000_000;
+
 /// Kernel arguments measured in PLATFORM.md: quiet console, no crypto self-tests, trusted TSC
-/// and CPU RNG, one UART, no legacy keyboard probing, and always `tsc_early_khz`.
+/// and CPU RNG, one UART, no legacy keyboard probing, and always `tsc_early_khz`; plus the
+/// APIC timer's clock, against which the agent checks the kernel's calibration of it.
 pub fn kernel_cmdline(tsc_khz: u64, extra: &[String]) -> String {
     let mut s = String::from(
         "console=ttyS0 quiet loglevel=0 cryptomgr.notests no_timer_check tsc=reliable \
          random.trust_cpu=on 8250.nr_uarts=1 nowatchdog audit=0 panic=-1 \
          i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd",
     );
+    s.push_str(&format!(
+        " {}={APIC_BUS_KHZ}",
+        warren_protocol::APIC_BUS_ARG
+    ));
     if tsc_khz > 0 {
         s.push_str(&format!(" tsc_early_khz={tsc_khz}"));
     }
@@ -447,5 +456,12 @@ mod tests {
         // The per-VM secret travels in the initramfs, never on the world-readable cmdline.
         let c = kernel_cmdline(1, &[]);
         assert!(!c.contains("secret"));
+    }
+
+    #[test]
+    fn test_kernel_cmdline_names_the_apic_timer_clock() {
+        // The agent checks the kernel's calibration against it (`warren-guest` `clock`).
+        let c = kernel_cmdline(1, &[]);
+        assert!(c.contains(" warren.apic_bus_khz=1000000"), "{c}");
     }
 }
