@@ -92,9 +92,9 @@ fn warren_protocol_ready() -> &'static str {
 }
 
 /// A kernel whose timer calibration the host disturbed (made certain here: a QEMU wrapper
-/// names a wrong APIC clock on the command line of the first boots) is stopped by the agent
-/// before anything runs, and the VM is booted again: once is invisible but for the logs,
-/// three times in a row fail the create, saying why.
+/// names a wrong APIC clock, or turns the APIC timer off, on the command line of the first
+/// boots) is stopped by the agent before anything runs, and the VM is booted again: once is
+/// invisible but for the logs, three times in a row fail the create, saying why.
 #[test]
 fn test_lifecycle_disturbed_timer_calibration_boots_again() {
     use std::os::unix::fs::PermissionsExt;
@@ -115,17 +115,19 @@ fn test_lifecycle_disturbed_timer_calibration_boots_again() {
     std::fs::write(
         &wrapper,
         format!(
-            "#!/bin/bash\nn=$(cat {c})\nif [ \"$n\" -gt 0 ]; then\n  echo $((n-1)) > {c}\n  \
-             set -- \"${{@/warren.apic_bus_khz=1000000/warren.apic_bus_khz=3000000}}\"\nfi\n\
-             exec {q} \"$@\"\n",
+            "#!/bin/bash\nread -r n how < {c}\nif [ \"$n\" -gt 0 ]; then\n  \
+             echo \"$((n-1)) $how\" > {c}\n  \
+             if [ \"$how\" = rate ]; then to=\"warren.apic_bus_khz=3000000\"; \
+             else to=\"warren.apic_bus_khz=1000000 noapictimer\"; fi\n  \
+             set -- \"${{@/warren.apic_bus_khz=1000000/$to}}\"\nfi\nexec {q} \"$@\"\n",
             c = counter.display(),
             q = qemu.display()
         ),
     )
     .expect("write wrapper");
     std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let disturb = |n: u32| {
-        std::fs::write(&counter, format!("{n}\n")).expect("counter");
+    let disturb = |n: u32, how: &str| {
+        std::fs::write(&counter, format!("{n} {how}\n")).expect("counter");
         std::fs::set_permissions(&counter, std::fs::Permissions::from_mode(0o666)).expect("chmod");
     };
     let image = pinned_image("minimal");
@@ -138,14 +140,14 @@ fn test_lifecycle_disturbed_timer_calibration_boots_again() {
             .expect("run warren")
     };
 
-    // The first boot is disturbed: the create succeeds on the second.
-    disturb(1);
+    // The first boot's kernel is told a wrong rate: the create succeeds on the second.
+    disturb(1, "rate");
     let out = create();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "create: {stderr}");
     assert_eq!(
         std::fs::read_to_string(&counter).expect("counter").trim(),
-        "0"
+        "0 rate"
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("create json");
     let id = v["vm_id"].as_str().expect("vm_id").to_string();
@@ -164,8 +166,9 @@ fn test_lifecycle_disturbed_timer_calibration_boots_again() {
     let r = env.run(&["vm", "destroy", &id]);
     assert!(r.status.success());
 
-    // Every boot disturbed: three boots, then a refusal that says why.
-    disturb(5);
+    // Every boot's kernel without an APIC timer (the state a failed calibration leaves):
+    // three boots, then a refusal that says why.
+    disturb(5, "notimer");
     let out = create();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -173,10 +176,11 @@ fn test_lifecycle_disturbed_timer_calibration_boots_again() {
         "a create whose kernel never calibrated"
     );
     assert!(stderr.contains("guest: clock failed: "), "{stderr}");
+    assert!(stderr.contains("no timer on CPU 0"), "{stderr}");
     assert!(stderr.contains("booted 3 times"), "{stderr}");
     assert_eq!(
         std::fs::read_to_string(&counter).expect("counter").trim(),
-        "2"
+        "2 notimer"
     );
 }
 

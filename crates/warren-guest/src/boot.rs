@@ -98,6 +98,9 @@ pub enum BootError {
 /// The phase whose failure the host answers by booting the VM again
 /// ([`warren_protocol::CLOCK_FAILED_LINE`]).
 const CLOCK_PHASE: &str = "clock";
+/// The timer check could not be made (a malformed argument, an unreadable listing): another
+/// boot would fail the same way, so it is not [`CLOCK_PHASE`].
+const TIMER_CHECK_PHASE: &str = "timer-check";
 
 type Phase<T> = Result<T, BootError>;
 
@@ -131,7 +134,14 @@ pub fn boot() -> Result<Booted, (&'static str, BootError)> {
         .map_err(io_err("read", "/proc/cmdline"))
         .map_err(|e| ("early-mounts", e))?;
     // Before anything that sleeps: a kernel without a timer never wakes from a sleep.
-    crate::clock::check(&cmdline).map_err(|e| (CLOCK_PHASE, e.into()))?;
+    crate::clock::check(&cmdline).map_err(|e| {
+        let phase = if e.transient() {
+            CLOCK_PHASE
+        } else {
+            TIMER_CHECK_PHASE
+        };
+        (phase, e.into())
+    })?;
     let shares = parse_shares(&cmdline).map_err(|e| ("shares", e))?;
     let net = parse_net(&cmdline).map_err(|e| ("network", e))?;
     let deferred = load_modules(!shares.is_empty(), net.is_some()).map_err(|e| ("modules", e))?;

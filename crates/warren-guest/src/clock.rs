@@ -60,8 +60,21 @@ pub enum ClockError {
     },
     #[error("malformed {APIC_BUS_ARG}={0}")]
     BadArgument(String),
+    #[error("{TIMER_LIST} lists {0}")]
+    Unreadable(String),
     #[error("read {TIMER_LIST}")]
     Read(#[source] std::io::Error),
+}
+
+impl ClockError {
+    /// Whether another boot may pass: a calibration a host stall disturbed, not a listing or
+    /// an argument the next boot would find the same.
+    pub fn transient(&self) -> bool {
+        matches!(
+            self,
+            ClockError::NoTimer(_) | ClockError::Miscalibrated { .. }
+        )
+    }
 }
 
 /// The phase: checks CPU 0's timer against the rate named on `cmdline`. A kernel without
@@ -127,7 +140,7 @@ pub fn parse(text: &str) -> Option<TickDevice> {
 /// Judges CPU 0's tick device against the VMM's APIC bus rate.
 pub fn verdict(dev: Option<TickDevice>, expected_khz: Option<u64>) -> Result<(), ClockError> {
     let Some(dev) = dev else {
-        return Err(ClockError::NoTimer("no tick device listed".into()));
+        return Err(ClockError::Unreadable("no tick device for CPU 0".into()));
     };
     if dev.name == "<NULL>" || dev.name.is_empty() {
         return Err(ClockError::NoTimer(format!("tick device {}", dev.name)));
@@ -138,8 +151,8 @@ pub fn verdict(dev: Option<TickDevice>, expected_khz: Option<u64>) -> Result<(),
         return Ok(());
     };
     let (Some(mult), Some(shift)) = (dev.mult, dev.shift) else {
-        return Err(ClockError::NoTimer(format!(
-            "tick device {} without its rate",
+        return Err(ClockError::Unreadable(format!(
+            "CPU 0's {} without its mult and shift",
             dev.name
         )));
     };
@@ -190,8 +203,11 @@ mod tests {
         let dev = parse(&listing("<NULL>", 0)).expect("cpu 0");
         let e = verdict(Some(dev), Some(1_000_000)).expect_err("no timer");
         assert!(matches!(e, ClockError::NoTimer(_)), "{e}");
+        assert!(e.transient());
+        // A listing without CPU 0 is not something another boot changes.
         let e = verdict(parse("Tick Device: mode: 1\nBroadcast device\n"), None).expect_err("x");
-        assert!(matches!(e, ClockError::NoTimer(_)), "{e}");
+        assert!(matches!(e, ClockError::Unreadable(_)), "{e}");
+        assert!(!e.transient());
     }
 
     #[test]

@@ -138,9 +138,9 @@ pub struct ExitRecord {
     pub requested: bool,
     pub reason: String,
     pub unix_time: u64,
-    /// The guest stopped its first boot because the kernel's timer came out wrong
-    /// ([`warren_protocol::CLOCK_FAILED_LINE`]): nothing ran and its disk is untouched, so
-    /// the VM may be booted again as it is.
+    /// The guest stopped a cold boot (before it was ever ready) because the kernel's timer
+    /// came out wrong ([`warren_protocol::CLOCK_FAILED_LINE`]): nothing ran and its disk is
+    /// untouched, so the VM may be booted again as it is.
     #[serde(default)]
     pub boot_again: bool,
 }

@@ -280,6 +280,11 @@ impl Warren {
                         reason = %warren_supervisor::log::guest_text(&reason),
                         "the guest's kernel measured its timer wrongly (a busy host); booting the VM again"
                     );
+                    // The last supervisor may still be on its way out (holding the lock).
+                    if !wait_supervisor_exit(dir, Duration::from_secs(10)).await {
+                        kill_supervisor(dir);
+                        wait_supervisor_exit(dir, Duration::from_secs(5)).await;
+                    }
                     for p in [dir.exit_record(), dir.socket()] {
                         match std::fs::remove_file(&p) {
                             Ok(()) => {}

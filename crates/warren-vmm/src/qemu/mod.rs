@@ -12,6 +12,7 @@
 mod cmdline;
 pub mod mapped_ram;
 pub mod qmp;
+mod tsc;
 pub mod virtiofs;
 
 use std::os::fd::OwnedFd;
@@ -21,6 +22,7 @@ use std::time::{Duration, Instant};
 
 pub use cmdline::{default_cpu, kernel_cmdline, qemu_args, Attach};
 use tokio::io::AsyncReadExt;
+pub use tsc::host_tsc_khz;
 
 use crate::accel::{Accel, ProbeVerdict};
 use crate::backend::{BoxFuture, LaunchSpec, LaunchedVm, VmBackend, VmControl, VmEndpoints};
@@ -181,24 +183,6 @@ fn bind_endpoint(path: &Path) -> Result<std::os::unix::net::UnixListener, VmmErr
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| VmmError::io("chmod", path, e))?;
     Ok(l)
-}
-
-/// Host TSC frequency from `/proc/cpuinfo` (`cpu MHz` × 1000).
-pub fn host_tsc_khz() -> Result<u64, VmmError> {
-    let info = std::fs::read_to_string("/proc/cpuinfo")
-        .map_err(|e| VmmError::io("read", "/proc/cpuinfo", e))?;
-    info.lines()
-        .find(|l| l.starts_with("cpu MHz"))
-        .and_then(|l| l.split(':').nth(1))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map(|mhz| (mhz * 1000.0) as u64)
-        .ok_or_else(|| {
-            VmmError::io(
-                "parse",
-                "/proc/cpuinfo",
-                std::io::Error::other("no cpu MHz"),
-            )
-        })
 }
 
 /// Boots `kernel` + `initramfs` under KVM with a deadline and reports whether the guest
