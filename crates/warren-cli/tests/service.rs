@@ -298,10 +298,13 @@ fn test_service_workspace_isolation_tokens_and_local_socket() {
     let r = d.local_call("vm_list", json!({}), &[("X-Warren-Workspace", "alice")]);
     assert_eq!(r.body["vms"][0]["vm_id"], vm, "{}", r.text);
 
-    // Revocation and expiry take effect on the next request.
-    let short = d.token("alice", &["--ttl", "1"]);
+    // Revocation and expiry take effect on the next request. Expiry is counted in whole
+    // seconds from the issue: a 5 s token is good for at least 4 s (room for a loaded host
+    // between issuing it and using it) and certainly expired 6 s after it was issued.
+    let short = d.token("alice", &["--ttl", "5"]);
+    let issued = std::time::Instant::now();
     assert_eq!(c.call(&d, &short, "vm_list", json!({})).status, 200);
-    std::thread::sleep(std::time::Duration::from_millis(2100));
+    std::thread::sleep(std::time::Duration::from_millis(6100).saturating_sub(issued.elapsed()));
     let r = c.call(&d, &short, "vm_list", json!({}));
     assert_eq!((r.status, r.code()), (401, "unauthenticated"));
     assert!(r.body["error"]["message"]
