@@ -812,11 +812,7 @@ fn sha256_file(path: &std::path::Path) -> String {
 /// The QEMU binary and firmware digests a checkpoint is bound to (cached by file identity in
 /// the host's runtime directory).
 pub fn vmm_digests() -> (String, String) {
-    let cache = if nix::unistd::geteuid().is_root() {
-        PathBuf::from("/run/warren")
-    } else {
-        std::env::temp_dir().join(format!("warren-{}", nix::unistd::geteuid()))
-    };
+    let cache = warren_vmm::accel::host_cache_dir();
     let digest = |p: &std::path::Path| {
         warren_vmm::accel::file_digest(p, &cache).unwrap_or_else(|_| sha256_file(p))
     };

@@ -170,6 +170,17 @@ fn qemu_digest(qemu: &Path, cache_dir: &Path) -> Result<String, VmmError> {
     file_digest(qemu, cache_dir)
 }
 
+/// Where host facts that hold for one host boot are cached (binary digests, the TSC rate):
+/// `/run/warren` for root (cleared at reboot), a per-user directory in the temporary
+/// directory otherwise.
+pub fn host_cache_dir() -> PathBuf {
+    if nix::unistd::geteuid().is_root() {
+        PathBuf::from("/run/warren")
+    } else {
+        std::env::temp_dir().join(format!("warren-{}", nix::unistd::geteuid()))
+    }
+}
+
 /// SHA-256 of a host binary (QEMU, firmware), recomputed only when its identity (device,
 /// inode, size, mtime) changes: hashing QEMU costs ~200 ms, too much for every create or
 /// resume. The record lives in `cache_dir`, named after the file.

@@ -7,7 +7,6 @@
 //! host boot and cached; `cpu MHz` is taken when it agrees within 0.1%, being then the
 //! kernel's own figure to the kHz.
 
-use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -39,7 +38,7 @@ pub fn host_tsc_khz() -> Result<u64, VmmError> {
         .map_err(|e| VmmError::io("read", "/proc/sys/kernel/random/boot_id", e))?
         .trim()
         .to_string();
-    let path = cache_path();
+    let path = crate::accel::host_cache_dir().join("host-tsc.json");
     let cached = std::fs::read(&path)
         .ok()
         .and_then(|b| serde_json::from_slice::<Cached>(&b).ok())
@@ -62,18 +61,6 @@ pub fn host_tsc_khz() -> Result<u64, VmmError> {
 /// Whether `cpu MHz` is the counter's rate (within 0.1% of the measurement).
 fn agrees(cpuinfo: u64, measured: u64) -> bool {
     cpuinfo.abs_diff(measured) * 1000 <= measured
-}
-
-fn cache_path() -> PathBuf {
-    let dir = if nix::unistd::geteuid().is_root() {
-        PathBuf::from("/run/warren")
-    } else {
-        match std::env::var_os("XDG_RUNTIME_DIR") {
-            Some(d) => PathBuf::from(d).join("warren"),
-            None => std::env::temp_dir().join(format!("warren-{}", nix::unistd::geteuid())),
-        }
-    };
-    dir.join("host-tsc.json")
 }
 
 /// Best effort: a cache that cannot be written costs the next process another 50 ms.
