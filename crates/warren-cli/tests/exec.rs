@@ -11,6 +11,9 @@ fn test_exec_echo_prints_guest_output() {
     let r = vm.sh("echo hello from $(uname -s); id -u; pwd");
     assert_eq!(r.code, 0, "stderr: {}", r.stderr);
     assert_eq!(r.stdout, "hello from Linux\n1000\n/workspace\n");
+    // The agent (PID 1) runs boosted so a busy guest cannot starve it; its jobs do not.
+    let r = vm.sh("awk '{print $19}' /proc/1/stat; nice; awk '{print $19}' /proc/self/stat");
+    assert_eq!(r.stdout, "-10\n0\n0\n", "stderr: {}", r.stderr);
 }
 
 #[test]

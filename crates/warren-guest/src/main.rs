@@ -31,6 +31,10 @@ fn main() {
         std::process::exit(2);
     }
     let booted = boot::boot().unwrap_or_else(|(phase, err)| boot::fail(phase, &err));
+    // Before the runtime's threads exist, so they inherit it; jobs go back to 0 (`sys`).
+    if let Err(e) = rustix::process::setpriority_process(None, sys::AGENT_NICE) {
+        console::log(format_args!("agent priority: {e}"));
+    }
     // One runtime thread: guests usually have one vCPU, and under TCG every cross-thread
     // wakeup is expensive (blocking file work still runs on tokio's blocking pool).
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -140,6 +140,9 @@ extern "C" fn child(arg: *mut c_void) -> c_int {
             libc::syscall(libc::SYS_exit, 127);
             127
         };
+        if super::restore_default_priority().is_err() {
+            return fail(args);
+        }
         if args.new_session && libc::syscall(libc::SYS_setsid) < 0 {
             return fail(args);
         }
