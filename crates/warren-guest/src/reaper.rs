@@ -81,8 +81,6 @@ impl Reaper {
 
     /// Spawns `cmd` and returns the child (never `wait` on it) and a receiver of its status.
     pub fn spawn(&self, cmd: &mut Command) -> io::Result<(Child, oneshot::Receiver<ExitStatus>)> {
-        // The agent runs boosted (`sys::AGENT_NICE`); what it starts does not.
-        crate::sys::default_priority_on_exec(cmd);
         let mut waiters = self.waiters();
         let child = cmd.spawn()?;
         let (tx, rx) = oneshot::channel();

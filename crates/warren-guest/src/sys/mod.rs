@@ -2,8 +2,7 @@
 //! the vfork-style job spawn ([`spawn`]), the `RNDADDENTROPY` and `RNDRESEEDCRNG` ioctls,
 //! the registration of a descriptor with tokio ([`register_fd`]), reads into a tokio
 //! buffer's uninitialised part ([`read_into`]) and the read-only mount clone of
-//! [`readonly_clone`], and the priority reset of children started through `std`
-//! ([`default_priority_on_exec`]). Everything else uses the safe `nix`/`rustix` APIs.
+//! [`readonly_clone`]. Everything else uses the safe `nix`/`rustix` APIs.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::fs::File;
@@ -55,18 +54,20 @@ pub fn read_into(
 /// The agent's scheduling priority (nice value). The agent is the VM's control plane: with
 /// the guest's jobs keeping its vCPU busy (a build, a stream's writer) it must still answer
 /// the host promptly, and under TCG one vCPU is all there is. At -10 the agent outweighs a
-/// job about nine to one; everything it starts for the user (jobs, `vm cp`'s tar) runs at
-/// the default 0 ([`restore_default_priority`]), the deferred module loads at 19.
+/// job about nine to one. Jobs (and their terminals) start at the default 0
+/// ([`restore_default_priority`], in [`spawn`]); the helpers the agent runs for the host
+/// outside job accounting (`vm cp`'s `tar`) keep its priority, being its data path (at 0
+/// the copy lost a quarter of its rate to the agent feeding it); the deferred module loads
+/// run at 19.
 pub const AGENT_NICE: i32 = -10;
 
 /// Raises the calling process's priority back to the default (nice 0) when it runs boosted:
-/// a child of the agent, between `fork`/`clone` and `execve`. Raw system calls only (the
-/// vfork child's rules, see [`spawn`]): the raw `getpriority` answers `20 - nice`. Raising a
-/// nice value needs no privilege, so failing is an error of the spawn.
+/// a job's vfork child before `execve`. Raw system calls only (the vfork child's rules, see
+/// [`spawn`]): the raw `getpriority` answers `20 - nice`. Raising a nice value needs no
+/// privilege, so failing is an error of the spawn.
 ///
 /// # Safety
-/// Async-signal-safe: two system calls, no allocation, no locks; fine in a vfork child or a
-/// `pre_exec` hook.
+/// Async-signal-safe: two system calls, no allocation, no locks.
 pub(crate) unsafe fn restore_default_priority() -> io::Result<()> {
     // SAFETY: plain system calls on the calling process (`who` 0) with integer arguments.
     unsafe {
@@ -76,15 +77,6 @@ pub(crate) unsafe fn restore_default_priority() -> io::Result<()> {
         }
     }
     Ok(())
-}
-
-/// Makes a `std` command's child run at the default priority, not the agent's.
-pub fn default_priority_on_exec(cmd: &mut std::process::Command) {
-    // SAFETY: the hook only calls `restore_default_priority`, which is async-signal-safe
-    // (two system calls), as `pre_exec` requires between fork and exec.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(cmd, || restore_default_priority());
-    }
 }
 
 pub const BROKER_MOUNT_C: &std::ffi::CStr = c"/run/warren-broker";
