@@ -260,16 +260,25 @@ pub fn qemu_args(spec: &LaunchSpec, attach: Attach<'_>, tsc_khz: u64) -> Vec<Str
     a
 }
 
-/// The CPU model a new VM gets: `host` under KVM; `max` under TCG, because QEMU's default
-/// TCG model (qemu64) lacks SSSE3, SSE4, POPCNT and AVX, so binaries built for newer x86-64
-/// levels die with SIGILL (the Bun-built Claude Code and opencode CLIs of the agents image).
-/// `max` is every feature TCG emulates.
+/// The CPU model a new VM gets: `host` under KVM; under TCG `max` without ERMS and FSRM
+/// ([`TCG_CPU`]).
 pub fn default_cpu(accel: crate::Accel) -> &'static str {
     match accel {
         crate::Accel::Kvm => "host",
-        crate::Accel::Tcg => "max",
+        crate::Accel::Tcg => TCG_CPU,
     }
 }
+
+/// The TCG CPU model. `max` (every feature TCG emulates), because QEMU's default TCG model
+/// (qemu64) lacks SSSE3, SSE4, POPCNT and AVX, so binaries built for newer x86-64 levels die
+/// with SIGILL (the Bun-built Claude Code and opencode CLIs of the agents image). Minus the
+/// "enhanced/fast `rep movsb`" bits: with them the guest kernel copies and clears memory
+/// (socket and pipe copies, `copy_from_user`, every zeroed page) with `rep movsb`/`rep stosb`,
+/// which TCG runs one byte per iteration, and glibc uses `rep movsb` for large `memcpy`s.
+/// Without them both use 8-byte or vector moves: `warren bench --suite streams` measured the
+/// guest's own loopback TCP 0.3 -> 0.9 GB/s, the raw port guest->host 3x, streams and `vm cp`
+/// about 2x. A VM keeps the model it was created with (its checkpoints need it).
+pub const TCG_CPU: &str = "max,-erms,-fsrm";
 
 #[cfg(test)]
 mod tests {
@@ -384,9 +393,14 @@ mod tests {
         assert!(s.contains("name=org.warren.agent.0"));
         assert!(!s.contains("-cpu host"));
         assert!(
-            s.contains("-cpu max"),
-            "TCG guests get every emulated CPU feature"
+            s.contains("-cpu max,-erms,-fsrm "),
+            "TCG guests get every emulated CPU feature but byte-wise rep moves: {s}"
         );
+        // A VM created with the plain `max` model keeps it (its checkpoints need it).
+        let mut older = spec();
+        older.cpu = Some("max".into());
+        let o = qemu_args(&older, Attach::Fds, 1).join(" ");
+        assert!(o.contains("-cpu max ") && !o.contains("erms"), "{o}");
         // A VM created before Warren chose a model keeps QEMU's default, so its
         // checkpoints still load.
         let mut legacy = spec();
