@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-pub use cmdline::{default_cpu, kernel_cmdline, qemu_args, Attach};
+pub use cmdline::{default_cpu, kernel_cmdline, qemu_args, Attach, TCG_CPU};
 use tokio::io::AsyncReadExt;
 pub use tsc::host_tsc_khz;
 
