@@ -21,6 +21,7 @@ fn test_shares_edit_both_ways_ownership_readonly_and_hibernate() {
     let id = env.create_vm_with("minimal", &["--mount", &rw_arg, "--mount", &ro_arg]);
     let vm = TestVm::adopt(env, id);
     let owner = nix::unistd::getuid().as_raw();
+    assert_fork_refused(&vm, "--mount shares cannot be forked");
 
     // Host files appear as the guest user's and are writable by it.
     let r = vm.sh(
@@ -389,6 +390,7 @@ fn test_shares_refuse_a_directory_replaced_while_hibernated() {
     let s: serde_json::Value = serde_json::from_str(&ok(out, "session create")).expect("json");
     let vm = TestVm::adopt(env, s["vm_id"].as_str().expect("vm id").to_string());
     assert_eq!(vm.sh("cat /workspace/mine.txt").stdout, "mine\n");
+    assert_fork_refused(&vm, "is direct: its files are");
     let aside = tmp.path().join("project.aside");
     for replacement in ["symlink to /", "another directory"] {
         ok(
@@ -430,4 +432,21 @@ fn test_shares_refuse_a_directory_replaced_while_hibernated() {
     let env_cmd = vm.warren(&["session", "list", "--json"]);
     assert!(env_cmd.status.success());
     vm.destroy();
+}
+
+/// A fork the VM's shares forbid is refused before anything is saved or admitted: the VM
+/// runs on, alone, and still answers.
+fn assert_fork_refused(vm: &TestVm, why: &str) {
+    let out = vm.warren(&["vm", "fork", &vm.id, "--count", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "forked: {err}");
+    assert!(
+        err.contains("error[invalid_argument]") && err.contains(why),
+        "{err}"
+    );
+    let list = vm.warren(&["vm", "list", "--json"]);
+    let vms: serde_json::Value = serde_json::from_slice(&list.stdout).expect("list json");
+    assert_eq!(vms.as_array().map(Vec::len), Some(1), "{vms}");
+    assert_eq!(vm.state(), "running");
+    assert_eq!(vm.sh("echo up").stdout, "up\n");
 }
