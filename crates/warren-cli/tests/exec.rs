@@ -17,7 +17,13 @@ fn test_exec_echo_prints_guest_output() {
     // Under TCG the guest's CPU has no fast-`rep movsb` bits (byte-wise under TCG), so its
     // kernel and libc copy with wider moves; it keeps the x86-64-v3 features of `max`.
     let record = vm.env.record(&vm.id).expect("the VM is listed");
-    if record["accel"] == "tcg" {
+    let config = std::fs::read(vm.env.vm_dir(&vm.id).join("supervisor.json")).expect("config");
+    let config: serde_json::Value = serde_json::from_slice(&config).expect("config json");
+    let cpu = &config["launch"]["cpu"];
+    if record["accel"] != "tcg" {
+        assert_eq!(cpu, "host", "{record}");
+    } else {
+        assert_eq!(cpu, "max,-erms,-fsrm", "the model is recorded with the VM");
         let r = vm.sh("grep -m1 '^flags' /proc/cpuinfo");
         let flags: Vec<&str> = r.stdout.split_whitespace().collect();
         for gone in ["erms", "fsrm"] {

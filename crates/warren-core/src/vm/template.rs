@@ -105,6 +105,18 @@ impl TemplateKey {
     }
 }
 
+/// A key whose CPU model is not the one new VMs of its accelerator get now (Warren changed
+/// its default, e.g. TCG `max` to [`warren_vmm::qemu::TCG_CPU`]): creates only ask for keys
+/// with the current model, so such a template is never used again.
+fn superseded_model(key: &TemplateKey) -> bool {
+    let current = match key.accel.as_str() {
+        "tcg" => warren_vmm::qemu::default_cpu(warren_vmm::Accel::Tcg),
+        "kvm" => warren_vmm::qemu::default_cpu(warren_vmm::Accel::Kvm),
+        _ => return false,
+    };
+    key.cpu != current
+}
+
 /// `template.json`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -262,7 +274,18 @@ impl Warren {
             }
             if name.ends_with(".current") {
                 if let Ok(n) = std::fs::read_to_string(e.path()) {
-                    used.push(n.trim().to_string());
+                    let n = n.trim().to_string();
+                    let superseded = valid_dir_name(&n)
+                        && read_record(&root.join(&n)).is_ok_and(|r| superseded_model(&r.key));
+                    if superseded {
+                        // No create asks for this key again: drop the pointer, and the
+                        // files go below unless a VM's disk still stands on them.
+                        if let Err(err) = std::fs::remove_file(e.path()) {
+                            tracing::warn!(error = %err, %name, "removing a superseded template");
+                        }
+                    } else {
+                        used.push(n);
+                    }
                 }
             } else if valid_dir_name(&name) {
                 dirs.push(name);
@@ -778,6 +801,27 @@ mod tests {
             shares: vec![],
             network: false,
         }
+    }
+
+    #[test]
+    fn test_superseded_model_is_a_cpu_new_vms_no_longer_get() {
+        assert!(superseded_model(&key()), "TCG `max` before -erms,-fsrm");
+        let now = TemplateKey {
+            cpu: warren_vmm::qemu::TCG_CPU.into(),
+            ..key()
+        };
+        assert!(!superseded_model(&now));
+        let kvm = TemplateKey {
+            accel: "kvm".into(),
+            cpu: "host".into(),
+            ..key()
+        };
+        assert!(!superseded_model(&kvm));
+        let unknown = TemplateKey {
+            accel: "hvf".into(),
+            ..key()
+        };
+        assert!(!superseded_model(&unknown), "kept when in doubt");
     }
 
     #[test]

@@ -50,7 +50,6 @@ pub fn read_into(
     Ok(n)
 }
 
-/// `crate::jobs::broker::BROKER_MOUNT` as the child's system calls take it.
 /// The agent's scheduling priority (nice value). The agent is the VM's control plane: with
 /// the guest's jobs keeping its vCPU busy (a build, a stream's writer) it must still answer
 /// the host promptly, and under TCG one vCPU is all there is. At -10 the agent outweighs a
@@ -58,7 +57,8 @@ pub fn read_into(
 /// ([`restore_default_priority`], in [`spawn`]); the helpers the agent runs for the host
 /// outside job accounting (`vm cp`'s `tar`) keep its priority, being its data path (at 0
 /// the copy lost a quarter of its rate to the agent feeding it); the deferred module loads
-/// run at 19.
+/// run at 19. A guest user could take over such a helper (same uid, `ptrace`) to run at -10
+/// during a copy: that only competes with its own VM's agent, as guest root always can.
 pub const AGENT_NICE: i32 = -10;
 
 /// Raises the calling process's priority back to the default (nice 0) when it runs boosted:
@@ -67,7 +67,9 @@ pub const AGENT_NICE: i32 = -10;
 /// privilege, so failing is an error of the spawn.
 ///
 /// # Safety
-/// Async-signal-safe: two system calls, no allocation, no locks.
+/// Only in a child the agent spawned, before `execve` (called anywhere else it drops the
+/// agent itself to 0). Async-signal-safe: two system calls, no allocation, no locks; a
+/// failing `getpriority` (it cannot, for the calling process) leaves the priority alone.
 pub(crate) unsafe fn restore_default_priority() -> io::Result<()> {
     // SAFETY: plain system calls on the calling process (`who` 0) with integer arguments.
     unsafe {
@@ -79,6 +81,7 @@ pub(crate) unsafe fn restore_default_priority() -> io::Result<()> {
     Ok(())
 }
 
+/// `crate::jobs::broker::BROKER_MOUNT` as the child's system calls take it.
 pub const BROKER_MOUNT_C: &std::ffi::CStr = c"/run/warren-broker";
 
 /// Registers `fd` with the runtime's reactor for readiness in both directions.
