@@ -803,6 +803,59 @@ mod tests {
         }
     }
 
+    /// A template made with the old TCG model loses its pointer and its files; one with
+    /// the current model is listed and kept.
+    #[test]
+    fn test_list_templates_retires_a_superseded_cpu_model() {
+        let state = tempfile::tempdir().expect("state");
+        let w = crate::Warren::open(crate::WarrenConfig::new(
+            state.path().to_path_buf(),
+            "/usr/bin/warren".into(),
+        ))
+        .expect("open");
+        let art = || crate::vm::artifacts::Artifact {
+            path: "/x".into(),
+            sha256: "0".repeat(64),
+        };
+        let root = w.templates_dir();
+        let mut made = vec![];
+        for (n, cpu) in [("1", "max"), ("2", warren_vmm::qemu::TCG_CPU)] {
+            let k = TemplateKey {
+                cpu: cpu.into(),
+                ..key()
+            };
+            let name = format!("t-{}-0000000{n}", k.digest());
+            let dir = root.join(&name);
+            std::fs::create_dir_all(&dir).expect("dir");
+            let record = TemplateRecord {
+                key: k.clone(),
+                artifacts: crate::vm::artifacts::RuntimeArtifacts {
+                    qemu: art(),
+                    firmware: art(),
+                    kernel: art(),
+                },
+                created_unix: 1,
+                boot_ms: 1,
+            };
+            std::fs::write(dir.join(RECORD), serde_json::to_vec(&record).expect("json"))
+                .expect("record");
+            let pointer = root.join(format!("{}.current", k.digest()));
+            std::fs::write(&pointer, &name).expect("pointer");
+            made.push((name, dir, pointer));
+        }
+        let listed = w.list_templates().expect("list");
+        let names: Vec<&str> = listed.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, [made[1].0.as_str()]);
+        assert!(
+            !made[0].1.exists() && !made[0].2.exists(),
+            "old model retired"
+        );
+        assert!(
+            made[1].1.exists() && made[1].2.exists(),
+            "current model kept"
+        );
+    }
+
     #[test]
     fn test_superseded_model_is_a_cpu_new_vms_no_longer_get() {
         assert!(superseded_model(&key()), "TCG `max` before -erms,-fsrm");
