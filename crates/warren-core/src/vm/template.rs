@@ -109,12 +109,11 @@ impl TemplateKey {
 /// its default, e.g. TCG `max` to [`warren_vmm::qemu::TCG_CPU`]): creates only ask for keys
 /// with the current model, so such a template is never used again.
 fn superseded_model(key: &TemplateKey) -> bool {
-    let current = match key.accel.as_str() {
-        "tcg" => warren_vmm::qemu::default_cpu(warren_vmm::Accel::Tcg),
-        "kvm" => warren_vmm::qemu::default_cpu(warren_vmm::Accel::Kvm),
-        _ => return false,
-    };
-    key.cpu != current
+    // The key names its accelerator as `Accel` displays it (see `template_key`).
+    [warren_vmm::Accel::Tcg, warren_vmm::Accel::Kvm]
+        .into_iter()
+        .find(|a| a.to_string() == key.accel)
+        .is_some_and(|a| key.cpu != warren_vmm::qemu::default_cpu(a))
 }
 
 /// `template.json`.
