@@ -5,7 +5,8 @@
 //! threads or tasks and every extra copy costs the guest's single vCPU dearly).
 //! - **Reading** ([`Port::poll_data`]): the port is read straight into the session's HTTP/2
 //!   read buffer, gathering what it has (a virtio-serial `read()` returns at most one 4 KiB
-//!   buffer), and unescaped in place ([`Decoder::decode_in_place`]). `read() == 0` means no
+//!   buffer, so each system call is a `readv` of page-sized pieces), and unescaped in place
+//!   ([`Decoder::decode_in_place`]). `read() == 0` means no
 //!   host is attached: it waits [`DETACHED_PAUSE`] and reads again (the port is never
 //!   closed: data arriving while it is closed would be lost).
 //! - **Writing** ([`Port::poll_write_data`]): what HTTP/2 writes is escaped into one
@@ -47,6 +48,9 @@ const MAX_PENDING: usize = 64 * 1024;
 /// 32 KiB per `write()`): HTTP/2's small frames (headers, data, window updates) written
 /// together go out in one port write, one virtio buffer and one host wakeup.
 const WRITE_BATCH: usize = 32 * 1024;
+/// The size of a virtio-serial port's receive buffers (one page): the most one `read()`
+/// of the port returns.
+const PORT_BUFFER: usize = 4096;
 /// Most bytes one read gathers before handing them over.
 const MAX_GATHER: usize = 256 * 1024;
 /// Buffer the manager reads (and drops) into while no session runs.
@@ -155,7 +159,7 @@ impl Port {
                 Poll::Pending if got > 0 => break,
                 Poll::Pending => return Poll::Pending,
             };
-            match guard.try_io(|fd| crate::sys::read_into(fd.get_ref().as_fd(), out)) {
+            match guard.try_io(|fd| crate::sys::read_into(fd.get_ref().as_fd(), out, PORT_BUFFER)) {
                 Ok(Ok(0)) if got > 0 => break,
                 Ok(Ok(0)) => return Poll::Ready(Ok(0)),
                 Ok(Ok(n)) => got += n,

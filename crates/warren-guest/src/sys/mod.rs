@@ -33,18 +33,40 @@ pub struct ChildSetup {
     pub broker_dir: Option<std::ffi::CString>,
 }
 
-/// One `read(2)` from `fd` into the unfilled part of `out`, without zeroing it first (the
-/// channel reads the port straight into HTTP/2's buffer); what was read becomes filled.
+/// Most pieces one [`read_into`] asks for.
+const MAX_PIECES: usize = 64;
+
+/// One `readv(2)` from `fd` into the unfilled part of `out`, without zeroing it first (the
+/// channel reads the port straight into HTTP/2's buffer), cut into pieces of `piece` bytes
+/// (at most [`MAX_PIECES`]); what was read becomes filled. A virtio-serial port answers a
+/// `read()` with at most one of its buffers (a page), and the kernel serves a `readv` of a
+/// device without vectored reads as one such read per piece until one comes back short: a
+/// page-sized `piece` gathers every full buffer in one system call instead of one each.
 pub fn read_into(
     fd: std::os::fd::BorrowedFd<'_>,
     out: &mut tokio::io::ReadBuf<'_>,
+    piece: usize,
 ) -> io::Result<usize> {
-    // SAFETY: the slice is only handed to `read(2)`, which writes at most its length and
-    // never de-initialises bytes.
+    // SAFETY: the slice is only handed to `readv(2)` below, which writes at most its length
+    // and never de-initialises bytes.
     let unfilled = unsafe { out.unfilled_mut() };
-    let (init, _) = rustix::io::read(fd, unfilled)?;
-    let n = init.len();
-    // SAFETY: `read(2)` initialised exactly the first `n` bytes of the unfilled part.
+    let piece = piece.max(1);
+    let mut iov = [libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    }; MAX_PIECES];
+    let mut count = 0;
+    for (slot, chunk) in iov.iter_mut().zip(unfilled.chunks_mut(piece)) {
+        slot.iov_base = chunk.as_mut_ptr().cast();
+        slot.iov_len = chunk.len();
+        count += 1;
+    }
+    // SAFETY: the first `count` entries of `iov` describe disjoint parts of `unfilled`, which
+    // outlives the call and is borrowed mutably for it; `count` <= MAX_PIECES fits an int.
+    let n = unsafe { libc::readv(fd.as_raw_fd(), iov.as_ptr(), count as libc::c_int) };
+    let n = usize::try_from(n).map_err(|_| io::Error::last_os_error())?;
+    // SAFETY: `readv(2)` filled its pieces in order, so it initialised exactly the first `n`
+    // bytes of the unfilled part.
     unsafe { out.assume_init(n) };
     out.advance(n);
     Ok(n)
