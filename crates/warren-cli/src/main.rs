@@ -46,6 +46,7 @@ fn from_rmcp(target: &str) -> bool {
 }
 
 fn main() {
+    quiet_on_closed_stdout();
     // Descriptors a parent left open never reach anything Warren starts (supervisors, VMMs,
     // virtiofsd, host git as a session owner).
     if let Err(e) = warren_vmm::sys::process::cloexec_from(3) {
@@ -107,4 +108,27 @@ fn main() {
         }
     };
     std::process::exit(code);
+}
+
+/// `println!` panics when standard output is a pipe its reader closed (`warren vm list |
+/// head`): that one panic ends the process quietly instead, with the status a shell reports
+/// for a process that SIGPIPE ended (128 + 13). SIGPIPE itself stays ignored (Rust's
+/// default), so a write to a supervisor or service socket that closed is an error the code
+/// handles, never a silent death. Matched on the OS error number, whatever the locale.
+fn quiet_on_closed_stdout() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let msg = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.starts_with("failed printing to stdout")
+            && msg.ends_with(&format!("(os error {})", nix::libc::EPIPE))
+        {
+            std::process::exit(128 + nix::libc::SIGPIPE);
+        }
+        default(info);
+    }));
 }

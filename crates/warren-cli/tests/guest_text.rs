@@ -231,3 +231,33 @@ fn test_guest_control_characters_reach_the_terminal_escaped() {
         "session delete",
     );
 }
+
+/// Output into a pipe whose reader is gone (`warren vm list | head`) ends the CLI quietly with
+/// 141 (128 + SIGPIPE), as a shell reports for tools that SIGPIPE ends: no panic message.
+/// Control: with a reader, the same command prints its listing and exits 0.
+#[test]
+fn test_output_into_a_closed_pipe_ends_quietly() {
+    let state = tempfile::tempdir().expect("state");
+    let run = |stdout: std::process::Stdio| {
+        std::process::Command::new(common::WARREN)
+            .args(["--state-dir"])
+            .arg(state.path())
+            .args(["vm", "list"])
+            .stdout(stdout)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .expect("run warren")
+    };
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let out = run(writer.into());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let out = run(std::process::Stdio::piped());
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("STATE"),
+        "{out:?}"
+    );
+}

@@ -9,6 +9,22 @@ use warren_vmm::LaunchSpec;
 #[derive(Debug, Clone)]
 pub struct VmDir(pub PathBuf);
 
+/// True while another open file description holds an exclusive `flock` on `path` (a
+/// missing file is not held).
+fn held(path: &Path) -> bool {
+    use std::os::fd::AsFd;
+    let Ok(f) = std::fs::File::open(path) else {
+        return false;
+    };
+    match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockSharedNonblock) {
+        Ok(l) => {
+            let _ = l.as_fd();
+            false
+        }
+        Err(_) => true,
+    }
+}
+
 impl VmDir {
     pub fn path(&self) -> &Path {
         &self.0
@@ -76,17 +92,21 @@ impl VmDir {
 
     /// True while a supervisor holds the lock.
     pub fn supervisor_alive(&self) -> bool {
-        use std::os::fd::AsFd;
-        let Ok(f) = std::fs::File::open(self.lock()) else {
-            return false;
-        };
-        match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockSharedNonblock) {
-            Ok(l) => {
-                let _ = l.as_fd();
-                false
-            }
-            Err(_) => true,
-        }
+        held(&self.lock())
+    }
+
+    /// Held (an exclusive `flock`) by the engine while it starts a resumed VM's supervisor,
+    /// from the moment the record says `resuming` until the new supervisor holds
+    /// [`VmDir::lock`] (a fallback fresh boot and every boot again included): a listing in
+    /// that window must not take the absent supervisor for a dead VM. The kernel drops the
+    /// lock with its holder, so an engine that died mid-way leaves nothing held.
+    pub fn transition_lock(&self) -> PathBuf {
+        self.0.join("transition.lock")
+    }
+
+    /// True while the engine holds [`VmDir::transition_lock`].
+    pub fn in_transition(&self) -> bool {
+        held(&self.transition_lock())
     }
 
     pub fn read_exit(&self) -> Option<ExitRecord> {

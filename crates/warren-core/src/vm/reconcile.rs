@@ -94,7 +94,11 @@ impl Warren {
             let id = &name[warren_supervisor::network::NETNS_PREFIX.len()..];
             let plain =
                 !id.is_empty() && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
-            if !plain || !self.vm_dir(id).path().is_dir() || self.vm_dir(id).supervisor_alive() {
+            if !plain
+                || !self.vm_dir(id).path().is_dir()
+                || self.vm_dir(id).supervisor_alive()
+                || self.vm_dir(id).in_transition()
+            {
                 continue;
             }
             tracing::info!(netns = %name, "removing a stale network namespace");
@@ -113,7 +117,8 @@ impl Warren {
             return Ok(rec);
         }
         let dir = self.vm_dir(&rec.id);
-        if dir.supervisor_alive() {
+        // A resume between supervisors (starting one, or booting again) is no dead VM.
+        if dir.supervisor_alive() || dir.in_transition() {
             return Ok(rec);
         }
         if rec.state == VmState::Hibernating && dir.read_checkpoint().is_some() {
@@ -188,5 +193,50 @@ impl Warren {
 
     pub fn vm_dir_path(&self, id: &str) -> PathBuf {
         self.vm_dir(id).0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::store::VmState;
+
+    /// A VM whose resume is between supervisors (the engine holds its transition lock) is
+    /// left `resuming` by a listing; once the lock is gone with no supervisor, it is failed.
+    #[test]
+    fn test_list_leaves_a_resume_between_supervisors_alone() {
+        let state = tempfile::tempdir().expect("state");
+        let w = crate::Warren::open(crate::WarrenConfig::new(
+            state.path().to_path_buf(),
+            "/usr/bin/warren".into(),
+        ))
+        .expect("open");
+        let mut rec = crate::vm::test_vm("vm-0123456789ab");
+        w.store
+            .insert(&mut rec, super::super::VM_UID_BASE, |_| {
+                Ok::<(), crate::error::CoreError>(())
+            })
+            .expect("insert");
+        w.store
+            .set_state(&rec.id, VmState::Resuming, None, None)
+            .expect("resuming");
+        let dir = w.vm_dir(&rec.id);
+        std::fs::create_dir_all(dir.path()).expect("vm dir");
+        let held = super::super::suspend::begin_transition(&dir)
+            .expect("lock")
+            .expect("free");
+        assert!(dir.in_transition());
+        assert!(
+            super::super::suspend::begin_transition(&dir)
+                .expect("second")
+                .is_none(),
+            "a second resume finds it held"
+        );
+        let listed = w.list_vms().expect("list");
+        assert_eq!(listed[0].state, VmState::Resuming, "left alone while held");
+        assert_eq!(w.get_vm(&rec.id).expect("get").state, VmState::Resuming);
+        drop(held);
+        assert!(!dir.in_transition());
+        let listed = w.list_vms().expect("list");
+        assert_eq!(listed[0].state, VmState::Failed, "nobody is resuming it");
     }
 }

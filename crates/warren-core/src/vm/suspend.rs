@@ -182,6 +182,12 @@ impl Warren {
                 cfg.restore = true;
                 cfg.launch.incoming = true;
                 let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
+                // Held until this function returns: from `resuming` on, listings leave the VM
+                // alone while no supervisor holds its lock. Held by another caller: that
+                // caller is resuming it.
+                let Some(_transition) = begin_transition(&dir)? else {
+                    return self.await_resume(id).await;
+                };
                 // Admission, as for a create: its memory is reserved (the VM is `resuming`)
                 // or the resume is refused before anything in the VM directory changes.
                 if self.reserve_resume(&rec)? == crate::admission::Reserved::Stale {
@@ -316,5 +322,26 @@ impl Warren {
         write_private(&dir.config(), &body)?;
         let boot_ms = self.launch_and_wait(dir).await?;
         Ok((generation, boot_ms))
+    }
+}
+
+/// Takes the VM's transition lock ([`VmDir::transition_lock`]) for a resume; `None` when
+/// another caller holds it.
+pub(super) fn begin_transition(
+    dir: &warren_supervisor::layout::VmDir,
+) -> Result<Option<nix::fcntl::Flock<std::fs::File>>, CoreError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.transition_lock();
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| CoreError::io("open", &path, e))?;
+    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => Ok(Some(lock)),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+        Err((_, e)) => Err(CoreError::io("lock", &path, e.into())),
     }
 }
