@@ -83,9 +83,13 @@ impl Warren {
                 .store()
                 .get(id)?
                 .ok_or_else(|| CoreError::VmNotFound(id.to_string()))?;
+            // Still `hibernated` while the other caller holds the transition lock: it is
+            // about to reserve the resume.
+            let pending = rec.state == VmState::Resuming
+                || (rec.state == VmState::Hibernated && self.vm_dir(id).in_transition());
             match rec.state {
                 VmState::Running => return Ok(rec),
-                VmState::Resuming if std::time::Instant::now() < deadline => {
+                _ if pending && std::time::Instant::now() < deadline => {
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 }
                 s => {

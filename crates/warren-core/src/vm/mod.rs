@@ -285,7 +285,7 @@ impl Warren {
         &self.store
     }
 
-    fn vm_dir(&self, id: &str) -> VmDir {
+    pub(crate) fn vm_dir(&self, id: &str) -> VmDir {
         VmDir(self.cfg.state_dir.join("vms").join(id))
     }
 
