@@ -337,6 +337,7 @@ pub(super) fn begin_transition(
         .truncate(false)
         .write(true)
         .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
         .open(&path)
         .map_err(|e| CoreError::io("open", &path, e))?;
     match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
