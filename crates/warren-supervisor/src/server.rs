@@ -139,6 +139,9 @@ impl Shared {
     }
 }
 
+/// Attempts, 10 ms apart, at the VM's lock before another supervisor is taken to hold it.
+const LOCK_TRIES: u32 = 100;
+
 /// Runs the supervisor for the VM in `dir` until the VM ends.
 pub fn run(dir: PathBuf) -> Result<(), SuperviseError> {
     // Nothing the supervisor (or its VMM) creates is writable by group or others from its
@@ -197,18 +200,42 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         },
     )?));
 
-    // 1. The lock: held until this process exits.
-    let lock_file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(dir.lock())
-        .map_err(|source| SuperviseError::Io {
-            what: "lock file",
-            source,
-        })?;
-    let _lock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusiveNonblock)
-        .map_err(|_| SuperviseError::Locked(dir.lock()))?;
+    // 1. The lock: held until this process exits. Private (0600, an existing file made so):
+    // anyone able to open it could hold a shared lock and keep every later supervisor of the
+    // VM from starting. A listing's probe holds a shared lock for an instant, so a refusal is
+    // retried for a moment before another supervisor is taken to hold it.
+    let lock_file = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(dir.lock())
+    }
+    .and_then(|f| {
+        use std::os::unix::fs::PermissionsExt;
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+        Ok(f)
+    })
+    .map_err(|source| SuperviseError::Io {
+        what: "lock file",
+        source,
+    })?;
+    let mut lock_file = lock_file;
+    let mut tries = 0;
+    let _lock = loop {
+        match nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => break lock,
+            Err((f, nix::errno::Errno::EWOULDBLOCK)) if tries < LOCK_TRIES => {
+                lock_file = f;
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(_) => return Err(SuperviseError::Locked(dir.lock())),
+        }
+    };
     {
         use std::io::Write;
         let mut f: &std::fs::File = &_lock;
