@@ -17,7 +17,10 @@ impl Warren {
     pub async fn awake_client(&self, id: &str) -> Result<SupervisorClient, CoreError> {
         self.store.touch(id, now_unix())?;
         let rec = self.get_vm(id)?;
-        if matches!(rec.state, VmState::Paused | VmState::Hibernated) {
+        if matches!(
+            rec.state,
+            VmState::Paused | VmState::Hibernated | VmState::Resuming
+        ) {
             self.resume_vm(id).await?;
         }
         self.client(id)

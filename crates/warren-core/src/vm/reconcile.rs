@@ -96,8 +96,8 @@ impl Warren {
                 !id.is_empty() && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
             if !plain
                 || !self.vm_dir(id).path().is_dir()
-                || self.vm_dir(id).supervisor_alive()
                 || self.vm_dir(id).in_transition()
+                || self.vm_dir(id).supervisor_alive()
             {
                 continue;
             }
@@ -117,8 +117,10 @@ impl Warren {
             return Ok(rec);
         }
         let dir = self.vm_dir(&rec.id);
-        // A resume between supervisors (starting one, or booting again) is no dead VM.
-        if dir.supervisor_alive() || dir.in_transition() {
+        // A resume between supervisors (starting one, or booting again) is no dead VM. The
+        // transition lock is asked first: probing the supervisor's lock while a supervisor
+        // starts is what that supervisor has to retry past.
+        if dir.in_transition() || dir.supervisor_alive() {
             return Ok(rec);
         }
         if rec.state == VmState::Hibernating && dir.read_checkpoint().is_some() {
@@ -150,6 +152,19 @@ impl Warren {
             .get(id)?
             .ok_or_else(|| CoreError::VmNotFound(id.to_string()))?;
         let dir = self.vm_dir(&rec.id);
+        // Never while a resume is between supervisors: it would launch into a removed
+        // directory, or leave its supervisor running with no record.
+        let _transition = match dir.path().is_dir() {
+            true => match super::suspend::begin_transition(&dir).await? {
+                Some(lock) => Some(lock),
+                None => {
+                    return Err(CoreError::Busy(format!(
+                        "{id} is being resumed; destroy it once the resume ended"
+                    )))
+                }
+            },
+            false => None,
+        };
         if dir.supervisor_alive() {
             let client = SupervisorClient::new(&dir.socket());
             if let Err(e) = client.stop().await {
@@ -201,9 +216,10 @@ mod tests {
     use crate::store::VmState;
 
     /// A VM whose resume is between supervisors (the engine holds its transition lock) is
-    /// left `resuming` by a listing; once the lock is gone with no supervisor, it is failed.
-    #[test]
-    fn test_list_leaves_a_resume_between_supervisors_alone() {
+    /// left `resuming` by a listing and cannot be destroyed; once the lock is gone with no
+    /// supervisor, it is failed.
+    #[tokio::test]
+    async fn test_list_leaves_a_resume_between_supervisors_alone() {
         let state = tempfile::tempdir().expect("state");
         let w = crate::Warren::open(crate::WarrenConfig::new(
             state.path().to_path_buf(),
@@ -221,12 +237,12 @@ mod tests {
             .expect("resuming");
         let dir = w.vm_dir(&rec.id);
         std::fs::create_dir_all(dir.path()).expect("vm dir");
-        let held = super::super::suspend::begin_transition(&dir)
+        let held = super::super::suspend::try_transition(&dir)
             .expect("lock")
             .expect("free");
         assert!(dir.in_transition());
         assert!(
-            super::super::suspend::begin_transition(&dir)
+            super::super::suspend::try_transition(&dir)
                 .expect("second")
                 .is_none(),
             "a second resume finds it held"
@@ -234,9 +250,39 @@ mod tests {
         let listed = w.list_vms().expect("list");
         assert_eq!(listed[0].state, VmState::Resuming, "left alone while held");
         assert_eq!(w.get_vm(&rec.id).expect("get").state, VmState::Resuming);
+        let e = w.destroy_vm(&rec.id).await.expect_err("busy");
+        assert_eq!(e.code(), "busy", "{e}");
+        assert!(dir.path().is_dir(), "nothing removed");
         drop(held);
         assert!(!dir.in_transition());
         let listed = w.list_vms().expect("list");
         assert_eq!(listed[0].state, VmState::Failed, "nobody is resuming it");
+    }
+
+    /// A `resuming` record whose engine went away (no transition lock, no supervisor) is
+    /// settled as failed by the next caller waiting for it, with the reason.
+    #[tokio::test]
+    async fn test_an_abandoned_resume_is_settled() {
+        let state = tempfile::tempdir().expect("state");
+        let w = crate::Warren::open(crate::WarrenConfig::new(
+            state.path().to_path_buf(),
+            "/usr/bin/warren".into(),
+        ))
+        .expect("open");
+        let mut rec = crate::vm::test_vm("vm-ba5eba11feed");
+        w.store
+            .insert(&mut rec, super::super::VM_UID_BASE, |_| {
+                Ok::<(), crate::error::CoreError>(())
+            })
+            .expect("insert");
+        w.store
+            .set_state(&rec.id, VmState::Resuming, None, None)
+            .expect("resuming");
+        std::fs::create_dir_all(w.vm_dir(&rec.id).path()).expect("vm dir");
+        let e = w.await_resume(&rec.id).await.expect_err("failed");
+        assert!(e.to_string().contains("abandoned"), "{e}");
+        let now = w.store.get(&rec.id).expect("get").expect("record");
+        assert_eq!(now.state, VmState::Failed);
+        assert!(now.reason.unwrap_or_default().contains("abandoned"));
     }
 }

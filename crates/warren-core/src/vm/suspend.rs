@@ -182,51 +182,21 @@ impl Warren {
                 cfg.restore = true;
                 cfg.launch.incoming = true;
                 let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
-                // Held until this function returns: from `resuming` on, listings leave the VM
-                // alone while no supervisor holds its lock. Held by another caller: that
-                // caller is resuming it.
-                let Some(_transition) = begin_transition(&dir)? else {
-                    return self.await_resume(id).await;
-                };
-                // Admission, as for a create: its memory is reserved (the VM is `resuming`)
-                // or the resume is refused before anything in the VM directory changes.
-                if self.reserve_resume(&rec)? == crate::admission::Reserved::Stale {
-                    return self.await_resume(id).await;
-                }
-                for p in [dir.config(), dir.exit_record(), dir.socket()] {
-                    let _ = std::fs::remove_file(p);
-                }
-                if let Err(e) = write_private(&dir.config(), &body) {
-                    self.store.set_state(id, VmState::Hibernated, None, None)?;
-                    return Err(e);
-                }
-                if let Err(e) = self.launch_and_wait(&dir).await {
-                    // The checkpoint cannot be restored: its memory is lost. Never retried
-                    // onto another memory image; the VM boots fresh on its disk instead.
-                    tracing::warn!(vm = %id, error = %e, "restoring the checkpoint failed; booting the VM fresh");
-                    match self.boot_fresh(&dir, cfg, &image).await {
-                        Ok((generation, boot_ms)) => {
-                            self.store
-                                .set_state(id, VmState::Running, None, Some(boot_ms))?;
-                            rec.state = VmState::Running;
-                            rec.generation = generation;
-                            rec.boot_ms = Some(boot_ms);
-                            return Ok(rec);
-                        }
-                        Err(fresh) => {
-                            let reason = format!(
-                                "restoring the checkpoint failed ({e}), and so did a fresh boot: {fresh}"
-                            );
-                            self.store
-                                .set_state(id, VmState::Failed, Some(&reason), None)?;
-                            return Err(fresh);
-                        }
-                    }
-                }
-                // The checkpoint is consumed: the VM runs on from it now.
-                let _ = std::fs::remove_file(dir.checkpoint_record());
-                let _ = std::fs::remove_file(dir.checkpoint_state());
+                // The restore runs to its end in a task of its own, on an engine of its own:
+                // a caller that goes away (a client that hung up, a cancelled request) never
+                // leaves the VM between supervisors or recorded `resuming` behind a running
+                // supervisor.
+                let mut engine = Warren::open(self.cfg.clone())?;
+                engine.admission = self.admission.clone();
+                let id = id.to_string();
+                return tokio::spawn(async move {
+                    engine.restore_hibernated(&id, rec, cfg, body, image).await
+                })
+                .await
+                .map_err(|e| CoreError::Conflict(format!("the resume's task ended: {e}")))?;
             }
+            // Another caller's resume, or one whose engine went away (settled there).
+            VmState::Resuming => return self.await_resume(id).await,
             s => {
                 return Err(CoreError::VmNotRunning {
                     id: rec.id,
@@ -235,6 +205,68 @@ impl Warren {
                 })
             }
         }
+        self.store.set_state(id, VmState::Running, None, None)?;
+        rec.state = VmState::Running;
+        Ok(rec)
+    }
+
+    /// A hibernated VM's restore, once its configuration is written out as `body`: holds the
+    /// VM's transition lock (listings leave the VM alone while no supervisor holds its own
+    /// lock; held by another caller, that caller is resuming it), reserves its memory,
+    /// launches the restoring supervisor, and boots the VM fresh on its disk when the
+    /// checkpoint cannot be restored.
+    async fn restore_hibernated(
+        &self,
+        id: &str,
+        mut rec: VmRecord,
+        cfg: SupervisorConfig,
+        body: Vec<u8>,
+        image: warren_image::VerifiedImage,
+    ) -> Result<VmRecord, CoreError> {
+        let dir = self.vm_dir(id);
+        let Some(transition) = begin_transition(&dir).await? else {
+            return self.await_resume(id).await;
+        };
+        // Admission, as for a create: its memory is reserved (the VM is `resuming`) or the
+        // resume is refused before anything in the VM directory changes.
+        if self.reserve_resume(&rec)? == crate::admission::Reserved::Stale {
+            // Another caller resumed it between our read and the reservation.
+            drop(transition);
+            return self.await_resume(id).await;
+        }
+        for p in [dir.config(), dir.exit_record(), dir.socket()] {
+            let _ = std::fs::remove_file(p);
+        }
+        if let Err(e) = write_private(&dir.config(), &body) {
+            self.store.set_state(id, VmState::Hibernated, None, None)?;
+            return Err(e);
+        }
+        if let Err(e) = self.launch_and_wait(&dir).await {
+            // The checkpoint cannot be restored: its memory is lost. Never retried onto
+            // another memory image; the VM boots fresh on its disk instead.
+            tracing::warn!(vm = %id, error = %e, "restoring the checkpoint failed; booting the VM fresh");
+            return match self.boot_fresh(&dir, cfg, &image).await {
+                Ok((generation, boot_ms)) => {
+                    self.store
+                        .set_state(id, VmState::Running, None, Some(boot_ms))?;
+                    rec.state = VmState::Running;
+                    rec.generation = generation;
+                    rec.boot_ms = Some(boot_ms);
+                    Ok(rec)
+                }
+                Err(fresh) => {
+                    let reason = format!(
+                        "restoring the checkpoint failed ({e}), and so did a fresh boot: {fresh}"
+                    );
+                    self.store
+                        .set_state(id, VmState::Failed, Some(&reason), None)?;
+                    Err(fresh)
+                }
+            };
+        }
+        // The checkpoint is consumed: the VM runs on from it now.
+        let _ = std::fs::remove_file(dir.checkpoint_record());
+        let _ = std::fs::remove_file(dir.checkpoint_state());
         self.store.set_state(id, VmState::Running, None, None)?;
         rec.state = VmState::Running;
         Ok(rec)
@@ -327,7 +359,26 @@ impl Warren {
 
 /// Takes the VM's transition lock ([`VmDir::transition_lock`]) for a resume; `None` when
 /// another caller holds it.
-pub(super) fn begin_transition(
+pub(super) async fn begin_transition(
+    dir: &warren_supervisor::layout::VmDir,
+) -> Result<Option<nix::fcntl::Flock<std::fs::File>>, CoreError> {
+    // A listing's probe holds a shared lock for an instant: a refusal is retried for a moment
+    // before another caller is taken to hold it.
+    for _ in 0..TRANSITION_TRIES {
+        if let Some(lock) = try_transition(dir)? {
+            return Ok(Some(lock));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    try_transition(dir)
+}
+
+/// Attempts, 10 ms apart, at a VM's transition lock before another caller is taken to hold
+/// it.
+const TRANSITION_TRIES: u32 = 20;
+
+/// One attempt at the VM's transition lock: `None` when it is held.
+pub(super) fn try_transition(
     dir: &warren_supervisor::layout::VmDir,
 ) -> Result<Option<nix::fcntl::Flock<std::fs::File>>, CoreError> {
     use std::os::unix::fs::OpenOptionsExt;
