@@ -405,10 +405,11 @@ impl Drop for ChannelWriter {
     }
 }
 
-/// `Read` from a channel of chunks (the unpacker runs on a blocking thread).
-/// Bytes accepted after a downloaded archive's end (tar's record padding is at most 10 KiB).
+/// Bytes accepted after a downloaded archive's end (tar's record padding: the guest's helper
+/// writes 64 KiB records, so at most 64 KiB).
 const MAX_TRAILING: u64 = 1 << 20;
 
+/// `Read` from a channel of chunks (the unpacker runs on a blocking thread).
 struct ChannelReader {
     rx: std::sync::mpsc::Receiver<Vec<u8>>,
     cur: Vec<u8>,

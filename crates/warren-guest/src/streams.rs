@@ -40,14 +40,16 @@ const READ_CHUNK: usize = 64 * 1024;
 /// frame. GNU tar's default (10 KiB) makes a pipe read or write per 10 KiB, and each is a
 /// wake-up of the agent or the helper on the guest's one vCPU: twice as slow under TCG.
 /// Reading its standard input, tar takes short reads as they come (`--read-full-records` is
-/// implied), so the host's archive may end anywhere.
+/// implied), so the host's archive may end anywhere. Only for GNU tar ([`tar_blocking`]).
 const TAR_BLOCKING: &str = "128";
-/// The unpacking helper (`$1` is the directory, `$2` [`TAR_BLOCKING`]).
+/// How long asking `tar --version` may take.
+const PROBE_LIMIT: Duration = Duration::from_secs(10);
+/// The unpacking helper (`$1` is the directory, `$2` [`TAR_BLOCKING`] or empty).
 const EXTRACT_SCRIPT: &str = r#"set -e
 mkdir -p -- "$1"
 t=$(mktemp -d -- "$1/.warren-cp.XXXXXX")
 trap 'rm -rf -- "$t"' EXIT
-tar -x -b "$2" -p -f - -C "$t"
+tar -x ${2:+-b "$2"} -p -f - -C "$t"
 for e in "$t"/* "$t"/.[!.]* "$t"/..?*; do
   [ -e "$e" ] || [ -L "$e" ] || continue
   n=${e##*/}
@@ -272,8 +274,9 @@ async fn open(agent: &Agent, target: StreamTarget) -> Result<Opened, GuestError>
             // As the guest user: the directory is made (as `mkdir -p`), tar unpacks into a
             // staging directory in it keeping modes (`-p`) but not owners, and only a whole
             // archive is moved into place, never over an existing name.
+            let blocking = tar_blocking(agent).await.unwrap_or_default();
             let mut cmd = std::process::Command::new("/bin/sh");
-            cmd.args(["-c", EXTRACT_SCRIPT, "sh", &dir, TAR_BLOCKING]);
+            cmd.args(["-c", EXTRACT_SCRIPT, "sh", &dir, blocking]);
             Helper::spawn(agent, cmd).map(Opened::Tar)
         }
         StreamTarget::TarCreate { path } => {
@@ -297,21 +300,51 @@ async fn open(agent: &Agent, target: StreamTarget) -> Result<Opened, GuestError>
                 )
             })?;
             let mut cmd = std::process::Command::new("tar");
-            cmd.args([
-                "-c",
-                "-b",
-                TAR_BLOCKING,
-                "-f",
-                "-",
-                "-C",
-                &parent,
-                "--",
-                &name,
-            ]);
+            cmd.arg("-c");
+            if let Some(blocking) = tar_blocking(agent).await {
+                cmd.args(["-b", blocking]);
+            }
+            cmd.args(["-f", "-", "-C", &parent, "--", &name]);
             Helper::spawn(agent, cmd).map(Opened::Tar)
         }
         StreamTarget::BrokerAccept { .. } => Err(invalid("not a stream to open here")),
     }
+}
+
+/// [`TAR_BLOCKING`] when the guest's `tar` is GNU tar; `None` for one that takes no
+/// blocking factor (BusyBox's, in images built on it). Asked once for the agent's life
+/// (`tar --version`, as the guest user); no answer within [`PROBE_LIMIT`] counts as not GNU.
+async fn tar_blocking(agent: &Agent) -> Option<&'static str> {
+    static GNU: tokio::sync::OnceCell<bool> = tokio::sync::OnceCell::const_new();
+    let gnu = *GNU
+        .get_or_init(|| async {
+            tokio::time::timeout(PROBE_LIMIT, probe_gnu_tar(agent))
+                .await
+                .unwrap_or(false)
+        })
+        .await;
+    gnu.then_some(TAR_BLOCKING)
+}
+
+async fn probe_gnu_tar(agent: &Agent) -> bool {
+    let mut cmd = std::process::Command::new("tar");
+    cmd.arg("--version");
+    let Ok(mut helper) = Helper::spawn(agent, cmd) else {
+        return false;
+    };
+    drop(helper.stdin.take());
+    let Some(Ok(stdout)) = helper
+        .stdout
+        .take()
+        .map(tokio::process::ChildStdout::from_std)
+    else {
+        return false;
+    };
+    let mut out = Vec::new();
+    if stdout.take(4096).read_to_end(&mut out).await.is_err() {
+        return false;
+    }
+    helper.finish().await.0 == 0 && out.windows(7).any(|w| w == b"GNU tar")
 }
 
 fn check_path(path: &str) -> Result<(), GuestError> {
