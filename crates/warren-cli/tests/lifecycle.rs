@@ -329,6 +329,8 @@ fn test_lifecycle_database_wal_and_vm_logs_are_owner_only() {
         dir.join("console.log"),
         dir.join("supervisor.log"),
         dir.join("qemu.stderr"),
+        // Openable, it could be held shared to keep the VM's next supervisor from starting.
+        dir.join("supervisor.lock"),
     ];
     for p in &private {
         let mode = std::fs::metadata(p)
