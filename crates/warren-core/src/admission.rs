@@ -74,7 +74,7 @@ impl Warren {
 
     /// Waits for another caller's resume of `id` to end (a call that wakes a VM while an
     /// explicit resume is under way), then answers with its outcome. A `resuming` record
-    /// that nobody resumes any more is settled ([`Warren::settle_orphaned_resume`]).
+    /// that nobody resumes any more is settled (`Warren::settle_orphaned_resume`).
     pub(crate) async fn await_resume(&self, id: &str) -> Result<VmRecord, CoreError> {
         // The holder's own deadlines (every boot attempt, a fresh boot) bound the wait; this
         // only guards against a holder that never lets go.
@@ -95,7 +95,7 @@ impl Warren {
                 continue;
             }
             if rec.state == VmState::Resuming && !held {
-                return self.settle_orphaned_resume(rec).await;
+                return self.settle_orphaned_resume(id).await;
             }
             return Err(CoreError::VmNotRunning {
                 id: rec.id,
@@ -103,51 +103,6 @@ impl Warren {
                 reason: rec.reason,
             });
         }
-    }
-
-    /// A `resuming` record whose resume nobody holds any more (the engine that ran it died
-    /// mid-way): running once its supervisor answers ready, failed otherwise.
-    pub(crate) async fn settle_orphaned_resume(
-        &self,
-        mut rec: VmRecord,
-    ) -> Result<VmRecord, CoreError> {
-        let dir = self.vm_dir(&rec.id);
-        let ready = if dir.supervisor_alive() {
-            warren_supervisor::SupervisorClient::new(&dir.socket())
-                .wait_ready(self.config().boot_timeout)
-                .await
-                .is_ok_and(|st| matches!(st.phase, warren_supervisor::VmPhase::Ready(_)))
-        } else {
-            false
-        };
-        if ready {
-            tracing::warn!(vm = %rec.id, "an abandoned resume's VM came up; recording it running");
-            // As a resume that ends well: the checkpoint is consumed.
-            let _ = std::fs::remove_file(dir.checkpoint_record());
-            let _ = std::fs::remove_file(dir.checkpoint_state());
-            self.store()
-                .transition(&rec.id, VmState::Resuming, VmState::Running, |_| {
-                    Ok::<(), CoreError>(())
-                })?;
-            rec.state = VmState::Running;
-            return Ok(rec);
-        }
-        let reason = "its resume was abandoned and its supervisor never became ready";
-        tracing::warn!(vm = %rec.id, reason, "failing the VM");
-        if self
-            .store()
-            .transition(&rec.id, VmState::Resuming, VmState::Failed, |_| {
-                Ok::<(), CoreError>(())
-            })?
-        {
-            self.store()
-                .set_state(&rec.id, VmState::Failed, Some(reason), None)?;
-        }
-        Err(CoreError::VmNotRunning {
-            id: rec.id,
-            state: VmState::Failed.as_str().to_string(),
-            reason: Some(reason.to_string()),
-        })
     }
 }
 

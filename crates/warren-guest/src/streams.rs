@@ -313,38 +313,36 @@ async fn open(agent: &Agent, target: StreamTarget) -> Result<Opened, GuestError>
 
 /// [`TAR_BLOCKING`] when the guest's `tar` is GNU tar; `None` for one that takes no
 /// blocking factor (BusyBox's, in images built on it). Asked once for the agent's life
-/// (`tar --version`, as the guest user); no answer within [`PROBE_LIMIT`] counts as not GNU.
+/// (`tar --version`, as the guest user, at most [`PROBE_LIMIT`]).
 async fn tar_blocking(agent: &Agent) -> Option<&'static str> {
     static GNU: tokio::sync::OnceCell<bool> = tokio::sync::OnceCell::const_new();
-    let gnu = *GNU
-        .get_or_init(|| async {
+    // Only an answer is kept: a probe that could not start or finish is asked again next
+    // time (this copy goes without the blocking factor).
+    let gnu = GNU
+        .get_or_try_init(|| async {
             tokio::time::timeout(PROBE_LIMIT, probe_gnu_tar(agent))
                 .await
-                .unwrap_or(false)
+                .ok()
+                .flatten()
+                .ok_or(())
         })
-        .await;
+        .await
+        .copied()
+        .unwrap_or(false);
     gnu.then_some(TAR_BLOCKING)
 }
 
-async fn probe_gnu_tar(agent: &Agent) -> bool {
+/// Whether `tar --version` names GNU tar; `None` when it could not be asked.
+async fn probe_gnu_tar(agent: &Agent) -> Option<bool> {
     let mut cmd = std::process::Command::new("tar");
     cmd.arg("--version");
-    let Ok(mut helper) = Helper::spawn(agent, cmd) else {
-        return false;
-    };
+    let mut helper = Helper::spawn(agent, cmd).ok()?;
     drop(helper.stdin.take());
-    let Some(Ok(stdout)) = helper
-        .stdout
-        .take()
-        .map(tokio::process::ChildStdout::from_std)
-    else {
-        return false;
-    };
+    let stdout = tokio::process::ChildStdout::from_std(helper.stdout.take()?).ok()?;
     let mut out = Vec::new();
-    if stdout.take(4096).read_to_end(&mut out).await.is_err() {
-        return false;
-    }
-    helper.finish().await.0 == 0 && out.windows(7).any(|w| w == b"GNU tar")
+    stdout.take(4096).read_to_end(&mut out).await.ok()?;
+    let (code, _) = helper.finish().await;
+    Some(code == 0 && out.windows(7).any(|w| w == b"GNU tar"))
 }
 
 fn check_path(path: &str) -> Result<(), GuestError> {
@@ -529,6 +527,54 @@ impl Drop for Helper {
     fn drop(&mut self) {
         if !self.exited {
             let _ = self.child.kill();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The unpacking script with the blocking factor (GNU tar) and without it (a tar that
+    /// takes none gets no `-b`): both unpack an archive fed through a pipe in short pieces,
+    /// its last record short, and move it into place.
+    #[test]
+    fn test_extract_script_with_and_without_a_blocking_factor() {
+        let src = tempfile::tempdir().expect("src");
+        std::fs::create_dir(src.path().join("tree")).expect("tree");
+        let big: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(src.path().join("tree/big"), &big).expect("big");
+        let archive = std::process::Command::new("tar")
+            .args(["-c", "-b", "1", "-f", "-", "-C"])
+            .arg(src.path())
+            .arg("tree")
+            .output()
+            .expect("tar -c");
+        assert!(archive.status.success());
+        for blocking in [TAR_BLOCKING, ""] {
+            let dest = tempfile::tempdir().expect("dest");
+            let dir = dest.path().join("in");
+            let mut child = std::process::Command::new("/bin/sh")
+                .args(["-c", EXTRACT_SCRIPT, "sh"])
+                .arg(&dir)
+                .arg(blocking)
+                .stdin(Stdio::piped())
+                .spawn()
+                .expect("sh");
+            let mut stdin = child.stdin.take().expect("stdin");
+            for piece in archive.stdout.chunks(3000) {
+                std::io::Write::write_all(&mut stdin, piece).expect("feed");
+            }
+            drop(stdin);
+            assert!(
+                child.wait().expect("wait").success(),
+                "blocking {blocking:?}"
+            );
+            assert_eq!(
+                std::fs::read(dir.join("tree/big")).expect("unpacked"),
+                big,
+                "blocking {blocking:?}"
+            );
         }
     }
 }

@@ -238,8 +238,11 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
     };
     {
         use std::io::Write;
+        // Replaces what an earlier supervisor wrote: a shorter pid written over a longer one
+        // would leave its digits behind, naming another process.
         let mut f: &std::fs::File = &_lock;
-        let _ = f.write_all(std::process::id().to_string().as_bytes());
+        let _ = f.set_len(0);
+        let _ = f.write_all(format!("{}\n", std::process::id()).as_bytes());
     }
     // Bound and listening under a temporary name, then renamed: clients that see the socket
     // can always connect (between bind and listen a connect would be refused).

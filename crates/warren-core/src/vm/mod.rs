@@ -423,11 +423,23 @@ async fn wait_supervisor_exit(dir: &VmDir, limit: Duration) -> bool {
 }
 
 fn kill_supervisor(dir: &VmDir) {
-    // The supervisor writes its pid into the lock file it holds.
+    // The supervisor writes its pid into the lock file it holds; killed only when that pid
+    // is a supervisor of this very directory (a pid file can outlive its process).
     let pid = std::fs::read_to_string(dir.lock())
         .ok()
-        .and_then(|s| s.trim().parse::<i32>().ok());
+        .and_then(|s| s.lines().next().and_then(|l| l.trim().parse::<i32>().ok()));
+    let ours = |pid: i32| {
+        std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+            let args: Vec<&[u8]> = c.split(|b| *b == 0).collect();
+            args.contains(&&b"supervise"[..])
+                && args.contains(&dir.path().as_os_str().as_encoded_bytes())
+        })
+    };
     if let (Some(pid), true) = (pid, dir.supervisor_alive()) {
+        if !ours(pid) {
+            tracing::warn!(pid, dir = %dir.path().display(), "the lock's pid is no supervisor of this VM; not killed");
+            return;
+        }
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(pid),
             nix::sys::signal::Signal::SIGKILL,

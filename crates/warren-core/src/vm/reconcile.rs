@@ -50,7 +50,23 @@ impl Warren {
     pub async fn adopt_supervisors(&self) -> Result<(Vec<String>, Vec<String>), CoreError> {
         let (mut adopted, mut failed) = (Vec::new(), Vec::new());
         let mut asked = tokio::task::JoinSet::new();
-        for rec in self.list_vms()? {
+        let listed = self.list_vms()?;
+        // Resumes an earlier engine left half-way (it died or was stopped mid-way): settled
+        // now rather than at the next call that wakes them.
+        for rec in &listed {
+            if rec.state == VmState::Resuming && !self.vm_dir(&rec.id).in_transition() {
+                match self.settle_orphaned_resume(&rec.id).await {
+                    Ok(_) => adopted.push(rec.id.clone()),
+                    Err(CoreError::VmNotRunning { state, .. }) if state == "failed" => {
+                        failed.push(rec.id.clone())
+                    }
+                    Err(e) => {
+                        tracing::warn!(vm = %rec.id, error = %e, "settling an abandoned resume")
+                    }
+                }
+            }
+        }
+        for rec in listed {
             if !matches!(rec.state, VmState::Running | VmState::Paused) {
                 continue;
             }
@@ -159,7 +175,7 @@ impl Warren {
                 Some(lock) => Some(lock),
                 None => {
                     return Err(CoreError::Busy(format!(
-                        "{id} is being resumed; destroy it once the resume ended"
+                        "{id} is being resumed; destroy it once that ended"
                     )))
                 }
             },
@@ -178,10 +194,23 @@ impl Warren {
         if let Some(h) = cgroup::Hierarchy::detect() {
             cgroup::kill_and_remove(&h.vm_cgroup(&rec.id))?;
         }
-        match std::fs::remove_dir_all(dir.path()) {
+        // Out of its name first, in one step, while the transition lock is held: a resume
+        // waiting for the lock then finds no VM directory (and creates no file in the one
+        // being removed).
+        let gone = self.cfg.state_dir.join("vms").join(format!(
+            ".destroyed-{}-{}",
+            rec.id,
+            std::process::id()
+        ));
+        let doomed = match std::fs::rename(dir.path(), &gone) {
+            Ok(()) => gone,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => dir.path().to_path_buf(),
+            Err(e) => return Err(CoreError::io("rename", dir.path(), e)),
+        };
+        match std::fs::remove_dir_all(&doomed) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(CoreError::io("remove", dir.path(), e)),
+            Err(e) => return Err(CoreError::io("remove", &doomed, e)),
         }
         self.store.delete(&rec.id)?;
         Ok(())

@@ -181,7 +181,6 @@ impl Warren {
                     .map_err(|e| CoreError::Conflict(e.to_string()))?;
                 cfg.restore = true;
                 cfg.launch.incoming = true;
-                let body = serde_json::to_vec_pretty(&cfg).expect("invariant: config serialises");
                 // The restore runs to its end in a task of its own, on an engine of its own:
                 // a caller that goes away (a client that hung up, a cancelled request) never
                 // leaves the VM between supervisors or recorded `resuming` behind a running
@@ -189,11 +188,17 @@ impl Warren {
                 let mut engine = Warren::open(self.cfg.clone())?;
                 engine.admission = self.admission.clone();
                 let id = id.to_string();
-                return tokio::spawn(async move {
-                    engine.restore_hibernated(&id, rec, cfg, body, image).await
-                })
-                .await
-                .map_err(|e| CoreError::Conflict(format!("the resume's task ended: {e}")))?;
+                let task =
+                    tokio::spawn(
+                        async move { engine.restore_hibernated(&id, rec, cfg, image).await },
+                    );
+                return match task.await {
+                    Ok(r) => r,
+                    Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                    Err(_) => Err(CoreError::Busy(
+                        "the resume was cut short: the engine is shutting down".into(),
+                    )),
+                };
             }
             // Another caller's resume, or one whose engine went away (settled there).
             VmState::Resuming => return self.await_resume(id).await,
@@ -210,7 +215,7 @@ impl Warren {
         Ok(rec)
     }
 
-    /// A hibernated VM's restore, once its configuration is written out as `body`: holds the
+    /// A hibernated VM's restore with its configuration `cfg`: writes it out, holds the
     /// VM's transition lock (listings leave the VM alone while no supervisor holds its own
     /// lock; held by another caller, that caller is resuming it), reserves its memory,
     /// launches the restoring supervisor, and boots the VM fresh on its disk when the
@@ -220,7 +225,6 @@ impl Warren {
         id: &str,
         mut rec: VmRecord,
         cfg: SupervisorConfig,
-        body: Vec<u8>,
         image: warren_image::VerifiedImage,
     ) -> Result<VmRecord, CoreError> {
         let dir = self.vm_dir(id);
@@ -234,10 +238,17 @@ impl Warren {
             drop(transition);
             return self.await_resume(id).await;
         }
-        for p in [dir.config(), dir.exit_record(), dir.socket()] {
+        for p in [dir.exit_record(), dir.socket()] {
             let _ = std::fs::remove_file(p);
         }
-        if let Err(e) = write_private(&dir.config(), &body) {
+        // A fresh lock file for the new supervisor: one opened before it was made private
+        // (by anyone, under an older Warren) could otherwise still be held against it.
+        if !dir.supervisor_alive() {
+            let _ = std::fs::remove_file(dir.lock());
+        }
+        // Replaced whole (a temporary file and a rename): a failed write leaves the old
+        // configuration, never none, and the VM can still be resumed.
+        if let Err(e) = super::template::replace_config(&dir, &cfg) {
             self.store.set_state(id, VmState::Hibernated, None, None)?;
             return Err(e);
         }
@@ -270,6 +281,81 @@ impl Warren {
         self.store.set_state(id, VmState::Running, None, None)?;
         rec.state = VmState::Running;
         Ok(rec)
+    }
+
+    /// A `resuming` record whose resume nobody holds any more (the engine that ran it died
+    /// mid-way): `running` once its supervisor answers ready; otherwise whatever of it runs
+    /// is stopped and the record is `failed`. Acts under the transition lock, on the record
+    /// as it is then; `busy` while another caller settles it.
+    pub(crate) async fn settle_orphaned_resume(&self, id: &str) -> Result<VmRecord, CoreError> {
+        let dir = self.vm_dir(id);
+        let Some(_transition) = try_transition(&dir)? else {
+            return Err(CoreError::Busy(format!(
+                "{id} is being resumed; try again once that ended"
+            )));
+        };
+        let mut rec = self
+            .store
+            .get(id)?
+            .ok_or_else(|| CoreError::VmNotFound(id.to_string()))?;
+        match rec.state {
+            VmState::Resuming => {}
+            VmState::Running => return Ok(rec),
+            s => {
+                return Err(CoreError::VmNotRunning {
+                    id: rec.id,
+                    state: s.as_str().to_string(),
+                    reason: rec.reason,
+                })
+            }
+        }
+        // A supervisor spawned just before its engine died may not hold its lock yet (it
+        // retries a refused lock for a second), or not have its socket up yet.
+        if !dir.supervisor_alive() {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+        let waited = std::time::Instant::now();
+        while dir.supervisor_alive()
+            && !dir.socket().exists()
+            && waited.elapsed() < Duration::from_secs(10)
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let ready = dir.supervisor_alive()
+            && SupervisorClient::new(&dir.socket())
+                .wait_ready(self.cfg.boot_timeout + Duration::from_secs(5))
+                .await
+                .is_ok_and(|st| matches!(st.phase, warren_supervisor::VmPhase::Ready(_)));
+        if ready {
+            tracing::warn!(vm = %id, "an abandoned resume's VM came up; recording it running");
+            // As a resume that ends well: the checkpoint is consumed.
+            let _ = std::fs::remove_file(dir.checkpoint_record());
+            let _ = std::fs::remove_file(dir.checkpoint_state());
+            self.store.set_state(id, VmState::Running, None, None)?;
+            rec.state = VmState::Running;
+            return Ok(rec);
+        }
+        // Nothing of it runs on behind a failed record (its memory would go uncounted).
+        if dir.supervisor_alive() {
+            let _ = SupervisorClient::new(&dir.socket()).stop().await;
+            if !wait_supervisor_exit(&dir, Duration::from_secs(10)).await {
+                kill_supervisor(&dir);
+                wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+            }
+        }
+        if let Some(h) = warren_vmm::sys::cgroup::Hierarchy::detect() {
+            let _ = warren_vmm::sys::cgroup::kill_and_remove(&h.vm_cgroup(id));
+        }
+        warren_supervisor::network::delete_netns(&warren_supervisor::network::netns_name(id));
+        let reason = "its resume was abandoned and its supervisor never became ready";
+        tracing::warn!(vm = %id, reason, "failing the VM");
+        self.store
+            .set_state(id, VmState::Failed, Some(reason), None)?;
+        Err(CoreError::VmNotRunning {
+            id: rec.id,
+            state: VmState::Failed.as_str().to_string(),
+            reason: Some(reason.to_string()),
+        })
     }
 
     /// The running VMs that have been idle for their `idle_seconds` (status and list calls
@@ -378,7 +464,7 @@ pub(super) async fn begin_transition(
 const TRANSITION_TRIES: u32 = 20;
 
 /// One attempt at the VM's transition lock: `None` when it is held.
-pub(super) fn try_transition(
+pub(crate) fn try_transition(
     dir: &warren_supervisor::layout::VmDir,
 ) -> Result<Option<nix::fcntl::Flock<std::fs::File>>, CoreError> {
     use std::os::unix::fs::OpenOptionsExt;
@@ -390,7 +476,16 @@ pub(super) fn try_transition(
         .mode(0o600)
         .custom_flags(nix::libc::O_NOFOLLOW)
         .open(&path)
-        .map_err(|e| CoreError::io("open", &path, e))?;
+        .map_err(|e| match e.kind() {
+            // Its directory is gone: the VM was destroyed.
+            std::io::ErrorKind::NotFound => CoreError::VmNotFound(
+                dir.path()
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+            ),
+            _ => CoreError::io("open", &path, e),
+        })?;
     match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
         Ok(lock) => Ok(Some(lock)),
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
