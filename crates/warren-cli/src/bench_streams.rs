@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
-use warren_core::{CreateVm, Warren, WarrenConfig};
+use warren_core::{CreateVm, Warren};
 use warren_protocol::stream::StreamTarget;
 use warren_protocol::{HostRequest, Precondition};
 use warren_supervisor::stream_frame::GuestStream;
@@ -355,11 +355,8 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
     let mut tar_c = Vec::new();
     let mut tar_x = Vec::new();
     let mut local = Rates::default();
-    // vm cp's own path: an opener on the same private state directory.
-    let mut cfg = WarrenConfig::new(state.to_path_buf(), std::env::current_exe()?);
-    cfg.image_dir = w.config().image_dir.clone();
-    cfg.accel = w.config().accel;
-    let opener = crate::stream_link::Opener::Local(Box::new(Warren::open(cfg)?));
+    // vm cp's own path: an opener on the same engine.
+    let opener = crate::stream_link::Opener::Local(Box::new(w.share()));
     let tree = state.join("cp-src").join("tree");
     std::fs::create_dir_all(&tree)?;
     std::fs::write(tree.join("big"), &data)?;

@@ -112,8 +112,12 @@ pub struct Usage {
     pub disk_mib: u64,
 }
 
+/// The state database. Clones share one connection: a second connection opened inside the
+/// same process (its open and close of the database file) would drop the first one's POSIX
+/// locks, which SQLite relies on.
+#[derive(Clone)]
 pub struct Store {
-    conn: Mutex<Connection>,
+    conn: std::sync::Arc<Mutex<Connection>>,
 }
 
 const SCHEMA: &str = "
@@ -221,7 +225,7 @@ impl Store {
         conn.execute_batch(SESSION_SCHEMA)?;
         migrate(&conn)?;
         Ok(Store {
-            conn: Mutex::new(conn),
+            conn: std::sync::Arc::new(Mutex::new(conn)),
         })
     }
 

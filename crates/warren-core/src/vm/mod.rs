@@ -273,6 +273,17 @@ impl Warren {
         })
     }
 
+    /// Another handle on this engine (same configuration, database connection, image store
+    /// and admission limits), for work that must outlive its caller.
+    pub fn share(&self) -> Warren {
+        Warren {
+            cfg: self.cfg.clone(),
+            store: self.store.clone(),
+            images: self.images.clone(),
+            admission: self.admission.clone(),
+        }
+    }
+
     pub fn images(&self) -> &ImageStore {
         &self.images
     }

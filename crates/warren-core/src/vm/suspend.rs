@@ -181,12 +181,11 @@ impl Warren {
                     .map_err(|e| CoreError::Conflict(e.to_string()))?;
                 cfg.restore = true;
                 cfg.launch.incoming = true;
-                // The restore runs to its end in a task of its own, on an engine of its own:
+                // The restore runs to its end in a task of its own, on a handle of its own:
                 // a caller that goes away (a client that hung up, a cancelled request) never
                 // leaves the VM between supervisors or recorded `resuming` behind a running
                 // supervisor.
-                let mut engine = Warren::open(self.cfg.clone())?;
-                engine.admission = self.admission.clone();
+                let engine = self.share();
                 let id = id.to_string();
                 let task =
                     tokio::spawn(
