@@ -95,9 +95,9 @@ impl VmDir {
         held(&self.lock())
     }
 
-    /// Held (an exclusive `flock`) by the engine while it starts a resumed VM's supervisor,
-    /// from the moment the record says `resuming` until the new supervisor holds
-    /// [`VmDir::lock`] (a fallback fresh boot and every boot again included): a listing in
+    /// Held (an exclusive `flock`) by the engine while it resumes a hibernated VM, from
+    /// before the record says `resuming` until it says `running` or `failed` (a fallback
+    /// fresh boot and every boot again included), and while it destroys one: a listing in
     /// that window must not take the absent supervisor for a dead VM. The kernel drops the
     /// lock with its holder, so an engine that died mid-way leaves nothing held.
     pub fn transition_lock(&self) -> PathBuf {

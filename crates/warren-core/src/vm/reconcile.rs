@@ -242,20 +242,18 @@ impl Warren {
 
 #[cfg(test)]
 mod tests {
-    use crate::store::VmState;
+    use crate::store::{VmRecord, VmState};
 
-    /// A VM whose resume is between supervisors (the engine holds its transition lock) is
-    /// left `resuming` by a listing and cannot be destroyed; once the lock is gone with no
-    /// supervisor, it is failed.
-    #[tokio::test]
-    async fn test_list_leaves_a_resume_between_supervisors_alone() {
+    /// An engine on a fresh state directory (kept alive by the returned guard) holding one
+    /// `resuming` VM record `id` with its (empty) VM directory, and no supervisor.
+    fn resuming_vm(id: &str) -> (tempfile::TempDir, crate::Warren, VmRecord) {
         let state = tempfile::tempdir().expect("state");
         let w = crate::Warren::open(crate::WarrenConfig::new(
             state.path().to_path_buf(),
             "/usr/bin/warren".into(),
         ))
         .expect("open");
-        let mut rec = crate::vm::test_vm("vm-0123456789ab");
+        let mut rec = crate::vm::test_vm(id);
         w.store
             .insert(&mut rec, super::super::VM_UID_BASE, |_| {
                 Ok::<(), crate::error::CoreError>(())
@@ -264,8 +262,17 @@ mod tests {
         w.store
             .set_state(&rec.id, VmState::Resuming, None, None)
             .expect("resuming");
+        std::fs::create_dir_all(w.vm_dir(&rec.id).path()).expect("vm dir");
+        (state, w, rec)
+    }
+
+    /// A VM whose resume is between supervisors (the engine holds its transition lock) is
+    /// left `resuming` by a listing and cannot be destroyed; once the lock is gone with no
+    /// supervisor, it is failed.
+    #[tokio::test]
+    async fn test_list_leaves_a_resume_between_supervisors_alone() {
+        let (_state, w, rec) = resuming_vm("vm-0123456789ab");
         let dir = w.vm_dir(&rec.id);
-        std::fs::create_dir_all(dir.path()).expect("vm dir");
         let held = super::super::suspend::try_transition(&dir)
             .expect("lock")
             .expect("free");
@@ -292,22 +299,7 @@ mod tests {
     /// settled as failed by the next caller waiting for it, with the reason.
     #[tokio::test]
     async fn test_an_abandoned_resume_is_settled() {
-        let state = tempfile::tempdir().expect("state");
-        let w = crate::Warren::open(crate::WarrenConfig::new(
-            state.path().to_path_buf(),
-            "/usr/bin/warren".into(),
-        ))
-        .expect("open");
-        let mut rec = crate::vm::test_vm("vm-ba5eba11feed");
-        w.store
-            .insert(&mut rec, super::super::VM_UID_BASE, |_| {
-                Ok::<(), crate::error::CoreError>(())
-            })
-            .expect("insert");
-        w.store
-            .set_state(&rec.id, VmState::Resuming, None, None)
-            .expect("resuming");
-        std::fs::create_dir_all(w.vm_dir(&rec.id).path()).expect("vm dir");
+        let (_state, w, rec) = resuming_vm("vm-ba5eba11feed");
         let e = w.await_resume(&rec.id).await.expect_err("failed");
         assert!(e.to_string().contains("abandoned"), "{e}");
         let now = w.store.get(&rec.id).expect("get").expect("record");
