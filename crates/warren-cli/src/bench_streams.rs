@@ -15,8 +15,11 @@
 //!     `vm_write_file` appends and the CLI's file commands use), a 1-byte read's latency;
 //! (c) `vm cp` up and down (tar over a stream) of a tree holding one --mib MiB file against a
 //!     stream moving the same bytes and against the file API, with the guest-local `tar`
-//!     rates as the ceiling;
-//! (x) exec round trip of `true`, idle and while a stream moves data at full rate.
+//!     rates as the ceiling, and the latency of copying one small file up against an idle
+//!     exec round trip (an upload starts one `tar`);
+//! (x) exec round trip of `true`, idle and while a guest->host stream moves data as fast as
+//!     it can, and what that stream moved meanwhile (job starts hold streams back, see
+//!     `warren-guest`'s `bulk` module).
 //!
 //! Throughputs are medians of --boots repetitions of --mib MiB, latencies medians of
 //! --iterations round trips; data is incompressible (1/256 of its bytes need escaping on the
@@ -116,9 +119,13 @@ struct Report {
     cp_down_vs_file_api: f64,
     guest_tar_create_mib_s: f64,
     guest_tar_extract_mib_s: f64,
+    cp_small_up_us_p50: f64,
+    cp_small_up_vs_exec: f64,
     exec_idle_us_p50: f64,
     exec_under_stream_us_p50: f64,
     exec_under_stream_vs_idle: f64,
+    stream_beside_execs_mib_s: f64,
+    stream_beside_execs_vs_alone: f64,
 }
 
 pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
@@ -171,8 +178,16 @@ fn print_report(r: &Report) {
         r.guest_tar_create_mib_s, r.guest_tar_extract_mib_s
     );
     println!(
+        "vm cp of one small file up {:6.0} us   {:.2}x an idle exec of `true` (it starts one `tar`)",
+        r.cp_small_up_us_p50, r.cp_small_up_vs_exec
+    );
+    println!(
         "exec `true`     idle {:6.0} us   during a full-rate stream {:6.0} us   ratio {:.2} (target <= 2)",
         r.exec_idle_us_p50, r.exec_under_stream_us_p50, r.exec_under_stream_vs_idle
+    );
+    println!(
+        "stream beside back-to-back execs {:7.1} MiB/s   {:.2} of its rate alone (job starts hold streams back, at most half the time)",
+        r.stream_beside_execs_mib_s, r.stream_beside_execs_vs_alone
     );
 }
 
@@ -414,7 +429,20 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
         w.read_file_chunk(&vm, "one.bin", 0, 1).await?;
         small.push(t.elapsed().as_secs_f64() * 1e6);
     }
-    let (idle, loaded) = exec_under_load(w, &vm, stream, args).await?;
+    let tiny = state.join("cp-tiny");
+    std::fs::create_dir_all(&tiny)?;
+    std::fs::write(tiny.join("one"), "1")?;
+    let mut cp_small = Vec::with_capacity(args.iterations);
+    for i in 0..args.iterations.min(20) {
+        let t = Instant::now();
+        let code = crate::stream_cmd::upload(&opener, &tiny, &vm, &format!("/tmp/tiny{i}")).await?;
+        if code != 0 {
+            bail!("vm cp up of a small file failed ({code})");
+        }
+        cp_small.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let under = exec_under_load(w, &vm, stream, args).await?;
+    let (idle, loaded) = (under.idle_us, under.loaded_us);
     for job in [raw_job, tcp_job, local_job] {
         let _ = w.job_cancel(&vm, job).await;
     }
@@ -440,8 +468,10 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
         cp_down_mib_s: median(&mut cp_down),
         guest_tar_create_mib_s: median(&mut tar_c),
         guest_tar_extract_mib_s: median(&mut tar_x),
+        cp_small_up_us_p50: median(&mut cp_small),
         exec_idle_us_p50: idle,
         exec_under_stream_us_p50: loaded,
+        stream_beside_execs_mib_s: under.stream_mib_s,
         ..Default::default()
     };
     r.stream_h2g_vs_raw = r.stream_h2g_mib_s / r.raw_h2g_mib_s;
@@ -454,6 +484,8 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
     r.cp_up_vs_file_api = r.cp_up_mib_s / r.file_write_mib_s;
     r.cp_down_vs_file_api = r.cp_down_mib_s / r.file_read_mib_s;
     r.exec_under_stream_vs_idle = loaded / idle;
+    r.stream_beside_execs_vs_alone = r.stream_beside_execs_mib_s / r.stream_g2h_mib_s;
+    r.cp_small_up_vs_exec = r.cp_small_up_us_p50 / idle;
     Ok(r)
 }
 
@@ -552,33 +584,50 @@ async fn exec_under_load(
     vm: &str,
     mut stream: Link,
     args: &BenchArgs,
-) -> Result<(f64, f64)> {
+) -> Result<ExecUnderLoad> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
     let count = args.iterations.clamp(5, 50);
     let mut idle = Vec::with_capacity(count);
     for _ in 0..count {
         idle.push(exec_rtt(w, vm).await?);
     }
     let (stop_tx, mut stop) = tokio::sync::oneshot::channel::<()>();
-    let chunk = 8 << 20;
-    let mover = tokio::spawn(async move {
-        let mut moved = 0usize;
-        loop {
-            stream.source(chunk).await?;
-            moved += chunk;
-            if stop.try_recv().is_ok() {
-                return Ok::<usize, anyhow::Error>(moved);
+    let chunk = 1 << 20;
+    let moved = std::sync::Arc::new(AtomicUsize::new(0));
+    let mover = tokio::spawn({
+        let moved = moved.clone();
+        async move {
+            loop {
+                stream.source(chunk).await?;
+                moved.fetch_add(chunk, Ordering::Relaxed);
+                if stop.try_recv().is_ok() {
+                    return Ok::<(), anyhow::Error>(());
+                }
             }
         }
     });
     // Let the stream reach its full rate first.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut loaded = Vec::with_capacity(count);
+    let (t, before) = (Instant::now(), moved.load(Ordering::Relaxed));
     for _ in 0..count {
         loaded.push(exec_rtt(w, vm).await?);
     }
+    let during = (moved.load(Ordering::Relaxed) - before) as f64 / MIB / t.elapsed().as_secs_f64();
     let _ = stop_tx.send(());
     mover.await??;
-    Ok((median(&mut idle), median(&mut loaded)))
+    Ok(ExecUnderLoad {
+        idle_us: median(&mut idle),
+        loaded_us: median(&mut loaded),
+        stream_mib_s: during,
+    })
+}
+
+/// Exec round trips idle and beside a stream, and what the stream moved meanwhile.
+struct ExecUnderLoad {
+    idle_us: f64,
+    loaded_us: f64,
+    stream_mib_s: f64,
 }
 
 async fn exec_rtt(w: &Warren, vm: &str) -> Result<f64> {

@@ -276,6 +276,18 @@ fn test_streams_attach_refusals_copy_forward_and_lifecycle_closes() {
     let (code, err) = cp(tree.to_str().expect("utf-8"), &format!("{vm}:/tmp/in"));
     assert_eq!(code, Some(125), "{err}");
     assert!(err.contains("exists"), "{err}");
+    // Neither copy left its staging directory behind in the guest, and the refused one
+    // changed nothing.
+    let (listing, check) = sh(
+        &d,
+        &t,
+        &vm,
+        "c2",
+        "ls -A /tmp/in && sha256sum /tmp/in/tree/big",
+    );
+    assert_eq!(check["exit_code"], 0, "{check}");
+    assert!(listing.starts_with("tree\n"), "{listing}");
+    assert!(listing.contains(&sum), "{listing}");
     let back = host.path().join("back");
     let (code, err) = cp(&format!("{vm}:/tmp/in/tree"), back.to_str().expect("utf-8"));
     assert_eq!(code, Some(0), "{err}");

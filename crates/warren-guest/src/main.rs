@@ -8,6 +8,7 @@
 //! date. All `unsafe` code is in [`sys`].
 
 mod boot;
+mod bulk;
 mod channel;
 mod clock;
 mod coherence;
@@ -23,6 +24,7 @@ mod session;
 mod streams;
 mod sys;
 mod trust;
+mod unpack;
 mod workspace_ops;
 
 fn main() {

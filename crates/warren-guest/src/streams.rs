@@ -29,8 +29,10 @@ use warren_protocol::stream::{
 };
 use warren_protocol::{ErrorCode, GuestError};
 
+use crate::bulk::BulkGate;
 use crate::reaper::ExitStatus;
 use crate::session::Agent;
+use crate::unpack::Staging;
 
 /// How long connecting to a guest port may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -44,21 +46,6 @@ const READ_CHUNK: usize = 64 * 1024;
 const TAR_BLOCKING: &str = "128";
 /// How long asking `tar --version` may take.
 const PROBE_LIMIT: Duration = Duration::from_secs(10);
-/// The unpacking helper (`$1` is the directory, `$2` [`TAR_BLOCKING`] or empty).
-const EXTRACT_SCRIPT: &str = r#"set -e
-mkdir -p -- "$1"
-t=$(mktemp -d -- "$1/.warren-cp.XXXXXX")
-trap 'rm -rf -- "$t"' EXIT
-tar -x ${2:+-b "$2"} -p -f - -C "$t"
-for e in "$t"/* "$t"/.[!.]* "$t"/..?*; do
-  [ -e "$e" ] || [ -L "$e" ] || continue
-  n=${e##*/}
-  if [ -e "$1/$n" ] || [ -L "$1/$n" ]; then
-    echo "$1/$n exists; remove it or copy elsewhere" >&2
-    exit 17
-  fi
-  mv -- "$e" "$1/$n"
-done"#;
 
 /// The size of a `tar` helper's standard input and output pipes.
 const HELPER_PIPE: usize = 1 << 20;
@@ -102,7 +89,10 @@ pub async fn serve(
     match target {
         Opened::Tcp(tcp) => {
             let (rd, wr) = tcp.into_split();
-            let outcome = pump(body, wr, rd, send, |_| async { (0, None) }).await;
+            let outcome = pump(&agent.jobs.bulk, body, wr, rd, send, |_| async {
+                (0, None)
+            })
+            .await;
             if let Err(e) = outcome {
                 crate::console::log(format_args!("stream ended: {e}"));
             }
@@ -116,7 +106,10 @@ pub async fn serve(
             let (Ok(stdin), Ok(stdout)) = (stdin, stdout) else {
                 return;
             };
-            let outcome = pump(body, stdin, stdout, send, |_| helper.finish()).await;
+            let outcome = pump(&agent.jobs.bulk, body, stdin, stdout, send, |_| {
+                helper.finish()
+            })
+            .await;
             if let Err(e) = outcome {
                 crate::console::log(format_args!("tar stream ended: {e}"));
             }
@@ -273,11 +266,22 @@ async fn open(agent: &Agent, target: StreamTarget) -> Result<Opened, GuestError>
             check_path(&dir)?;
             // As the guest user: the directory is made (as `mkdir -p`), tar unpacks into a
             // staging directory in it keeping modes (`-p`) but not owners, and only a whole
-            // archive is moved into place, never over an existing name.
-            let blocking = tar_blocking(agent).await.unwrap_or_default();
-            let mut cmd = std::process::Command::new("/bin/sh");
-            cmd.args(["-c", EXTRACT_SCRIPT, "sh", &dir, blocking]);
-            Helper::spawn(agent, cmd).map(Opened::Tar)
+            // archive is moved into place, never over an existing name ([`Staging`]).
+            let user = agent.files.user;
+            let staging = tokio::task::spawn_blocking(move || {
+                Staging::prepare(std::path::Path::new(&dir), user)
+            })
+            .await
+            .map_err(|e| GuestError::new(ErrorCode::Internal, format!("staging: {e}")))??;
+            let mut cmd = std::process::Command::new("tar");
+            cmd.arg("-x");
+            if let Some(blocking) = tar_blocking(agent).await {
+                cmd.args(["-b", blocking]);
+            }
+            cmd.args(["-p", "-f", "-", "-C"]).arg(staging.path());
+            let mut helper = Helper::spawn(agent, cmd)?;
+            helper.staging = Some(staging);
+            Ok(Opened::Tar(helper))
         }
         StreamTarget::TarCreate { path } => {
             check_path(&path)?;
@@ -381,6 +385,7 @@ fn refuse(respond: &mut SendResponse<Bytes>, err: GuestError) {
 /// Moves bytes both ways (see the module docs) and sends the trailers once `from_target`
 /// ended; `finish` gives the exit status and error text after the target's output ended.
 async fn pump<W, R, F, Fut>(
+    bulk: &BulkGate,
     mut body: RecvStream,
     mut to_target: W,
     mut from_target: R,
@@ -397,6 +402,7 @@ where
         while let Some(chunk) = body.data().await {
             let chunk = chunk?;
             let n = chunk.len();
+            bulk.pass().await;
             if to_target.write_all(&chunk).await.is_err() {
                 // The target stopped reading: drop the rest, keep the window open.
                 let _ = body.flow_control().release_capacity(n);
@@ -416,6 +422,7 @@ where
             // Read straight into the buffer HTTP/2 sends from: no copy (under TCG every
             // copy costs the guest's vCPU).
             let mut buf = BytesMut::with_capacity(READ_CHUNK);
+            bulk.pass().await;
             match from_target.read_buf(&mut buf).await {
                 Ok(0) => break,
                 Ok(_) => {}
@@ -457,6 +464,8 @@ struct Helper {
     stdout: Option<std::process::ChildStdout>,
     stderr: Option<std::process::ChildStderr>,
     exited: bool,
+    /// An upload's staging directory: placed after a clean exit, removed otherwise.
+    staging: Option<Staging>,
 }
 
 impl Helper {
@@ -486,6 +495,7 @@ impl Helper {
             child,
             exit: Some(exit),
             exited: false,
+            staging: None,
         })
     }
 
@@ -511,7 +521,7 @@ impl Helper {
         };
         self.exited = status.is_some();
         let message = String::from_utf8_lossy(&text).trim().to_string();
-        match status {
+        let (code, error) = match status {
             Some(ExitStatus::Code(0)) => (0, None),
             Some(ExitStatus::Code(c)) => (c, Some(format!("tar exited with {c}: {message}"))),
             Some(ExitStatus::Signal(s)) => (
@@ -519,6 +529,17 @@ impl Helper {
                 Some(format!("tar was killed by signal {s}: {message}")),
             ),
             None => (-1, Some("tar's exit status was lost".into())),
+        };
+        match self.staging.take() {
+            Some(staging) if code == 0 => {
+                match tokio::task::spawn_blocking(move || staging.place()).await {
+                    Ok(Ok(())) => (0, None),
+                    Ok(Err((code, text))) => (code, Some(text)),
+                    Err(e) => (-1, Some(format!("placing the upload: {e}"))),
+                }
+            }
+            // Dropped: removed.
+            _ => (code, error),
         }
     }
 }
@@ -535,11 +556,11 @@ impl Drop for Helper {
 mod tests {
     use super::*;
 
-    /// The unpacking script with the blocking factor (GNU tar) and without it (a tar that
-    /// takes none gets no `-b`): both unpack an archive fed through a pipe in short pieces,
-    /// its last record short, and move it into place.
+    /// An upload's own steps with the blocking factor (GNU tar) and without it (a tar that
+    /// takes none gets no `-b`): `tar -x` unpacks an archive fed through a pipe in short
+    /// pieces, its last record short, into the staging directory, which is then placed.
     #[test]
-    fn test_extract_script_with_and_without_a_blocking_factor() {
+    fn test_an_upload_unpacks_with_and_without_a_blocking_factor() {
         let src = tempfile::tempdir().expect("src");
         std::fs::create_dir(src.path().join("tree")).expect("tree");
         let big: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
@@ -551,16 +572,21 @@ mod tests {
             .output()
             .expect("tar -c");
         assert!(archive.status.success());
-        for blocking in [TAR_BLOCKING, ""] {
+        for blocking in [Some(TAR_BLOCKING), None] {
             let dest = tempfile::tempdir().expect("dest");
             let dir = dest.path().join("in");
-            let mut child = std::process::Command::new("/bin/sh")
-                .args(["-c", EXTRACT_SCRIPT, "sh"])
-                .arg(&dir)
-                .arg(blocking)
+            let staging = Staging::prepare(&dir, None).expect("staging");
+            let mut tar = std::process::Command::new("tar");
+            tar.arg("-x");
+            if let Some(b) = blocking {
+                tar.args(["-b", b]);
+            }
+            let mut child = tar
+                .args(["-p", "-f", "-", "-C"])
+                .arg(staging.path())
                 .stdin(Stdio::piped())
                 .spawn()
-                .expect("sh");
+                .expect("tar -x");
             let mut stdin = child.stdin.take().expect("stdin");
             for piece in archive.stdout.chunks(3000) {
                 std::io::Write::write_all(&mut stdin, piece).expect("feed");
@@ -570,11 +596,14 @@ mod tests {
                 child.wait().expect("wait").success(),
                 "blocking {blocking:?}"
             );
+            staging.place().expect("placed");
             assert_eq!(
                 std::fs::read(dir.join("tree/big")).expect("unpacked"),
                 big,
                 "blocking {blocking:?}"
             );
+            let names: Vec<_> = std::fs::read_dir(&dir).expect("ls").collect();
+            assert_eq!(names.len(), 1, "only the tree, no staging left");
         }
     }
 }

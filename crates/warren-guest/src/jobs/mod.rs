@@ -365,6 +365,8 @@ pub struct JobManager {
     table: Mutex<Table>,
     /// Added to every later job's base environment (the egress CA bundle variables).
     extra_env: Mutex<Vec<(String, String)>>,
+    /// Held by each job start so streams give it the vCPU ([`crate::bulk`]).
+    pub bulk: Arc<crate::bulk::BulkGate>,
 }
 
 fn invalid(msg: impl Into<String>) -> GuestError {
@@ -442,6 +444,7 @@ impl JobManager {
         Arc::new(Self {
             reaper,
             extra_env: Mutex::new(Vec::new()),
+            bulk: Arc::default(),
             suspension: watch::Sender::new(Suspension::default()),
             table: Mutex::new(Table {
                 next_id: 1,
@@ -641,7 +644,14 @@ impl JobManager {
             .and_then(|()| files::open_dir(&self.cfg.files, req.cwd.as_deref()))
             .and_then(|cwd_fd| self.launch(&job, req, cwd_fd));
         match launched {
-            Ok(()) => Ok(job.id),
+            Ok(()) => {
+                let mut changes = job.changed.subscribe();
+                let started = job.clone();
+                self.bulk.hold_while(async move {
+                    let _ = changes.wait_for(|_| !started.is_running()).await;
+                });
+                Ok(job.id)
+            }
             Err(e) => {
                 let mut t = self.table();
                 t.jobs.remove(&job.id);
