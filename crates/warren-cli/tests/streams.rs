@@ -276,6 +276,14 @@ fn test_streams_attach_refusals_copy_forward_and_lifecycle_closes() {
     let (code, err) = cp(tree.to_str().expect("utf-8"), &format!("{vm}:/tmp/in"));
     assert_eq!(code, Some(125), "{err}");
     assert!(err.contains("exists"), "{err}");
+    // A directory the guest user cannot make refuses the copy before any byte, with the
+    // guest's reason.
+    let (code, err) = cp(tree.to_str().expect("utf-8"), &format!("{vm}:/root/denied"));
+    assert_ne!(code, Some(0), "{err}");
+    assert!(
+        err.contains("forbidden") && err.contains("ermission denied"),
+        "{err}"
+    );
     // Neither copy left its staging directory behind in the guest, and the refused one
     // changed nothing.
     let (listing, check) = sh(
