@@ -143,9 +143,16 @@ impl Warren {
                 SupervisorClient::new(&dir.socket()).resume().await?;
             }
             VmState::Hibernated => {
-                let ck = dir.read_checkpoint().ok_or_else(|| {
-                    CoreError::CheckpointIncompatible(format!("{id} has no completed checkpoint"))
-                })?;
+                let Some(ck) = dir.read_checkpoint() else {
+                    // Another caller's resume may have consumed it since the record was read
+                    // (nothing is locked yet): then this call waits for that resume.
+                    if self.store.get(id)?.is_some_and(|r| r.state != VmState::Hibernated) {
+                        return self.await_resume(id).await;
+                    }
+                    return Err(CoreError::CheckpointIncompatible(format!(
+                        "{id} has no completed checkpoint"
+                    )));
+                };
                 // The disk overlay's backing file is the image's root filesystem: it must
                 // still be the image the VM was created from.
                 let image_id = warren_image::ImageId::parse(&rec.image_id)?;
