@@ -227,19 +227,20 @@ pub(crate) async fn upload(opener: &Opener, from: &Path, vm: &str, dir: &str) ->
             progress.inc(c.len() as u64);
             tx.send(&c).await?;
         }
+        // The packer is done (it dropped its writer). An archive it could not finish is
+        // never ended: the stream is dropped instead, and the guest places nothing (tar
+        // would stop at the end marker a failed packer still writes, and succeed).
+        packer.await.map_err(|e| anyhow!("packing: {e}"))??;
         tx.eof().await?;
         Ok::<(), anyhow::Error>(())
     };
-    let sent = tokio::select! {
-        r = send => r,
+    tokio::select! {
+        r = send => r?,
         end = wait_end(&mut rx) => {
             end?;
             bail!("the guest ended the copy before it was sent");
         }
     };
-    let packed = packer.await.map_err(|e| anyhow!("packing: {e}"))?;
-    sent?;
-    packed?;
     wait_end(&mut rx).await?;
     progress.finish(None);
     Ok(0)

@@ -315,6 +315,42 @@ fn test_streams_attach_refusals_copy_forward_and_lifecycle_closes() {
         .to_string_lossy()
         .starts_with(".warren-cp")));
 
+    // A copy the host cannot pack whole (a socket cannot be archived) is never ended
+    // cleanly: the guest places none of it, and removes what it unpacked.
+    let partial = host.path().join("partial");
+    std::fs::create_dir_all(partial.join("d")).expect("mkdir");
+    std::fs::write(partial.join("d/a"), "a").expect("a");
+    let _sock = std::os::unix::net::UnixListener::bind(partial.join("s")).expect("socket");
+    let (code, err) = cp(
+        partial.to_str().expect("utf-8"),
+        &format!("{vm}:/tmp/partial"),
+    );
+    assert_ne!(code, Some(0), "{err}");
+    assert!(err.contains("socket"), "{err}");
+    let t0 = Instant::now();
+    loop {
+        let (listing, check) = sh(
+            &d,
+            &t,
+            &vm,
+            &format!("p{}", t0.elapsed().as_millis()),
+            "ls -A /tmp/partial",
+        );
+        assert_eq!(check["exit_code"], 0, "{check}");
+        assert!(
+            !listing.contains("partial"),
+            "a partial copy was placed: {listing}"
+        );
+        if listing.is_empty() {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "staging left: {listing}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
     // port-forward: a guest HTTP server opens from host loopback.
     d.ok(&t, "vm_exec", json!({"vm_id": vm, "request_id": "e4", "argv": ["sh", "-c",
         "mkdir -p /tmp/site && echo forwarded-page > /tmp/site/index.html && cd /tmp/site && exec python3 -m http.server 8000 --bind 127.0.0.1"],

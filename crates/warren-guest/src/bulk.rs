@@ -109,8 +109,9 @@ impl BulkGate {
             return;
         };
         let hold = Hold::new(self.clone());
+        // From the hold, not from when its task first runs.
+        let deadline = Instant::now() + window;
         rt.spawn(async move {
-            let deadline = Instant::now() + window;
             if tokio::time::timeout_at(deadline, done).await.is_ok() {
                 tokio::time::sleep_until((Instant::now() + LINGER).min(deadline)).await;
             }

@@ -23,6 +23,7 @@ use h2::server::SendResponse;
 use h2::{RecvStream, SendStream};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::watch;
 use warren_protocol::stream::{
     self, StreamTarget, BROKER_ACCEPTED, ERROR_TRAILER, EXIT_TRAILER, MAX_STREAM_PATH,
     STREAM_HEADER,
@@ -30,6 +31,7 @@ use warren_protocol::stream::{
 use warren_protocol::{ErrorCode, GuestError};
 
 use crate::bulk::BulkGate;
+use crate::jobs::JobManager;
 use crate::reaper::ExitStatus;
 use crate::session::Agent;
 use crate::unpack::Staging;
@@ -106,8 +108,8 @@ pub async fn serve(
             let (Ok(stdin), Ok(stdout)) = (stdin, stdout) else {
                 return;
             };
-            let outcome = pump(&agent.jobs.bulk, body, stdin, stdout, send, |_| {
-                helper.finish()
+            let outcome = pump(&agent.jobs.bulk, body, stdin, stdout, send, |ended| {
+                helper.finish(ended)
             })
             .await;
             if let Err(e) = outcome {
@@ -279,9 +281,17 @@ async fn open(agent: &Agent, target: StreamTarget) -> Result<Opened, GuestError>
                 cmd.args(["-b", blocking]);
             }
             cmd.args(["-p", "-f", "-", "-C"]).arg(staging.path());
-            let mut helper = Helper::spawn(agent, cmd)?;
-            helper.staging = Some(staging);
-            Ok(Opened::Tar(helper))
+            match Helper::spawn(agent, cmd) {
+                Ok(mut helper) => {
+                    helper.staging = Some(staging);
+                    Ok(Opened::Tar(helper))
+                }
+                Err(e) => {
+                    // Still empty: one `rmdir`.
+                    let _ = tokio::task::spawn_blocking(move || staging.remove_if_empty()).await;
+                    Err(e)
+                }
+            }
         }
         StreamTarget::TarCreate { path } => {
             check_path(&path)?;
@@ -345,7 +355,8 @@ async fn probe_gnu_tar(agent: &Agent) -> Option<bool> {
     let stdout = tokio::process::ChildStdout::from_std(helper.stdout.take()?).ok()?;
     let mut out = Vec::new();
     stdout.take(4096).read_to_end(&mut out).await.ok()?;
-    let (code, _) = helper.finish().await;
+    // No upload: nothing waits on the input's end.
+    let (code, _) = helper.finish(watch::channel(true).1).await;
     Some(code == 0 && out.windows(7).any(|w| w == b"GNU tar"))
 }
 
@@ -395,9 +406,11 @@ async fn pump<W, R, F, Fut>(
 where
     W: AsyncWrite + Unpin,
     R: AsyncRead + Unpin,
-    F: FnOnce(()) -> Fut,
+    F: FnOnce(watch::Receiver<bool>) -> Fut,
     Fut: std::future::Future<Output = (i32, Option<String>)>,
 {
+    // Set once the host ended its input cleanly (not by a reset).
+    let (input_ended, ended) = watch::channel(false);
     let inbound = async {
         while let Some(chunk) = body.data().await {
             let chunk = chunk?;
@@ -410,6 +423,7 @@ where
             }
             let _ = body.flow_control().release_capacity(n);
         }
+        input_ended.send_replace(true);
         let _ = to_target.shutdown().await;
         drop(to_target);
         // The host ended its input; the output side decides when the stream ends.
@@ -433,7 +447,7 @@ where
             }
             stream::send_paced(&mut send, buf.freeze()).await?;
         }
-        let (mut code, mut error) = finish(()).await;
+        let (mut code, mut error) = finish(ended).await;
         if let Some(e) = read_error {
             code = if code == 0 { -1 } else { code };
             error = Some(error.map_or(e.clone(), |x| format!("{x}; {e}")));
@@ -464,7 +478,9 @@ struct Helper {
     stdout: Option<std::process::ChildStdout>,
     stderr: Option<std::process::ChildStderr>,
     exited: bool,
-    /// An upload's staging directory: placed after a clean exit, removed otherwise.
+    jobs: Arc<JobManager>,
+    /// An upload's staging directory: placed after a clean exit and a clean end of the
+    /// host's input, removed otherwise (on drop too, once the killed `tar` exited).
     staging: Option<Staging>,
 }
 
@@ -495,13 +511,16 @@ impl Helper {
             child,
             exit: Some(exit),
             exited: false,
+            jobs: agent.jobs.clone(),
             staging: None,
         })
     }
 
     /// Waits for the exit after the output ended: its code (128+N for a signal) and, on a
-    /// failure, the start of standard error.
-    async fn finish(&mut self) -> (i32, Option<String>) {
+    /// failure, the start of standard error. An upload is placed only when `tar` succeeded
+    /// and `input_ended` says the host ended its archive cleanly (`tar` stops at the
+    /// archive's end marker, which a host that failed half-way may still have sent).
+    async fn finish(&mut self, mut input_ended: watch::Receiver<bool>) -> (i32, Option<String>) {
         let mut text = Vec::new();
         if let Some(stderr) = self.stderr.take() {
             if let Ok(mut stderr) = tokio::process::ChildStderr::from_std(stderr) {
@@ -530,17 +549,29 @@ impl Helper {
             ),
             None => (-1, Some("tar's exit status was lost".into())),
         };
-        match self.staging.take() {
-            Some(staging) if code == 0 => {
-                match tokio::task::spawn_blocking(move || staging.place()).await {
-                    Ok(Ok(())) => (0, None),
-                    Ok(Err((code, text))) => (code, Some(text)),
-                    Err(e) => (-1, Some(format!("placing the upload: {e}"))),
-                }
+        let Some(staging) = self.staging.take() else {
+            return (code, error);
+        };
+        let staging = Arc::new(staging);
+        let (code, error) = if code != 0 {
+            (code, error)
+        } else if input_ended.wait_for(|ended| *ended).await.is_err() {
+            (
+                -1,
+                Some("the archive's input did not end cleanly; nothing was placed".into()),
+            )
+        } else {
+            let placing = staging.clone();
+            match tokio::task::spawn_blocking(move || placing.place()).await {
+                Ok(Ok(true)) => return (0, None),
+                Ok(Ok(false)) => (0, None),
+                Ok(Err((code, text))) => (code, Some(text)),
+                Err(e) => (-1, Some(format!("placing the upload: {e}"))),
             }
-            // Dropped: removed.
-            _ => (code, error),
-        }
+        };
+        // Whatever is left (a failed upload's tree) goes before the host hears the end.
+        remove_staging(&self.jobs, staging.path()).await;
+        (code, error)
     }
 }
 
@@ -549,6 +580,50 @@ impl Drop for Helper {
         if !self.exited {
             let _ = self.child.kill();
         }
+        // An abandoned upload: its staging directory goes once the killed `tar` exited.
+        if let (Some(staging), Ok(rt)) =
+            (self.staging.take(), tokio::runtime::Handle::try_current())
+        {
+            let exit = self.exit.take();
+            let jobs = self.jobs.clone();
+            rt.spawn(async move {
+                if let Some(exit) = exit {
+                    let _ = tokio::time::timeout(REMOVE_LIMIT, exit).await;
+                }
+                remove_staging(&jobs, staging.path()).await;
+            });
+        }
+    }
+}
+
+/// How long removing a staging directory may take.
+const REMOVE_LIMIT: Duration = Duration::from_secs(120);
+
+/// Removes a staging directory and what it holds with `rm -rf`, as the guest user (never by
+/// the agent itself: see [`crate::unpack`]).
+async fn remove_staging(jobs: &JobManager, path: &std::path::Path) {
+    let mut cmd = std::process::Command::new("rm");
+    cmd.args(["-rf", "--"])
+        .arg(path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let removed = match jobs.spawn_helper(&mut cmd) {
+        Ok((mut child, exit)) => match tokio::time::timeout(REMOVE_LIMIT, exit).await {
+            Ok(Ok(ExitStatus::Code(0))) => true,
+            Ok(_) => false,
+            Err(_) => {
+                let _ = child.kill();
+                false
+            }
+        },
+        Err(_) => false,
+    };
+    if !removed {
+        crate::console::log(format_args!(
+            "could not remove the staging directory {}",
+            path.display()
+        ));
     }
 }
 

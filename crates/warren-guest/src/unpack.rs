@@ -1,14 +1,18 @@
 //! The staging directory of an upload (`vm cp` into the guest): made before `tar -x` runs in
-//! it, moved into place only once the whole archive unpacked, removed otherwise.
+//! it, its entries moved into place only once the whole archive unpacked and the host ended
+//! its input cleanly.
 //!
 //! The agent does these steps itself, as the guest user's filesystem identity
 //! ([`crate::files::FsIdentity`], per thread, on tokio's blocking pool), instead of a shell
 //! script around `tar`: under TCG every process start costs the guest's one vCPU ~8 ms, and
-//! `mkdir -p`, `mktemp -d`, `mv` and `rm -rf` were five of the six an upload started. The
-//! semantics are those of the commands: the directory is made as `mkdir -p` (the user's
-//! permissions, the agent's umask), the staging directory as `mktemp -d` (0700, a random
-//! name), and an entry is moved with `RENAME_NOREPLACE`, so an existing name is never
-//! replaced, even one made while the archive unpacked.
+//! `mkdir -p`, `mktemp -d` and `mv` were four of the six an upload started. The semantics
+//! are those of the commands: the directory is made as `mkdir -p` (the user's permissions,
+//! the agent's umask), the staging directory as `mktemp -d` (0700, a random name), and an
+//! entry is moved with `RENAME_NOREPLACE`, so an existing name is never replaced, even one
+//! made while the archive unpacked. Only an empty staging directory is removed here (one
+//! `rmdir`): a tree in it (a failed upload, or anything the guest user put there) is removed
+//! by `rm -rf` as the guest user ([`crate::streams`]), never by the agent, whose descriptors
+//! and stack a deep tree could exhaust.
 
 use std::path::{Path, PathBuf};
 
@@ -16,24 +20,23 @@ use rustix::fs::{Mode, RenameFlags, CWD};
 use rustix::io::Errno;
 use warren_protocol::{ErrorCode, GuestError};
 
-use crate::files::{errno_error, io_error, FsIdentity};
+use crate::files::FsIdentity;
 
-/// The staging directory's name prefix (the host's side uses the same for its own).
+/// The staging directory's name prefix.
 const PREFIX: &str = ".warren-cp.";
 /// How many random names are tried before giving up.
 const NAME_TRIES: usize = 64;
-/// How many times removing a staging directory is tried.
-const REMOVE_TRIES: u32 = 5;
 /// Exit code of an upload refused because a name it brings exists (`EEXIST`).
 pub const EXISTS_CODE: i32 = 17;
+/// Exit code of an upload whose entries could not be moved into place otherwise (`mv`'s).
+const MOVE_FAILED_CODE: i32 = 1;
 
-/// A staging directory below the upload's destination, removed on drop unless placed.
+/// A staging directory below an upload's destination.
 #[derive(Debug)]
 pub struct Staging {
     dir: PathBuf,
     path: PathBuf,
     user: Option<u32>,
-    placed: bool,
 }
 
 impl Staging {
@@ -43,7 +46,7 @@ impl Staging {
         std::fs::DirBuilder::new()
             .recursive(true)
             .create(dir)
-            .map_err(|e| io_error(&format!("making {}", dir.display()), e))?;
+            .map_err(|e| fs_error(&format!("making {}", dir.display()), e))?;
         for _ in 0..NAME_TRIES {
             let path = dir.join(random_name());
             match rustix::fs::mkdir(&path, Mode::RWXU) {
@@ -52,14 +55,13 @@ impl Staging {
                         dir: dir.to_path_buf(),
                         path,
                         user,
-                        placed: false,
                     })
                 }
                 Err(Errno::EXIST) => continue,
                 Err(e) => {
-                    return Err(errno_error(
+                    return Err(fs_error(
                         &format!("making a directory in {}", dir.display()),
-                        e,
+                        e.into(),
                     ))
                 }
             }
@@ -76,20 +78,24 @@ impl Staging {
     }
 
     /// Moves every unpacked entry into the destination directory, then removes the staging
-    /// directory. `Err` is an exit code and its error text: [`EXISTS_CODE`] when a name
-    /// exists there (checked for every entry before any moves, and again by each move).
-    pub fn place(mut self) -> Result<(), (i32, String)> {
-        let result = self.move_entries();
-        self.placed = result.is_ok();
-        self.remove();
-        result
+    /// directory if it is empty. `Ok(true)`: nothing is left; `Ok(false)`: the staging
+    /// directory still holds something (see the module docs). `Err` is an exit code and its
+    /// error text: [`EXISTS_CODE`] when a name exists there (checked for every entry before
+    /// any moves, and again by each move).
+    pub fn place(&self) -> Result<bool, (i32, String)> {
+        let _id = FsIdentity::assume(self.user);
+        self.move_entries()?;
+        Ok(rustix::fs::rmdir(&self.path).is_ok())
+    }
+
+    /// Removes the staging directory if it is empty; whether it is gone.
+    pub fn remove_if_empty(&self) -> bool {
+        let _id = FsIdentity::assume(self.user);
+        rustix::fs::rmdir(&self.path).is_ok()
     }
 
     fn move_entries(&self) -> Result<(), (i32, String)> {
-        let _id = FsIdentity::assume(self.user);
-        let failed = |what: String, e: std::io::Error| {
-            (e.raw_os_error().unwrap_or(1), format!("{what}: {e}"))
-        };
+        let failed = |what: String, e: std::io::Error| (MOVE_FAILED_CODE, format!("{what}: {e}"));
         let mut names = Vec::new();
         let entries = std::fs::read_dir(&self.path)
             .map_err(|e| failed(format!("reading {}", self.path.display()), e))?;
@@ -111,75 +117,65 @@ impl Staging {
         }
         for name in &names {
             let (from, to) = (self.path.join(name), self.dir.join(name));
-            match rustix::fs::renameat_with(CWD, &from, CWD, &to, RenameFlags::NOREPLACE) {
+            let moved =
+                match rustix::fs::renameat_with(CWD, &from, CWD, &to, RenameFlags::NOREPLACE) {
+                    // A file system without the flag (some FUSE or network ones): checked just
+                    // above, then a plain rename, as `mv` does there.
+                    Err(Errno::INVAL) if std::fs::symlink_metadata(&to).is_err() => {
+                        rustix::fs::rename(&from, &to)
+                    }
+                    other => other,
+                };
+            match moved {
                 Ok(()) => {}
                 Err(Errno::EXIST) => return Err(exists(&to)),
                 Err(e) => {
-                    return Err((
-                        e.raw_os_error(),
+                    return Err(failed(
                         format!(
-                            "moving {} into {}: {e}",
+                            "moving {} into {}",
                             name.to_string_lossy(),
                             self.dir.display()
                         ),
+                        e.into(),
                     ))
                 }
             }
         }
         Ok(())
     }
-
-    fn remove(&mut self) {
-        let _id = FsIdentity::assume(self.user);
-        // A `tar` just killed may still finish a call that adds an entry: tried again.
-        for attempt in 1..=REMOVE_TRIES {
-            match std::fs::remove_dir_all(&self.path) {
-                Ok(()) => break,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
-                Err(e) if attempt < REMOVE_TRIES => {
-                    let _ = e;
-                    std::thread::sleep(std::time::Duration::from_millis(20));
-                }
-                Err(e) => crate::console::log(format_args!(
-                    "removing the staging directory {}: {e}",
-                    self.path.display()
-                )),
-            }
-        }
-        self.placed = true;
-    }
 }
 
-impl Drop for Staging {
-    /// An upload that failed or was abandoned leaves nothing behind. The removal runs on the
-    /// blocking pool when a runtime is there (a large half-unpacked tree takes a while).
-    fn drop(&mut self) {
-        if self.placed {
-            return;
+/// A failed directory step as a typed error (these are guest paths, not workspace paths:
+/// no workspace wording).
+fn fs_error(what: &str, e: std::io::Error) -> GuestError {
+    let code = match e.kind() {
+        std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem => {
+            ErrorCode::PermissionDenied
         }
-        let mut this = Self {
-            dir: std::mem::take(&mut self.dir),
-            path: std::mem::take(&mut self.path),
-            user: self.user,
-            placed: false,
-        };
-        self.placed = true;
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                rt.spawn_blocking(move || this.remove());
-            }
-            Err(_) => this.remove(),
-        }
-    }
+        std::io::ErrorKind::NotFound => ErrorCode::NotFound,
+        std::io::ErrorKind::NotADirectory => ErrorCode::WrongType,
+        _ => ErrorCode::Io,
+    };
+    GuestError::new(code, format!("{what}: {e}"))
 }
 
 /// `.warren-cp.` and 12 random letters and digits.
 fn random_name() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
     let mut bytes = [0u8; 12];
     // The name only has to be unlikely to be taken (a taken one is tried again): the
-    // non-blocking source does, even before the CRNG is seeded.
-    let _ = rustix::rand::getrandom(&mut bytes, rustix::rand::GetRandomFlags::INSECURE);
+    // non-blocking source does, even before the CRNG is seeded. Where it is missing, the
+    // clock and a counter still give every try another name.
+    if rustix::rand::getrandom(&mut bytes, rustix::rand::GetRandomFlags::INSECURE).is_err() {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let mixed = nanos ^ COUNTER.fetch_add(1, Ordering::Relaxed).rotate_left(40);
+        bytes[..8].copy_from_slice(&mixed.to_le_bytes());
+        bytes[8..].copy_from_slice(&std::process::id().to_le_bytes());
+    }
     let mut name = String::from(PREFIX);
     name.extend(
         bytes
@@ -220,7 +216,7 @@ mod tests {
             std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
             0o700
         );
-        s.place().expect("place");
+        assert_eq!(s.place(), Ok(true), "nothing left");
         assert_eq!(listing(&dir), [".hidden", "x"]);
         assert_eq!(std::fs::read(dir.join("x")).expect("x"), b"x");
     }
@@ -232,21 +228,39 @@ mod tests {
         std::fs::write(dir.join("b"), "mine").expect("existing");
         std::os::unix::fs::symlink("nowhere", dir.join("c")).expect("dangling link");
         for taken in ["b", "c"] {
-            let (code, text) = staged(&dir, &["a", taken]).place().expect_err("refused");
+            let s = staged(&dir, &["a", taken]);
+            let (code, text) = s.place().expect_err("refused");
             assert_eq!(code, EXISTS_CODE);
             assert!(text.contains("exists"), "{text}");
-            // Nothing moved, nothing replaced, nothing left behind.
+            // Nothing moved, nothing replaced; the staging directory is left to `rm -rf`.
+            assert_eq!(listing(s.path()), ["a", taken]);
+            std::fs::remove_dir_all(s.path()).expect("clean");
             assert_eq!(listing(&dir), ["b", "c"]);
         }
         assert_eq!(std::fs::read(dir.join("b")).expect("b"), b"mine");
     }
 
+    /// A staging directory that still holds something after the moves (put there by the
+    /// guest user) is only reported, never walked by the agent.
     #[test]
-    fn test_an_abandoned_upload_leaves_nothing() {
+    fn test_a_staging_directory_that_is_not_empty_is_left_to_the_caller() {
         let root = tempfile::tempdir().expect("tmp");
         let s = staged(root.path(), &["a"]);
-        std::fs::create_dir_all(s.path().join("deep/er")).expect("tree");
-        drop(s);
-        assert!(listing(root.path()).is_empty());
+        assert!(s.move_entries().is_ok());
+        // An entry made after the moves' listing, as a racing guest user could.
+        let late = s.path().join(".late");
+        std::fs::create_dir_all(late.join("deep/er")).expect("tree");
+        assert!(!s.remove_if_empty(), "not empty");
+        assert!(late.join("deep/er").is_dir(), "untouched");
+        assert_eq!(listing(root.path()).len(), 2, "a and the staging directory");
+    }
+
+    #[test]
+    fn test_a_directory_that_cannot_be_made_is_a_typed_refusal() {
+        let root = tempfile::tempdir().expect("tmp");
+        std::fs::write(root.path().join("file"), "x").expect("file");
+        let err = Staging::prepare(&root.path().join("file/sub"), None).expect_err("refused");
+        assert_eq!(err.code, ErrorCode::WrongType, "{err:?}");
+        assert!(!err.message.contains("workspace"), "{err:?}");
     }
 }

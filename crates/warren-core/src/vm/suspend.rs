@@ -146,7 +146,11 @@ impl Warren {
                 let Some(ck) = dir.read_checkpoint() else {
                     // Another caller's resume may have consumed it since the record was read
                     // (nothing is locked yet): then this call waits for that resume.
-                    if self.store.get(id)?.is_some_and(|r| r.state != VmState::Hibernated) {
+                    if self
+                        .store
+                        .get(id)?
+                        .is_some_and(|r| r.state != VmState::Hibernated)
+                    {
                         return self.await_resume(id).await;
                     }
                     return Err(CoreError::CheckpointIncompatible(format!(
