@@ -91,7 +91,7 @@ pub fn fork(
         })
     })();
     if made.is_err() {
-        if let Err(e) = std::fs::remove_dir_all(to) {
+        if let Err(e) = crate::remove_tree(to) {
             tracing::warn!(error = %e, dir = %to.display(), "removing a half-made session fork");
         }
     }

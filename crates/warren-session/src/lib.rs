@@ -41,6 +41,7 @@ mod fork;
 mod git;
 pub mod guard;
 mod prepare;
+mod remove;
 mod retention;
 mod scratch;
 mod source;
@@ -55,6 +56,7 @@ pub use export::{export, Exported};
 pub use fork::{fork, Forked, MAX_FORK_ENTRIES};
 pub use git::Owner;
 pub use prepare::{direct, prepare, Head, Prepared};
+pub use remove::remove_tree;
 pub use retention::{remove, status, Retention};
 
 /// The working tree inside a session directory, shared into the guest at [`GUEST_WORKSPACE`].

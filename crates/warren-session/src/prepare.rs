@@ -95,7 +95,7 @@ pub fn prepare(
             Ok(p)
         }
         Err(e) => {
-            if let Err(cleanup) = std::fs::remove_dir_all(session_dir) {
+            if let Err(cleanup) = crate::remove_tree(session_dir) {
                 tracing::warn!(error = %cleanup, "removing the half-made session failed");
             }
             Err(e)

@@ -144,9 +144,9 @@ pub fn remove(session_dir: &Path, force: bool, owner: Option<Owner>) -> Result<(
             });
         }
     }
-    // remove_dir_all unlinks symlinks instead of descending into them (std uses
-    // openat/unlinkat with O_NOFOLLOW on Unix).
-    std::fs::remove_dir_all(session_dir).map_err(SessionError::io("remove", session_dir))?;
+    // The guest shaped this tree: removed without recursion, symlinks unlinked, never
+    // followed ([`crate::remove_tree`]).
+    crate::remove_tree(session_dir).map_err(SessionError::io("remove", session_dir))?;
     tracing::info!(session = %session_dir.display(), force, "session removed");
     Ok(())
 }

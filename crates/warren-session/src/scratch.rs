@@ -65,8 +65,9 @@ pub(crate) struct Scratch {
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        // Our own directory, 0700: nothing in it is a symlink we did not make.
-        let _ = fs::remove_dir_all(&self.dir);
+        // Our own directory, 0700, holding copies of what the guest made: removed without
+        // recursion.
+        let _ = crate::remove_tree(&self.dir);
     }
 }
 
@@ -111,7 +112,7 @@ impl Scratch {
                 shallow.as_deref(),
             );
             if filled.is_err() {
-                let _ = fs::remove_dir_all(&dir);
+                let _ = crate::remove_tree(&dir);
             }
             filled.map(|()| dir)
         })?;
