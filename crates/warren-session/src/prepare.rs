@@ -215,6 +215,15 @@ fn list_entries(git: &Git, at: Repo<'_>) -> Result<(Vec<Entry>, Vec<Skipped>), S
             continue;
         }
         last = Some(path);
+        if !crate::scratch::index_path_ok(path) {
+            // Git never writes such a path; a crafted index can name `.git/hooks/...`,
+            // which the copy would put in the session's own git directory.
+            return Err(SessionError::Io {
+                op: "copy unexpected path",
+                path: os_path(path),
+                source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+            });
+        }
         entries.push(Entry {
             path: os_path(path),
             gitlink: meta.starts_with(b"160000 "),
@@ -287,6 +296,18 @@ fn build(git: &Git, src: &Source, paths: &SessionPaths) -> Result<Prepared, Sess
         std::os::unix::fs::chown(&paths.workspace, Some(o.uid), Some(o.gid))
             .map_err(SessionError::io("chown", &paths.workspace))?;
     }
+    // As private as its source: other local users can pass the 0711 parents, so a
+    // workspace left at 0755 let them read a copy of a project only its owner could.
+    let top_mode = std::fs::metadata(&src.toplevel)
+        .map_err(SessionError::io("stat", &src.toplevel))?
+        .permissions()
+        .mode()
+        & 0o777;
+    std::fs::set_permissions(
+        &paths.workspace,
+        std::fs::Permissions::from_mode(top_mode | 0o700),
+    )
+    .map_err(SessionError::io("chmod", &paths.workspace))?;
     std::os::unix::fs::symlink(src.repo.objects_dir(), &paths.link)
         .map_err(SessionError::io("symlink", &paths.link))?;
 
