@@ -137,11 +137,22 @@ pub fn export(
         .filter(|l| !l.is_empty())
         .count();
     if new_objects > 0 {
-        git.pipe(
+        let pack_dir = common.join("objects").join("pack");
+        let before = temporary_packs(&pack_dir);
+        let indexed = git.pipe(
             (repo, &["pack-objects", "--revs", "--stdout", "-q"]),
             revs.as_bytes(),
             (src, &["index-pack", "--stdin", "--strict"]),
-        )?;
+        );
+        if indexed.is_err() {
+            // index-pack leaves its temporary pack behind when it refuses the pack (the
+            // guest can make `--strict` fail after a large blob) or is killed at the
+            // deadline: guest-sized files in the user's own repository, each retry one more.
+            for name in temporary_packs(&pack_dir).difference(&before) {
+                let _ = std::fs::remove_file(pack_dir.join(name));
+            }
+        }
+        indexed?;
     }
     let old = previous.clone().unwrap_or_default();
     git.run(
@@ -198,4 +209,22 @@ fn checked_out_in(
         }
     }
     Ok(None)
+}
+
+/// The names of git's temporary files in a pack directory (`tmp_pack_*`, `tmp_idx_*`,
+/// `tmp_rev_*`).
+fn temporary_packs(pack_dir: &std::path::Path) -> std::collections::HashSet<std::ffi::OsString> {
+    std::fs::read_dir(pack_dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name())
+                .filter(|n| {
+                    let n = n.as_encoded_bytes();
+                    n.starts_with(b"tmp_pack_")
+                        || n.starts_with(b"tmp_idx_")
+                        || n.starts_with(b"tmp_rev_")
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }

@@ -569,3 +569,38 @@ fn test_workspace_is_as_private_as_its_source() {
         assert_eq!(got, mode, "{name}");
     }
 }
+
+/// A session commit that `index-pack --strict` refuses (a `.gitmodules` URL git forbids)
+/// after a large blob fails the export and leaves nothing of the pack in the user's
+/// repository (index-pack leaves its temporary pack behind when it fails).
+#[test]
+fn test_a_refused_export_leaves_no_temporary_pack_in_the_source() {
+    let f = Fixture::committed();
+    let (s, _) = f.prepare("s");
+    let w = ws(&s);
+    let big: Vec<u8> = (0..4u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    std::fs::write(w.join("!big.bin"), big).expect("big");
+    write(
+        &w,
+        ".gitmodules",
+        "[submodule \"x\"]\n\tpath = x\n\turl = --upload-pack=touch /tmp/pwned\n",
+    );
+    git(&w, &["add", "!big.bin", ".gitmodules"]);
+    git(&w, &["commit", "-qm", "refused by fsck"]);
+    let pack_dir = f.src.join(".git/objects/pack");
+    let temporary = || {
+        std::fs::read_dir(&pack_dir)
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with("tmp_"))
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    };
+    let err = export(&s, &f.src, "refused", None).expect_err("fsck refuses it");
+    assert!(format!("{err:?}").contains("index-pack"), "{err:?}");
+    assert_eq!(temporary(), Vec::<String>::new());
+}
