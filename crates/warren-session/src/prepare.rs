@@ -374,7 +374,18 @@ fn build(git: &Git, src: &Source, paths: &SessionPaths) -> Result<Prepared, Sess
             }
         }
     }
-    git.run(repo, &["update-index", "-q", "--refresh"])?;
+    // The source index's untracked cache names the source's host path and the host's
+    // `uname`, and a file system monitor's token is the host's: neither is for the guest.
+    git.run(
+        repo,
+        &[
+            "update-index",
+            "-q",
+            "--refresh",
+            "--no-untracked-cache",
+            "--no-fsmonitor",
+        ],
+    )?;
     guard::check(paths)?;
 
     let mut skipped = src.skipped.clone();

@@ -604,3 +604,26 @@ fn test_a_refused_export_leaves_no_temporary_pack_in_the_source() {
     assert!(format!("{err:?}").contains("index-pack"), "{err:?}");
     assert_eq!(temporary(), Vec::<String>::new());
 }
+
+/// The source index's untracked cache carries the source's host path (and the host's
+/// `uname`): the session's index, which the guest reads, has none of it.
+#[test]
+fn test_the_session_index_carries_no_host_path() {
+    let f = Fixture::committed();
+    git(&f.src, &["config", "core.untrackedCache", "true"]);
+    write(&f.src, "untracked.txt", "u\n");
+    git(&f.src, &["status", "--porcelain"]);
+    let needle = f.src.to_str().expect("utf-8").as_bytes().to_vec();
+    let has_path = |index: &[u8]| index.windows(needle.len()).any(|w| w == needle);
+    assert!(
+        has_path(&std::fs::read(f.src.join(".git/index")).expect("source index")),
+        "control: the source index names its path"
+    );
+    let (s, _) = f.prepare("s");
+    let index = std::fs::read(ws(&s).join(".git/index")).expect("session index");
+    assert!(
+        !has_path(&index),
+        "the host path reached the session's index"
+    );
+    git(&ws(&s), &["status", "--porcelain"]);
+}
