@@ -303,9 +303,9 @@ pub(crate) fn beneath(flags: OFlag) -> OpenHow {
         .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS)
 }
 
-/// Copies one regular file, opened by the caller, byte for byte with its permission bits
-/// (set-id bits dropped) and, with `tree`, only its data extents (holes stay holes) and its
-/// access and modification times; returns the bytes copied. A file swapped for anything but a regular file after the stat is refused (it
+/// Copies one regular file, opened by the caller: its data extents (holes stay holes) with
+/// its permission bits (set-id bits dropped) and, with `tree`, its access and modification
+/// times; returns the data bytes copied. A file swapped for anything but a regular file after the stat is refused (it
 /// was opened without blocking, so a FIFO is not waited on).
 fn copy_file(
     input: OwnedFd,
@@ -330,11 +330,10 @@ fn copy_file(
         .mode(mode | 0o600)
         .open(to)
         .map_err(SessionError::io("create", to))?;
-    let n = if tree {
-        copy_data(&mut input, &mut output, meta.len()).map_err(SessionError::io("copy", from))?
-    } else {
-        io::copy(&mut input, &mut output).map_err(SessionError::io("copy", from))?
-    };
+    // Only the data extents, always: a project's sparse file (a crafted one can claim a
+    // terabyte and allocate nothing) must not become that many written zeros on the host.
+    let n =
+        copy_data(&mut input, &mut output, meta.len()).map_err(SessionError::io("copy", from))?;
     // The umask may have masked bits at creation.
     output
         .set_permissions(Permissions::from_mode(mode | 0o600))

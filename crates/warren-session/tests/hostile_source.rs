@@ -627,3 +627,22 @@ fn test_the_session_index_carries_no_host_path() {
     );
     git(&ws(&s), &["status", "--porcelain"]);
 }
+
+/// A project's sparse file stays sparse in its session copy: a crafted repository's file
+/// can claim a terabyte and allocate nothing.
+#[test]
+fn test_a_sparse_source_file_stays_sparse_in_the_copy() {
+    use std::os::unix::fs::MetadataExt;
+    let f = Fixture::committed();
+    let sparse = std::fs::File::create(f.src.join("sparse.bin")).expect("sparse");
+    sparse.set_len(256 << 20).expect("set_len");
+    std::fs::write(f.src.join("tail.txt"), "t").expect("tail");
+    let (s, _) = f.prepare("s");
+    let copy = std::fs::metadata(ws(&s).join("sparse.bin")).expect("copied");
+    assert_eq!(copy.len(), 256 << 20);
+    assert!(
+        copy.blocks() * 512 < 1 << 20,
+        "{} blocks written",
+        copy.blocks()
+    );
+}
