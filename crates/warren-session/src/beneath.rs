@@ -191,6 +191,20 @@ impl Tree {
 /// system reports none), sorted. Anything that is not a directory is opened as a file later
 /// and checked there.
 pub(crate) fn entries(dir: OwnedFd, at: &Path) -> Result<Vec<(Vec<u8>, Kind)>, SessionError> {
+    entries_at_most(dir, at, MAX_DIR_ENTRIES)
+}
+
+/// Most names listed from one directory: a guest's `refs/heads` or `objects/pack` holding
+/// millions of long names would otherwise be listed whole into memory before any budget of
+/// the walk applies. No git directory comes near it (a repository of 64 million loose
+/// objects has about 250,000 in each fan-out directory).
+const MAX_DIR_ENTRIES: usize = 250_000;
+
+fn entries_at_most(
+    dir: OwnedFd,
+    at: &Path,
+    max: usize,
+) -> Result<Vec<(Vec<u8>, Kind)>, SessionError> {
     // `Dir` owns its descriptor and lends none: a duplicate serves `fstatat`.
     let probe = dir.try_clone().map_err(SessionError::io("list", at))?;
     let mut d = nix::dir::Dir::from_fd(dir).map_err(|e| SessionError::io("list", at)(e.into()))?;
@@ -201,6 +215,12 @@ pub(crate) fn entries(dir: OwnedFd, at: &Path) -> Result<Vec<(Vec<u8>, Kind)>, S
         let name = e.file_name().to_bytes();
         if name == b"." || name == b".." {
             continue;
+        }
+        if out.len() >= max {
+            return Err(SessionError::TooLarge {
+                what: format!("the directory {}", at.display()),
+                limit: format!("{max} entries"),
+            });
         }
         let kind = match e.file_type() {
             Some(nix::dir::Type::Directory) => Kind::Dir,
@@ -229,4 +249,26 @@ pub(crate) fn entries(dir: OwnedFd, at: &Path) -> Result<Vec<(Vec<u8>, Kind)>, S
     }
     out.sort();
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A directory with more names than the cap is refused as too large while it is listed,
+    /// not after a whole listing; at the cap it is listed.
+    #[test]
+    fn test_a_listing_stops_at_its_cap() {
+        let root = tempfile::tempdir().expect("tmp");
+        for i in 0..50 {
+            std::fs::write(root.path().join(format!("f{i}")), "x").expect("file");
+        }
+        let open = || OwnedFd::from(std::fs::File::open(root.path()).expect("open dir"));
+        let listed = entries_at_most(open(), root.path(), 50).expect("at the cap");
+        assert_eq!(listed.len(), 50);
+        match entries_at_most(open(), root.path(), 49) {
+            Err(SessionError::TooLarge { limit, .. }) => assert_eq!(limit, "49 entries"),
+            other => panic!("{other:?}"),
+        }
+    }
 }
