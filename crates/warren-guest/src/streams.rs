@@ -552,7 +552,7 @@ impl Helper {
         let Some(staging) = self.staging.take() else {
             return (code, error);
         };
-        let staging = Arc::new(staging);
+        let path = staging.path().to_path_buf();
         let (code, error) = if code != 0 {
             (code, error)
         } else if input_ended.wait_for(|ended| *ended).await.is_err() {
@@ -561,8 +561,7 @@ impl Helper {
                 Some("the archive's input did not end cleanly; nothing was placed".into()),
             )
         } else {
-            let placing = staging.clone();
-            match tokio::task::spawn_blocking(move || placing.place()).await {
+            match tokio::task::spawn_blocking(move || staging.place()).await {
                 Ok(Ok(true)) => return (0, None),
                 Ok(Ok(false)) => (0, None),
                 Ok(Err((code, text))) => (code, Some(text)),
@@ -570,7 +569,7 @@ impl Helper {
             }
         };
         // Whatever is left (a failed upload's tree) goes before the host hears the end.
-        remove_staging(&self.jobs, staging.path()).await;
+        remove_staging(&self.jobs, &path).await;
         (code, error)
     }
 }

@@ -489,40 +489,6 @@ fn test_source_lazy_fetch_transport_never_runs_on_host() {
     assert!(!marker.exists(), "export ran the source's command");
 }
 
-/// An index in git's v2 format holding `entries` (mode, object id, path), with its checksum:
-/// git itself refuses to write one naming `.git/...`, a crafted repository need not.
-fn write_raw_index(to: &Path, entries: &[(u32, &str, &str)]) {
-    let mut b = b"DIRC".to_vec();
-    b.extend_from_slice(&2u32.to_be_bytes());
-    b.extend_from_slice(&(entries.len() as u32).to_be_bytes());
-    for (mode, oid, path) in entries {
-        let start = b.len();
-        b.extend_from_slice(&[0u8; 24]);
-        b.extend_from_slice(&mode.to_be_bytes());
-        b.extend_from_slice(&[0u8; 12]);
-        b.extend_from_slice(&hex_bytes(oid));
-        b.extend_from_slice(&(path.len() as u16).to_be_bytes());
-        b.extend_from_slice(path.as_bytes());
-        let padded = (b.len() - start + 8) / 8 * 8;
-        b.resize(start + padded, 0);
-    }
-    let body = to.with_extension("body");
-    std::fs::write(&body, &b).expect("index body");
-    let sum = std::process::Command::new("sha1sum")
-        .arg(&body)
-        .output()
-        .expect("sha1sum");
-    b.extend_from_slice(&hex_bytes(&String::from_utf8_lossy(&sum.stdout)[..40]));
-    std::fs::remove_file(&body).expect("rm body");
-    std::fs::write(to, b).expect("index");
-}
-
-fn hex_bytes(hex: &str) -> Vec<u8> {
-    (0..hex.len() / 2)
-        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("hex"))
-        .collect()
-}
-
 /// A crafted index naming `.git/hooks/pre-commit` would have copied the source's hook into
 /// the session's own git directory (run at the agent's first commit): such a source is
 /// refused, and nothing of it lands in the session.
@@ -534,7 +500,7 @@ fn test_source_index_naming_git_dir_paths_refused() {
     let a = git(&f.src, &["hash-object", "-w", "a.txt"]);
     let hook = git(&f.src, &["hash-object", "-w", ".git/hooks/pre-commit"]);
     for name in [".git/hooks/pre-commit", ".GIT/hooks/pre-commit"] {
-        write_raw_index(
+        write_index(
             &f.src.join(".git/index"),
             &[(0o100755, hook.trim(), name), (0o100644, a.trim(), "a.txt")],
         );
@@ -547,7 +513,7 @@ fn test_source_index_naming_git_dir_paths_refused() {
         assert!(!ws(&s).join(".git/hooks/pre-commit").exists(), "{name}");
     }
     // Control: the same index without that entry prepares.
-    write_raw_index(&f.src.join(".git/index"), &[(0o100644, a.trim(), "a.txt")]);
+    write_index(&f.src.join(".git/index"), &[(0o100644, a.trim(), "a.txt")]);
     let (s, _) = f.prepare("control");
     assert!(ws(&s).join("a.txt").exists());
 }

@@ -127,3 +127,38 @@ pub fn files_under(root: &Path) -> Vec<PathBuf> {
         .map(|(p, _)| p)
         .collect()
 }
+
+/// An index in git's v2 format holding `entries` (mode, object id, path), with its checksum:
+/// git itself refuses to write one naming `.git/...` or `..`, a crafted or guest-written one
+/// need not.
+pub fn write_index(to: &Path, entries: &[(u32, &str, &str)]) {
+    let mut b = b"DIRC".to_vec();
+    b.extend_from_slice(&2u32.to_be_bytes());
+    b.extend_from_slice(&(entries.len() as u32).to_be_bytes());
+    for (mode, oid, path) in entries {
+        let start = b.len();
+        b.extend_from_slice(&[0u8; 24]); // ctime, mtime, dev, ino
+        b.extend_from_slice(&mode.to_be_bytes());
+        b.extend_from_slice(&[0u8; 12]); // uid, gid, size
+        for i in 0..20 {
+            b.push(u8::from_str_radix(&oid[2 * i..2 * i + 2], 16).unwrap());
+        }
+        b.extend_from_slice(&(path.len() as u16).to_be_bytes());
+        b.extend_from_slice(path.as_bytes());
+        let len = b.len() - start;
+        let padded = (len + 8) / 8 * 8;
+        b.resize(start + padded, 0);
+    }
+    let tmp = to.with_extension("body");
+    std::fs::write(&tmp, &b).unwrap();
+    let sum = std::process::Command::new("sha1sum")
+        .arg(&tmp)
+        .output()
+        .unwrap();
+    let hex = String::from_utf8(sum.stdout).unwrap();
+    for i in 0..20 {
+        b.push(u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap());
+    }
+    std::fs::remove_file(&tmp).unwrap();
+    std::fs::write(to, b).unwrap();
+}
