@@ -4,40 +4,50 @@
 //! repository: git always reads `$GIT_DIR/config` (and from there includes, drivers, hooks
 //! paths, fsmonitor and other programs), follows `commondir` and alternates, and recurses into
 //! submodules. For each operation, [`Scratch::build`] makes a fresh git directory that Warren
-//! owns instead, in the system temp directory (0700, the session owner's):
+//! owns instead, `S/.warren-hostgit-<random>` (0700, the session owner's): inside the session
+//! directory but outside the workspace the guest sees, so whatever it holds is on the
+//! session's own file system when the session has a storage limit (`volume.rs`) and counts
+//! against that limit, never against the host's temp directory:
 //!
 //! - `config`: written here (format version, object format from the *source* repository,
 //!   nothing that names a program);
 //! - `info/attributes`: every conversion and driver attribute unspecified, so in-tree
 //!   `.gitattributes` select nothing (this file takes precedence over the tree's);
-//! - `HEAD`, `index`, `info/exclude`, `packed-refs` (branches only) and `refs/heads/**`:
-//!   copies of the session's, each opened beneath the session git directory without following
-//!   a symlink or crossing a mount (`openat2`), non-blocking, regular files only, size-capped;
-//!   HEAD and every ref are checked to be a commit id or a branch;
-//! - `objects/`: copies of the session's own loose objects and packs (same rules; the
-//!   session's `objects/info` is ignored), and `objects/info/alternates` naming the source's
-//!   object directory through the host-owned `S/.warren-source-objects` link;
+//! - `HEAD`, `index`, `info/exclude`, `packed-refs` (branches only, filtered line by line as
+//!   it is read) and `refs/heads/**`: copies of the session's, each opened beneath the
+//!   session git directory without following a symlink or crossing a mount (`openat2`),
+//!   non-blocking, regular files only, size-capped, streamed rather than read whole into the
+//!   service's memory; HEAD and every ref are checked to be a commit id or a branch;
+//! - `objects/`: the session's own loose objects and packs (same rules; the session's
+//!   `objects/info` is ignored) as hard links to the very files opened and checked, which
+//!   costs neither space nor copying however large the guest made them (a copy, counted
+//!   against a budget, only where the kernel refuses the link), and
+//!   `objects/info/alternates` naming the source's object directory through the host-owned
+//!   `S/.warren-source-objects` link;
 //! - the source's `shallow` file, if the source has one.
 //!
 //! Host git then runs with `--git-dir=<scratch> --work-tree=S/workspace`: the guest's files
 //! are data (index, refs, objects, patterns), parsed by git, never configuration or code. What
-//! a guest can still do is lie about its own session (a wrong index or refs); it cannot make
-//! the host run anything or read outside the session and the source's objects.
+//! a guest can still do is lie about its own session (a wrong index or refs, or objects it
+//! changes while git reads them); it cannot make the host run anything or read outside the
+//! session and the source's objects. Git never writes into an existing object or index file
+//! (new files are written beside and renamed), so the links never carry a write back.
 
 use std::ffi::OsStr;
 use std::fs;
-use std::io::{self, Read, Write};
+use std::io::{self, BufRead, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
 
 use crate::beneath::{self, Kind, Side, Tree};
 use crate::copy::as_owner;
-use crate::git::{Git, Repo};
+use crate::git::{Git, Owner, Repo};
 use crate::guard::SessionPaths;
 use crate::SessionError;
 
@@ -45,8 +55,15 @@ use crate::SessionError;
 const MAX_SMALL_FILE: u64 = 1 << 20;
 /// Largest `index` or `packed-refs` copied.
 const MAX_INDEX: u64 = 512 << 20;
-/// Most bytes of session objects copied per operation.
+/// Most bytes of session objects copied per operation (only where a link was refused).
 const MAX_OBJECT_BYTES: u64 = 2 << 30;
+/// Longest `packed-refs` line kept: longer ones are no branch Warren accepts.
+const MAX_PACKED_LINE: u64 = 8 << 10;
+/// The scratch directories' name prefix inside the session directory.
+const SCRATCH_PREFIX: &str = ".warren-hostgit-";
+/// A scratch directory this old is left over from a service that died during an operation
+/// (the longest one, an export's pipe, is killed at ten minutes).
+const STALE_AFTER: Duration = Duration::from_secs(3600);
 /// Most files copied per operation (loose objects, packs, refs).
 const MAX_FILES: usize = 200_000;
 /// Deepest branch name (`refs/heads/a/b/...`).
@@ -102,20 +119,20 @@ impl Scratch {
         let session_git = paths.git_dir.clone();
         let work_tree = paths.workspace.clone();
         let owner = git.run_as();
-        let dir = as_owner(owner, || {
-            let dir = make_private_dir()?;
-            let filled = fill(
+        let dir = make_private_dir(&paths.root, owner)?;
+        let filled = as_owner(owner, || {
+            fill(
                 &dir,
                 &session_git,
                 &source_objects,
                 sha256,
                 shallow.as_deref(),
-            );
-            if filled.is_err() {
-                let _ = crate::remove_tree(&dir);
-            }
-            filled.map(|()| dir)
-        })?;
+            )
+        });
+        if let Err(e) = filled {
+            let _ = crate::remove_tree(&dir);
+            return Err(e);
+        }
         let scratch = Scratch { dir, work_tree };
         scratch.sanitize_index(git, &session_git)?;
         Ok(scratch)
@@ -181,20 +198,30 @@ fn unsafe_dir(path: &Path, reason: impl Into<String>) -> SessionError {
     }
 }
 
-/// A new 0700 directory under the temp directory (mkdir never follows a planted link).
-fn make_private_dir() -> Result<PathBuf, SessionError> {
-    let base = std::env::temp_dir();
+/// A new 0700 directory for `owner` in the session directory `base`, made as the service: `S`
+/// is host-owned and out of the guest's reach, so nothing can be planted in the name between
+/// the `mkdir` and the `chown`. Leftovers of a service that died mid-operation go first.
+fn make_private_dir(base: &Path, owner: Option<Owner>) -> Result<PathBuf, SessionError> {
+    sweep_stale(base);
     for _ in 0..16 {
         let mut nonce = [0u8; 8];
         fs::File::open("/dev/urandom")
             .and_then(|mut f| f.read_exact(&mut nonce))
             .map_err(SessionError::io("read", "/dev/urandom"))?;
         let dir = base.join(format!(
-            "warren-hostgit-{}",
+            "{SCRATCH_PREFIX}{}",
             nonce.iter().map(|b| format!("{b:02x}")).collect::<String>()
         ));
         match fs::DirBuilder::new().mode(0o700).create(&dir) {
-            Ok(()) => return Ok(dir),
+            Ok(()) => {
+                if let Some(o) = owner {
+                    if let Err(e) = std::os::unix::fs::chown(&dir, Some(o.uid), Some(o.gid)) {
+                        let _ = fs::remove_dir(&dir);
+                        return Err(SessionError::io("chown", &dir)(e));
+                    }
+                }
+                return Ok(dir);
+            }
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
             Err(e) => return Err(SessionError::io("create", &dir)(e)),
         }
@@ -202,6 +229,32 @@ fn make_private_dir() -> Result<PathBuf, SessionError> {
     Err(SessionError::io("create", base)(io::Error::from(
         io::ErrorKind::AlreadyExists,
     )))
+}
+
+/// Removes scratch directories older than [`STALE_AFTER`] from the session directory `base`
+/// (best effort: a failure leaves them for the next operation or the session's deletion).
+fn sweep_stale(base: &Path) {
+    let Ok(list) = fs::read_dir(base) else {
+        return;
+    };
+    for entry in list.flatten() {
+        if !entry
+            .file_name()
+            .as_bytes()
+            .starts_with(SCRATCH_PREFIX.as_bytes())
+        {
+            continue;
+        }
+        let old = entry.metadata().ok().filter(|m| m.is_dir()).and_then(|m| {
+            m.modified()
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .map(|age| age > STALE_AFTER)
+        });
+        if old == Some(true) {
+            let _ = crate::remove_tree(&entry.path());
+        }
+    }
 }
 
 fn fill(
@@ -249,13 +302,25 @@ fn fill(
         ));
     }
     create(&dir.join("HEAD"), &head)?;
-    for (name, cap) in [("index", MAX_INDEX), ("info/exclude", MAX_SMALL_FILE)] {
-        if let Some(bytes) = git_dir.read(name, cap)? {
-            create(&dir.join(name), &bytes)?;
-        }
+    if let Some(bytes) = git_dir.read("info/exclude", MAX_SMALL_FILE)? {
+        create(&dir.join("info/exclude"), &bytes)?;
     }
-    if let Some(packed) = git_dir.read("packed-refs", MAX_INDEX)? {
-        create(&dir.join("packed-refs"), &packed_branches(&packed, sha256))?;
+    // The index is copied, not linked: it is checked (`sanitize_index`) and must stay what
+    // was checked.
+    if let Some(index) = git_dir.file("index")? {
+        let len = capped_len(&index, &session_git.join("index"), MAX_INDEX)?;
+        let mut out = create_file(&dir.join("index"))?;
+        io::copy(&mut fs::File::from(index).take(len), &mut out)
+            .map_err(SessionError::io("copy", session_git.join("index")))?;
+    }
+    if let Some(packed) = git_dir.file("packed-refs")? {
+        let from = session_git.join("packed-refs");
+        let len = capped_len(&packed, &from, MAX_INDEX)?;
+        let mut input = io::BufReader::new(fs::File::from(packed).take(len));
+        let mut out = io::BufWriter::new(create_file(&dir.join("packed-refs"))?);
+        packed_branches(&mut input, &mut out, sha256)
+            .and_then(|()| out.flush())
+            .map_err(SessionError::io("copy", &from))?;
     }
     copy_refs(&git_dir, dir, sha256, &mut budget)?;
     copy_objects(&git_dir, dir, &mut budget)
@@ -383,7 +448,7 @@ fn copy_objects(git_dir: &Tree, dir: &Path, budget: &mut Budget) -> Result<(), S
             let Some(src) = git_dir.file(&rel)? else {
                 continue;
             };
-            copy_fd(
+            place(
                 src,
                 &dir.join(&rel),
                 &session_git.join(&rel),
@@ -395,13 +460,45 @@ fn copy_objects(git_dir: &Tree, dir: &Path, budget: &mut Budget) -> Result<(), S
     Ok(())
 }
 
-fn copy_fd(
+/// The size of the open file `fd`, refused (`TooLarge`) past `cap`.
+fn capped_len(fd: &OwnedFd, from: &Path, cap: u64) -> Result<u64, SessionError> {
+    let st =
+        nix::sys::stat::fstat(fd.as_fd()).map_err(|e| SessionError::io("stat", from)(e.into()))?;
+    let len = st.st_size as u64;
+    if len > cap {
+        return Err(SessionError::TooLarge {
+            what: from.display().to_string(),
+            limit: format!("{cap} bytes"),
+        });
+    }
+    Ok(len)
+}
+
+/// Puts the object file open as `src` at `to`: a hard link to that very inode (checked a
+/// regular file when it was opened beneath the session), or a copy where the kernel refuses
+/// the link (a file with the most links a file system allows, one deleted since it was
+/// opened); only copies count against the budget's bytes.
+fn place(
     src: OwnedFd,
     to: &Path,
     from: &Path,
     budget: &mut Budget,
     session_git: &Path,
 ) -> Result<(), SessionError> {
+    use std::os::fd::AsRawFd;
+    // The descriptor's magic link names the opened inode itself, whatever happened to its
+    // name since; the process may always follow its own descriptors' links.
+    let by_fd = format!("/proc/thread-self/fd/{}", src.as_raw_fd());
+    match nix::unistd::linkat(
+        nix::fcntl::AT_FDCWD,
+        by_fd.as_str(),
+        nix::fcntl::AT_FDCWD,
+        to,
+        nix::fcntl::AtFlags::AT_SYMLINK_FOLLOW,
+    ) {
+        Ok(()) => return Ok(()),
+        Err(e) => tracing::debug!(from = %from.display(), error = %e, "object copied, not linked"),
+    }
     let st =
         nix::sys::stat::fstat(src.as_fd()).map_err(|e| SessionError::io("stat", from)(e.into()))?;
     let len = st.st_size as u64;
@@ -411,16 +508,21 @@ fn copy_fd(
     }
     budget.take(len, session_git)?;
     let mut src = fs::File::from(src);
-    let mut dst = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o400)
-        .custom_flags(libc_nofollow())
-        .open(to)
-        .map_err(SessionError::io("create", to))?;
+    let mut dst = create_file(to)?;
     // The file may grow while it is copied; never copy more than its size said.
     io::copy(&mut (&mut src).take(len), &mut dst).map_err(SessionError::io("copy", from))?;
     Ok(())
+}
+
+/// A new file of ours (never through a link), 0600.
+fn create_file(p: &Path) -> Result<fs::File, SessionError> {
+    fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc_nofollow())
+        .open(p)
+        .map_err(SessionError::io("create", p))
 }
 
 fn libc_nofollow() -> i32 {
@@ -436,14 +538,9 @@ fn mkdir(p: &Path) -> Result<(), SessionError> {
 }
 
 fn create(p: &Path, bytes: &[u8]) -> Result<(), SessionError> {
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc_nofollow())
-        .open(p)
-        .map_err(SessionError::io("create", p))?;
-    f.write_all(bytes).map_err(SessionError::io("write", p))
+    create_file(p)?
+        .write_all(bytes)
+        .map_err(SessionError::io("write", p))
 }
 
 /// An index path git itself would accept (`verify_path`): relative, no empty, `.`, `..` or
@@ -484,16 +581,37 @@ pub(crate) fn valid_ref_component(c: &[u8]) -> bool {
         && !c.windows(2).any(|w| w == b"@{")
 }
 
-/// The branch lines of a `packed-refs` file (with their peeled lines), everything else
-/// dropped.
-pub(crate) fn packed_branches(packed: &[u8], sha256: bool) -> Vec<u8> {
-    let mut out = b"# pack-refs with: peeled sorted \n".to_vec();
+/// Writes the branch lines of the `packed-refs` file read from `input` (with their peeled
+/// lines) to `out`, everything else dropped; read a line at a time, a line longer than
+/// [`MAX_PACKED_LINE`] skipped whole.
+pub(crate) fn packed_branches(
+    input: &mut impl BufRead,
+    out: &mut impl Write,
+    sha256: bool,
+) -> io::Result<()> {
+    out.write_all(b"# pack-refs with: peeled sorted \n")?;
     let mut keep_peel = false;
-    for line in packed.split(|&b| b == b'\n') {
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let n = (&mut *input)
+            .take(MAX_PACKED_LINE)
+            .read_until(b'\n', &mut line)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if line.last() == Some(&b'\n') {
+            line.pop();
+        } else if n as u64 == MAX_PACKED_LINE {
+            // Too long for any branch: skip the rest of it.
+            input.skip_until(b'\n')?;
+            keep_peel = false;
+            continue;
+        }
         if let Some(peeled) = line.strip_prefix(b"^") {
             if keep_peel && is_oid(peeled, sha256) {
-                out.extend_from_slice(line);
-                out.push(b'\n');
+                out.write_all(&line)?;
+                out.write_all(b"\n")?;
             }
             keep_peel = false;
             continue;
@@ -507,12 +625,11 @@ pub(crate) fn packed_branches(packed: &[u8], sha256: bool) -> Vec<u8> {
             .strip_prefix(b"refs/heads/")
             .is_some_and(|n| !n.is_empty() && n.split(|&b| b == b'/').all(valid_ref_component));
         if is_oid(oid, sha256) && branch {
-            out.extend_from_slice(line);
-            out.push(b'\n');
+            out.write_all(&line)?;
+            out.write_all(b"\n")?;
             keep_peel = true;
         }
     }
-    out
 }
 
 #[cfg(test)]
@@ -571,18 +688,135 @@ mod tests {
         }
     }
 
+    fn git_in(dir: &Path, args: &[&str]) {
+        let out = std::process::Command::new("git")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", "/nonexistent")
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .args(["-c", "user.name=T", "-c", "user.email=t@example.com"])
+            .args(["-c", "init.defaultBranch=main", "-c", "safe.directory=*"])
+            .arg("-C")
+            .arg(dir)
+            .args(args)
+            .output()
+            .expect("git");
+        assert!(out.status.success(), "git {args:?}: {out:?}");
+    }
+
+    fn scratch_dirs(session: &Path) -> Vec<PathBuf> {
+        fs::read_dir(session)
+            .expect("list")
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .as_bytes()
+                    .starts_with(SCRATCH_PREFIX.as_bytes())
+            })
+            .map(|e| e.path())
+            .collect()
+    }
+
+    /// The scratch directory is made in the session directory (on the session's own file
+    /// system when it has one), links the session's objects rather than copying them, copies
+    /// the index it checks, and is gone after use, as are leftovers of a dead service.
+    #[test]
+    fn test_scratch_links_objects_in_the_session_directory() {
+        use std::os::unix::fs::MetadataExt;
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let src = tmp.path().join("src");
+        fs::create_dir(&src).expect("mkdir");
+        git_in(&src, &["init", "-q"]);
+        fs::write(src.join("a.txt"), "alpha\n").expect("write");
+        git_in(&src, &["add", "."]);
+        git_in(&src, &["commit", "-qm", "one"]);
+        let s = tmp.path().join("s");
+        crate::prepare(&src, &s, None).expect("prepare");
+        let ws = s.join(crate::WORKSPACE_DIR);
+        // A guest commit of a blob, packed by the guest's own gc.
+        let blob: Vec<u8> = (0..4u32 << 20)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        fs::write(ws.join("big.bin"), &blob).expect("write");
+        git_in(&ws, &["add", "big.bin"]);
+        git_in(&ws, &["commit", "-qm", "big"]);
+        git_in(&ws, &["gc", "-q"]);
+        // A leftover of a service that died mid-operation, two hours old.
+        let stale = s.join(format!("{SCRATCH_PREFIX}0011223344556677"));
+        fs::create_dir(&stale).expect("mkdir");
+        fs::write(stale.join("index"), "x").expect("write");
+        let two_hours_ago = std::time::SystemTime::now() - Duration::from_secs(7200);
+        fs::File::open(&stale)
+            .and_then(|d| d.set_modified(two_hours_ago))
+            .expect("age");
+
+        let git = Git::new(None).expect("git");
+        let paths = SessionPaths::new(&s);
+        let scratch = Scratch::build(&paths, &git).expect("build");
+        assert!(!stale.exists(), "a stale scratch directory stays");
+        assert_eq!(scratch_dirs(&s), vec![scratch.dir.clone()]);
+        let inode = |p: &Path| {
+            let m = fs::metadata(p).expect("stat");
+            (m.dev(), m.ino())
+        };
+        let packs = ws.join(".git/objects/pack");
+        let mut linked = 0;
+        for e in fs::read_dir(&packs).expect("packs").flatten() {
+            let name = e.file_name();
+            if name.as_bytes().ends_with(b".pack") {
+                let copy = scratch.dir.join("objects/pack").join(&name);
+                assert_eq!(inode(&copy), inode(&e.path()), "the pack was copied");
+                linked += 1;
+            }
+        }
+        assert!(linked > 0, "the guest's gc made no pack");
+        assert_ne!(
+            inode(&scratch.dir.join("index")),
+            inode(&ws.join(".git/index")),
+            "the checked index must be a copy"
+        );
+        // Host git reads the session through it.
+        let out = git
+            .run(scratch.repo(), &["cat-file", "-s", "HEAD:big.bin"])
+            .expect("cat-file");
+        assert_eq!(
+            String::from_utf8_lossy(&out).trim(),
+            (4u32 << 20).to_string()
+        );
+        drop(scratch);
+        assert!(scratch_dirs(&s).is_empty(), "the scratch directory stays");
+        // The session's own files are untouched.
+        assert_eq!(fs::read(ws.join("big.bin")).expect("read"), blob);
+        git_in(&ws, &["fsck", "--no-progress"]);
+    }
+
     #[test]
     fn test_packed_refs_keep_branches_only() {
         let packed = format!(
             "# pack-refs with: peeled fully-peeled sorted \n{A} refs/heads/main\n^{A}\n\
              {A} refs/tags/v1\n^{A}\n{A} refs/heads/../x\nnot a line\n{A} refs/heads/dev\n"
         );
-        let out = String::from_utf8(packed_branches(packed.as_bytes(), false)).unwrap();
+        let filter = |input: &str| {
+            let mut out = Vec::new();
+            packed_branches(&mut input.as_bytes(), &mut out, false).expect("filter");
+            String::from_utf8(out).expect("utf8")
+        };
+        let out = filter(&packed);
         assert_eq!(
             out,
             format!(
                 "# pack-refs with: peeled sorted \n{A} refs/heads/main\n^{A}\n{A} refs/heads/dev\n"
             )
+        );
+        // A line longer than any branch is skipped whole, with its peeled line, and the
+        // filter goes on after it.
+        let long = format!(
+            "{A} refs/heads/{}\n^{A}\n{A} refs/heads/dev\n{A} refs/heads/last",
+            "a".repeat(MAX_PACKED_LINE as usize * 3)
+        );
+        assert_eq!(
+            filter(&long),
+            format!("# pack-refs with: peeled sorted \n{A} refs/heads/dev\n{A} refs/heads/last\n")
         );
     }
 }
