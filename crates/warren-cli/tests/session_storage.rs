@@ -229,6 +229,56 @@ fn test_guest_fills_session_limit_enospc_and_host_free_space_bounded() {
     );
     assert!(allocated <= LIMIT_MIB * MIB, "image allocates {allocated}");
 
+    // Host git's scratch directory for a status is on the session's own file system, not in
+    // the host's temp directory: on the full volume the status is refused with a stable code
+    // saying so (before, it went on filling the host's temp directory); with room made it
+    // works, and no scratch directory is left behind.
+    let scratch_dirs = || {
+        std::fs::read_dir(vol.join("session"))
+            .expect("session dir")
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(".warren-hostgit-")
+            })
+            .count()
+    };
+    // The megabyte writes above leave the volume's last blocks free, and writeback can free
+    // a few more (delayed allocation's reservations): take them too.
+    let _ = env.run(&[
+        "vm",
+        "exec",
+        &vm,
+        "--",
+        "sh",
+        "-c",
+        "for i in 1 2 3; do dd if=/dev/zero of=/workspace/fill-$i bs=4k 2>/dev/null; sync; done",
+    ]);
+    let full = env.run(&["session", "status", &guard.id, "--json"]);
+    let full_err = String::from_utf8_lossy(&full.stderr).into_owned();
+    assert!(
+        !full.status.success()
+            && full_err.contains("quota_exceeded")
+            && full_err.contains("storage is full"),
+        "status on the full volume: {full_err}"
+    );
+    assert_eq!(
+        scratch_dirs(),
+        0,
+        "a refused status left its scratch directory"
+    );
+    ok(
+        env.run(&["vm", "exec", &vm, "--", "sh", "-c", "rm /workspace/fill*"]),
+        "make room",
+    );
+    let st = ok(
+        env.run(&["session", "status", &guard.id, "--json"]),
+        "status with room",
+    );
+    assert!(!st.contains("fill"), "{st}");
+    assert_eq!(scratch_dirs(), 0, "a scratch directory was left");
+
     // Deleting the session unmounts the volume, frees its loop device and deletes the image.
     let out = env.run(&["session", "delete", &guard.id, "--force"]);
     ok(out, "session delete");
