@@ -295,6 +295,29 @@ mod tests {
         assert_eq!(listed[0].state, VmState::Failed, "nobody is resuming it");
     }
 
+    /// A caller that waited for another caller's resume, which ended with the VM still
+    /// hibernated (refused), makes its own attempt and answers with its own refusal (here:
+    /// no checkpoint), not with "hibernated" (which it did before).
+    #[tokio::test]
+    async fn test_a_waiter_makes_its_own_attempt_when_the_other_resume_ended_without_one() {
+        let (_state, w, rec) = resuming_vm("vm-0badc0ffee00");
+        let dir = w.vm_dir(&rec.id);
+        let held = super::super::suspend::try_transition(&dir)
+            .expect("lock")
+            .expect("free");
+        let (engine, id) = (w.share(), rec.id.clone());
+        let waiter = tokio::spawn(async move { engine.resume_vm(&id).await });
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        assert!(!waiter.is_finished(), "the waiter must wait for the holder");
+        // The holder's resume is refused: the record goes back to hibernated.
+        w.store
+            .set_state(&rec.id, VmState::Hibernated, None, None)
+            .expect("hibernated");
+        drop(held);
+        let e = waiter.await.expect("join").expect_err("no checkpoint");
+        assert!(e.to_string().contains("no completed checkpoint"), "{e}");
+    }
+
     /// A `resuming` record whose engine went away (no transition lock, no supervisor) is
     /// settled as failed by the next caller waiting for it, with the reason.
     #[tokio::test]

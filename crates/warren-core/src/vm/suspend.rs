@@ -122,7 +122,22 @@ impl Warren {
     }
 
     /// Resumes a paused or hibernated VM (the same VM: its processes and jobs continue).
+    ///
+    /// A call that waited for another caller's resume, which ended with the VM still paused
+    /// or hibernated (refused by the host's limits, say), makes its own attempt once: its
+    /// answer is then its own refusal, not "hibernated".
     pub async fn resume_vm(&self, id: &str) -> Result<VmRecord, CoreError> {
+        match self.resume_once(id).await {
+            Err(CoreError::VmNotRunning { state, .. })
+                if state == VmState::Hibernated.as_str() || state == VmState::Paused.as_str() =>
+            {
+                self.resume_once(id).await
+            }
+            r => r,
+        }
+    }
+
+    async fn resume_once(&self, id: &str) -> Result<VmRecord, CoreError> {
         let mut rec = self.get_vm(id)?;
         let dir = self.vm_dir(id);
         match rec.state {
