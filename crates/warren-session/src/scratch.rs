@@ -115,7 +115,9 @@ impl Scratch {
             Repo::GitDir(&source_git),
             &["rev-parse", "--show-object-format"],
         )? == "sha256";
-        let shallow = as_owner(git.run_as(), || source.common.read("shallow", MAX_INDEX))?;
+        // Opened as the owner, copied (streamed) into the scratch directory below.
+        let shallow = as_owner(git.run_as(), || source.common.file("shallow"))?;
+        let shallow_path = source.common.path().join("shallow");
         let session_git = paths.git_dir.clone();
         let work_tree = paths.workspace.clone();
         let owner = git.run_as();
@@ -126,7 +128,7 @@ impl Scratch {
                 &session_git,
                 &source_objects,
                 sha256,
-                shallow.as_deref(),
+                shallow.map(|fd| (fd, shallow_path.as_path())),
             )
         });
         if let Err(e) = filled {
@@ -262,7 +264,7 @@ fn fill(
     session_git: &Path,
     source_objects: &Path,
     sha256: bool,
-    shallow: Option<&[u8]>,
+    shallow: Option<(OwnedFd, &Path)>,
 ) -> Result<(), SessionError> {
     let git_dir = open_session_git(session_git)?;
     let mut budget = Budget::default();
@@ -288,8 +290,8 @@ fn fill(
     let mut alternates = source_objects.as_os_str().as_bytes().to_vec();
     alternates.push(b'\n');
     create(&dir.join("objects/info/alternates"), &alternates)?;
-    if let Some(s) = shallow {
-        create(&dir.join("shallow"), s)?;
+    if let Some((fd, from)) = shallow {
+        copy_capped(fd, from, &dir.join("shallow"), MAX_INDEX)?;
     }
 
     let head = git_dir
@@ -308,10 +310,12 @@ fn fill(
     // The index is copied, not linked: it is checked (`sanitize_index`) and must stay what
     // was checked.
     if let Some(index) = git_dir.file("index")? {
-        let len = capped_len(&index, &session_git.join("index"), MAX_INDEX)?;
-        let mut out = create_file(&dir.join("index"))?;
-        io::copy(&mut fs::File::from(index).take(len), &mut out)
-            .map_err(SessionError::io("copy", session_git.join("index")))?;
+        copy_capped(
+            index,
+            &session_git.join("index"),
+            &dir.join("index"),
+            MAX_INDEX,
+        )?;
     }
     if let Some(packed) = git_dir.file("packed-refs")? {
         let from = session_git.join("packed-refs");
@@ -472,6 +476,16 @@ fn capped_len(fd: &OwnedFd, from: &Path, cap: u64) -> Result<u64, SessionError> 
         });
     }
     Ok(len)
+}
+
+/// Copies the open file `src` (at `from`) to the new file `to`, streamed, refused past `cap`
+/// bytes; never more than the size it had when it was checked.
+fn copy_capped(src: OwnedFd, from: &Path, to: &Path, cap: u64) -> Result<(), SessionError> {
+    let len = capped_len(&src, from, cap)?;
+    let mut out = create_file(to)?;
+    io::copy(&mut fs::File::from(src).take(len), &mut out)
+        .map_err(SessionError::io("copy", from))?;
+    Ok(())
 }
 
 /// Puts the object file open as `src` at `to`: a hard link to that very inode (checked a

@@ -320,3 +320,31 @@ fn test_remove_refuses_non_session_directory() {
     assert!(matches!(err, SessionError::NotASession { .. }), "{err}");
     assert!(tmp.path().join("file").exists());
 }
+
+/// A shallow source (a `--depth 1` clone): its `shallow` file reaches host git's scratch
+/// directory, so status and export work over the missing history.
+#[test]
+fn test_status_and_export_over_a_shallow_source() {
+    let f = Fixture::committed();
+    commit_in(&f.src, "b.txt", "b\n", "second");
+    let clone = f.tmp.path().join("clone");
+    let url = format!("file://{}", f.src.display());
+    let out = git_cmd(
+        f.tmp.path(),
+        &["clone", "-q", "--depth", "1", &url, "clone"],
+    )
+    .output()
+    .expect("clone");
+    assert!(out.status.success(), "{out:?}");
+    assert!(clone.join(".git/shallow").is_file(), "not a shallow clone");
+    let s = f.session("s");
+    warren_session::prepare(&clone, &s, None).expect("prepare");
+    let w = ws(&s);
+    assert!(status(&s, None).unwrap().is_clean());
+    let c = commit_in(&w, "c.txt", "c\n", "session work");
+    let r = status(&s, None).unwrap();
+    assert_eq!(r.unexported, vec![c.clone()]);
+    let e = export(&s, &clone, "session/shallow", None).unwrap();
+    assert_eq!((e.commit.as_str(), e.new_commits), (c.as_str(), 1));
+    assert_eq!(git(&clone, &["show", "session/shallow:c.txt"]), "c\n");
+}
