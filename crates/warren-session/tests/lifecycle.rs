@@ -321,8 +321,8 @@ fn test_remove_refuses_non_session_directory() {
     assert!(tmp.path().join("file").exists());
 }
 
-/// A shallow source (a `--depth 1` clone): its `shallow` file reaches host git's scratch
-/// directory, so status and export work over the missing history.
+/// A shallow source (a `--depth 1` clone): status and export work over its missing history
+/// (the scratch directory carries a streamed copy of its `shallow` file).
 #[test]
 fn test_status_and_export_over_a_shallow_source() {
     let f = Fixture::committed();
