@@ -229,10 +229,10 @@ fn test_guest_fills_session_limit_enospc_and_host_free_space_bounded() {
     );
     assert!(allocated <= LIMIT_MIB * MIB, "image allocates {allocated}");
 
-    // Host git's scratch directory for a status is on the session's own file system, not in
-    // the host's temp directory: on the full volume the status is refused with a stable code
-    // saying so (before, it went on filling the host's temp directory); with room made it
-    // works, and no scratch directory is left behind.
+    // Host git's scratch directory for a status or an export is on the session's own file
+    // system, not in the host's temp directory, in a reserve the guest cannot write: the guest
+    // commits its work and fills the volume to the last block it may use; the reserve is
+    // still free, and status and export work.
     let scratch_dirs = || {
         std::fs::read_dir(vol.join("session"))
             .expect("session dir")
@@ -244,39 +244,74 @@ fn test_guest_fills_session_limit_enospc_and_host_free_space_bounded() {
             })
             .count()
     };
-    // The megabyte writes above leave the volume's last blocks free, and writeback can free
-    // a few more (delayed allocation's reservations): take them too.
-    let _ = env.run(&[
-        "vm",
-        "exec",
-        &vm,
-        "--",
-        "sh",
-        "-c",
-        "for i in 1 2 3; do dd if=/dev/zero of=/workspace/fill-$i bs=4k 2>/dev/null; sync; done",
-    ]);
-    let full = env.run(&["session", "status", &guard.id, "--json"]);
-    let full_err = String::from_utf8_lossy(&full.stderr).into_owned();
-    assert!(
-        !full.status.success()
-            && full_err.contains("quota_exceeded")
-            && full_err.contains("storage is full"),
-        "status on the full volume: {full_err}"
+    // The work is committed in the copy (by the host here: the minimal image has no git).
+    let copy = vol.join("session/workspace");
+    std::fs::write(copy.join("work.txt"), "work\n").expect("write");
+    git(&copy, &["-c", "safe.directory=*", "add", "work.txt"]);
+    // A gitlink too: host git then rewrites the scratch index (skip-worktree) on the full
+    // volume, in the reserve.
+    git(
+        &copy,
+        &[
+            "-c",
+            "safe.directory=*",
+            "update-index",
+            "--add",
+            "--cacheinfo",
+            "160000,0123456789abcdef0123456789abcdef01234567,sub",
+        ],
     );
-    assert_eq!(
-        scratch_dirs(),
-        0,
-        "a refused status left its scratch directory"
+    git(
+        &copy,
+        &["-c", "safe.directory=*", "commit", "-qm", "guest work"],
     );
     ok(
-        env.run(&["vm", "exec", &vm, "--", "sh", "-c", "rm /workspace/fill*"]),
-        "make room",
+        env.run(&[
+            "vm",
+            "exec",
+            &vm,
+            "--",
+            "sh",
+            "-c",
+            "for i in 1 2 3; do dd if=/dev/zero of=/workspace/fill-$i bs=4k 2>/dev/null; sync; done",
+        ]),
+        "fill",
     );
-    let st = ok(
+    let st = nix::sys::statvfs::statvfs(&vol).expect("statvfs");
+    let (free, avail) = (
+        st.blocks_free() as u64 * st.fragment_size() as u64,
+        st.blocks_available() as u64 * st.fragment_size() as u64,
+    );
+    eprintln!(
+        "full volume: {} KiB free, {} KiB available to the guest",
+        free >> 10,
+        avail >> 10
+    );
+    assert!(avail < MIB, "the guest left {avail} bytes");
+    assert!(
+        free >= 4 * MIB,
+        "the guest wrote into the reserve: {free} bytes left"
+    );
+    let status = ok(
         env.run(&["session", "status", &guard.id, "--json"]),
-        "status with room",
+        "status on the full volume",
     );
-    assert!(!st.contains("fill"), "{st}");
+    let status: serde_json::Value = serde_json::from_str(&status).expect("status json");
+    assert!(status.to_string().contains("fill-1"), "{status}");
+    assert_eq!(
+        status["unexported"].as_array().map(Vec::len),
+        Some(1),
+        "{status}"
+    );
+    let exported = ok(
+        env.run(&["session", "export", &guard.id, "--branch", "from-full"]),
+        "export from the full volume",
+    );
+    assert!(exported.contains("from-full"), "{exported}");
+    assert_eq!(
+        git(_src.path(), &["show", "from-full:work.txt"]).trim(),
+        "work"
+    );
     assert_eq!(scratch_dirs(), 0, "a scratch directory was left");
 
     // Deleting the session unmounts the volume, frees its loop device and deletes the image.

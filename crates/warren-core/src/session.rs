@@ -189,14 +189,8 @@ pub(crate) fn session_error(e: warren_session::SessionError) -> CoreError {
         // The repository named leads outside itself: the request is refused as it stands.
         S::UnsafeSource { .. } => CoreError::InvalidArgument(e.to_string()),
         S::GitTimeout { .. } => CoreError::Session(e.to_string()),
-        // The session's own file system is full (its storage limit): host git's scratch
-        // directory lives there too.
-        S::Io { ref source, .. } if matches!(source.raw_os_error(), Some(c) if c == nix::libc::ENOSPC || c == nix::libc::EDQUOT) => {
-            CoreError::QuotaExceeded(format!(
-                "{e}: the session's storage is full; free space in its workspace and retry \
-                 (a forced delete needs no room)"
-            ))
-        }
+        // Host git's scratch directory found no room on the session's own file system.
+        S::StorageFull => CoreError::QuotaExceeded(e.to_string()),
         S::Io { .. } | S::GitSpawn(_) | S::Git { .. } => CoreError::Session(e.to_string()),
         S::Volume { .. } => CoreError::StorageUnavailable(e.to_string()),
         other => CoreError::InvalidArgument(other.to_string()),

@@ -70,23 +70,56 @@ pub(crate) fn as_owner<T: Send>(
     f: impl FnOnce() -> Result<T, SessionError> + Send,
 ) -> Result<T, SessionError> {
     let Some(o) = owner else { return f() };
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            // fsuid/fsgid are per thread and die with it. Changing fsuid away from 0 also drops
-            // the DAC-override capabilities from this thread's effective set.
-            setfsgid(Gid::from_raw(o.gid));
-            setfsuid(Uid::from_raw(o.uid));
-            // Both calls return the previous value: asking again confirms the switch.
-            if setfsgid(Gid::from_raw(o.gid)).as_raw() != o.gid
-                || setfsuid(Uid::from_raw(o.uid)).as_raw() != o.uid
-            {
-                return Err(SessionError::OwnerNotPermitted { uid: o.uid });
-            }
-            f()
-        })
-        .join()
-        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    on_thread(|| {
+        take_owner(o)?;
+        f()
     })
+}
+
+/// Like [`as_owner`], always on a thread of its own, whose one supplementary group (when
+/// the process is root) is a session volume's reserve ([`crate::volume::RESERVE_ID`]): what
+/// host git's scratch directory is made with, so that it finds room on a volume the guest
+/// filled. Supplementary groups are per thread too (the raw system call, not libc's
+/// process-wide one) and die with it.
+pub(crate) fn as_owner_in_reserve<T: Send>(
+    owner: Option<Owner>,
+    f: impl FnOnce() -> Result<T, SessionError> + Send,
+) -> Result<T, SessionError> {
+    on_thread(|| {
+        if nix::unistd::geteuid().is_root() {
+            crate::sys::set_thread_groups(&[crate::volume::RESERVE_ID])
+                .map_err(SessionError::io("set the groups of", "the scratch thread"))?;
+        }
+        if let Some(o) = owner {
+            take_owner(o)?;
+        }
+        f()
+    })
+}
+
+fn on_thread<T: Send>(
+    f: impl FnOnce() -> Result<T, SessionError> + Send,
+) -> Result<T, SessionError> {
+    std::thread::scope(|s| {
+        s.spawn(f)
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
+/// This thread's filesystem identity becomes `o`'s.
+fn take_owner(o: Owner) -> Result<(), SessionError> {
+    // fsuid/fsgid are per thread and die with it. Changing fsuid away from 0 also drops the
+    // DAC-override capabilities from this thread's effective set.
+    setfsgid(Gid::from_raw(o.gid));
+    setfsuid(Uid::from_raw(o.uid));
+    // Both calls return the previous value: asking again confirms the switch.
+    if setfsgid(Gid::from_raw(o.gid)).as_raw() != o.gid
+        || setfsuid(Uid::from_raw(o.uid)).as_raw() != o.uid
+    {
+        return Err(SessionError::OwnerNotPermitted { uid: o.uid });
+    }
+    Ok(())
 }
 
 /// How a tree is copied by [`copy_entries`] for a fork.

@@ -104,6 +104,11 @@ pub enum SessionError {
     /// Direct mode was given something that is not a directory.
     #[error("{0} is not a directory")]
     NotADirectory(PathBuf),
+    #[error(
+        "the session's storage is full: free space in its workspace and retry (a forced \
+         delete needs no room)"
+    )]
+    StorageFull,
 }
 
 /// How many uncommitted paths an [`SessionError::Unsaved`] message names before "...".

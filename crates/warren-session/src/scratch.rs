@@ -42,11 +42,11 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use nix::fcntl::OFlag;
+use nix::fcntl::{Flock, FlockArg, OFlag};
 use nix::sys::stat::Mode;
 
 use crate::beneath::{self, Kind, Side, Tree};
-use crate::copy::as_owner;
+use crate::copy::{as_owner, as_owner_in_reserve};
 use crate::git::{Git, Owner, Repo};
 use crate::guard::SessionPaths;
 use crate::SessionError;
@@ -61,9 +61,8 @@ const MAX_OBJECT_BYTES: u64 = 2 << 30;
 const MAX_PACKED_LINE: u64 = 8 << 10;
 /// The scratch directories' name prefix inside the session directory.
 const SCRATCH_PREFIX: &str = ".warren-hostgit-";
-/// A scratch directory this old is left over from a service that died during an operation
-/// (the longest one, an export's pipe, is killed at ten minutes).
-const STALE_AFTER: Duration = Duration::from_secs(3600);
+/// How old an unlocked scratch directory must be before it is taken for a leftover.
+const STALE_AFTER: Duration = Duration::from_secs(60);
 /// Most files copied per operation (loose objects, packs, refs).
 const MAX_FILES: usize = 200_000;
 /// Deepest branch name (`refs/heads/a/b/...`).
@@ -78,6 +77,8 @@ const NEUTRAL_ATTRIBUTES: &str =
 pub(crate) struct Scratch {
     dir: PathBuf,
     work_tree: PathBuf,
+    /// Held while the directory is in use: [`sweep_stale`] removes only unlocked ones.
+    _lock: Flock<fs::File>,
 }
 
 impl Drop for Scratch {
@@ -119,25 +120,75 @@ impl Scratch {
         let shallow = as_owner(git.run_as(), || source.common.file("shallow"))?;
         let shallow_path = source.common.path().join("shallow");
         let session_git = paths.git_dir.clone();
-        let work_tree = paths.workspace.clone();
         let owner = git.run_as();
-        let dir = make_private_dir(&paths.root, owner)?;
-        let filled = as_owner(owner, || {
+        // Removed on drop from here on, whatever fails (or panics) below.
+        let scratch = as_owner_in_reserve(None, || {
+            Scratch::create(&paths.root, owner, paths.workspace.clone())
+        })?;
+        as_owner_in_reserve(owner, || {
             fill(
-                &dir,
+                &scratch.dir,
                 &session_git,
                 &source_objects,
                 sha256,
                 shallow.map(|fd| (fd, shallow_path.as_path())),
             )
-        });
-        if let Err(e) = filled {
-            let _ = crate::remove_tree(&dir);
-            return Err(e);
-        }
-        let scratch = Scratch { dir, work_tree };
-        scratch.sanitize_index(git, &session_git)?;
+        })
+        .map_err(storage_full)?;
+        scratch
+            .sanitize_index(git, &session_git)
+            .map_err(storage_full)?;
         Ok(scratch)
+    }
+
+    /// A new 0700 scratch directory for `owner` in the session directory `base`, locked while
+    /// this value lives. Made as the service: `S` is host-owned and out of the guest's reach,
+    /// so nothing can be planted in the name between the `mkdir` and the `chown`. Leftovers of
+    /// a service that died mid-operation go first ([`sweep_stale`]).
+    fn create(
+        base: &Path,
+        owner: Option<Owner>,
+        work_tree: PathBuf,
+    ) -> Result<Scratch, SessionError> {
+        sweep_stale(base);
+        for _ in 0..16 {
+            let mut nonce = [0u8; 8];
+            fs::File::open("/dev/urandom")
+                .and_then(|mut f| f.read_exact(&mut nonce))
+                .map_err(SessionError::io("read", "/dev/urandom"))?;
+            let dir = base.join(format!(
+                "{SCRATCH_PREFIX}{}",
+                nonce.iter().map(|b| format!("{b:02x}")).collect::<String>()
+            ));
+            match fs::DirBuilder::new().mode(0o700).create(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(storage_full(SessionError::io("create", &dir)(e))),
+            }
+            let lock = open_dir(&dir).and_then(|d| {
+                Flock::lock(d, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| io::Error::from(e))
+            });
+            let lock = match lock {
+                Ok(lock) => lock,
+                Err(e) => {
+                    let _ = fs::remove_dir(&dir);
+                    return Err(SessionError::io("lock", &dir)(e));
+                }
+            };
+            let scratch = Scratch {
+                dir,
+                work_tree,
+                _lock: lock,
+            };
+            if let Some(o) = owner {
+                std::os::unix::fs::chown(&scratch.dir, Some(o.uid), Some(o.gid))
+                    .map_err(SessionError::io("chown", &scratch.dir))?;
+            }
+            return Ok(scratch);
+        }
+        Err(SessionError::io("create", base)(io::Error::from(
+            io::ErrorKind::AlreadyExists,
+        )))
     }
 
     /// Checks the copied index before any git reads the working tree through it: every path
@@ -147,8 +198,10 @@ impl Scratch {
     /// own guest-written one included). Runs git over an empty working tree of our own.
     fn sanitize_index(&self, git: &Git, session_git: &Path) -> Result<(), SessionError> {
         let empty = self.dir.join("empty-work-tree");
-        as_owner(git.run_as(), || mkdir(&empty))?;
-        let repo = Repo::Explicit {
+        as_owner_in_reserve(git.run_as(), || mkdir(&empty))?;
+        // Confined like every git over a session (and so with the volume reserve's group,
+        // where `update-index` writes its new index).
+        let repo = Repo::Session {
             git_dir: &self.dir,
             work_tree: &empty,
         };
@@ -200,41 +253,10 @@ fn unsafe_dir(path: &Path, reason: impl Into<String>) -> SessionError {
     }
 }
 
-/// A new 0700 directory for `owner` in the session directory `base`, made as the service: `S`
-/// is host-owned and out of the guest's reach, so nothing can be planted in the name between
-/// the `mkdir` and the `chown`. Leftovers of a service that died mid-operation go first.
-fn make_private_dir(base: &Path, owner: Option<Owner>) -> Result<PathBuf, SessionError> {
-    sweep_stale(base);
-    for _ in 0..16 {
-        let mut nonce = [0u8; 8];
-        fs::File::open("/dev/urandom")
-            .and_then(|mut f| f.read_exact(&mut nonce))
-            .map_err(SessionError::io("read", "/dev/urandom"))?;
-        let dir = base.join(format!(
-            "{SCRATCH_PREFIX}{}",
-            nonce.iter().map(|b| format!("{b:02x}")).collect::<String>()
-        ));
-        match fs::DirBuilder::new().mode(0o700).create(&dir) {
-            Ok(()) => {
-                if let Some(o) = owner {
-                    if let Err(e) = std::os::unix::fs::chown(&dir, Some(o.uid), Some(o.gid)) {
-                        let _ = fs::remove_dir(&dir);
-                        return Err(SessionError::io("chown", &dir)(e));
-                    }
-                }
-                return Ok(dir);
-            }
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(SessionError::io("create", &dir)(e)),
-        }
-    }
-    Err(SessionError::io("create", base)(io::Error::from(
-        io::ErrorKind::AlreadyExists,
-    )))
-}
-
-/// Removes scratch directories older than [`STALE_AFTER`] from the session directory `base`
-/// (best effort: a failure leaves them for the next operation or the session's deletion).
+/// Removes the scratch directories in the session directory `base` that no call holds (a
+/// service that died during one left them) and that are older than [`STALE_AFTER`] (a new
+/// one is locked an instant after it is made). Best effort: a failure leaves them for the
+/// next call or the session's deletion.
 fn sweep_stale(base: &Path) {
     let Ok(list) = fs::read_dir(base) else {
         return;
@@ -247,15 +269,54 @@ fn sweep_stale(base: &Path) {
         {
             continue;
         }
-        let old = entry.metadata().ok().filter(|m| m.is_dir()).and_then(|m| {
-            m.modified()
-                .ok()
-                .and_then(|t| t.elapsed().ok())
-                .map(|age| age > STALE_AFTER)
-        });
-        if old == Some(true) {
-            let _ = crate::remove_tree(&entry.path());
+        let path = entry.path();
+        let old = fs::symlink_metadata(&path)
+            .ok()
+            .filter(|m| m.is_dir())
+            .is_some_and(|m| {
+                m.modified()
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|age| age > STALE_AFTER)
+            });
+        if !old {
+            continue;
         }
+        let Ok(dir) = open_dir(&path) else {
+            continue;
+        };
+        if let Ok(_unused) = Flock::lock(dir, FlockArg::LockExclusiveNonblock) {
+            let _ = crate::remove_tree(&path);
+        }
+    }
+}
+
+/// The directory at `path` (not through a final symlink), open for locking.
+fn open_dir(path: &Path) -> io::Result<fs::File> {
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc_nofollow() | OFlag::O_DIRECTORY.bits())
+        .open(path)
+}
+
+/// A failure for want of room (on a session's own file system: its storage limit) as
+/// [`SessionError::StorageFull`].
+fn storage_full(e: SessionError) -> SessionError {
+    let full = match &e {
+        SessionError::Io { source, .. } => matches!(
+            source.raw_os_error(),
+            Some(c) if c == nix::libc::ENOSPC || c == nix::libc::EDQUOT
+        ),
+        SessionError::Git { stderr, .. } => {
+            stderr.contains("No space left on device") || stderr.contains("Out of diskspace")
+        }
+        _ => false,
+    };
+    if full {
+        tracing::warn!(error = %e, "no room for host git's scratch directory");
+        SessionError::StorageFull
+    } else {
+        e
     }
 }
 
@@ -478,10 +539,23 @@ fn capped_len(fd: &OwnedFd, from: &Path, cap: u64) -> Result<u64, SessionError> 
     Ok(len)
 }
 
+/// Git never writes sparse files: a sparse one (a guest's terabyte of holes) would be copied
+/// as real data, so it is refused.
+fn refuse_sparse(fd: &OwnedFd, from: &Path) -> Result<(), SessionError> {
+    let st =
+        nix::sys::stat::fstat(fd.as_fd()).map_err(|e| SessionError::io("stat", from)(e.into()))?;
+    let len = st.st_size as u64;
+    if len > 1 << 20 && (st.st_blocks as u64) * 512 < len / 2 {
+        return Err(unsafe_dir(from, "is a sparse file"));
+    }
+    Ok(())
+}
+
 /// Copies the open file `src` (at `from`) to the new file `to`, streamed, refused past `cap`
 /// bytes; never more than the size it had when it was checked.
 fn copy_capped(src: OwnedFd, from: &Path, to: &Path, cap: u64) -> Result<(), SessionError> {
     let len = capped_len(&src, from, cap)?;
+    refuse_sparse(&src, from)?;
     let mut out = create_file(to)?;
     io::copy(&mut fs::File::from(src).take(len), &mut out)
         .map_err(SessionError::io("copy", from))?;
@@ -513,13 +587,8 @@ fn place(
         Ok(()) => return Ok(()),
         Err(e) => tracing::debug!(from = %from.display(), error = %e, "object copied, not linked"),
     }
-    let st =
-        nix::sys::stat::fstat(src.as_fd()).map_err(|e| SessionError::io("stat", from)(e.into()))?;
-    let len = st.st_size as u64;
-    // Git never writes sparse objects; a sparse one would be copied as real data.
-    if len > 1 << 20 && (st.st_blocks as u64) * 512 < len / 2 {
-        return Err(unsafe_dir(from, "is a sparse file"));
-    }
+    let len = capped_len(&src, from, u64::MAX)?;
+    refuse_sparse(&src, from)?;
     budget.take(len, session_git)?;
     let mut src = fs::File::from(src);
     let mut dst = create_file(to)?;
@@ -764,10 +833,23 @@ mod tests {
             .and_then(|d| d.set_modified(two_hours_ago))
             .expect("age");
 
+        // Another call's, as old but still in use (locked): left alone.
+        let busy = s.join(format!("{SCRATCH_PREFIX}8899aabbccddeeff"));
+        fs::create_dir(&busy).expect("mkdir");
+        fs::File::open(&busy)
+            .and_then(|d| d.set_modified(two_hours_ago))
+            .expect("age");
+        let held = Flock::lock(open_dir(&busy).expect("open"), FlockArg::LockExclusive)
+            .map_err(|(_, e)| e)
+            .expect("lock");
+
         let git = Git::new(None).expect("git");
         let paths = SessionPaths::new(&s);
         let scratch = Scratch::build(&paths, &git).expect("build");
         assert!(!stale.exists(), "a stale scratch directory stays");
+        assert!(busy.exists(), "a scratch directory in use was removed");
+        drop(held);
+        fs::remove_dir(&busy).expect("rmdir");
         assert_eq!(scratch_dirs(&s), vec![scratch.dir.clone()]);
         let inode = |p: &Path| {
             let m = fs::metadata(p).expect("stat");
@@ -802,6 +884,22 @@ mod tests {
         // The session's own files are untouched.
         assert_eq!(fs::read(ws.join("big.bin")).expect("read"), blob);
         git_in(&ws, &["fsck", "--no-progress"]);
+
+        // A sparse index (a few blocks claiming 400 MiB) is refused, not written out in full,
+        // and its scratch directory goes with the refusal.
+        let index = ws.join(".git/index");
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .open(&index)
+            .expect("index");
+        f.set_len(400 << 20).expect("grow");
+        drop(f);
+        let e = Scratch::build(&paths, &git).expect_err("sparse index");
+        assert!(e.to_string().contains("sparse"), "{e}");
+        assert!(
+            scratch_dirs(&s).is_empty(),
+            "a refused build left its directory"
+        );
     }
 
     #[test]

@@ -2,13 +2,14 @@
 //! session copy.
 //!
 //! A session with a storage limit gets a sparse image file of exactly that size,
-//! `<sessions>/<id>.img`, formatted ext4 (no reserved blocks, a 4 MiB journal) and mounted
+//! `<sessions>/<id>.img`, formatted ext4 (a 4 MiB journal, a small reserve only host-side
+//! work can write: [`RESERVE_ID`]) and mounted
 //! `nodev,nosuid` at `<sessions>/<id>.vol` through a loop device. The session directory
 //! `S` is `<id>.vol/session`, so the copy `prepare` makes, the guest's writes to
 //! `/workspace` and host git's scratch reads all land in it, and a guest that fills it gets
 //! `ENOSPC`. The image is sparse: the host file system loses only what was written, and
 //! never more than the image's size. This works on any host file system with sparse files
-//! (ext4 without project quotas, XFS) and needs only loop devices, `mkfs.ext4` and root.
+//! (ext4 without project quotas, XFS) and needs only loop devices, e2fsprogs and root.
 //!
 //! Steps of [`Volume::create`], in order: create the image (`O_EXCL`, 0600) and take an
 //! exclusive `flock` on it (held until the caller drops the [`Volume`], so a concurrent
@@ -148,28 +149,68 @@ fn make(paths: &VolumePaths, image: &File, size_mib: u64) -> Result<(), SessionE
     image
         .set_len(size_mib << 20)
         .map_err(|e| err("size", &paths.image, e))?;
-    mkfs(&paths.image)?;
+    mkfs(&paths.image, size_mib)?;
     mount(paths, image)?;
     std::fs::set_permissions(&paths.mountpoint, std::fs::Permissions::from_mode(0o711))
         .map_err(|e| err("chmod", &paths.mountpoint, e))
 }
 
-/// `mkfs.ext4` on the image file: 4 KiB blocks, one inode per 16 KiB, no blocks reserved
-/// for root and a 4 MiB journal, so nearly all of the limit is usable.
-fn mkfs(image: &Path) -> Result<(), SessionError> {
-    let out = std::process::Command::new("mkfs.ext4")
-        .args([
-            "-q", "-F", "-b", "4096", "-i", "16384", "-m", "0", "-J", "size=4",
-        ])
-        .args(["-L", "warren-session"])
+/// The group (and user) the volume's reserved blocks are for, beside processes with
+/// `CAP_SYS_RESOURCE` (the service): 65535, `(uid_t)-1` in 16 bits, which no account has. Host
+/// git over a session runs with it as its only supplementary group; the guest's writes (its
+/// virtiofsd acts as the owner) never have it.
+pub(crate) const RESERVE_ID: u32 = 65535;
+
+/// Room on the volume that only host-side work can use ([`RESERVE_ID`]): host git's scratch
+/// directory (`scratch.rs`) for a `status` or `export`, so that a session whose guest filled
+/// its storage can still be inspected and exported. 4 MiB and 1% of the limit, at most
+/// 64 MiB.
+fn reserved_blocks(size_mib: u64) -> u64 {
+    let bytes = ((4 << 20) + (size_mib << 20) / 100).min(64 << 20);
+    bytes / 4096
+}
+
+/// `mkfs.ext4` on the image file: 4 KiB blocks, one inode per 16 KiB, a 4 MiB journal, and
+/// the blocks [`reserved_blocks`] names kept for [`RESERVE_ID`] (`tune2fs`; ext4's own
+/// root reserve would be open to a root-owned session's guest, whose writes are root's).
+fn mkfs(image: &Path, size_mib: u64) -> Result<(), SessionError> {
+    run_e2fs(
+        "mkfs.ext4",
+        image,
+        &[
+            "-q",
+            "-F",
+            "-b",
+            "4096",
+            "-i",
+            "16384",
+            "-m",
+            "0",
+            "-J",
+            "size=4",
+            "-L",
+            "warren-session",
+        ],
+    )?;
+    let (blocks, id) = (
+        reserved_blocks(size_mib).to_string(),
+        RESERVE_ID.to_string(),
+    );
+    run_e2fs("tune2fs", image, &["-r", &blocks, "-u", &id, "-g", &id])
+}
+
+/// Runs an e2fsprogs tool on the image file.
+fn run_e2fs(tool: &'static str, image: &Path, args: &[&str]) -> Result<(), SessionError> {
+    let out = std::process::Command::new(tool)
+        .args(args)
         .arg(image)
         .env("PATH", "/usr/sbin:/sbin:/usr/bin:/bin")
         .stdin(std::process::Stdio::null())
         .output()
-        .map_err(|e| err("mkfs.ext4", image, format!("{e} (is e2fsprogs installed?)")))?;
+        .map_err(|e| err(tool, image, format!("{e} (is e2fsprogs installed?)")))?;
     if !out.status.success() {
         return Err(err(
-            "mkfs.ext4",
+            tool,
             image,
             format!(
                 "{}: {}",
@@ -355,9 +396,13 @@ pub fn host_support() -> Vec<(&'static str, Result<(), String>)> {
         },
         Err(e) => Err(format!("{e} (modprobe loop)")),
     };
-    let mkfs = ["/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"]
+    let mkfs = ["mkfs.ext4", "tune2fs"]
         .iter()
-        .any(|p| Path::new(p).exists())
+        .all(|tool| {
+            ["/usr/sbin", "/sbin"]
+                .iter()
+                .any(|d| Path::new(d).join(tool).exists())
+        })
         .then_some(())
         .ok_or_else(|| "not found (install e2fsprogs)".to_string());
     let root = nix::unistd::geteuid()
@@ -366,7 +411,7 @@ pub fn host_support() -> Vec<(&'static str, Result<(), String>)> {
         .ok_or_else(|| "mounting needs root".to_string());
     vec![
         (crate::sys::loopdev::LOOP_CONTROL, loop_ctl),
-        ("mkfs.ext4", mkfs),
+        ("mkfs.ext4 and tune2fs", mkfs),
         ("mount permission", root),
     ]
 }

@@ -10,6 +10,25 @@ use std::process::Command;
 
 use crate::git::Owner;
 
+/// Sets the supplementary groups of the calling thread only. libc's `setgroups` changes every
+/// thread of the process (it signals them all); the system call itself is per thread.
+pub(crate) fn set_thread_groups(groups: &[u32]) -> std::io::Result<()> {
+    // SAFETY: the pointer and length describe a live slice of gid_t (u32) for the call's
+    // duration; the kernel only reads it.
+    let r = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_setgroups,
+            groups.len() as nix::libc::size_t,
+            groups.as_ptr(),
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Caps the address space of the program `cmd` runs at `bytes`.
 pub(crate) fn limit_address_space(cmd: &mut Command, bytes: u64) {
     // SAFETY: setrlimit is async-signal-safe and touches only the child.
@@ -24,11 +43,13 @@ pub(crate) fn limit_address_space(cmd: &mut Command, bytes: u64) {
 /// Runs `cmd` in a mount namespace of its own in which `work_tree` is bind-mounted onto itself
 /// read-only, `nosymfollow`, `nodev` and `nosuid`, then takes on `owner`. Git then cannot
 /// write into the guest's tree, and no path resolved through it follows a link the guest
-/// planted or swapped in while git walks it. Needs root (the caller checks).
+/// planted or swapped in while git walks it. Its one supplementary group is a session
+/// volume's reserve ([`crate::volume::RESERVE_ID`]). Needs root (the caller checks).
 pub(crate) fn confine_tree(cmd: &mut Command, work_tree: &Path, owner: Option<Owner>) {
     use nix::mount::{mount, MsFlags};
     use std::os::unix::ffi::OsStrExt;
     let tree = std::ffi::CString::new(work_tree.as_os_str().as_bytes());
+    let reserve = nix::unistd::Gid::from_raw(crate::volume::RESERVE_ID);
     // SAFETY: only async-signal-safe syscalls (unshare, mount, setgroups, setgid, setuid)
     // run between fork and exec, on a path prepared before the fork; nothing allocates.
     unsafe {
@@ -47,8 +68,10 @@ pub(crate) fn confine_tree(cmd: &mut Command, work_tree: &Path, owner: Option<Ow
                 | MsFlags::MS_NODEV
                 | MsFlags::from_bits_retain(nix::libc::MS_NOSYMFOLLOW);
             mount(none, tree, none, guarded, none)?;
+            // Its only supplementary group opens a session volume's reserve to it
+            // (`volume::RESERVE_ID`), where host git may write the scratch index.
+            nix::unistd::setgroups(&[reserve])?;
             if let Some(o) = owner {
-                nix::unistd::setgroups(&[])?;
                 nix::unistd::setgid(nix::unistd::Gid::from_raw(o.gid))?;
                 nix::unistd::setuid(nix::unistd::Uid::from_raw(o.uid))?;
             }
