@@ -113,8 +113,20 @@ CREATE TABLE IF NOT EXISTS tokens (
     revoked INTEGER NOT NULL DEFAULT 0
 );";
 
-/// Checks a workspace name: 1-63 of `[a-z0-9-]`, starting with a letter or digit.
+/// The prefix of the engine's own workspaces (the warm pool's VMs, which any workspace may
+/// be handed, and template builds, which every clone of a shape copies): no token, header or
+/// grant may name one.
+pub const ENGINE_PREFIX: &str = "warren-";
+
+/// Checks a workspace name: 1-63 of `[a-z0-9-]`, starting with a letter or digit, and not
+/// one of the engine's ([`ENGINE_PREFIX`]).
 pub fn validate_workspace(name: &str) -> Result<(), ApiError> {
+    if name.starts_with(ENGINE_PREFIX) {
+        return Err(ApiError::invalid(format!(
+            "workspace names starting with {ENGINE_PREFIX:?} are Warren's own (the warm pool, \
+             template builds)"
+        )));
+    }
     let ok = !name.is_empty()
         && name.len() <= 63
         && name
@@ -316,6 +328,13 @@ impl Credentials {
         let Some((id, workspace, expires, revoked, policy)) = row else {
             return Err(unauth("unknown token"));
         };
+        if workspace.starts_with(ENGINE_PREFIX) {
+            // Issued before the engine's names were reserved: it would reach pool VMs and
+            // template builds.
+            return Err(unauth(
+                "the token's workspace is reserved for Warren itself",
+            ));
+        }
         if revoked != 0 {
             return Err(unauth("the token was revoked"));
         }
@@ -630,6 +649,40 @@ mod tests {
                 "{n:?} accepted"
             );
         }
+    }
+
+    /// The engine's own workspaces (the warm pool's VMs, template builds) take no token, and
+    /// a token issued for one before they were reserved no longer authenticates.
+    #[test]
+    fn test_engine_workspaces_take_no_tokens() {
+        let (_d, c) = creds();
+        for n in [
+            warren_core::vm::pool::POOL_WORKSPACE,
+            warren_core::vm::template::TEMPLATE_WORKSPACE,
+            "warren-anything",
+        ] {
+            assert!(n.starts_with(ENGINE_PREFIX), "{n}");
+            let e = c
+                .issue(n, None, &PolicyRequest::default())
+                .expect_err("engine workspace");
+            assert_eq!(e.code, "invalid_argument", "{e}");
+        }
+        let (_, token) = c
+            .issue("alice", None, &PolicyRequest::default())
+            .expect("issue");
+        {
+            let conn = c.conn();
+            conn.execute(
+                "INSERT INTO workspaces (name, policy, created_unix)
+                 SELECT 'warren-pool', policy, created_unix FROM workspaces WHERE name = 'alice'",
+                [],
+            )
+            .expect("old workspace row");
+            conn.execute("UPDATE tokens SET workspace = 'warren-pool'", [])
+                .expect("old token");
+        }
+        let e = c.authenticate(&token).expect_err("reserved");
+        assert_eq!(e.code, "unauthenticated", "{e}");
     }
 
     #[test]

@@ -468,7 +468,7 @@ pub(crate) mod tests {
     }
 
     /// [`test_service`] with `tables` (TOML) added to its configuration.
-    fn test_service_with(dir: &std::path::Path, tables: &str) -> Arc<Service> {
+    pub(crate) fn test_service_with(dir: &std::path::Path, tables: &str) -> Arc<Service> {
         let text = format!(
             "state_dir = {:?}\naccel = \"tcg\"\n[images.dev]\nid = \"{}\"\n{tables}",
             dir.join("state"),

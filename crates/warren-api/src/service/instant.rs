@@ -13,6 +13,38 @@ use crate::receipts::{args_hash, validate_request_id, Claim};
 use crate::tools::*;
 
 impl Service {
+    /// The copies of a networked VM are new VMs: admitted under the workspace's network
+    /// grants as they are now (an internet grant taken away, a CIDR grant narrowed, refuse
+    /// the fork), with the operator's current secrets, intercepts and blocked ranges, and
+    /// the parent's own allow and deny lists.
+    fn fork_network(
+        &self,
+        p: &Principal,
+        vm_id: &str,
+    ) -> Result<Option<warren_core::NetworkRequest>, ApiError> {
+        self.fork_network_of(p, self.warren.vm_network(vm_id))
+    }
+
+    /// [`Service::fork_network`] of a parent launched with `net`.
+    fn fork_network_of(
+        &self,
+        p: &Principal,
+        net: Option<warren_vmm::NetSpec>,
+    ) -> Result<Option<warren_core::NetworkRequest>, ApiError> {
+        let Some(net) = net else {
+            return Ok(None);
+        };
+        let mode = match net.mode {
+            warren_vmm::NetMode::Internet => Network::Internet,
+            warren_vmm::NetMode::Allowlist => Network::Allowlist,
+        };
+        let egress = EgressArgs {
+            allow: net.allow,
+            deny: net.deny,
+        };
+        self.network_for(p, Some(mode), Some(egress))
+    }
+
     pub(super) async fn vm_fork(&self, p: &Principal, a: VmForkArgs) -> Result<Value, ApiError> {
         validate_request_id(&a.request_id)?;
         if !(1..=warren_core::vm::fork::MAX_FORK_COUNT).contains(&a.count) {
@@ -51,6 +83,7 @@ impl Service {
             request_id: Some(rid.to_string()),
             host_limits: self.cfg.host_limits(),
             workspace_limits: workspace_limits(p),
+            network: self.fork_network(p, &parent.id)?,
         };
         match self.warren.fork_vm(&req).await {
             Ok(copies) => {
@@ -144,5 +177,82 @@ impl Service {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::auth::PolicyRequest;
+
+    fn launched(mode: warren_vmm::NetMode, allow: &[&str]) -> warren_vmm::NetSpec {
+        warren_vmm::NetSpec {
+            netns: "warren-vm-000000000001".into(),
+            mac: "52:54:00:00:00:01".into(),
+            upstream_dns: "127.0.0.53:53".parse().expect("addr"),
+            outbound_netns: None,
+            allow: allow.iter().map(|a| a.to_string()).collect(),
+            deny: vec!["bad.example.com".into()],
+            secrets: vec![],
+            upstream_roots: None,
+            intercepts: vec![],
+            blocked_cidrs: vec![],
+            intercept_all_tls: false,
+            mode,
+            host_ca_store: false,
+            secret_headers: vec![],
+        }
+    }
+
+    /// A fork's copies are new VMs: a workspace whose internet grant was taken away, or whose
+    /// CIDR grant no longer covers the parent's allow list, cannot fork its old internet or
+    /// allow-listed VM into new ones; the copies otherwise get the parent's lists under the
+    /// operator's current settings. (Before, `vm_fork` checked no network grant at all.)
+    #[test]
+    fn test_a_fork_is_admitted_under_the_current_network_grants() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let service = crate::ws::tests::test_service_with(
+            dir.path(),
+            "[egress]\nblocked_cidrs = [\"10.9.0.0/16\"]\n",
+        );
+        let creds = service.credentials();
+        let (_, tok) = creds
+            .issue(
+                "alice",
+                None,
+                &PolicyRequest {
+                    allow_internet: Some(true),
+                    ..PolicyRequest::default()
+                },
+            )
+            .expect("issue");
+        let p = creds.authenticate(&tok).expect("auth");
+        let internet = launched(warren_vmm::NetMode::Internet, &["example.com"]);
+        let now = service
+            .fork_network_of(&p, Some(internet.clone()))
+            .expect("granted")
+            .expect("networked");
+        assert_eq!(now.mode, warren_vmm::NetMode::Internet);
+        assert_eq!(now.allow, vec!["example.com".to_string()]);
+        assert_eq!(now.deny, vec!["bad.example.com".to_string()]);
+        assert_eq!(
+            now.blocked_cidrs,
+            vec!["10.9.0.0/16".to_string()],
+            "the operator's, now"
+        );
+        assert!(service.fork_network_of(&p, None).expect("off").is_none());
+
+        creds
+            .set_internet("alice", false)
+            .expect("take the grant away");
+        let p = creds.authenticate(&tok).expect("auth");
+        let e = service
+            .fork_network_of(&p, Some(internet))
+            .expect_err("no internet grant");
+        assert_eq!(e.code, "forbidden", "{e}");
+        // An allow-listed parent naming a CIDR outside the workspace's grant (none here).
+        let cidr = launched(warren_vmm::NetMode::Allowlist, &["10.1.2.0/24"]);
+        assert!(service.fork_network_of(&p, Some(cidr)).is_err());
+        let plain = launched(warren_vmm::NetMode::Allowlist, &["example.com"]);
+        assert!(service.fork_network_of(&p, Some(plain)).is_ok());
     }
 }

@@ -53,6 +53,11 @@ pub struct ForkVm {
     pub request_id: Option<String>,
     pub host_limits: Limits,
     pub workspace_limits: Limits,
+    /// The copies' egress policy as the caller's workspace has it now (the service builds it,
+    /// refusing a fork its grants no longer allow); `None` keeps the parent's as launched
+    /// (the CLI acting on its own state directory). The address, resolver and namespace
+    /// hooks stay the parent's either way.
+    pub network: Option<super::NetworkRequest>,
 }
 
 impl Warren {
@@ -77,10 +82,15 @@ impl Warren {
         let image_id = warren_image::ImageId::parse(&parent.image_id)?;
         self.check_image_policy(&image_id)?;
         let pdir = self.vm_dir(&parent.id);
-        let pcfg: SupervisorConfig = serde_json::from_slice(
+        let mut pcfg: SupervisorConfig = serde_json::from_slice(
             &std::fs::read(pdir.config()).map_err(|e| CoreError::io("read", pdir.config(), e))?,
         )
         .map_err(|e| CoreError::InvalidArgument(format!("supervisor config: {e}")))?;
+        // The copies are new VMs: their egress is the workspace's policy as it is now, not as
+        // it was when the parent was made (`pcfg` is only the copies' from here on).
+        if let (Some(net), Some(now)) = (&mut pcfg.launch.network, &req.network) {
+            super::mounts::apply_policy(net, now)?;
+        }
         let image = self.images.verify(&image_id)?;
         self.check_artifacts(&parent.id, &pdir, &image)?;
 

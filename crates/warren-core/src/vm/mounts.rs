@@ -40,6 +40,26 @@ pub(super) fn net_spec(id: &str, net: &NetworkRequest) -> Result<warren_vmm::Net
     Ok(spec)
 }
 
+/// Replaces the policy of the launched network `spec` (allow and deny lists, secrets,
+/// intercepts, blocked ranges, TLS and mode settings) with `now`'s, keeping its address,
+/// namespace, resolver and test hooks; checked as a new one is.
+pub(super) fn apply_policy(
+    spec: &mut warren_vmm::NetSpec,
+    now: &NetworkRequest,
+) -> Result<(), CoreError> {
+    spec.allow = now.allow.clone();
+    spec.deny = now.deny.clone();
+    spec.secrets = now.secrets.clone();
+    spec.intercepts = now.intercepts.clone();
+    spec.blocked_cidrs = now.blocked_cidrs.clone();
+    spec.intercept_all_tls = now.intercept_all_tls;
+    spec.mode = now.mode;
+    spec.host_ca_store = now.host_ca_store;
+    spec.secret_headers = now.secret_headers.clone();
+    warren_supervisor::network::validate(spec)
+        .map_err(|e| CoreError::InvalidArgument(format!("network: {}", error_text(&e))))
+}
+
 /// At most this many shared directories per VM.
 pub const MAX_MOUNTS: usize = 8;
 
@@ -171,4 +191,61 @@ pub(super) fn shares_of(mounts: &[MountSpec]) -> (Vec<warren_vmm::backend::Share
         });
     }
     (shares, args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fork's copy gets the policy it was admitted under and keeps its parent's address,
+    /// namespace and resolver.
+    #[test]
+    fn test_apply_policy_replaces_the_policy_only() {
+        let mut spec = net_spec(
+            "vm-000000000001",
+            &NetworkRequest {
+                allow: vec!["old.example.com".into()],
+                mode: warren_vmm::NetMode::Internet,
+                upstream_dns: Some("127.0.0.53:53".parse().expect("addr")),
+                ..Default::default()
+            },
+        )
+        .expect("spec");
+        let (mac, netns, dns) = (spec.mac.clone(), spec.netns.clone(), spec.upstream_dns);
+        apply_policy(
+            &mut spec,
+            &NetworkRequest {
+                allow: vec!["new.example.com".into()],
+                deny: vec!["x.example.com".into()],
+                blocked_cidrs: vec!["10.9.0.0/16".into()],
+                intercept_all_tls: true,
+                ..Default::default()
+            },
+        )
+        .expect("apply");
+        assert_eq!(spec.allow, vec!["new.example.com".to_string()]);
+        assert_eq!(spec.deny, vec!["x.example.com".to_string()]);
+        assert_eq!(spec.blocked_cidrs, vec!["10.9.0.0/16".to_string()]);
+        assert!(spec.intercept_all_tls);
+        assert_eq!(
+            spec.mode,
+            warren_vmm::NetMode::Allowlist,
+            "no longer internet"
+        );
+        assert_eq!((spec.mac, spec.netns, spec.upstream_dns), (mac, netns, dns));
+        // Checked as a new one: a bad entry refuses the copy.
+        let mut bad = net_spec(
+            "vm-000000000002",
+            &NetworkRequest {
+                upstream_dns: Some("127.0.0.53:53".parse().expect("addr")),
+                ..Default::default()
+            },
+        )
+        .expect("spec");
+        let wrong = NetworkRequest {
+            allow: vec!["not a name".into()],
+            ..Default::default()
+        };
+        assert!(apply_policy(&mut bad, &wrong).is_err());
+    }
 }
