@@ -66,12 +66,7 @@ pub struct Bound {
 fn lock_state_dir(dir: &Path) -> Result<Flock<std::fs::File>, ServeError> {
     std::fs::create_dir_all(dir).map_err(io("create", dir.display()))?;
     let path = dir.join("warrend.lock");
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(io("open", path.display()))?;
+    let f = warren_supervisor::layout::open_lock_file(&path).map_err(io("open", path.display()))?;
     Flock::lock(f, FlockArg::LockExclusiveNonblock)
         .map_err(|_| ServeError::AlreadyRunning(dir.to_path_buf()))
 }

@@ -164,3 +164,45 @@ pub struct ExitRecord {
     #[serde(default)]
     pub boot_again: bool,
 }
+
+/// Opens (creating it 0600) a lock file only its owner may open: `flock` needs no write
+/// access, so another local user able to open a lock file read-only could hold it and keep
+/// a VM, the service or a template build from starting. A file an older Warren left with a
+/// wider mode is narrowed; a symlink at the path is refused.
+pub fn open_lock_file(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+        .open(path)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    Ok(f)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lock files are their owner's alone (another user's read-only descriptor could hold
+    /// them), an older wider one is narrowed, and a link at the path is refused.
+    #[test]
+    fn test_lock_files_are_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().expect("tmp");
+        let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
+        let new = d.path().join("new.lock");
+        drop(open_lock_file(&new).expect("create"));
+        assert_eq!(mode(&new), 0o600);
+        let old = d.path().join("old.lock");
+        std::fs::write(&old, "").expect("write");
+        std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        drop(open_lock_file(&old).expect("open"));
+        assert_eq!(mode(&old), 0o600);
+        let link = d.path().join("link.lock");
+        std::os::unix::fs::symlink(&old, &link).expect("symlink");
+        assert!(open_lock_file(&link).is_err(), "a link was followed");
+    }
+}

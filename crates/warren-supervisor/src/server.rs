@@ -204,25 +204,11 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
     // anyone able to open it could hold a shared lock and keep every later supervisor of the
     // VM from starting. A listing's probe holds a shared lock for an instant, so a refusal is
     // retried for a moment before another supervisor is taken to hold it.
-    let lock_file = {
-        use std::os::unix::fs::OpenOptionsExt;
-        std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .mode(0o600)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(dir.lock())
-    }
-    .and_then(|f| {
-        use std::os::unix::fs::PermissionsExt;
-        f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
-        Ok(f)
-    })
-    .map_err(|source| SuperviseError::Io {
-        what: "lock file",
-        source,
-    })?;
+    let lock_file =
+        crate::layout::open_lock_file(&dir.lock()).map_err(|source| SuperviseError::Io {
+            what: "lock file",
+            source,
+        })?;
     let mut lock_file = lock_file;
     let mut tries = 0;
     let _lock = loop {

@@ -1042,11 +1042,17 @@ impl Service {
         to_value(self.info(rec))
     }
 
+    /// What the service keeps for VM `vm` goes before it is destroyed: its streams close
+    /// (1001) and its broker pipes' entries are dropped.
+    pub(super) fn forget_vm(&self, vm: &str) {
+        self.streams
+            .close_vm(vm, crate::streams::CloseReason::Destroyed);
+        self.pipes.remove_vm(vm);
+    }
+
     async fn vm_destroy(&self, p: &Principal, a: VmRef) -> Result<Value, ApiError> {
         let rec = self.owned(p, &a.vm_id, a.expected_generation)?;
-        self.streams
-            .close_vm(&rec.id, crate::streams::CloseReason::Destroyed);
-        self.pipes.remove_vm(&rec.id);
+        self.forget_vm(&rec.id);
         self.warren.destroy_vm(&rec.id).await?;
         to_value(VmDestroyed {
             vm_id: rec.id,

@@ -142,8 +142,7 @@ impl Service {
                 let a: SessionDeleteArgs = parse(args)?;
                 let s = self.session(p, &a.session, a.expected_generation)?;
                 if let Some(vm) = &s.vm_id {
-                    self.streams
-                        .close_vm(vm, crate::streams::CloseReason::Destroyed);
+                    self.forget_vm(vm);
                 }
                 self.warren.delete_session(&s, a.force).await?;
                 to_value(SessionDeleted {

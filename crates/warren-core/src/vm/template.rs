@@ -317,11 +317,7 @@ impl Warren {
         let lock_path = root.join(format!("{}.lock", key.digest()));
         let deadline = std::time::Instant::now() + self.cfg.boot_timeout * 2;
         let _lock = loop {
-            let f = std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&lock_path)
+            let f = warren_supervisor::layout::open_lock_file(&lock_path)
                 .map_err(io("open", &lock_path))?;
             match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
                 Ok(l) => break l,
