@@ -1006,7 +1006,7 @@ fn preflight(cli: &Cli, json: bool) -> Result<i32> {
         } else {
             format!(
                 "{}: sessions under a storage limit are refused (needs /dev/loop-control, \
-                 mkfs.ext4 from e2fsprogs, and root to mount)",
+                 mkfs.ext4 and tune2fs from e2fsprogs, and root to mount)",
                 missing.join("; ")
             )
         },
