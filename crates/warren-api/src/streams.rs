@@ -142,10 +142,13 @@ impl Streams {
             ("the VM", of_vm, self.cfg.max_streams_per_vm),
         ] {
             if n >= max {
-                return Err(ApiError::new(
-                    "busy",
-                    format!("{what} has {n} of its {max} streams open; close one first"),
-                ));
+                // The host's count is every workspace's: not told to one of them.
+                let msg = if what == "the host" {
+                    format!("the host has all of its {max} streams open; retry later")
+                } else {
+                    format!("{what} has {n} of its {max} streams open; close one first")
+                };
+                return Err(ApiError::new("busy", msg));
             }
         }
         Ok(())

@@ -1026,6 +1026,8 @@ mod tests {
         admit(ses("ses-3", "other", 700), host).expect("host: 1256 + 700");
         let e = admit(ses("ses-4", "other", 64), host).expect_err("host full");
         assert!(e.to_string().contains("host limit of 2000"), "{e}");
+        // What the host has in use is every workspace's, not told to this one.
+        assert!(!e.to_string().contains("in use"), "{e}");
         // A refusal left no row; the VM and memory limits do not apply to storage.
         assert_eq!(store.sessions(None).expect("list").len(), 2);
         let vms_full = (

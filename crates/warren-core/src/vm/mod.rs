@@ -216,9 +216,13 @@ impl Limits {
         for (what, max, used, add) in checks {
             if let Some(max) = max {
                 if used + add > max {
-                    return Err(CoreError::QuotaExceeded(format!(
-                        "{scope} limit of {max} {what} reached ({used} in use, {add} requested)"
-                    )));
+                    // What the host has in use is every workspace's: not told to one of them.
+                    let msg = if scope == "host" || scope.ends_with(": host") {
+                        format!("{scope} limit of {max} {what} reached ({add} requested)")
+                    } else {
+                        format!("{scope} limit of {max} {what} reached ({used} in use, {add} requested)")
+                    };
+                    return Err(CoreError::QuotaExceeded(msg));
                 }
             }
         }
