@@ -65,15 +65,43 @@ pub(crate) struct CopyStats {
 
 /// Runs `f` with the filesystem identity of `owner` (see the module docs); `None` runs it
 /// directly. `owner` must already be an effective owner ([`crate::git::effective_owner`]).
+///
+/// As root it always runs on a thread of its own without `CAP_SYS_RESOURCE`: what it writes
+/// (a copy of the project, a fork's files) never spends a session volume's reserve, which
+/// ext4 opens to that capability and which host git's scratch work needs
+/// ([`as_owner_in_reserve`]).
 pub(crate) fn as_owner<T: Send>(
     owner: Option<Owner>,
     f: impl FnOnce() -> Result<T, SessionError> + Send,
 ) -> Result<T, SessionError> {
-    let Some(o) = owner else { return f() };
+    if owner.is_none() && !nix::unistd::geteuid().is_root() {
+        return f();
+    }
     on_thread(|| {
-        take_owner(o)?;
+        drop_sys_resource()?;
+        if let Some(o) = owner {
+            take_owner(o)?;
+        }
         f()
     })
+}
+
+/// Drops `CAP_SYS_RESOURCE` from this thread's effective set (capabilities are per thread;
+/// the thread ends with its work).
+fn drop_sys_resource() -> Result<(), SessionError> {
+    use rustix::thread::{capabilities, set_capabilities, CapabilitySet};
+    let drop_it = || -> std::io::Result<()> {
+        let mut sets = capabilities(None)?;
+        if sets.effective.contains(CapabilitySet::SYS_RESOURCE) {
+            sets.effective.remove(CapabilitySet::SYS_RESOURCE);
+            set_capabilities(None, sets)?;
+        }
+        Ok(())
+    };
+    drop_it().map_err(SessionError::io(
+        "drop CAP_SYS_RESOURCE of",
+        "a copy thread",
+    ))
 }
 
 /// Like [`as_owner`], always on a thread of its own, whose one supplementary group (when
@@ -410,4 +438,32 @@ fn copy_data(input: &mut fs::File, output: &mut fs::File, len: u64) -> io::Resul
     }
     output.set_len(len)?;
     Ok(copied)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustix::thread::{capabilities, CapabilitySet};
+
+    /// Work done as an owner (or as root for a root-owned session) has no `CAP_SYS_RESOURCE`,
+    /// so it cannot spend a session volume's reserve; the caller's thread keeps what it had.
+    /// (Where root lacks the capability altogether, as on some CI hosts, the first half holds
+    /// trivially.)
+    #[test]
+    fn test_owner_work_cannot_spend_the_reserve() {
+        let before = capabilities(None).expect("capget").effective;
+        for owner in [None, Some(Owner { uid: 0, gid: 0 })] {
+            let inside = as_owner(owner, || Ok(capabilities(None).expect("capget").effective))
+                .expect("as owner");
+            assert!(!inside.contains(CapabilitySet::SYS_RESOURCE), "{owner:?}");
+        }
+        let reserve =
+            as_owner_in_reserve(None, || Ok(capabilities(None).expect("capget").effective))
+                .expect("in reserve");
+        assert_eq!(
+            reserve, before,
+            "the scratch thread's capabilities are the caller's"
+        );
+        assert_eq!(capabilities(None).expect("capget").effective, before);
+    }
 }

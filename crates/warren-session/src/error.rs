@@ -105,8 +105,9 @@ pub enum SessionError {
     #[error("{0} is not a directory")]
     NotADirectory(PathBuf),
     #[error(
-        "the session's storage is full: free space in its workspace and retry (a forced \
-         delete needs no room)"
+        "no room is left in the session's storage (its limit, or the host's disk) for host \
+         git's scratch directory: free space in its workspace and retry (a forced delete needs \
+         no room)"
     )]
     StorageFull,
 }

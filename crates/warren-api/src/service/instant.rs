@@ -22,7 +22,7 @@ impl Service {
         p: &Principal,
         vm_id: &str,
     ) -> Result<Option<warren_core::NetworkRequest>, ApiError> {
-        self.fork_network_of(p, self.warren.vm_network(vm_id))
+        self.fork_network_of(p, self.warren.vm_network_checked(vm_id)?)
     }
 
     /// [`Service::fork_network`] of a parent launched with `net`.

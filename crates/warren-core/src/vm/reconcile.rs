@@ -225,14 +225,21 @@ impl Warren {
         Ok(self.vm_dir(&rec.id).console_text())
     }
 
-    /// The VM's network as launched (`None`: no NIC), from its supervisor configuration.
+    /// The VM's network as launched (`None`: no NIC, or no readable configuration), from its
+    /// supervisor configuration.
     pub fn vm_network(&self, id: &str) -> Option<warren_vmm::NetSpec> {
+        self.vm_network_checked(id).ok().flatten()
+    }
+
+    /// [`Warren::vm_network`], failing when the configuration cannot be read (what admits a
+    /// fork's copies must not take an unreadable configuration for "no network").
+    pub fn vm_network_checked(&self, id: &str) -> Result<Option<warren_vmm::NetSpec>, CoreError> {
         let dir = warren_supervisor::layout::VmDir(self.vm_dir_path(id));
-        let text = std::fs::read_to_string(dir.config()).ok()?;
-        serde_json::from_str::<warren_supervisor::layout::SupervisorConfig>(&text)
-            .ok()?
-            .launch
-            .network
+        let text = std::fs::read_to_string(dir.config())
+            .map_err(|e| CoreError::io("read", dir.config(), e))?;
+        let cfg: warren_supervisor::layout::SupervisorConfig = serde_json::from_str(&text)
+            .map_err(|e| CoreError::InvalidArgument(format!("supervisor config: {e}")))?;
+        Ok(cfg.launch.network)
     }
 
     pub fn vm_dir_path(&self, id: &str) -> PathBuf {
