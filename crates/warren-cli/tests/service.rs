@@ -464,6 +464,26 @@ fn test_service_internet_mode_needs_the_internet_grant() {
     assert_eq!(net["mode"], "internet", "{net}");
     assert_eq!(net["host_ca_store"], true, "{net}");
     assert_eq!(net["deny"], json!(["x.example.com"]), "{net}");
+
+    // The grant taken away: the running VM keeps its mode, but its forks are new VMs and
+    // are refused (before, `vm_fork` checked no grant and copied the internet VM).
+    let out = d
+        .env
+        .run(&["token", "allow-internet", "--workspace", "erin", "--off"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r = c.call(
+        &d,
+        &erin,
+        "vm_fork",
+        json!({"request_id": "f1", "vm_id": id, "count": 2}),
+    );
+    assert_eq!((r.status, r.code()), (403, "forbidden"), "{}", r.text);
+    assert!(r.text.contains("allow-internet"), "{}", r.text);
+    assert_eq!(d.all_vms().len(), 1, "a refused fork made copies");
 }
 
 impl Conformance {
