@@ -159,7 +159,7 @@ fn make(paths: &VolumePaths, image: &File, size_mib: u64) -> Result<(), SessionE
 /// `CAP_SYS_RESOURCE` (the service): 65535, `(uid_t)-1` in 16 bits, which no account has. Host
 /// git over a session runs with it as its only supplementary group; the guest's writes (its
 /// virtiofsd acts as the owner) never have it.
-pub(crate) const RESERVE_ID: u32 = 65535;
+pub const RESERVE_ID: u32 = 65535;
 
 /// Room on the volume that only host-side work can use ([`RESERVE_ID`]): host git's scratch
 /// directory (`scratch.rs`) for a `status` or `export`, so that a session whose guest filled
