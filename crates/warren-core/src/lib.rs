@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admission;
+mod agent_state;
 pub mod error;
 pub mod interactive;
 pub mod output;
