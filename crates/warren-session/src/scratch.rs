@@ -527,39 +527,50 @@ fn copy_objects(git_dir: &Tree, dir: &Path, budget: &mut Budget) -> Result<(), S
 
 /// The size of the open file `fd`, refused (`TooLarge`) past `cap`.
 fn capped_len(fd: &OwnedFd, from: &Path, cap: u64) -> Result<u64, SessionError> {
+    capped_stat(fd, from, cap).map(|st| st.st_size as u64)
+}
+
+/// [`capped_len`], also refused when the file is sparse: git never writes sparse files, and
+/// a sparse one (a guest's terabyte of holes) would be copied as real data.
+fn checked_len(fd: &OwnedFd, from: &Path, cap: u64) -> Result<u64, SessionError> {
+    let st = capped_stat(fd, from, cap)?;
+    let len = st.st_size as u64;
+    if len > 1 << 20 && (st.st_blocks as u64) * 512 < len / 2 {
+        return Err(unsafe_dir(from, "is a sparse file"));
+    }
+    Ok(len)
+}
+
+fn capped_stat(
+    fd: &OwnedFd,
+    from: &Path,
+    cap: u64,
+) -> Result<nix::sys::stat::FileStat, SessionError> {
     let st =
         nix::sys::stat::fstat(fd.as_fd()).map_err(|e| SessionError::io("stat", from)(e.into()))?;
-    let len = st.st_size as u64;
-    if len > cap {
+    if st.st_size as u64 > cap {
         return Err(SessionError::TooLarge {
             what: from.display().to_string(),
             limit: format!("{cap} bytes"),
         });
     }
-    Ok(len)
+    Ok(st)
 }
 
-/// Git never writes sparse files: a sparse one (a guest's terabyte of holes) would be copied
-/// as real data, so it is refused.
-fn refuse_sparse(fd: &OwnedFd, from: &Path) -> Result<(), SessionError> {
-    let st =
-        nix::sys::stat::fstat(fd.as_fd()).map_err(|e| SessionError::io("stat", from)(e.into()))?;
-    let len = st.st_size as u64;
-    if len > 1 << 20 && (st.st_blocks as u64) * 512 < len / 2 {
-        return Err(unsafe_dir(from, "is a sparse file"));
-    }
-    Ok(())
-}
-
-/// Copies the open file `src` (at `from`) to the new file `to`, streamed, refused past `cap`
-/// bytes; never more than the size it had when it was checked.
-fn copy_capped(src: OwnedFd, from: &Path, to: &Path, cap: u64) -> Result<(), SessionError> {
-    let len = capped_len(&src, from, cap)?;
-    refuse_sparse(&src, from)?;
+/// Copies `len` bytes of the open file `src` (at `from`) to the new file `to`, streamed: the
+/// file may grow while it is copied, and never more than its checked size is copied.
+fn copy_len(src: OwnedFd, len: u64, from: &Path, to: &Path) -> Result<(), SessionError> {
     let mut out = create_file(to)?;
     io::copy(&mut fs::File::from(src).take(len), &mut out)
         .map_err(SessionError::io("copy", from))?;
     Ok(())
+}
+
+/// Copies the open file `src` (at `from`) to the new file `to`, refused past `cap` bytes or
+/// when sparse ([`checked_len`]).
+fn copy_capped(src: OwnedFd, from: &Path, to: &Path, cap: u64) -> Result<(), SessionError> {
+    let len = checked_len(&src, from, cap)?;
+    copy_len(src, len, from, to)
 }
 
 /// Puts the object file open as `src` at `to`: a hard link to that very inode (checked a
@@ -587,14 +598,9 @@ fn place(
         Ok(()) => return Ok(()),
         Err(e) => tracing::debug!(from = %from.display(), error = %e, "object copied, not linked"),
     }
-    let len = capped_len(&src, from, u64::MAX)?;
-    refuse_sparse(&src, from)?;
+    let len = checked_len(&src, from, u64::MAX)?;
     budget.take(len, session_git)?;
-    let mut src = fs::File::from(src);
-    let mut dst = create_file(to)?;
-    // The file may grow while it is copied; never copy more than its size said.
-    io::copy(&mut (&mut src).take(len), &mut dst).map_err(SessionError::io("copy", from))?;
-    Ok(())
+    copy_len(src, len, from, to)
 }
 
 /// A new file of ours (never through a link), 0600.
