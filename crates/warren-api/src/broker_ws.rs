@@ -4,8 +4,12 @@
 //!
 //! An attachment runs these tasks:
 //! - **accept**: holds one `BrokerAccept` guest stream open at a time while fewer than
-//!   [`MAX_CONNECTIONS`] connections are live; when a job process connects, it numbers the
-//!   connection, sends `open`, and starts the connection's task. A pipe that ended (the
+//!   [`MAX_CONNECTIONS`] connections are live; when a job process connects, it takes a place
+//!   for the connection under the `[streams]` quotas (each live connection is a stream of its
+//!   own against the host, workspace and VM quotas; the attachment's own place covers the
+//!   one pending accept), waiting while they are full with no further accept (later job
+//!   processes wait in the socket's backlog), then numbers the connection, sends `open`, and
+//!   starts the connection's task. A pipe that ended (the
 //!   job's processes are gone) ends the attachment with 1001 `job finished`.
 //! - **one per connection**: guest bytes become `data` frames (read only as fast as the
 //!   WebSocket drains); the controller's data for it waits in a queue of at most
@@ -52,6 +56,8 @@ pub const MAX_CONNECTIONS: usize = 64;
 pub const QUEUE_BYTES: usize = 1 << 20;
 /// How long a connection's queue may stay full before that connection is closed.
 pub const STALL: Duration = Duration::from_secs(10);
+/// How often a full `[streams]` quota is looked at again while a guest connection waits.
+pub const ADMIT_RETRY: Duration = Duration::from_millis(250);
 /// How often the attachment looks whether its job's processes are all gone.
 pub const JOB_CHECK: Duration = Duration::from_secs(5);
 /// The longest one job check may wait for the guest's answer.
@@ -149,6 +155,7 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
     let rate = service.streams().config().rate_bytes;
     let mut accept = tokio::spawn(accept(
         service.clone(),
+        p.workspace.clone(),
         vm_id.clone(),
         job,
         conns.clone(),
@@ -223,6 +230,7 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
 /// Takes the job's connections one at a time while there is room.
 async fn accept(
     service: Arc<Service>,
+    workspace: String,
     vm: String,
     job: JobId,
     conns: Shared,
@@ -255,6 +263,21 @@ async fn accept(
             Ok(Ok(_)) => return (INTERNAL, "the guest sent no accept mark".into()),
             Err(e) => return (INTERNAL, format!("broker stream: {e}")),
         };
+        // The connection's own place under the quotas. Until it has one it waits, and no
+        // other connection is accepted: the attachment's own place covers it meanwhile.
+        let mut logged = false;
+        let ticket = loop {
+            match service.streams().admit(&workspace, &vm) {
+                Ok(t) => break t,
+                Err(e) => {
+                    if !logged {
+                        tracing::info!(workspace = %workspace, vm = %vm, job = %job, code = e.code, "a broker connection waits for a stream place");
+                        logged = true;
+                    }
+                    tokio::time::sleep(ADMIT_RETRY).await;
+                }
+            }
+        };
         let (tx, rx) = mpsc::channel(QUEUE_BYTES / crate::broker::MAX_DATA);
         // Numbered, spawned and registered under one lock: the controller's frames for it
         // find it from the moment its id exists, and the task (which sends `open` before any
@@ -270,7 +293,7 @@ async fn accept(
             rx,
             out.clone(),
             conns.clone(),
-            permit,
+            (permit, ticket),
         ));
         c.live.insert(
             id,
@@ -292,7 +315,7 @@ async fn connection(
     mut from_controller: mpsc::Receiver<ToGuest>,
     out: mpsc::Sender<Vec<u8>>,
     conns: Shared,
-    _slot: tokio::sync::OwnedSemaphorePermit,
+    _place: (tokio::sync::OwnedSemaphorePermit, crate::streams::Ticket),
 ) {
     let down = async {
         if out.send(open_frame(id)).await.is_err() {

@@ -289,8 +289,8 @@ async fn call_tool(
     }
 }
 
-async fn openapi(State(st): State<AppState>) -> Response {
-    Json(crate::openapi::document(st.service.tools())).into_response()
+async fn openapi(State(st): State<AppState>, Extension(p): Extension<Principal>) -> Response {
+    Json(crate::openapi::document(&st.service.tools_for(&p))).into_response()
 }
 
 /// `GET /v1/vms/{vm_id}/streams/{port}` (WebSocket): `crate::ws`.

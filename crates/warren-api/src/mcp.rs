@@ -220,9 +220,15 @@ impl ServerHandler for WarrenMcp {
     async fn list_tools(
         &self,
         _request: Option<PaginatedRequestParams>,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
-        Ok(ListToolsResult::with_all_items(self.tools.to_vec()))
+        // A workspace limited to some images sees only those in `image`'s enum.
+        match principal(&context.extensions) {
+            Some(p) if p.policy.images.is_some() => Ok(ListToolsResult::with_all_items(
+                self.service.tools_for(p).iter().map(mcp_tool).collect(),
+            )),
+            _ => Ok(ListToolsResult::with_all_items(self.tools.to_vec())),
+        }
     }
 
     /// Lets rmcp check `Mcp-Param-*` headers against the called tool's input schema.

@@ -477,7 +477,8 @@ pub struct VmStatus {
     /// Finished jobs whose background processes still run, oldest first (empty unless the
     /// VM is running).
     pub background_jobs: Vec<BackgroundJob>,
-    /// Guest streams open to the VM through this service (WebSocket streams and copies).
+    /// Guest streams open to the VM through this service (WebSocket streams, copies,
+    /// broker attachments and each of their live guest connections).
     #[serde(default)]
     pub open_streams: usize,
 }

@@ -24,6 +24,10 @@ pub const EXIT_TIMEOUT: i32 = 124;
 
 pub fn run(cli: Cli) -> Result<i32> {
     if let Command::Supervise { vm_dir } = &cli.command {
+        // The VM's egress holds up to two descriptors per guest connection (256 at once,
+        // `warren_egress::MAX_CONNECTIONS`) beside QEMU's and the channel's: a supervisor
+        // started by systemd would otherwise keep its default soft limit of 1024.
+        raise_nofile_limit();
         warren_supervisor::run(vm_dir.clone()).context("supervisor")?;
         return Ok(0);
     }
@@ -40,6 +44,20 @@ pub fn run(cli: Cli) -> Result<i32> {
         .enable_all()
         .build()?;
     rt.block_on(run_async(cli))
+}
+
+/// Raises the soft open-file limit to the hard one (a failure keeps the soft limit: logged).
+fn raise_nofile_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let raised = getrlimit(Resource::RLIMIT_NOFILE).and_then(|(soft, hard)| {
+        if soft < hard {
+            setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+        }
+        Ok(hard)
+    });
+    if let Err(e) = raised {
+        tracing::warn!(error = %e, "could not raise the open-file limit");
+    }
 }
 
 pub(crate) fn default_state_dir() -> PathBuf {

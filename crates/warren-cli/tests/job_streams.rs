@@ -568,6 +568,11 @@ fn broker_pipe(d: &Daemon, t: &str, other: &str, vm: &str) {
         for f in frames(&mut buf) {
             match f {
                 Frame::Open(id) => {
+                    if id == 1 {
+                        // A live connection is a stream of its own (the attachment is one).
+                        let st = d.ok(t, "vm_status", json!({"vm_id": vm}));
+                        assert_eq!(st["open_streams"], 2, "{st}");
+                    }
                     reqs.insert(id, Vec::new());
                 }
                 Frame::Data(id, b) => {

@@ -95,4 +95,6 @@ pub(crate) enum ConnError {
     ServerName,
     #[error("HTTP framing: {0}")]
     Framing(&'static str),
+    #[error("{0} timed out")]
+    TimedOut(&'static str),
 }

@@ -77,7 +77,13 @@ async fn connect(inner: &Inner, up: &mut Upstream) -> Result<Box<dyn Io>, ConnEr
             let server_name =
                 ServerName::try_from(name.clone()).map_err(|_| ConnError::ServerName)?;
             let connector = tokio_rustls::TlsConnector::from(tls.client.clone());
-            Ok(Box::new(connector.connect(server_name, tcp).await?))
+            let tls = tokio::time::timeout(
+                crate::conns::HANDSHAKE_TIMEOUT,
+                connector.connect(server_name, tcp),
+            )
+            .await
+            .map_err(|_| ConnError::TimedOut("the upstream's TLS handshake"))??;
+            Ok(Box::new(tls))
         }
     }
 }

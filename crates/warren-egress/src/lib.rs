@@ -12,6 +12,7 @@
 pub mod bench;
 mod ca;
 mod config;
+mod conns;
 mod decision_log;
 mod egress;
 mod error;
@@ -35,6 +36,7 @@ pub use config::{
     CaMaterial, EgressConfig, InterceptRule, SecretSource, SecretSpec, UpstreamRoots,
     DEFAULT_RULE_TIMEOUT,
 };
+pub use conns::{HANDSHAKE_TIMEOUT, IDLE_LIMIT, MAX_CONNECTIONS, MAX_DNS_TCP_CONNECTIONS};
 pub use egress::{Egress, EgressHandle, Listeners};
 pub use error::{ConfigError, EgressError, SecretError};
 pub use host_ca::{

@@ -186,6 +186,9 @@ pub enum DenyReason {
     UnsupportedProtocol,
     /// TLS without SNI while every TLS connection must be intercepted (`intercept_all_tls`).
     MissingSni,
+    /// The VM already has as many connections open through the egress as it may
+    /// (`MAX_CONNECTIONS`, `MAX_DNS_TCP_CONNECTIONS`).
+    TooManyConnections,
 }
 
 impl DenyReason {
@@ -207,6 +210,7 @@ impl DenyReason {
             DenyReason::HostMismatch => "host_mismatch",
             DenyReason::UnsupportedProtocol => "unsupported_protocol",
             DenyReason::MissingSni => "missing_sni",
+            DenyReason::TooManyConnections => "too_many_connections",
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The transparent TCP proxy of one VM.
 //!
-//! Per accepted connection (one task each):
+//! Per accepted connection (one task each, at most [`MAX_CONNECTIONS`] at once, each closed
+//! after [`IDLE_LIMIT`] without a byte to or from the guest: `crate::conns`):
 //! 1. the original destination from `SO_ORIGINAL_DST` (nftables `redirect` rewrote it);
 //! 2. the first client bytes are read (up to [`FIRST_BYTES_WAIT`]) and classified: a TLS
 //!    ClientHello is decided by SNI, an HTTP request by the host it names, the HTTP/2 preface
@@ -24,9 +25,12 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::sync::Semaphore;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::conns::{Activity, HANDSHAKE_TIMEOUT, IDLE_LIMIT, MAX_CONNECTIONS};
 use crate::decision_log::Kind;
 use crate::egress::Inner;
 use crate::error::ConnError;
@@ -43,6 +47,7 @@ pub const SNIFF_TIMEOUT: Duration = Duration::from_secs(10);
 /// Accepts connections until the listener fails.
 pub(crate) async fn serve(inner: Arc<Inner>, listener: TcpListener) {
     let local = listener.local_addr().ok();
+    let places = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let (conn, _) = match listener.accept().await {
             Ok(c) => c,
@@ -53,11 +58,25 @@ pub(crate) async fn serve(inner: Arc<Inner>, listener: TcpListener) {
                 continue;
             }
         };
+        let Ok(place) = places.clone().try_acquire_owned() else {
+            // Full: closed at once (the decision log's own rate limit bounds these records).
+            drop(conn);
+            inner
+                .log
+                .record(Kind::Tcp, None, None, Err(DenyReason::TooManyConnections));
+            continue;
+        };
         let i = inner.clone();
         inner.tasks.spawn(async move {
-            if let Err(e) = handle(&i, conn, local).await {
+            let activity = Arc::new(Activity::new());
+            let r = tokio::select! {
+                r = handle(&i, conn, local, &activity) => r,
+                () = activity.idle_for(IDLE_LIMIT) => Err(ConnError::TimedOut("guest connection (idle)")),
+            };
+            if let Err(e) = r {
                 tracing::debug!(vm = %i.cfg.vm, error = %e, "proxied connection ended with an error");
             }
+            drop(place);
         });
     }
 }
@@ -107,6 +126,7 @@ async fn handle(
     inner: &Arc<Inner>,
     mut conn: TcpStream,
     local: Option<std::net::SocketAddr>,
+    activity: &Arc<Activity>,
 ) -> Result<(), ConnError> {
     let _ = conn.set_nodelay(true);
     let dst = match crate::sys::sockopt::original_dst(&conn) {
@@ -119,7 +139,11 @@ async fn handle(
         }
     };
     match read_first(&mut conn, FIRST_BYTES_WAIT).await? {
-        Some((sniffed, prefix)) => dispatch(inner, conn, dst, sniffed, prefix, None).await,
+        Some((sniffed, prefix)) => {
+            activity.touch();
+            let guest = Prefixed::new(prefix, conn, activity);
+            dispatch(inner, guest, dst, sniffed, None).await
+        }
         None => {
             // Silent client: decide by address, connect, and see who speaks first.
             if let Err(reason) = decide_addr(inner, dst).await {
@@ -133,12 +157,14 @@ async fn handle(
                     let Some((sniffed, prefix)) = read_first(&mut conn, SNIFF_TIMEOUT).await? else {
                         return Ok(());
                     };
-                    dispatch(inner, conn, dst, sniffed, prefix, Some(upstream)).await
+                    activity.touch();
+                    let guest = Prefixed::new(prefix, conn, activity);
+                    dispatch(inner, guest, dst, sniffed, Some(upstream)).await
                 }
                 r = upstream.readable() => {
                     r?;
                     inner.log.record(Kind::Tcp, None, Some(dst), Ok(()));
-                    relay(conn, upstream, &[]).await
+                    relay(Prefixed::new(Vec::new(), conn, activity), upstream).await
                 }
             }
         }
@@ -196,10 +222,9 @@ async fn decide_name(inner: &Inner, raw: &str, dst: SocketAddrV4) -> Result<Stri
 
 async fn dispatch(
     inner: &Arc<Inner>,
-    conn: TcpStream,
+    guest: Prefixed,
     dst: SocketAddrV4,
     sniffed: Sniffed,
-    prefix: Vec<u8>,
     pre: Option<TcpStream>,
 ) -> Result<(), ConnError> {
     let (kind, raw_name) = match &sniffed {
@@ -222,11 +247,6 @@ async fn dispatch(
                 .record(Kind::Tcp, None, Some(dst), Err(DenyReason::Malformed));
             return Ok(());
         }
-    };
-    let guest = Prefixed {
-        prefix,
-        pos: 0,
-        inner: conn,
     };
     let Some(raw) = raw_name else {
         let mut verdict = decide_addr(inner, dst).await;
@@ -253,7 +273,7 @@ async fn dispatch(
             Some(s) => s,
             None => inner.outbound.tcp_connect_remote(dst).await?,
         };
-        return relay(guest.inner, upstream, &guest.prefix).await;
+        return relay(guest, upstream).await;
     };
     let name = match decide_name(inner, &raw, dst).await {
         Ok(n) => n,
@@ -269,7 +289,9 @@ async fn dispatch(
     match sniffed {
         Sniffed::Tls(_) if inner.intercepts(&name) => {
             let acceptor = tokio_rustls::TlsAcceptor::from(inner.tls.server.clone());
-            let tls = acceptor.accept(guest).await?;
+            let tls = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(guest))
+                .await
+                .map_err(|_| ConnError::TimedOut("the guest's TLS handshake"))??;
             let upstream = Upstream::Tls(dst, pre, name.clone());
             Session::new(inner.clone(), Some(name), true, upstream, dst)
                 .run(Box::new(tls))
@@ -287,29 +309,36 @@ async fn dispatch(
                 Some(s) => s,
                 None => inner.outbound.tcp_connect_remote(dst).await?,
             };
-            relay(guest.inner, upstream, &guest.prefix).await
+            relay(guest, upstream).await
         }
     }
 }
 
-/// Writes the bytes already read, then copies both ways until both sides are done.
-async fn relay(
-    mut guest: TcpStream,
-    mut upstream: TcpStream,
-    prefix: &[u8],
-) -> Result<(), ConnError> {
-    if !prefix.is_empty() {
-        upstream.write_all(prefix).await?;
-    }
+/// Copies both ways (the bytes already read first) until both sides are done.
+async fn relay(mut guest: Prefixed, mut upstream: TcpStream) -> Result<(), ConnError> {
     tokio::io::copy_bidirectional(&mut guest, &mut upstream).await?;
     Ok(())
 }
 
-/// A stream that first yields bytes already read from it (so rustls sees the ClientHello).
+/// The guest's side of a connection: first the bytes already read from it (so rustls and the
+/// relays see the ClientHello or request head), then the socket. Every byte that moves
+/// either way counts as the connection's activity.
 struct Prefixed {
     prefix: Vec<u8>,
     pos: usize,
     inner: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl Prefixed {
+    fn new(prefix: Vec<u8>, inner: TcpStream, activity: &Arc<Activity>) -> Self {
+        Prefixed {
+            prefix,
+            pos: 0,
+            inner,
+            activity: activity.clone(),
+        }
+    }
 }
 
 impl AsyncRead for Prefixed {
@@ -325,7 +354,12 @@ impl AsyncRead for Prefixed {
             self.pos += n;
             return Poll::Ready(Ok(()));
         }
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.activity.touch();
+        }
+        r
     }
 }
 
@@ -335,7 +369,11 @@ impl AsyncWrite for Prefixed {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        r
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_flush(cx)

@@ -21,6 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, UdpSocket};
 use tokio::sync::Semaphore;
 
+use crate::conns::MAX_DNS_TCP_CONNECTIONS;
 use crate::decision_log::Kind;
 use crate::egress::Inner;
 use crate::outbound::Outbound;
@@ -324,8 +325,9 @@ pub(crate) async fn serve_udp(inner: Arc<Inner>, sock: UdpSocket) -> io::Result<
             continue; // Overloaded: drop, the guest retries.
         };
         let query = buf[..n].to_vec();
-        let (inner, sock) = (inner.clone(), sock.clone());
-        tokio::spawn(async move {
+        let (inner2, sock) = (inner.clone(), sock.clone());
+        inner.tasks.spawn(async move {
+            let inner = inner2;
             if let Some(reply) = answer(&inner, &query).await {
                 let _ = sock.send_to(&reply, peer).await;
             }
@@ -334,12 +336,32 @@ pub(crate) async fn serve_udp(inner: Arc<Inner>, sock: UdpSocket) -> io::Result<
     }
 }
 
-/// Serves guest DNS over TCP (length-prefixed messages) until the listener fails.
+/// Serves guest DNS over TCP (length-prefixed messages): at most
+/// [`MAX_DNS_TCP_CONNECTIONS`] connections at once (more are closed when accepted), each a
+/// task of the VM's task set, so shutdown ends them too.
 pub(crate) async fn serve_tcp(inner: Arc<Inner>, listener: TcpListener) -> io::Result<()> {
+    let places = Arc::new(Semaphore::new(MAX_DNS_TCP_CONNECTIONS));
     loop {
-        let (mut conn, _) = listener.accept().await?;
-        let inner = inner.clone();
-        tokio::spawn(async move {
+        let mut conn = match listener.accept().await {
+            Ok((c, _)) => c,
+            Err(e) => {
+                // EMFILE and friends: back off instead of ending the service for good.
+                tracing::warn!(vm = %inner.cfg.vm, error = %e, "DNS (TCP) accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(place) = places.clone().try_acquire_owned() else {
+            drop(conn);
+            inner
+                .log
+                .record(Kind::Dns, None, None, Err(DenyReason::TooManyConnections));
+            continue;
+        };
+        let inner2 = inner.clone();
+        inner.tasks.spawn(async move {
+            let _place = place;
+            let inner = inner2;
             loop {
                 let read = async {
                     let n = conn.read_u16().await?;

@@ -118,11 +118,12 @@ impl Service {
         }
     }
 
-    pub(super) fn pool_status(&self) -> Result<Value, ApiError> {
+    /// The warm pools of the images the principal may use (the others are not named).
+    pub(super) fn pool_status(&self, p: &Principal) -> Result<Value, ApiError> {
         let now = self.warren.pool_status()?;
         let mut pools = Vec::new();
         for (name, img) in &self.cfg.images {
-            if img.pool == 0 {
+            if img.pool == 0 || !super::image_allowed(p, name) {
                 continue;
             }
             let memory = img
@@ -254,5 +255,73 @@ mod tests {
         assert!(service.fork_network_of(&p, Some(cidr)).is_err());
         let plain = launched(warren_vmm::NetMode::Allowlist, &["example.com"]);
         assert!(service.fork_network_of(&p, Some(plain)).is_ok());
+    }
+}
+
+#[cfg(test)]
+mod image_tests {
+    use crate::auth::PolicyRequest;
+
+    /// A workspace limited to some images is told about those only: `pool_status` leaves the
+    /// others' pools out and an unknown image's error names only the usable ones. (Before,
+    /// both named every configured image.)
+    #[test]
+    fn test_pool_status_and_image_errors_name_only_usable_images() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let service = crate::ws::tests::test_service_with(
+            dir.path(),
+            &format!(
+                "pool = 1\ndefault = true\n[images.secretimg]\nid = \"{}\"\npool = 2\n",
+                "1".repeat(64)
+            ),
+        );
+        let creds = service.credentials();
+        let (_, tok) = creds
+            .issue(
+                "alice",
+                None,
+                &PolicyRequest {
+                    images: Some(vec!["dev".into()]),
+                    ..PolicyRequest::default()
+                },
+            )
+            .expect("issue");
+        let alice = creds.authenticate(&tok).expect("auth");
+        let pools = service.pool_status(&alice).expect("status").to_string();
+        assert!(pools.contains("\"dev\""), "{pools}");
+        assert!(!pools.contains("secretimg"), "{pools}");
+        let e = service
+            .configured_image(&alice, Some("nope"))
+            .expect_err("unknown");
+        assert_eq!(e.code, "invalid_argument");
+        assert!(e.message.contains("dev"), "{e}");
+        assert!(!e.message.contains("secretimg"), "{e}");
+        let e = service
+            .configured_image(&alice, Some("secretimg"))
+            .expect_err("not granted");
+        assert_eq!(e.code, "forbidden");
+        let enum_of = |tools: &[crate::service::ToolDef]| {
+            let t = tools
+                .iter()
+                .find(|t| t.name == "vm_create")
+                .expect("vm_create");
+            t.input_schema["properties"]["image"]["enum"].to_string()
+        };
+        assert_eq!(enum_of(&service.tools_for(&alice)), "[\"dev\"]");
+
+        let (_, tok) = creds
+            .issue("bob", None, &PolicyRequest::default())
+            .expect("issue");
+        let bob = creds.authenticate(&tok).expect("auth");
+        let pools = service.pool_status(&bob).expect("status").to_string();
+        assert!(
+            pools.contains("secretimg") && pools.contains("\"dev\""),
+            "{pools}"
+        );
+        let e = service
+            .configured_image(&bob, Some("nope"))
+            .expect_err("unknown");
+        assert!(e.message.contains("secretimg"), "{e}");
+        assert_eq!(enum_of(&service.tools_for(&bob)), "[\"dev\",\"secretimg\"]");
     }
 }

@@ -155,6 +155,14 @@ fn workspace_limits(p: &Principal) -> Limits {
     crate::admission::policy_limits(&p.policy)
 }
 
+/// Whether the principal's grant lets it boot the configured image `name`.
+pub(crate) fn image_allowed(p: &Principal, name: &str) -> bool {
+    p.policy
+        .images
+        .as_ref()
+        .is_none_or(|allowed| allowed.iter().any(|a| a == name))
+}
+
 fn to_value<T: Serialize>(v: T) -> Result<Value, ApiError> {
     serde_json::to_value(v).map_err(|e| ApiError::internal(format!("encoding a result: {e}")))
 }
@@ -236,6 +244,21 @@ impl Service {
 
     pub fn tools(&self) -> &[ToolDef] {
         &self.tools
+    }
+
+    /// The tools as `p` is shown them: `image` enums name only the images its grant allows.
+    pub fn tools_for(&self, p: &Principal) -> Vec<ToolDef> {
+        if p.policy.images.is_none() {
+            return self.tools.clone();
+        }
+        let names: Vec<String> = self
+            .cfg
+            .images
+            .keys()
+            .filter(|n| image_allowed(p, n))
+            .cloned()
+            .collect();
+        tool_defs(&names)
     }
 
     pub fn credentials(&self) -> &Credentials {
@@ -426,7 +449,7 @@ impl Service {
             "vm_fork" => self.vm_fork(p, parse(args)?).await,
             "pool_status" => {
                 parse::<NoArgs>(args)?;
-                self.pool_status()
+                self.pool_status(p)
             }
             "session_create" => self.session_create(p, parse(args)?).await,
             "session_list" | "session_status" | "session_export" | "session_delete" => {
@@ -667,23 +690,30 @@ impl Service {
     ) -> Result<(String, crate::config::ImageConfig), ApiError> {
         let name = name.unwrap_or_else(|| self.cfg.default_image()).to_string();
         let Some(img) = self.cfg.images.get(&name) else {
+            // Only the images this workspace may use are named: the others are the
+            // operator's business, not the caller's.
+            let usable = self
+                .cfg
+                .images
+                .keys()
+                .filter(|n| image_allowed(p, n))
+                .cloned()
+                .collect::<Vec<_>>();
             return Err(ApiError::invalid(format!(
-                "image {name:?} is not configured; configured: {}",
-                self.cfg
-                    .images
-                    .keys()
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                "image {name:?} is not configured; configured for workspace {}: {}",
+                p.workspace,
+                if usable.is_empty() {
+                    "none".to_string()
+                } else {
+                    usable.join(", ")
+                }
             )));
         };
-        if let Some(allowed) = &p.policy.images {
-            if !allowed.contains(&name) {
-                return Err(ApiError::forbidden(format!(
-                    "workspace {} may not use image {name}",
-                    p.workspace
-                )));
-            }
+        if !image_allowed(p, &name) {
+            return Err(ApiError::forbidden(format!(
+                "workspace {} may not use image {name}",
+                p.workspace
+            )));
         }
         Ok((name, img.clone()))
     }
