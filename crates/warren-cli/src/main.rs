@@ -25,6 +25,7 @@ mod egress_file;
 mod host_keys;
 mod image_cmd;
 mod jobs_cmd;
+mod logging;
 mod progress;
 mod refresh;
 mod remote_exec;
@@ -67,7 +68,8 @@ fn main() {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     // RUST_LOG cannot lift this: the rmcp filter comes first and drops whatever it names.
     let not_rmcp = filter::filter_fn(|m| !from_rmcp(m.target()));
-    let fmt = tracing_subscriber::fmt::layer();
+    // Every field escaped: they carry guest and caller text (`logging`).
+    let fmt = tracing_subscriber::fmt::layer().fmt_fields(logging::EscapedFields::default());
     if let cli::Command::Supervise { vm_dir } = &args.command {
         // Much of a supervisor's log is caused by its guest: bounded, rate-limited records in
         // a rotated `supervisor.log` (`warren_supervisor::log`).
