@@ -2,9 +2,13 @@
 //! controller's framing (`GET /v1/vms/{vm_id}/jobs/{job_id}/broker`, served by
 //! `crate::broker_ws`).
 //!
-//! A pipe is kept in memory only: the workspace, the VM, the job and the SHA-256 of the
-//! controller's one-time token (never the token, never in receipts, logs, status or the
-//! guest). A retried `vm_exec` does not replace the hash. A wrong token, another workspace,
+//! A pipe is kept in memory only: the workspace, the VM, the job, the VM's generation when
+//! the job started and the SHA-256 of the controller's one-time token (never the token,
+//! never in receipts, logs, status or the guest). A retried `vm_exec` does not replace the
+//! hash. Job ids start again at 1 when a VM boots fresh (and only then does its generation
+//! change), so a pipe of an older generation names a job of a boot that is gone: it is
+//! replaced by a new registration and refused (and forgotten) at attach, so an old token can
+//! never reach the new boot's job of the same number. A wrong token, another workspace,
 //! an unknown job or a job without a pipe are all the same `not_found`; a second concurrent
 //! attachment, or one more than [`MAX_ATTACHED_PER_VM`] on a VM, is `busy`. Pipes end when
 //! their job's processes are all gone, when their VM is destroyed, and with the service.
@@ -58,6 +62,7 @@ fn hash(token: &str) -> [u8; 32] {
 
 struct Pipe {
     workspace: String,
+    generation: u64,
     token_hash: [u8; 32],
     attached: bool,
 }
@@ -89,15 +94,21 @@ fn lock(m: &Mutex<HashMap<Key, Pipe>>) -> MutexGuard<'_, HashMap<Key, Pipe>> {
 }
 
 impl Pipes {
-    /// Registers the pipe of `job`; an existing one (a retried request) keeps its hash.
-    pub fn register(&self, workspace: &str, vm: &str, job: JobId, token: &str) {
-        lock(&self.inner)
-            .entry((vm.to_string(), job))
-            .or_insert_with(|| Pipe {
-                workspace: workspace.to_string(),
-                token_hash: hash(token),
-                attached: false,
-            });
+    /// Registers the pipe of `job`, started in the VM's generation `generation`; an
+    /// existing one of the same generation (a retried request) keeps its hash, one of another
+    /// generation (a job of a lost boot with the same number) is replaced.
+    pub fn register(&self, workspace: &str, vm: &str, generation: u64, job: JobId, token: &str) {
+        let fresh = || Pipe {
+            workspace: workspace.to_string(),
+            generation,
+            token_hash: hash(token),
+            attached: false,
+        };
+        let mut pipes = lock(&self.inner);
+        let pipe = pipes.entry((vm.to_string(), job)).or_insert_with(fresh);
+        if pipe.generation != generation {
+            *pipe = fresh();
+        }
     }
 
     /// Whether `job` has a pipe.
@@ -105,11 +116,13 @@ impl Pipes {
         lock(&self.inner).contains_key(&(vm.to_string(), job))
     }
 
-    /// Attaches the controller holding `token` (see the module docs for the refusals).
+    /// Attaches the controller holding `token` to `job` of the VM's current generation
+    /// `generation` (see the module docs for the refusals).
     pub fn attach(
         &self,
         workspace: &str,
         vm: &str,
+        generation: u64,
         job: JobId,
         token: &str,
     ) -> Result<Attachment, ApiError> {
@@ -122,6 +135,14 @@ impl Pipes {
             .filter(|((v, _), p)| v == vm && p.attached)
             .count();
         let pipe = pipes.get_mut(&key).ok_or_else(not_found)?;
+        if pipe.generation != generation && !pipe.attached {
+            // Its job belonged to a boot that is gone.
+            pipes.remove(&key);
+            return Err(not_found());
+        }
+        if pipe.generation != generation {
+            return Err(not_found());
+        }
         // Compared in full whatever the bytes: no early exit on the first difference.
         let same = pipe
             .token_hash
@@ -292,31 +313,64 @@ mod tests {
     #[test]
     fn test_attach_refusals_and_detach() {
         let p = Pipes::default();
-        p.register("w", "vm1", JobId(1), TOKEN);
+        p.register("w", "vm1", 1, JobId(1), TOKEN);
         // A retry with another token keeps the first hash.
-        p.register("w", "vm1", JobId(1), &"x".repeat(43));
+        p.register("w", "vm1", 1, JobId(1), &"x".repeat(43));
         let other = "y".repeat(43);
         assert_eq!(
-            p.attach("w", "vm1", JobId(1), &other).err().map(|e| e.code),
+            p.attach("w", "vm1", 1, JobId(1), &other)
+                .err()
+                .map(|e| e.code),
             Some("not_found")
         );
         assert_eq!(
-            p.attach("w2", "vm1", JobId(1), TOKEN).err().map(|e| e.code),
+            p.attach("w2", "vm1", 1, JobId(1), TOKEN)
+                .err()
+                .map(|e| e.code),
             Some("not_found")
         );
         assert_eq!(
-            p.attach("w", "vm1", JobId(2), TOKEN).err().map(|e| e.code),
+            p.attach("w", "vm1", 1, JobId(2), TOKEN)
+                .err()
+                .map(|e| e.code),
             Some("not_found")
         );
-        let a = p.attach("w", "vm1", JobId(1), TOKEN).expect("attach");
+        let a = p.attach("w", "vm1", 1, JobId(1), TOKEN).expect("attach");
         assert_eq!(
-            p.attach("w", "vm1", JobId(1), TOKEN).err().map(|e| e.code),
+            p.attach("w", "vm1", 1, JobId(1), TOKEN)
+                .err()
+                .map(|e| e.code),
             Some("busy")
         );
         drop(a);
-        let _a = p.attach("w", "vm1", JobId(1), TOKEN).expect("again");
+        let _a = p.attach("w", "vm1", 1, JobId(1), TOKEN).expect("again");
         p.remove_vm("vm1");
         assert!(!p.has("vm1", JobId(1)));
+    }
+
+    /// Job ids start again when a VM boots fresh (a new generation): a token registered
+    /// for job 1 of the lost boot never attaches to job 1 of the new one, and the new
+    /// registration's token does. (Before, the old pipe kept its hash: the old token
+    /// reached the new job's connections and the new one was refused.)
+    #[test]
+    fn test_a_pipe_of_a_lost_boot_never_reaches_the_new_boots_job() {
+        let p = Pipes::default();
+        let old = "o".repeat(43);
+        p.register("w", "vm", 1, JobId(1), &old);
+        // Generation 2: the VM booted fresh, its new job 1 has another controller.
+        assert_eq!(
+            p.attach("w", "vm", 2, JobId(1), &old).err().map(|e| e.code),
+            Some("not_found"),
+            "attach after the boot, before any new registration"
+        );
+        assert!(!p.has("vm", JobId(1)), "forgotten");
+        p.register("w", "vm", 1, JobId(1), &old);
+        p.register("w", "vm", 2, JobId(1), TOKEN);
+        assert_eq!(
+            p.attach("w", "vm", 2, JobId(1), &old).err().map(|e| e.code),
+            Some("not_found")
+        );
+        assert!(p.attach("w", "vm", 2, JobId(1), TOKEN).is_ok());
     }
 
     #[test]
@@ -324,17 +378,19 @@ mod tests {
         let p = Pipes::default();
         let held: Vec<_> = (1..=MAX_ATTACHED_PER_VM as u64)
             .map(|j| {
-                p.register("w", "vm", JobId(j), TOKEN);
-                p.attach("w", "vm", JobId(j), TOKEN).expect("attach")
+                p.register("w", "vm", 1, JobId(j), TOKEN);
+                p.attach("w", "vm", 1, JobId(j), TOKEN).expect("attach")
             })
             .collect();
-        p.register("w", "vm", JobId(99), TOKEN);
+        p.register("w", "vm", 1, JobId(99), TOKEN);
         assert_eq!(
-            p.attach("w", "vm", JobId(99), TOKEN).err().map(|e| e.code),
+            p.attach("w", "vm", 1, JobId(99), TOKEN)
+                .err()
+                .map(|e| e.code),
             Some("busy")
         );
         drop(held);
-        assert!(p.attach("w", "vm", JobId(99), TOKEN).is_ok());
+        assert!(p.attach("w", "vm", 1, JobId(99), TOKEN).is_ok());
     }
 
     #[test]

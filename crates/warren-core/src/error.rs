@@ -55,6 +55,9 @@ pub enum CoreError {
     /// host lacks loop devices, `mkfs.ext4` or mount permission (`warren preflight` says).
     #[error("session storage unavailable: {0}")]
     StorageUnavailable(String),
+    /// A state or image directory another local user could control (`trusted_dir`).
+    #[error("untrusted directory {0}")]
+    UntrustedDirectory(String),
     #[error(transparent)]
     Image(#[from] ImageError),
     #[error(transparent)]
@@ -97,6 +100,7 @@ impl CoreError {
             CoreError::ImageInUse(..) => "conflict",
             CoreError::BootFailed(_) => "unavailable",
             CoreError::StorageUnavailable(_) => "unavailable",
+            CoreError::UntrustedDirectory(_) => "forbidden",
             CoreError::QuotaExceeded(_) => "quota_exceeded",
             CoreError::Busy(_) => "busy",
             CoreError::GuestProtocol(_) => "unavailable",

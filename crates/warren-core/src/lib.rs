@@ -14,6 +14,7 @@ pub mod interactive;
 pub mod output;
 pub mod session;
 pub mod store;
+pub mod trusted_dir;
 pub mod vm;
 pub mod workspace_ops;
 

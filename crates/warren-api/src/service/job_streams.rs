@@ -67,7 +67,25 @@ impl Service {
     /// attached would stay for the VM's life: once the VM has more pipes than jobs can hold
     /// processes at once (`MAX_LIVE_JOBS`), those whose jobs are gone are swept.
     pub(crate) async fn register_pipe(&self, workspace: &str, vm: &str, job: JobId, token: &str) {
-        self.pipes.register(workspace, vm, job, token);
+        // The generation the job runs in: read now, after the start (a wake that had to boot
+        // the VM fresh moved it). A VM gone since has no pipes to keep.
+        let Ok(generation) = self.warren.get_vm(vm).map(|r| r.generation) else {
+            return;
+        };
+        self.register_pipe_in(workspace, vm, generation, job, token)
+            .await;
+    }
+
+    /// [`Self::register_pipe`] for a job of the VM's generation `generation`.
+    async fn register_pipe_in(
+        &self,
+        workspace: &str,
+        vm: &str,
+        generation: u64,
+        job: JobId,
+        token: &str,
+    ) {
+        self.pipes.register(workspace, vm, generation, job, token);
         let jobs = self.pipes.jobs_of(vm);
         if jobs.len() <= warren_protocol::limits::MAX_LIVE_JOBS {
             return;
@@ -90,7 +108,9 @@ impl Service {
         token: &str,
     ) -> Result<BrokerOpen, ApiError> {
         let rec = self.owned(p, vm_id, None)?;
-        let attachment = self.pipes.attach(&p.workspace, &rec.id, job, token)?;
+        let attachment = self
+            .pipes
+            .attach(&p.workspace, &rec.id, rec.generation, job, token)?;
         let ticket = self.streams.admit(&p.workspace, &rec.id)?;
         if self.broker_job_done(&rec.id, job).await {
             self.pipes.remove(&rec.id, job);
@@ -187,7 +207,7 @@ mod tests {
         // Never attached, their jobs long gone (the guest knows no such VM or job).
         for j in 1..=40u64 {
             service
-                .register_pipe("w", "vm-x", warren_protocol::JobId(j), TOKEN)
+                .register_pipe_in("w", "vm-x", 1, warren_protocol::JobId(j), TOKEN)
                 .await;
         }
         let left = pipes.jobs_of("vm-x").len();
@@ -196,9 +216,9 @@ mod tests {
             "{left} pipes kept for jobs that are gone"
         );
         // Another VM's pipes are not looked at.
-        pipes.register("w", "vm-y", warren_protocol::JobId(1), TOKEN);
+        pipes.register("w", "vm-y", 1, warren_protocol::JobId(1), TOKEN);
         service
-            .register_pipe("w", "vm-x", warren_protocol::JobId(99), TOKEN)
+            .register_pipe_in("w", "vm-x", 1, warren_protocol::JobId(99), TOKEN)
             .await;
         assert!(pipes.has("vm-y", warren_protocol::JobId(1)));
         assert!(

@@ -263,6 +263,11 @@ impl Warren {
         for d in [&cfg.state_dir, &cfg.state_dir.join("vms")] {
             std::fs::create_dir_all(d).map_err(|e| CoreError::io("create", d, e))?;
         }
+        // Nothing in them is used before both are known to be the user's (or root's).
+        crate::trusted_dir::check(&cfg.state_dir)?;
+        std::fs::create_dir_all(&cfg.image_dir)
+            .map_err(|e| CoreError::io("create", &cfg.image_dir, e))?;
+        crate::trusted_dir::check(&cfg.image_dir)?;
         // VMM processes run as per-VM uids and must traverse to their own directory.
         let vms = cfg.state_dir.join("vms");
         let _ = std::fs::set_permissions(&vms, std::fs::Permissions::from_mode(0o711));

@@ -1,0 +1,134 @@
+//! The engine's own directories (state, images) must be trusted before anything in them is:
+//! the database says which images boot, the image store holds the kernels and root
+//! filesystems VMs boot. A directory another local user owns, or can write to, or can
+//! replace (through a parent it can write to), would let that user choose what the running
+//! user's VMs boot: a state directory pre-created under a predictable path (`/tmp` when no
+//! home is known), or one named by an inherited `XDG_STATE_HOME`.
+//!
+//! [`check`] walks the directory and every parent, as OpenSSH's strict modes do: each must be
+//! owned by the running user or root; none may be writable by other users, except a sticky
+//! parent (like `/tmp`, where only a child's owner can rename it); a group-writable one only
+//! when the group is the running user's own. Both the path as named and the path it
+//! resolves to are walked: a symbolic link on the way must be owned by the user or root too
+//! (its target is then checked like any directory), so no link another user planted, and no
+//! parent of one, decides where the directory is.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use crate::error::CoreError;
+
+const STICKY: u32 = 0o1000;
+
+/// Refuses `dir` (which must exist) unless it and its parents are trusted (module docs).
+pub fn check(dir: &Path) -> Result<(), CoreError> {
+    let real = dir
+        .canonicalize()
+        .map_err(|e| CoreError::io("resolve", dir, e))?;
+    let named = std::path::absolute(dir).map_err(|e| CoreError::io("resolve", dir, e))?;
+    walk(&real, dir)?;
+    if named != real {
+        walk(&named, dir)?;
+    }
+    Ok(())
+}
+
+/// Checks `path` and its parents as they are named (links not followed: a link is judged
+/// by its owner, as its mode means nothing).
+fn walk(path: &Path, dir: &Path) -> Result<(), CoreError> {
+    let uid = rustix::process::geteuid().as_raw();
+    let gid = rustix::process::getegid().as_raw();
+    let mut at = Some(path);
+    let mut own = true;
+    while let Some(d) = at {
+        let m = std::fs::symlink_metadata(d).map_err(|e| CoreError::io("inspect", d, e))?;
+        let mode = if m.file_type().is_symlink() {
+            0
+        } else {
+            m.mode()
+        };
+        if let Some(why) = refusal(m.uid(), m.gid(), mode, uid, gid, own) {
+            return Err(CoreError::UntrustedDirectory(format!(
+                "{} (for {}): {why}",
+                d.display(),
+                dir.display()
+            )));
+        }
+        own = false;
+        at = d.parent();
+    }
+    Ok(())
+}
+
+/// Why a directory with `owner`, `group` and `mode` cannot be trusted by `uid`/`gid`; `own`:
+/// it is the directory itself rather than a parent.
+fn refusal(owner: u32, group: u32, mode: u32, uid: u32, gid: u32, own: bool) -> Option<String> {
+    if owner != uid && owner != 0 {
+        return Some(format!("owned by uid {owner}, not by uid {uid} or root"));
+    }
+    let sticky = mode & STICKY != 0 && !own;
+    if mode & 0o002 != 0 && !sticky {
+        return Some(format!("writable by every user (mode {:o})", mode & 0o7777));
+    }
+    if mode & 0o020 != 0 && group != gid && group != 0 && !sticky {
+        return Some(format!(
+            "writable by group {group}, not the running user's (mode {:o})",
+            mode & 0o7777
+        ));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_refusals() {
+        // The running user's or root's, not writable by others: trusted.
+        assert!(refusal(1000, 1000, 0o40755, 1000, 1000, true).is_none());
+        assert!(refusal(0, 0, 0o40755, 1000, 1000, false).is_none());
+        // Another user's: refused wherever it is.
+        assert!(refusal(1001, 1001, 0o40700, 1000, 1000, true).is_some());
+        assert!(refusal(1001, 1001, 0o40755, 0, 0, false).is_some());
+        // World-writable: only a sticky parent (like /tmp).
+        assert!(refusal(0, 0, 0o41777, 1000, 1000, false).is_none());
+        assert!(refusal(0, 0, 0o41777, 1000, 1000, true).is_some());
+        assert!(refusal(0, 0, 0o40777, 1000, 1000, false).is_some());
+        // Group-writable: only the user's own group.
+        assert!(refusal(1000, 1000, 0o40775, 1000, 1000, true).is_none());
+        assert!(refusal(1000, 50, 0o40775, 1000, 1000, true).is_some());
+    }
+
+    /// A state directory another user made (the review's attack: pre-created where the
+    /// victim's Warren will look) is refused, and so is one under a parent that user owns;
+    /// the victim's own directory under /tmp is trusted. Needs root (to make another user's
+    /// directory), as the suite does.
+    #[test]
+    fn test_a_directory_another_user_made_is_refused() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let mine = tmp.path().join("mine");
+        std::fs::create_dir(&mine).expect("mkdir");
+        assert!(check(&mine).is_ok());
+        let theirs = tmp.path().join("theirs");
+        std::fs::create_dir(&theirs).expect("mkdir");
+        std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).expect("chown");
+        let e = check(&theirs).expect_err("another user's");
+        assert_eq!(e.code(), "forbidden", "{e}");
+        let under = theirs.join("warren");
+        std::fs::create_dir(&under).expect("mkdir");
+        assert!(check(&under).is_err(), "a parent another user owns");
+        let open = tmp.path().join("open");
+        std::fs::create_dir(&open).expect("mkdir");
+        std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+            .expect("chmod");
+        assert!(check(&open).is_err(), "world-writable");
+        // A link another user planted, even to the user's own directory, is refused; the
+        // user's own link to it is not.
+        let planted = tmp.path().join("planted");
+        std::os::unix::fs::symlink(&mine, &planted).expect("symlink");
+        assert!(check(&planted).is_ok(), "the user's own link");
+        std::os::unix::fs::lchown(&planted, Some(65534), Some(65534)).expect("lchown");
+        assert!(check(&planted).is_err(), "another user's link");
+    }
+}
