@@ -1,0 +1,89 @@
+//! Security review 38a: a hostile guest smuggles something past a decision the egress made
+//! on another form of the same bytes: a TLS session in an SSLv2-format ClientHello (or behind
+//! a record servers skip) past `intercept_all_tls`, a request target an interception rule
+//! does not match but the server routes to the rule's path, a `Transfer-Encoding` the
+//! upstream frames differently from Warren, and a `TRACE` that echoes a substituted secret.
+//! Each attack asserts what the stand-in received (or what came back), with a positive
+//! control on the same path. Needs root, `ip` and `nft`.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Result;
+use common::*;
+use hickory_proto::rr::RecordType;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use warren_egress::{DomainPattern, EgressConfig, UpstreamRoots};
+
+fn pat(s: &str) -> DomainPattern {
+    s.parse().expect("pattern")
+}
+
+fn plain_config(topo: &Topology) -> EgressConfig {
+    let mut cfg = EgressConfig::new("vm-smuggling", SocketAddr::new(DNS.into(), 53));
+    cfg.policy.allow_domains = vec![pat("*.allowed.test")];
+    cfg.upstream_roots = UpstreamRoots::Pem(topo.pki.ca_pem.clone());
+    cfg
+}
+
+/// Sends `bytes` and reads whatever comes back within `wait` (until EOF).
+async fn send_and_read(topo: &Topology, port: u16, bytes: &[u8], wait: Duration) -> Vec<u8> {
+    let mut s = topo.guest_tcp(ECHO, port).await.expect("connect");
+    let _ = s.write_all(bytes).await;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Err(_) | Ok(Ok(0)) | Ok(Err(_)) => return out,
+            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// An SSLv2-format ClientHello (RFC 5246 appendix E.2) offering TLS 1.2: no extensions, so
+/// no SNI. OpenSSL 3 servers still parse it.
+fn sslv2_client_hello() -> Vec<u8> {
+    let mut body = vec![1u8, 3, 3];
+    body.extend_from_slice(&[0, 6, 0, 0, 0, 32]); // cipher specs, session id, challenge
+    body.extend_from_slice(&[0, 0, 0x2f, 0, 0, 0x35]);
+    body.extend_from_slice(&[9u8; 32]);
+    let mut rec = (0x8000u16 | body.len() as u16).to_be_bytes().to_vec();
+    rec.extend_from_slice(&body);
+    rec
+}
+
+#[tokio::test]
+async fn test_sslv2_format_hello_and_skipped_records_refused_with_intercept_all_tls() -> Result<()>
+{
+    let v2 = sslv2_client_hello();
+    // A warning alert record (OpenSSL and Go drop it before the ClientHello), then junk.
+    let alert_first = b"\x15\x03\x01\x00\x02\x01\x00rest".to_vec();
+
+    // Control: without `intercept_all_tls`, TLS without SNI is decided by address and the
+    // echo stand-in (an allowed name's address) answers.
+    let (topo, _e, _h) = up_with("", plain_config).await?;
+    topo.guest_dns("echo.allowed.test", RecordType::A).await?;
+    let got = send_and_read(&topo, 7, &v2, Duration::from_secs(2)).await;
+    assert_eq!(got, v2, "control: relayed by address");
+    drop(topo);
+
+    let (topo, _e, _h) = up_with("", |t| {
+        let mut c = plain_config(t);
+        c.intercept_all_tls = true;
+        c
+    })
+    .await?;
+    topo.guest_dns("echo.allowed.test", RecordType::A).await?;
+    // Attack: before the fix the SSLv2-format hello was "another protocol", relayed to the
+    // address untouched, the whole TLS session past `intercept_all_tls`.
+    let got = send_and_read(&topo, 7, &v2, Duration::from_secs(2)).await;
+    assert!(got.is_empty(), "SSLv2-format hello relayed: {got:?}");
+    let got = send_and_read(&topo, 7, &alert_first, Duration::from_secs(2)).await;
+    assert!(got.is_empty(), "alert-first TLS relayed: {got:?}");
+    // Control: another protocol to the same address is still decided by address.
+    assert!(guest_echo(&topo, ECHO).await?, "control: echo reachable");
+    Ok(())
+}
