@@ -8,8 +8,10 @@
 //! placeholders; either answer it with an interception rule or forward the re-serialised
 //! (possibly substituted) head and the body, then relay exactly one response (head and body
 //! unchanged) back, and loop for the next request on the keep-alive connection. Request
-//! bodies are framed by `Content-Length` (digits only) or `chunked` (re-encoded canonically,
-//! trailers dropped), so the upstream frames them exactly as Warren did; responses without
+//! bodies are framed by one `Content-Length` (digits only) or a `Transfer-Encoding` of
+//! exactly `chunked` (re-encoded canonically, trailers dropped), and only the framing header
+//! Warren computed is forwarded ([`framing`]), so the upstream frames them exactly as Warren
+//! did; responses without
 //! framing run to EOF and end the connection. An `h2c` upgrade is never offered upstream; a
 //! `101 Switching Protocols` answer to a requested upgrade turns the connection into a plain
 //! two-way relay. Placeholders are substituted in `Authorization` and the configured headers
@@ -33,7 +35,10 @@ use crate::policy::DenyReason;
 
 mod framing;
 pub(crate) use framing::{chunk_size, request_framing};
-use framing::{copy_body, copy_chunked_canonical, framing, has_token, read_head, Framing, Sink};
+use framing::{
+    copy_body, copy_chunked_canonical, has_token, read_head, response_framing, Framing, Sink,
+    UNSUPPORTED_CODING,
+};
 
 /// Largest request or response head accepted.
 pub const MAX_HEAD: usize = 64 * 1024;
@@ -252,8 +257,12 @@ impl Session {
         if req.method == "CONNECT" {
             return Self::refuse(guest, 405, "Method Not Allowed").await;
         }
-        let Ok(req_framing) = request_framing(&req.headers) else {
-            return Self::refuse(guest, 400, "Bad Request").await;
+        let req_framing = match request_framing(&req.headers, req.minor) {
+            Ok(f) => f,
+            Err(ConnError::Framing(UNSUPPORTED_CODING)) => {
+                return Self::refuse(guest, 501, "Not Implemented").await
+            }
+            Err(_) => return Self::refuse(guest, 400, "Bad Request").await,
         };
         let inner = self.inner.clone();
         let secrets = &inner.cfg.secrets;
@@ -357,6 +366,12 @@ impl Session {
         let mut expect_continue = false;
         let mut upgrade = false;
         for (name, value) in &req.headers {
+            // The body's framing goes out as Warren framed it (below), never as written.
+            if name.eq_ignore_ascii_case("transfer-encoding")
+                || name.eq_ignore_ascii_case("content-length")
+            {
+                continue;
+            }
             if name.eq_ignore_ascii_case("expect") && value.eq_ignore_ascii_case(b"100-continue") {
                 expect_continue = true;
                 continue;
@@ -417,6 +432,11 @@ impl Session {
                 };
             }
             out_headers.push((name.as_str(), value));
+        }
+        match req_framing {
+            Framing::Length(n) => out_headers.push(("content-length", n.to_string().into_bytes())),
+            Framing::Chunked => out_headers.push(("transfer-encoding", b"chunked".to_vec())),
+            Framing::None | Framing::UntilClose => {}
         }
         let mut out = format!("{} {} HTTP/1.{}\r\n", req.method, req.path, req.minor).into_bytes();
         for (name, value) in &out_headers {
@@ -488,7 +508,7 @@ impl Session {
             let body = if req.method == "HEAD" || code == 204 || code == 304 {
                 Framing::None
             } else {
-                framing(&resp_headers, Framing::UntilClose)?
+                response_framing(&resp_headers)?
             };
             copy_body(upstream, &mut Sink::Write(guest.get_mut().as_mut()), body).await?;
             guest.get_mut().flush().await?;

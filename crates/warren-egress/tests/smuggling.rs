@@ -87,3 +87,74 @@ async fn test_sslv2_format_hello_and_skipped_records_refused_with_intercept_all_
     assert!(guest_echo(&topo, ECHO).await?, "control: echo reachable");
     Ok(())
 }
+
+/// Whether a stand-in received a request head containing `needle`.
+fn seen(topo: &Topology, needle: &str) -> bool {
+    topo.seen().iter().any(|h| h.contains(needle))
+}
+
+#[tokio::test]
+async fn test_transfer_encoding_only_exactly_chunked_and_sent_as_framed() -> Result<()> {
+    let (topo, _e, _h) = up_with("", plain_config).await?;
+    topo.guest_dns("api.allowed.test", RecordType::A).await?;
+    let body = "5\r\nhello\r\n0\r\n\r\n";
+    let request = |path: &str, framing: &str| {
+        format!("POST {path} HTTP/1.1\r\nHost: api.allowed.test\r\n{framing}\r\n{body}")
+            .into_bytes()
+    };
+    // Attacks: a coding list an upstream may read as not chunked (before the fix forwarded
+    // as written, with Warren's own chunked body behind it), the list split over two
+    // headers, and both framings at once.
+    for (path, framing, code) in [
+        ("/te-list", "Transfer-Encoding: x, chunked\r\n", 501),
+        (
+            "/te-split",
+            "Transfer-Encoding: x\r\nTransfer-Encoding: chunked\r\n",
+            400,
+        ),
+        (
+            "/te-cl",
+            "Content-Length: 3\r\nTransfer-Encoding: chunked\r\n",
+            400,
+        ),
+        ("/te-twice", "Transfer-Encoding: chunked, chunked\r\n", 400),
+    ] {
+        let mut s = topo.guest_tcp(API, 80).await?;
+        let r = exchange(&mut s, &request(path, framing)).await?;
+        assert_eq!(r.map(|r| r.0), Some(code), "{path}");
+        assert!(!seen(&topo, path), "{path} reached the upstream");
+    }
+    // Control: exactly `chunked`, in any case, goes out as Warren framed it: one
+    // `transfer-encoding: chunked`, never the guest's spelling.
+    let mut s = topo.guest_tcp(API, 80).await?;
+    let r = exchange(
+        &mut s,
+        &request("/te-ok", "Transfer-Encoding: CHUNKED \r\n"),
+    )
+    .await?;
+    assert_eq!(r.map(|r| r.0), Some(200));
+    let head = topo
+        .seen()
+        .into_iter()
+        .find(|h| h.contains("/te-ok"))
+        .expect("control reached the upstream");
+    assert!(
+        head.contains("\r\ntransfer-encoding: chunked\r\n"),
+        "{head}"
+    );
+    assert!(!head.contains("CHUNKED"), "{head}");
+    // A length goes out as digits only, once.
+    let mut s = topo.guest_tcp(API, 80).await?;
+    let r = exchange(
+        &mut s,
+        b"POST /cl-ok HTTP/1.1\r\nHost: api.allowed.test\r\nContent-Length:  5 \r\n\r\nhello",
+    )
+    .await?;
+    assert_eq!(r.map(|r| r.0), Some(200));
+    assert!(
+        seen(&topo, "\r\ncontent-length: 5\r\n"),
+        "{:?}",
+        topo.seen()
+    );
+    Ok(())
+}

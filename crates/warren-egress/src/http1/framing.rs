@@ -49,42 +49,90 @@ pub(super) fn has_token(headers: &[(String, Vec<u8>)], name: &str, token: &str) 
     })
 }
 
-/// Framing from `Transfer-Encoding`/`Content-Length`; `Err` for ambiguous or invalid framing
-/// (both present, conflicting lengths, a transfer coding other than final `chunked`).
-pub(super) fn framing(
+/// The framing error of a request whose transfer codings are well formed but include one
+/// Warren does not frame (`gzip, chunked`): answered `501 Not Implemented` (RFC 9112 section
+/// 6.1), every other framing error `400`.
+pub(crate) const UNSUPPORTED_CODING: &str = "request transfer coding not implemented";
+
+/// A response's body framing: `Transfer-Encoding` ending in `chunked`, any other coding
+/// (read until close), `Content-Length`, or until close. `Err` for ambiguous framing (both,
+/// conflicting lengths). Responses are relayed as received, so their framing is the
+/// upstream's, read the way the guest's client reads it.
+pub(super) fn response_framing(headers: &[(String, Vec<u8>)]) -> Result<Framing, ConnError> {
+    let te: Vec<&[u8]> = header(headers, "transfer-encoding").collect();
+    if te.is_empty() {
+        return content_length(headers, Framing::UntilClose);
+    }
+    if header(headers, "content-length").next().is_some() {
+        return Err(ConnError::Framing(
+            "both Transfer-Encoding and Content-Length",
+        ));
+    }
+    let joined = te
+        .iter()
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .collect::<Vec<_>>()
+        .join(",");
+    let last = joined.rsplit(',').next().unwrap_or("").trim();
+    Ok(if last.eq_ignore_ascii_case("chunked") {
+        Framing::Chunked
+    } else {
+        Framing::UntilClose
+    })
+}
+
+/// A request's body framing (no body unless the headers frame one), strictly: the relay
+/// forwards only the framing header it computed (`transfer-encoding: chunked` or one
+/// `content-length`), so anything an upstream could frame differently is refused rather than
+/// rewritten. `Transfer-Encoding` must be exactly one header whose value is exactly
+/// `chunked` (any case), on HTTP/1.1, without `Content-Length`: a list (`x, chunked`,
+/// `chunked, chunked`), a repeated header, a coding other than `chunked` or one in HTTP/1.0
+/// (whose framing RFC 9112 section 6.1 calls faulty) is refused. `Content-Length`: exactly
+/// one, digits only.
+pub(crate) fn request_framing(
     headers: &[(String, Vec<u8>)],
-    default: Framing,
+    minor: u8,
 ) -> Result<Framing, ConnError> {
     let te: Vec<&[u8]> = header(headers, "transfer-encoding").collect();
-    let cl: Vec<&[u8]> = header(headers, "content-length").collect();
-    if !te.is_empty() {
-        if !cl.is_empty() {
-            return Err(ConnError::Framing(
-                "both Transfer-Encoding and Content-Length",
-            ));
-        }
-        let joined = te
-            .iter()
-            .map(|v| String::from_utf8_lossy(v).into_owned())
-            .collect::<Vec<_>>()
-            .join(",");
-        let last = joined
-            .rsplit(',')
-            .next()
-            .unwrap_or("")
-            .trim()
-            .to_ascii_lowercase();
-        return if last == "chunked" {
-            Ok(Framing::Chunked)
-        } else if default == Framing::UntilClose {
-            Ok(Framing::UntilClose)
-        } else {
-            Err(ConnError::Framing("request transfer coding not chunked"))
-        };
+    let value = match te.as_slice() {
+        [] => return content_length(headers, Framing::None),
+        [v] => *v,
+        _ => return Err(ConnError::Framing("repeated Transfer-Encoding")),
+    };
+    if header(headers, "content-length").next().is_some() {
+        return Err(ConnError::Framing(
+            "both Transfer-Encoding and Content-Length",
+        ));
     }
-    // Exactly one Content-Length of digits only, because the head is forwarded as sent: a
-    // repeated header or a list (`5, 5`, which RFC 9110 lets a recipient accept) is read as
-    // something else by some upstreams, and the body would become a request there.
+    if minor == 0 {
+        return Err(ConnError::Framing("Transfer-Encoding in HTTP/1.0"));
+    }
+    let bad = ConnError::Framing("request transfer coding not chunked");
+    let text = std::str::from_utf8(value).map_err(|_| ConnError::Framing("bad coding"))?;
+    let codings: Vec<&str> = text
+        .split(',')
+        .map(|c| c.trim_matches([' ', '\t']))
+        .collect();
+    let chunked = |c: &str| c.eq_ignore_ascii_case("chunked");
+    match codings.as_slice() {
+        [only] if chunked(only) => Ok(Framing::Chunked),
+        // Well-formed codings before a final `chunked`: not implemented (`501`).
+        [.., last]
+            if chunked(last)
+                && codings.iter().filter(|c| chunked(c)).count() == 1
+                && codings.iter().all(|c| !c.is_empty()) =>
+        {
+            Err(ConnError::Framing(UNSUPPORTED_CODING))
+        }
+        _ => Err(bad),
+    }
+}
+
+/// Framing from `Content-Length` alone (`default` without one). Exactly one header of digits
+/// only: a repeated header or a list (`5, 5`, which RFC 9110 lets a recipient accept) is
+/// read as something else by some upstreams, and the body would become a request there.
+fn content_length(headers: &[(String, Vec<u8>)], default: Framing) -> Result<Framing, ConnError> {
+    let cl: Vec<&[u8]> = header(headers, "content-length").collect();
     match cl.as_slice() {
         [] => Ok(default),
         [v] => {
@@ -101,11 +149,6 @@ pub(super) fn framing(
         }
         _ => Err(ConnError::Framing("repeated Content-Length")),
     }
-}
-
-/// A request's body framing (no body unless the headers frame one).
-pub(crate) fn request_framing(headers: &[(String, Vec<u8>)]) -> Result<Framing, ConnError> {
-    framing(headers, Framing::None)
 }
 
 /// Reads one head (up to and including the empty line). `Ok(None)` on a clean EOF before any
@@ -305,40 +348,90 @@ mod tests {
 
     #[test]
     fn test_framing_rejects_smuggling_shapes() {
-        assert!(framing(
-            &h(&[("Content-Length", "5"), ("Transfer-Encoding", "chunked")]),
-            Framing::None
-        )
-        .is_err());
-        assert!(framing(
-            &h(&[("Content-Length", "5"), ("Content-Length", "6")]),
-            Framing::None
-        )
-        .is_err());
-        assert!(framing(&h(&[("Transfer-Encoding", "chunked, gzip")]), Framing::None).is_err());
+        let req = |pairs: &[(&str, &str)]| request_framing(&h(pairs), 1);
+        assert!(req(&[("Content-Length", "5"), ("Transfer-Encoding", "chunked")]).is_err());
+        assert!(req(&[("Transfer-Encoding", "chunked"), ("Content-Length", "5")]).is_err());
+        assert!(req(&[("Content-Length", "5"), ("Content-Length", "6")]).is_err());
+        assert!(req(&[("Transfer-Encoding", "chunked, gzip")]).is_err());
         assert!(
-            framing(
-                &h(&[("Content-Length", "5"), ("Content-Length", "5")]),
-                Framing::None
-            )
-            .is_err(),
+            req(&[("Content-Length", "5"), ("Content-Length", "5")]).is_err(),
             "a repeated length, even equal, is refused"
         );
         assert_eq!(
-            framing(&h(&[("Content-Length", " 5 ")]), Framing::None).ok(),
+            req(&[("Content-Length", " 5 ")]).ok(),
             Some(Framing::Length(5)),
             "control: one plain length"
         );
         for bad in ["+5", "0x5", "5 5", "", "-1", "5, 5", "5,5"] {
-            assert!(
-                framing(&h(&[("Content-Length", bad)]), Framing::None).is_err(),
-                "{bad}"
-            );
+            assert!(req(&[("Content-Length", bad)]).is_err(), "{bad}");
         }
+        assert_eq!(req(&[]).ok(), Some(Framing::None));
+        let resp = |pairs: &[(&str, &str)]| response_framing(&h(pairs));
+        assert_eq!(resp(&[]).ok(), Some(Framing::UntilClose));
         assert_eq!(
-            framing(&h(&[]), Framing::UntilClose).ok(),
+            resp(&[("Transfer-Encoding", "gzip, chunked")]).ok(),
+            Some(Framing::Chunked)
+        );
+        assert_eq!(
+            resp(&[("Transfer-Encoding", "gzip")]).ok(),
             Some(Framing::UntilClose)
         );
+        assert!(resp(&[("Content-Length", "5"), ("Transfer-Encoding", "chunked")]).is_err());
+    }
+
+    #[test]
+    fn test_request_transfer_encoding_exactly_one_chunked() {
+        let req = |pairs: &[(&str, &str)], minor| request_framing(&h(pairs), minor);
+        for ok in ["chunked", "Chunked", " CHUNKED\t"] {
+            assert_eq!(
+                req(&[("Transfer-Encoding", ok)], 1).ok(),
+                Some(Framing::Chunked),
+                "{ok:?}"
+            );
+        }
+        // Codings Warren does not frame before a final `chunked`: 501. Before the fix these
+        // were accepted and the list forwarded as written.
+        for unsupported in ["x, chunked", "gzip,chunked", "gzip, deflate, chunked"] {
+            assert!(
+                matches!(
+                    req(&[("Transfer-Encoding", unsupported)], 1),
+                    Err(ConnError::Framing(UNSUPPORTED_CODING))
+                ),
+                "{unsupported:?}"
+            );
+        }
+        // Anything else is malformed: 400.
+        for bad in [
+            "chunked, chunked",
+            "chunked, gzip",
+            "gzip",
+            "",
+            ",chunked",
+            "chunked,",
+            "x,,chunked",
+        ] {
+            let got = req(&[("Transfer-Encoding", bad)], 1);
+            assert!(
+                matches!(got, Err(ConnError::Framing(m)) if m != UNSUPPORTED_CODING),
+                "{bad:?}: {got:?}"
+            );
+        }
+        // The classic split over two headers, and `chunked` twice.
+        assert!(req(
+            &[("Transfer-Encoding", "x"), ("Transfer-Encoding", "chunked")],
+            1
+        )
+        .is_err());
+        assert!(req(
+            &[
+                ("Transfer-Encoding", "chunked"),
+                ("Transfer-Encoding", "chunked")
+            ],
+            1
+        )
+        .is_err());
+        // HTTP/1.0 has no transfer codings: its framing is faulty.
+        assert!(req(&[("Transfer-Encoding", "chunked")], 0).is_err());
     }
 
     #[tokio::test]
