@@ -31,6 +31,7 @@ use crate::config::SecretValue;
 use crate::decision_log::Kind;
 use crate::egress::Inner;
 use crate::error::ConnError;
+use crate::intercept::{find_rule, Matched};
 use crate::policy::DenyReason;
 
 mod framing;
@@ -157,6 +158,19 @@ fn replace(hay: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {
             i += 1;
         }
     }
+    out
+}
+
+/// A request head: request line and headers, each as given.
+fn serialize_head(method: &str, target: &str, minor: u8, headers: &[(&str, Vec<u8>)]) -> Vec<u8> {
+    let mut out = format!("{method} {target} HTTP/1.{minor}\r\n").into_bytes();
+    for (name, value) in headers {
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
     out
 }
 
@@ -334,13 +348,42 @@ impl Session {
             used.push(i);
         }
 
+        // One form of the target for the rules and the upstream: origin-form, with an
+        // absolute-form target's authority as `Host` (the name was held to this host above).
+        let Ok(target) = crate::request::origin_form(&req.path) else {
+            return Self::refuse(guest, 400, "Bad Request").await;
+        };
+        let forwarded_headers = || {
+            let host_header = target
+                .authority
+                .as_deref()
+                .map(|a| ("host", a.as_bytes().to_vec()));
+            req.headers
+                .iter()
+                .filter(|(n, _)| host_header.is_none() || !n.eq_ignore_ascii_case("host"))
+                .map(|(n, v)| (n.as_str(), v.clone()))
+                .chain(host_header.clone())
+                .collect::<Vec<_>>()
+        };
+
         // Interception rules.
-        if let Some(rule) = inner
-            .rules
-            .iter()
-            .find(|r| named && r.matches(&host, &req.method, &req.path))
-        {
-            let mut request = head.clone();
+        let matched = if named {
+            find_rule(&inner.rules, &host, &req.method, &target.path, &req.headers)
+        } else {
+            Matched::None
+        };
+        if let Matched::Ambiguous = matched {
+            inner.log.record(
+                Kind::Http,
+                Some(&host),
+                Some(self.dst),
+                Err(DenyReason::AmbiguousTarget),
+            );
+            return Self::refuse(guest, 400, "Bad Request").await;
+        }
+        if let Matched::Rule(rule) = matched {
+            let mut request =
+                serialize_head(&req.method, &target.path, req.minor, &forwarded_headers());
             let cap = MAX_INTERCEPT_REQUEST;
             if request.len() > cap {
                 return Self::refuse(guest, 413, "Payload Too Large").await;
@@ -354,7 +397,7 @@ impl Session {
                 Err(e) => return Err(e),
             }
             let answer = rule
-                .answer(&inner.cfg.vm, &host, &req.method, &req.path, request)
+                .answer(&inner.cfg.vm, &host, &req.method, &target.path, request)
                 .await;
             guest.get_mut().write_all(&answer).await?;
             guest.get_mut().flush().await?;
@@ -365,7 +408,8 @@ impl Session {
         let mut out_headers = Vec::with_capacity(req.headers.len());
         let mut expect_continue = false;
         let mut upgrade = false;
-        for (name, value) in &req.headers {
+        let forwarded = forwarded_headers();
+        for &(name, ref value) in &forwarded {
             // The body's framing goes out as Warren framed it (below), never as written.
             if name.eq_ignore_ascii_case("transfer-encoding")
                 || name.eq_ignore_ascii_case("content-length")
@@ -390,7 +434,7 @@ impl Session {
                     .collect();
                 if !kept.is_empty() {
                     upgrade = true;
-                    out_headers.push((name.as_str(), kept.join(", ").into_bytes()));
+                    out_headers.push((name, kept.join(", ").into_bytes()));
                 }
                 continue;
             }
@@ -431,21 +475,14 @@ impl Session {
                     None => text,
                 };
             }
-            out_headers.push((name.as_str(), value));
+            out_headers.push((name, value));
         }
         match req_framing {
             Framing::Length(n) => out_headers.push(("content-length", n.to_string().into_bytes())),
             Framing::Chunked => out_headers.push(("transfer-encoding", b"chunked".to_vec())),
             Framing::None | Framing::UntilClose => {}
         }
-        let mut out = format!("{} {} HTTP/1.{}\r\n", req.method, req.path, req.minor).into_bytes();
-        for (name, value) in &out_headers {
-            out.extend_from_slice(name.as_bytes());
-            out.extend_from_slice(b": ");
-            out.extend_from_slice(value);
-            out.extend_from_slice(b"\r\n");
-        }
-        out.extend_from_slice(b"\r\n");
+        let out = serialize_head(&req.method, &target.path, req.minor, &out_headers);
 
         if up.is_none() {
             match connect(&inner, &mut self.upstream).await {

@@ -186,6 +186,9 @@ pub enum DenyReason {
     UnsupportedProtocol,
     /// TLS without SNI while every TLS connection must be intercepted (`intercept_all_tls`).
     MissingSni,
+    /// A request target that does not match an interception rule as written but that a
+    /// lenient server could route to the rule's path (`/oauth/./token`, `%2F`, `post`).
+    AmbiguousTarget,
 }
 
 impl DenyReason {
@@ -207,6 +210,7 @@ impl DenyReason {
             DenyReason::HostMismatch => "host_mismatch",
             DenyReason::UnsupportedProtocol => "unsupported_protocol",
             DenyReason::MissingSni => "missing_sni",
+            DenyReason::AmbiguousTarget => "ambiguous_target",
         }
     }
 }

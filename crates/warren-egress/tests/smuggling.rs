@@ -158,3 +158,92 @@ async fn test_transfer_encoding_only_exactly_chunked_and_sent_as_framed() -> Res
     );
     Ok(())
 }
+
+/// A rule on `oauth.allowed.test` (whose address has no server: a request that is not
+/// answered by the rule gets Warren's `502`).
+fn rule_config(topo: &Topology) -> EgressConfig {
+    let mut c = plain_config(topo);
+    c.intercepts = vec![warren_egress::InterceptRule {
+        host: pat("oauth.allowed.test"),
+        method: "POST".into(),
+        path_prefix: "/oauth/token".into(),
+        command: vec![
+            "/bin/sh".into(),
+            "-c".into(),
+            "req=$(head -n 1); cat >/dev/null; body=\"rule:$req\"; \
+             printf 'HTTP/1.1 200 OK\\r\\ncontent-length: %d\\r\\n\\r\\n%s' \"${#body}\" \"$body\""
+                .into(),
+        ],
+        uid: 65534,
+        gid: 65534,
+        timeout: Duration::from_secs(10),
+        env: vec![],
+    }];
+    c
+}
+
+#[tokio::test]
+async fn test_rules_match_the_target_as_forwarded_and_refuse_other_spellings() -> Result<()> {
+    let (topo, egress, _h) = up_with("", rule_config).await?;
+    topo.guest_dns("oauth.allowed.test", RecordType::A).await?;
+    topo.guest_dns("api.allowed.test", RecordType::A).await?;
+    let ca = egress.ca_cert_pem().to_string();
+    let send = |target: &'static str, method: &'static str| {
+        let topo = &topo;
+        let ca = ca.clone();
+        async move {
+            let mut tls = topo.guest_tls(OAUTH, "oauth.allowed.test", &ca).await?;
+            let request = format!(
+                "{method} {target} HTTP/1.1\r\nHost: oauth.allowed.test\r\ncontent-length: 3\r\n\r\nx=1"
+            );
+            anyhow::Ok(exchange(&mut tls, request.as_bytes()).await?)
+        }
+    };
+    // Control: the rule answers the origin-form request.
+    let r = send("/oauth/token", "POST").await?;
+    assert_eq!(
+        r.map(|r| r.1),
+        Some("rule:POST /oauth/token HTTP/1.1\r".into())
+    );
+    // Attack from the review: an absolute-form target skipped the rule and went upstream
+    // (502 here, no server). Now it is the rule's request, in origin-form for the command.
+    let r = send("https://oauth.allowed.test/oauth/token", "POST").await?;
+    assert_eq!(
+        r.map(|r| r.1),
+        Some("rule:POST /oauth/token HTTP/1.1\r".into())
+    );
+    // Other spellings a lenient server routes to the rule's path: refused, not forwarded.
+    for (target, method) in [
+        ("/oauth/./token", "POST"),
+        ("//oauth/token", "POST"),
+        ("/oauth%2Ftoken", "POST"),
+        ("/x/../oauth/token", "POST"),
+        ("/OAuth/Token", "POST"),
+        ("/oauth/token", "post"),
+    ] {
+        let r = send(target, method).await?;
+        assert_eq!(r.map(|r| r.0), Some(400), "{method} {target}");
+    }
+    // Control: a path that is not the rule's goes upstream (502: no server there).
+    let r = send("/other", "POST").await?;
+    assert_eq!(r.map(|r| r.0), Some(502));
+
+    // What the upstream receives is the same origin-form: an absolute-form target on plain
+    // HTTP goes out as its path, with `Host` from its authority.
+    let mut s = topo.guest_tcp(API, 80).await?;
+    let r = exchange(
+        &mut s,
+        b"GET http://api.allowed.test:80/abs?q=1 HTTP/1.1\r\nHost: API.allowed.test\r\n\r\n",
+    )
+    .await?;
+    assert_eq!(r.map(|r| r.0), Some(200));
+    let head = topo
+        .seen()
+        .into_iter()
+        .find(|h| h.contains("/abs?q=1"))
+        .expect("reached the upstream");
+    assert!(head.starts_with("GET /abs?q=1 HTTP/1.1\r\n"), "{head}");
+    assert!(head.contains("\r\nhost: api.allowed.test:80\r\n"), "{head}");
+    assert!(!head.contains("API.allowed.test"), "{head}");
+    Ok(())
+}
