@@ -116,6 +116,22 @@ pub(crate) fn parse_request(head: &[u8]) -> Option<Request> {
     })
 }
 
+/// Whether `req` asks the server to send the request back: `TRACE` (and IIS's `TRACK`), in
+/// any case, also when claimed through a method-override header.
+fn echoes_request(req: &Request) -> bool {
+    let echo = |m: &[u8]| {
+        let m = m.trim_ascii();
+        m.eq_ignore_ascii_case(b"TRACE") || m.eq_ignore_ascii_case(b"TRACK")
+    };
+    echo(req.method.as_bytes())
+        || req.headers.iter().any(|(n, v)| {
+            crate::intercept::METHOD_OVERRIDES
+                .iter()
+                .any(|o| n.eq_ignore_ascii_case(o))
+                && echo(v)
+        })
+}
+
 /// The decoded user-pass of a `Basic` credential (`Basic <base64>`, scheme in any case), or
 /// `None` for any other value or invalid base64.
 fn basic_credential(value: &[u8]) -> Option<Vec<u8>> {
@@ -269,6 +285,11 @@ impl Session {
             return Self::refuse(guest, 400, "Bad Request").await;
         };
         if req.method == "CONNECT" {
+            return Self::refuse(guest, 405, "Method Not Allowed").await;
+        }
+        // A request echoed back would hand the guest the values substituted into it: never
+        // on a connection Warren terminated (the only ones where anything is substituted).
+        if self.substitute && echoes_request(&req) {
             return Self::refuse(guest, 405, "Method Not Allowed").await;
         }
         let req_framing = match request_framing(&req.headers, req.minor) {
@@ -578,6 +599,28 @@ mod tests {
             basic_credential(&encode_basic(b"u:real")).as_deref(),
             Some(&b"u:real"[..])
         );
+    }
+
+    #[test]
+    fn test_trace_in_any_spelling_echoes() {
+        let req = |method: &str, headers: &[(&str, &str)]| Request {
+            method: method.into(),
+            path: "/".into(),
+            minor: 1,
+            headers: headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+                .collect(),
+        };
+        for method in ["TRACE", "trace", "TRACK"] {
+            assert!(echoes_request(&req(method, &[])), "{method}");
+        }
+        assert!(echoes_request(&req(
+            "POST",
+            &[("X-HTTP-Method-Override", " trace")]
+        )));
+        assert!(!echoes_request(&req("GET", &[])));
+        assert!(!echoes_request(&req("POST", &[("X-Trace", "TRACE")])));
     }
 
     #[test]

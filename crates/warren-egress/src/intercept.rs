@@ -24,7 +24,7 @@ pub(crate) struct RuleState {
 }
 
 /// Headers through which some frameworks let a request claim another method.
-const METHOD_OVERRIDES: [&str; 3] = [
+pub(crate) const METHOD_OVERRIDES: [&str; 3] = [
     "x-http-method-override",
     "x-http-method",
     "x-method-override",

@@ -247,3 +247,51 @@ async fn test_rules_match_the_target_as_forwarded_and_refuse_other_spellings() -
     assert!(!head.contains("API.allowed.test"), "{head}");
     Ok(())
 }
+
+const SECRET: &str = "real-secret-value-trace-5e1f";
+const PLACEHOLDER: &str = "WARREN_PLACEHOLDER_TRACE_KEY";
+
+#[tokio::test]
+async fn test_trace_refused_where_secrets_are_substituted() -> Result<()> {
+    let (topo, egress, _h) = up_with("", |t| {
+        let mut c = plain_config(t);
+        c.secrets = vec![warren_egress::SecretSpec {
+            name: "trace-key".into(),
+            placeholder: PLACEHOLDER.into(),
+            hosts: vec![pat("secret.allowed.test")],
+            source: warren_egress::SecretSource::Static(SECRET.into()),
+            headers: vec![],
+        }];
+        c
+    })
+    .await?;
+    topo.guest_dns("secret.allowed.test", RecordType::A).await?;
+    let ca = egress.ca_cert_pem().to_string();
+    let auth = format!("Authorization: Bearer {PLACEHOLDER}\r\n");
+    // Attack: a server that implements TRACE sends the request back, substituted value
+    // included (the stand-in echoes every request). Refused before anything is sent.
+    for (method, extra) in [
+        ("TRACE", String::new()),
+        ("trace", String::new()),
+        ("TRACK", String::new()),
+        ("POST", "X-HTTP-Method-Override: TRACE\r\n".to_string()),
+    ] {
+        let mut tls = topo.guest_tls(API, "secret.allowed.test", &ca).await?;
+        let request = format!(
+            "{method} /trace-{method} HTTP/1.1\r\nHost: secret.allowed.test\r\n{auth}{extra}\r\n"
+        );
+        let r = exchange(&mut tls, request.as_bytes()).await?;
+        assert_eq!(r.as_ref().map(|r| r.0), Some(405), "{method} {extra}");
+        assert!(
+            !r.is_some_and(|r| r.1.contains(SECRET)),
+            "{method}: value echoed"
+        );
+        assert!(!seen(&topo, &format!("/trace-{method}")), "{method} sent");
+    }
+    // Control: the same connection kind substitutes and relays other methods.
+    let mut tls = topo.guest_tls(API, "secret.allowed.test", &ca).await?;
+    let r = exchange(&mut tls, &get("secret.allowed.test", "/ok", &auth)).await?;
+    assert_eq!(r.map(|r| r.0), Some(200));
+    assert!(seen(&topo, SECRET), "control: substituted");
+    Ok(())
+}
