@@ -244,10 +244,13 @@ pub struct InterceptRule {
     pub host: DomainPattern,
     /// Exact request method, for example `POST`.
     pub method: String,
-    /// Request-target prefix, for example `/v1/oauth/token`.
+    /// Request-target prefix, for example `/v1/oauth/token`, matched against the target in
+    /// origin-form as written (an absolute-form target by its path); a request a lenient
+    /// server could route under it in another spelling is refused (see `docs/egress.md`).
     pub path_prefix: String,
-    /// Program and arguments. It gets the raw request (head and body as received) on stdin
-    /// and must print a complete raw HTTP response on stdout.
+    /// Program and arguments. It gets the request (its head re-serialised with the target in
+    /// origin-form, the body as received) on stdin and must print a complete raw HTTP
+    /// response on stdout.
     pub command: Vec<String>,
     /// User the command runs as.
     pub uid: u32,

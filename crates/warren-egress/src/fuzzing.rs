@@ -42,7 +42,7 @@ pub fn request_head(head: &[u8]) -> Option<RequestHead> {
         req.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())),
     )
     .map_err(|e| e.0);
-    let framing = crate::http1::request_framing(&req.headers).ok();
+    let framing = crate::http1::request_framing(&req.headers, req.minor).ok();
     Some(RequestHead {
         host,
         body_length: framing.map(|f| f.length()).ok_or(()),

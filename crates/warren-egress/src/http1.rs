@@ -8,8 +8,10 @@
 //! placeholders; either answer it with an interception rule or forward the re-serialised
 //! (possibly substituted) head and the body, then relay exactly one response (head and body
 //! unchanged) back, and loop for the next request on the keep-alive connection. Request
-//! bodies are framed by `Content-Length` (digits only) or `chunked` (re-encoded canonically,
-//! trailers dropped), so the upstream frames them exactly as Warren did; responses without
+//! bodies are framed by one `Content-Length` (digits only) or a `Transfer-Encoding` of
+//! exactly `chunked` (re-encoded canonically, trailers dropped), and only the framing header
+//! Warren computed is forwarded ([`framing`]), so the upstream frames them exactly as Warren
+//! did; responses without
 //! framing run to EOF and end the connection. An `h2c` upgrade is never offered upstream; a
 //! `101 Switching Protocols` answer to a requested upgrade turns the connection into a plain
 //! two-way relay. Placeholders are substituted in `Authorization` and the configured headers
@@ -22,14 +24,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rustls::pki_types::ServerName;
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 use crate::config::SecretValue;
 use crate::decision_log::Kind;
 use crate::egress::Inner;
 use crate::error::ConnError;
+use crate::intercept::{find_rule, Matched};
 use crate::policy::DenyReason;
+
+mod framing;
+pub(crate) use framing::{chunk_size, request_framing};
+use framing::{
+    copy_body, copy_chunked_canonical, has_token, read_head, response_framing, Framing, Sink,
+    UNSUPPORTED_CODING,
+};
 
 /// Largest request or response head accepted.
 pub const MAX_HEAD: usize = 64 * 1024;
@@ -37,8 +47,6 @@ pub const MAX_HEAD: usize = 64 * 1024;
 pub const MAX_INTERCEPT_REQUEST: usize = 64 * 1024;
 /// How long an idle keep-alive connection waits for the next request.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
-/// Longest chunk-size or trailer line.
-const MAX_LINE: usize = 8 * 1024;
 
 /// Anything the relay can talk over.
 pub(crate) trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
@@ -88,282 +96,6 @@ async fn connect(inner: &Inner, up: &mut Upstream) -> Result<Box<dyn Io>, ConnEr
     }
 }
 
-/// Body framing of one message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Framing {
-    None,
-    Length(u64),
-    Chunked,
-    UntilClose,
-}
-
-impl Framing {
-    /// The body's length when `Content-Length` gives it.
-    pub(crate) fn length(self) -> Option<u64> {
-        match self {
-            Framing::Length(n) => Some(n),
-            _ => None,
-        }
-    }
-
-    pub(crate) fn is_chunked(self) -> bool {
-        self == Framing::Chunked
-    }
-}
-
-fn header<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> impl Iterator<Item = &'a [u8]> + 'a {
-    let name = name.to_string();
-    headers
-        .iter()
-        .filter(move |(n, _)| n.eq_ignore_ascii_case(&name))
-        .map(|(_, v)| v.as_slice())
-}
-
-fn has_token(headers: &[(String, Vec<u8>)], name: &str, token: &str) -> bool {
-    header(headers, name).any(|v| {
-        String::from_utf8_lossy(v)
-            .split(',')
-            .any(|t| t.trim().eq_ignore_ascii_case(token))
-    })
-}
-
-/// Framing from `Transfer-Encoding`/`Content-Length`; `Err` for ambiguous or invalid framing
-/// (both present, conflicting lengths, a transfer coding other than final `chunked`).
-fn framing(headers: &[(String, Vec<u8>)], default: Framing) -> Result<Framing, ConnError> {
-    let te: Vec<&[u8]> = header(headers, "transfer-encoding").collect();
-    let cl: Vec<&[u8]> = header(headers, "content-length").collect();
-    if !te.is_empty() {
-        if !cl.is_empty() {
-            return Err(ConnError::Framing(
-                "both Transfer-Encoding and Content-Length",
-            ));
-        }
-        let joined = te
-            .iter()
-            .map(|v| String::from_utf8_lossy(v).into_owned())
-            .collect::<Vec<_>>()
-            .join(",");
-        let last = joined
-            .rsplit(',')
-            .next()
-            .unwrap_or("")
-            .trim()
-            .to_ascii_lowercase();
-        return if last == "chunked" {
-            Ok(Framing::Chunked)
-        } else if default == Framing::UntilClose {
-            Ok(Framing::UntilClose)
-        } else {
-            Err(ConnError::Framing("request transfer coding not chunked"))
-        };
-    }
-    // Exactly one Content-Length of digits only, because the head is forwarded as sent: a
-    // repeated header or a list (`5, 5`, which RFC 9110 lets a recipient accept) is read as
-    // something else by some upstreams, and the body would become a request there.
-    match cl.as_slice() {
-        [] => Ok(default),
-        [v] => {
-            let s = std::str::from_utf8(v).map_err(|_| ConnError::Framing("bad Content-Length"))?;
-            let s = s.trim_matches(|c| c == ' ' || c == '\t');
-            // Digits only: `+5` or `0x5` would parse here and mean something else upstream.
-            if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(ConnError::Framing("bad Content-Length"));
-            }
-            let n: u64 = s
-                .parse()
-                .map_err(|_| ConnError::Framing("bad Content-Length"))?;
-            Ok(Framing::Length(n))
-        }
-        _ => Err(ConnError::Framing("repeated Content-Length")),
-    }
-}
-
-/// A request's body framing (no body unless the headers frame one).
-pub(crate) fn request_framing(headers: &[(String, Vec<u8>)]) -> Result<Framing, ConnError> {
-    framing(headers, Framing::None)
-}
-
-/// Reads one head (up to and including the empty line). `Ok(None)` on a clean EOF before any
-/// byte. Leading empty lines are skipped (RFC 9112 section 2.2).
-async fn read_head<R: AsyncBufReadExt + Unpin>(r: &mut R) -> Result<Option<Vec<u8>>, ConnError> {
-    let mut head = Vec::new();
-    loop {
-        let before = head.len();
-        let room = (MAX_HEAD - before) as u64;
-        let n = (&mut *r).take(room).read_until(b'\n', &mut head).await?;
-        if n == 0 {
-            return if head.is_empty() {
-                Ok(None)
-            } else {
-                Err(ConnError::Framing("EOF inside a head"))
-            };
-        }
-        if !head.ends_with(b"\n") {
-            return Err(ConnError::Framing("head too large"));
-        }
-        let line = &head[before..];
-        if line == b"\r\n" || line == b"\n" {
-            if before == 0 {
-                head.clear();
-                continue;
-            }
-            return Ok(Some(head));
-        }
-    }
-}
-
-async fn read_line<R: AsyncBufReadExt + Unpin>(
-    r: &mut R,
-    out: &mut Vec<u8>,
-) -> Result<(), ConnError> {
-    let start = out.len();
-    let n = (&mut *r)
-        .take(MAX_LINE as u64)
-        .read_until(b'\n', out)
-        .await?;
-    if n == 0 || !out[start..].ends_with(b"\n") {
-        return Err(ConnError::Framing("bad chunk line"));
-    }
-    Ok(())
-}
-
-/// A body sink: either a writer (relay) or a capped buffer (interception).
-enum Sink<'a> {
-    Write(&'a mut dyn Io),
-    Buffer(&'a mut Vec<u8>, usize),
-}
-
-impl Sink<'_> {
-    async fn put(&mut self, data: &[u8]) -> Result<(), ConnError> {
-        match self {
-            Sink::Write(w) => Ok(w.write_all(data).await?),
-            Sink::Buffer(buf, cap) => {
-                if buf.len() + data.len() > *cap {
-                    return Err(ConnError::Framing("too large"));
-                }
-                buf.extend_from_slice(data);
-                Ok(())
-            }
-        }
-    }
-}
-
-/// The size of a chunk-size line (`1a;ext=x\r\n`): 1-16 hex digits, optional whitespace and
-/// extensions. Anything else (a sign, `0x`, junk) is refused.
-pub(crate) fn chunk_size(line: &[u8]) -> Result<u64, ConnError> {
-    let bad = ConnError::Framing("bad chunk size");
-    let line = line
-        .strip_suffix(b"\n")
-        .ok_or(ConnError::Framing("bad chunk size"))?;
-    let line = line.strip_suffix(b"\r").unwrap_or(line);
-    let digits = line
-        .iter()
-        .position(|b| !b.is_ascii_hexdigit())
-        .unwrap_or(line.len());
-    let rest = &line[digits..];
-    let rest_ok = rest
-        .iter()
-        .position(|b| !matches!(b, b' ' | b'\t'))
-        .is_none_or(|i| rest[i] == b';');
-    if digits == 0 || digits > 16 || !rest_ok {
-        return Err(bad);
-    }
-    let text =
-        std::str::from_utf8(&line[..digits]).map_err(|_| ConnError::Framing("bad chunk size"))?;
-    u64::from_str_radix(text, 16).map_err(|_| bad)
-}
-
-async fn copy_exact<R: AsyncBufReadExt + Unpin>(
-    r: &mut R,
-    sink: &mut Sink<'_>,
-    mut n: u64,
-) -> Result<(), ConnError> {
-    while n > 0 {
-        let buf = r.fill_buf().await?;
-        if buf.is_empty() {
-            return Err(ConnError::Framing("EOF inside a body"));
-        }
-        let take = buf.len().min(usize::try_from(n).unwrap_or(usize::MAX));
-        sink.put(&buf[..take]).await?;
-        r.consume(take);
-        n -= take as u64;
-    }
-    Ok(())
-}
-
-/// Copies a chunked request body re-encoded: canonical size lines without extensions, no
-/// trailers (a trailer could carry a second `Host` to a server that merges them).
-async fn copy_chunked_canonical<R: AsyncBufReadExt + Unpin>(
-    r: &mut R,
-    sink: &mut Sink<'_>,
-) -> Result<(), ConnError> {
-    loop {
-        let mut line = Vec::new();
-        read_line(r, &mut line).await?;
-        let size = chunk_size(&line)?;
-        sink.put(format!("{size:x}\r\n").as_bytes()).await?;
-        if size == 0 {
-            loop {
-                let mut trailer = Vec::new();
-                read_line(r, &mut trailer).await?;
-                if trailer == b"\r\n" || trailer == b"\n" {
-                    return sink.put(b"\r\n").await;
-                }
-            }
-        }
-        copy_exact(r, sink, size).await?;
-        let mut crlf = Vec::new();
-        read_line(r, &mut crlf).await?;
-        if crlf != b"\r\n" && crlf != b"\n" {
-            return Err(ConnError::Framing("missing CRLF after chunk"));
-        }
-        sink.put(b"\r\n").await?;
-    }
-}
-
-async fn copy_body<R: AsyncBufReadExt + Unpin>(
-    r: &mut R,
-    sink: &mut Sink<'_>,
-    framing: Framing,
-) -> Result<(), ConnError> {
-    match framing {
-        Framing::None => Ok(()),
-        Framing::Length(n) => copy_exact(r, sink, n).await,
-        Framing::UntilClose => loop {
-            let buf = r.fill_buf().await?;
-            if buf.is_empty() {
-                return Ok(());
-            }
-            let n = buf.len();
-            sink.put(buf).await?;
-            r.consume(n);
-        },
-        Framing::Chunked => loop {
-            let mut line = Vec::new();
-            read_line(r, &mut line).await?;
-            sink.put(&line).await?;
-            let size = chunk_size(&line)?;
-            if size == 0 {
-                loop {
-                    let mut trailer = Vec::new();
-                    read_line(r, &mut trailer).await?;
-                    sink.put(&trailer).await?;
-                    if trailer == b"\r\n" || trailer == b"\n" {
-                        return Ok(());
-                    }
-                }
-            }
-            copy_exact(r, sink, size).await?;
-            let mut crlf = Vec::new();
-            read_line(r, &mut crlf).await?;
-            if crlf != b"\r\n" && crlf != b"\n" {
-                return Err(ConnError::Framing("missing CRLF after chunk"));
-            }
-            sink.put(&crlf).await?;
-        },
-    }
-}
-
 pub(crate) struct Request {
     pub(crate) method: String,
     pub(crate) path: String,
@@ -388,6 +120,22 @@ pub(crate) fn parse_request(head: &[u8]) -> Option<Request> {
             .map(|h| (h.name.to_string(), h.value.to_vec()))
             .collect(),
     })
+}
+
+/// Whether `req` asks the server to send the request back: `TRACE` (and IIS's `TRACK`), in
+/// any case, also when claimed through a method-override header.
+fn echoes_request(req: &Request) -> bool {
+    let echo = |m: &[u8]| {
+        let m = m.trim_ascii();
+        m.eq_ignore_ascii_case(b"TRACE") || m.eq_ignore_ascii_case(b"TRACK")
+    };
+    echo(req.method.as_bytes())
+        || req.headers.iter().any(|(n, v)| {
+            crate::intercept::METHOD_OVERRIDES
+                .iter()
+                .any(|o| n.eq_ignore_ascii_case(o))
+                && echo(v)
+        })
 }
 
 /// The decoded user-pass of a `Basic` credential (`Basic <base64>`, scheme in any case), or
@@ -432,6 +180,19 @@ fn replace(hay: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {
             i += 1;
         }
     }
+    out
+}
+
+/// A request head: request line and headers, each as given.
+fn serialize_head(method: &str, target: &str, minor: u8, headers: &[(&str, Vec<u8>)]) -> Vec<u8> {
+    let mut out = format!("{method} {target} HTTP/1.{minor}\r\n").into_bytes();
+    for (name, value) in headers {
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
     out
 }
 
@@ -532,8 +293,17 @@ impl Session {
         if req.method == "CONNECT" {
             return Self::refuse(guest, 405, "Method Not Allowed").await;
         }
-        let Ok(req_framing) = request_framing(&req.headers) else {
-            return Self::refuse(guest, 400, "Bad Request").await;
+        // A request echoed back would hand the guest the values substituted into it: never
+        // on a connection Warren terminated (the only ones where anything is substituted).
+        if self.substitute && echoes_request(&req) {
+            return Self::refuse(guest, 405, "Method Not Allowed").await;
+        }
+        let req_framing = match request_framing(&req.headers, req.minor) {
+            Ok(f) => f,
+            Err(ConnError::Framing(UNSUPPORTED_CODING)) => {
+                return Self::refuse(guest, 501, "Not Implemented").await
+            }
+            Err(_) => return Self::refuse(guest, 400, "Bad Request").await,
         };
         let inner = self.inner.clone();
         let secrets = &inner.cfg.secrets;
@@ -605,13 +375,42 @@ impl Session {
             used.push(i);
         }
 
+        // One form of the target for the rules and the upstream: origin-form, with an
+        // absolute-form target's authority as `Host` (the name was held to this host above).
+        let Ok(target) = crate::request::origin_form(&req.path) else {
+            return Self::refuse(guest, 400, "Bad Request").await;
+        };
+        let forwarded_headers = || {
+            let host_header = target
+                .authority
+                .as_deref()
+                .map(|a| ("host", a.as_bytes().to_vec()));
+            req.headers
+                .iter()
+                .filter(|(n, _)| host_header.is_none() || !n.eq_ignore_ascii_case("host"))
+                .map(|(n, v)| (n.as_str(), v.clone()))
+                .chain(host_header.clone())
+                .collect::<Vec<_>>()
+        };
+
         // Interception rules.
-        if let Some(rule) = inner
-            .rules
-            .iter()
-            .find(|r| named && r.matches(&host, &req.method, &req.path))
-        {
-            let mut request = head.clone();
+        let matched = if named {
+            find_rule(&inner.rules, &host, &req.method, &target.path, &req.headers)
+        } else {
+            Matched::None
+        };
+        if let Matched::Ambiguous = matched {
+            inner.log.record(
+                Kind::Http,
+                Some(&host),
+                Some(self.dst),
+                Err(DenyReason::AmbiguousTarget),
+            );
+            return Self::refuse(guest, 400, "Bad Request").await;
+        }
+        if let Matched::Rule(rule) = matched {
+            let mut request =
+                serialize_head(&req.method, &target.path, req.minor, &forwarded_headers());
             let cap = MAX_INTERCEPT_REQUEST;
             if request.len() > cap {
                 return Self::refuse(guest, 413, "Payload Too Large").await;
@@ -625,7 +424,7 @@ impl Session {
                 Err(e) => return Err(e),
             }
             let answer = rule
-                .answer(&inner.cfg.vm, &host, &req.method, &req.path, request)
+                .answer(&inner.cfg.vm, &host, &req.method, &target.path, request)
                 .await;
             guest.get_mut().write_all(&answer).await?;
             guest.get_mut().flush().await?;
@@ -636,7 +435,14 @@ impl Session {
         let mut out_headers = Vec::with_capacity(req.headers.len());
         let mut expect_continue = false;
         let mut upgrade = false;
-        for (name, value) in &req.headers {
+        let forwarded = forwarded_headers();
+        for &(name, ref value) in &forwarded {
+            // The body's framing goes out as Warren framed it (below), never as written.
+            if name.eq_ignore_ascii_case("transfer-encoding")
+                || name.eq_ignore_ascii_case("content-length")
+            {
+                continue;
+            }
             if name.eq_ignore_ascii_case("expect") && value.eq_ignore_ascii_case(b"100-continue") {
                 expect_continue = true;
                 continue;
@@ -655,7 +461,7 @@ impl Session {
                     .collect();
                 if !kept.is_empty() {
                     upgrade = true;
-                    out_headers.push((name.as_str(), kept.join(", ").into_bytes()));
+                    out_headers.push((name, kept.join(", ").into_bytes()));
                 }
                 continue;
             }
@@ -696,16 +502,14 @@ impl Session {
                     None => text,
                 };
             }
-            out_headers.push((name.as_str(), value));
+            out_headers.push((name, value));
         }
-        let mut out = format!("{} {} HTTP/1.{}\r\n", req.method, req.path, req.minor).into_bytes();
-        for (name, value) in &out_headers {
-            out.extend_from_slice(name.as_bytes());
-            out.extend_from_slice(b": ");
-            out.extend_from_slice(value);
-            out.extend_from_slice(b"\r\n");
+        match req_framing {
+            Framing::Length(n) => out_headers.push(("content-length", n.to_string().into_bytes())),
+            Framing::Chunked => out_headers.push(("transfer-encoding", b"chunked".to_vec())),
+            Framing::None | Framing::UntilClose => {}
         }
-        out.extend_from_slice(b"\r\n");
+        let out = serialize_head(&req.method, &target.path, req.minor, &out_headers);
 
         if up.is_none() {
             match connect(&inner, &mut self.upstream).await {
@@ -768,7 +572,7 @@ impl Session {
             let body = if req.method == "HEAD" || code == 204 || code == 304 {
                 Framing::None
             } else {
-                framing(&resp_headers, Framing::UntilClose)?
+                response_framing(&resp_headers)?
             };
             copy_body(upstream, &mut Sink::Write(guest.get_mut().as_mut()), body).await?;
             guest.get_mut().flush().await?;
@@ -803,84 +607,26 @@ mod tests {
         );
     }
 
-    fn h(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
-        pairs
-            .iter()
-            .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
-            .collect()
-    }
-
     #[test]
-    fn test_framing_rejects_smuggling_shapes() {
-        assert!(framing(
-            &h(&[("Content-Length", "5"), ("Transfer-Encoding", "chunked")]),
-            Framing::None
-        )
-        .is_err());
-        assert!(framing(
-            &h(&[("Content-Length", "5"), ("Content-Length", "6")]),
-            Framing::None
-        )
-        .is_err());
-        assert!(framing(&h(&[("Transfer-Encoding", "chunked, gzip")]), Framing::None).is_err());
-        assert!(
-            framing(
-                &h(&[("Content-Length", "5"), ("Content-Length", "5")]),
-                Framing::None
-            )
-            .is_err(),
-            "a repeated length, even equal, is refused"
-        );
-        assert_eq!(
-            framing(&h(&[("Content-Length", " 5 ")]), Framing::None).ok(),
-            Some(Framing::Length(5)),
-            "control: one plain length"
-        );
-        for bad in ["+5", "0x5", "5 5", "", "-1", "5, 5", "5,5"] {
-            assert!(
-                framing(&h(&[("Content-Length", bad)]), Framing::None).is_err(),
-                "{bad}"
-            );
+    fn test_trace_in_any_spelling_echoes() {
+        let req = |method: &str, headers: &[(&str, &str)]| Request {
+            method: method.into(),
+            path: "/".into(),
+            minor: 1,
+            headers: headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+                .collect(),
+        };
+        for method in ["TRACE", "trace", "TRACK"] {
+            assert!(echoes_request(&req(method, &[])), "{method}");
         }
-        assert_eq!(
-            framing(&h(&[]), Framing::UntilClose).ok(),
-            Some(Framing::UntilClose)
-        );
-    }
-
-    #[tokio::test]
-    async fn test_chunked_body_copied_unchanged() {
-        let body = b"4;ext=1\r\nWiki\r\n5\r\npedia\r\n0\r\nTrailer: x\r\n\r\nNEXT";
-        let mut r = BufReader::new(&body[..]);
-        let mut out = Vec::new();
-        copy_body(&mut r, &mut Sink::Buffer(&mut out, 1024), Framing::Chunked)
-            .await
-            .expect("chunked");
-        assert_eq!(out, &body[..body.len() - 4]);
-    }
-
-    #[test]
-    fn test_chunk_size_strict() {
-        assert_eq!(chunk_size(b"1a\r\n").ok(), Some(26));
-        assert_eq!(chunk_size(b"1A ;ext=1\n").ok(), Some(26));
-        for bad in [&b"+5\r\n"[..], b"0x5\r\n", b"\r\n", b"5 x\r\n", b"5"] {
-            assert!(
-                chunk_size(bad).is_err(),
-                "{:?}",
-                String::from_utf8_lossy(bad)
-            );
-        }
-    }
-
-    #[tokio::test]
-    async fn test_chunked_request_reencoded_without_extensions_or_trailers() {
-        let body = b"4;ext=1\r\nWiki\n5 \r\npedia\r\n0\r\nHost: other.example\r\n\r\nNEXT";
-        let mut r = BufReader::new(&body[..]);
-        let mut out = Vec::new();
-        copy_chunked_canonical(&mut r, &mut Sink::Buffer(&mut out, 1024))
-            .await
-            .expect("chunked");
-        assert_eq!(out, b"4\r\nWiki\r\n5\r\npedia\r\n0\r\n\r\n");
+        assert!(echoes_request(&req(
+            "POST",
+            &[("X-HTTP-Method-Override", " trace")]
+        )));
+        assert!(!echoes_request(&req("GET", &[])));
+        assert!(!echoes_request(&req("POST", &[("X-Trace", "TRACE")])));
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! Interception rules: a matching request is answered by a host command instead of the
-//! upstream server. The command gets the raw request on stdin and prints a raw HTTP response.
+//! upstream server. The command gets the request (its head re-serialised with the target in
+//! origin-form, the body as received) on stdin and prints a raw HTTP response. Rules match
+//! the target as forwarded; other spellings of a rule's path are refused ([`find_rule`]).
 //! One run at a time per rule (a second request waits for the first: single flight), a
 //! timeout that kills the whole process group (504), and credentials dropped to the rule's
 //! uid/gid. The request and the response are never logged.
@@ -21,11 +23,63 @@ pub(crate) struct RuleState {
     pub(crate) lock: tokio::sync::Mutex<()>,
 }
 
+/// Headers through which some frameworks let a request claim another method.
+pub(crate) const METHOD_OVERRIDES: [&str; 3] = [
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
+/// What the rules make of a request.
+pub(crate) enum Matched<'a> {
+    /// Answered by this rule.
+    Rule(&'a RuleState),
+    /// No rule matches the request as written, but a lenient server could route it to a
+    /// rule's path (another spelling of the path, of the method, or a method override):
+    /// refused, so no request a rule exists for reaches the upstream in disguise.
+    Ambiguous,
+    /// Not a rule's request: forwarded.
+    None,
+}
+
+/// Matches a request against the rules. `target` is in origin-form
+/// ([`crate::request::origin_form`]), so an absolute-form target matches like its path.
+/// A rule matches its host, its method exactly, and a target starting with its
+/// `path_prefix` as written; the request is forwarded in that same form. A request that does
+/// not match, but whose [`crate::request::lenient_path`] starts with a rule's (lenient)
+/// prefix on that rule's host, with the rule's method in any case or a method-override
+/// header, is [`Matched::Ambiguous`].
+pub(crate) fn find_rule<'a>(
+    rules: &'a [RuleState],
+    host: &str,
+    method: &str,
+    target: &str,
+    headers: &[(String, Vec<u8>)],
+) -> Matched<'a> {
+    if let Some(rule) = rules.iter().find(|r| r.matches(host, method, target)) {
+        return Matched::Rule(rule);
+    }
+    let overridden = headers
+        .iter()
+        .any(|(n, _)| METHOD_OVERRIDES.iter().any(|o| n.eq_ignore_ascii_case(o)));
+    let lenient = crate::request::lenient_path(target);
+    let near = |r: &&RuleState| {
+        r.rule.host.matches(host)
+            && (overridden || r.rule.method.eq_ignore_ascii_case(method))
+            && lenient.starts_with(&crate::request::lenient_path(&r.rule.path_prefix))
+    };
+    if rules.iter().any(|r| near(&r)) {
+        Matched::Ambiguous
+    } else {
+        Matched::None
+    }
+}
+
 impl RuleState {
-    pub(crate) fn matches(&self, host: &str, method: &str, path: &str) -> bool {
+    fn matches(&self, host: &str, method: &str, target: &str) -> bool {
         self.rule.host.matches(host)
             && self.rule.method == method
-            && path.starts_with(&self.rule.path_prefix)
+            && target.starts_with(&self.rule.path_prefix)
     }
 
     /// Runs the command for one request and returns the bytes to send to the guest.
@@ -108,5 +162,81 @@ impl RuleState {
                 simple_response(504, "Gateway Timeout")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules() -> Vec<RuleState> {
+        vec![RuleState {
+            rule: InterceptRule {
+                host: "oauth.example".parse().expect("pattern"),
+                method: "POST".into(),
+                path_prefix: "/v1/oauth/token".into(),
+                command: vec!["/bin/true".into()],
+                uid: 65534,
+                gid: 65534,
+                timeout: std::time::Duration::from_secs(1),
+                env: vec![],
+            },
+            lock: tokio::sync::Mutex::new(()),
+        }]
+    }
+
+    fn find(method: &str, target: &str, headers: &[(&str, &str)]) -> &'static str {
+        let headers: Vec<(String, Vec<u8>)> = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+            .collect();
+        match find_rule(&rules(), "oauth.example", method, target, &headers) {
+            Matched::Rule(_) => "rule",
+            Matched::Ambiguous => "ambiguous",
+            Matched::None => "none",
+        }
+    }
+
+    #[test]
+    fn test_rule_matching_refuses_other_spellings_of_a_rule_path() {
+        assert_eq!(find("POST", "/v1/oauth/token", &[]), "rule");
+        assert_eq!(find("POST", "/v1/oauth/token?grant=x", &[]), "rule");
+        for target in [
+            "/v1/oauth/./token",
+            "//v1/oauth/token",
+            "/v1//oauth/token",
+            "/v1/oauth%2Ftoken",
+            "/v1/%6fauth/token",
+            "/v1/x/../oauth/token",
+            "/V1/OAuth/Token",
+            "/v1;x/oauth/token",
+            "/v1\\oauth\\token",
+        ] {
+            assert_eq!(find("POST", target, &[]), "ambiguous", "{target}");
+        }
+        assert_eq!(find("post", "/v1/oauth/token", &[]), "ambiguous");
+        assert_eq!(
+            find(
+                "GET",
+                "/v1/oauth/token",
+                &[("X-HTTP-Method-Override", "POST")]
+            ),
+            "ambiguous"
+        );
+        // Controls: other paths, another method, another host are not the rule's.
+        assert_eq!(find("POST", "/v1/messages", &[]), "none");
+        assert_eq!(find("POST", "/v1/oauth/other", &[]), "none");
+        assert_eq!(find("GET", "/v1/oauth/token", &[]), "none");
+        let headers: Vec<(String, Vec<u8>)> = vec![];
+        assert!(matches!(
+            find_rule(
+                &rules(),
+                "api.example",
+                "POST",
+                "/v1/oauth/./token",
+                &headers
+            ),
+            Matched::None
+        ));
     }
 }

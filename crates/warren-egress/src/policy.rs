@@ -189,6 +189,9 @@ pub enum DenyReason {
     /// The VM already has as many connections open through the egress as it may
     /// (`MAX_CONNECTIONS`, `MAX_DNS_TCP_CONNECTIONS`).
     TooManyConnections,
+    /// A request target that does not match an interception rule as written but that a
+    /// lenient server could route to the rule's path (`/oauth/./token`, `%2F`, `post`).
+    AmbiguousTarget,
 }
 
 impl DenyReason {
@@ -211,6 +214,7 @@ impl DenyReason {
             DenyReason::UnsupportedProtocol => "unsupported_protocol",
             DenyReason::MissingSni => "missing_sni",
             DenyReason::TooManyConnections => "too_many_connections",
+            DenyReason::AmbiguousTarget => "ambiguous_target",
         }
     }
 }

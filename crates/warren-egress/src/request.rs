@@ -67,6 +67,111 @@ fn target_host(target: &str) -> Result<Option<Option<String>>, Ambiguous> {
     Ok(Some(host_of(authority.as_str())?))
 }
 
+/// A request target as the relay matches and forwards it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Target {
+    /// Origin-form (`/path?query`, as written) or `*`.
+    pub(crate) path: String,
+    /// The authority of an absolute-form target, which replaces `Host` when forwarded
+    /// (RFC 9112 section 3.2.2); `None` for origin-form and `*`.
+    pub(crate) authority: Option<String>,
+}
+
+/// `target` in origin-form: an absolute-form target (`https://host/path?q`, whose host
+/// [`request_host`] has already held to the connection's) becomes its path and query (`/`
+/// when empty) and its authority; origin-form and `*` stay as written. So interception rules
+/// match, and the upstream receives, one form whatever the guest wrote.
+pub(crate) fn origin_form(target: &str) -> Result<Target, Ambiguous> {
+    if target.starts_with('/') || target == "*" {
+        return Ok(Target {
+            path: target.to_string(),
+            authority: None,
+        });
+    }
+    let bad = Ambiguous("request target is neither a path nor an absolute URI");
+    let uri: http::Uri = target.parse().map_err(|_| bad)?;
+    let authority = uri.authority().ok_or(bad)?.as_str().to_string();
+    if uri.scheme().is_none() {
+        return Err(bad);
+    }
+    let rest = uri.path_and_query().map_or("", |pq| pq.as_str());
+    let path = if rest.starts_with('/') {
+        rest.to_string()
+    } else {
+        format!("/{rest}")
+    };
+    Ok(Target {
+        path,
+        authority: Some(authority),
+    })
+}
+
+/// The path of an origin-form target as the most lenient server could route it, for
+/// refusing requests that such a server would route to an interception rule's path while
+/// the rule, matching the target as written, does not see them: the query (`?`) and anything
+/// after `#` cut; percent-escapes decoded, repeatedly (double encoding, `%2F` included);
+/// `\` read as `/`; path parameters (`;x` in a segment, as Java servers strip them), empty
+/// segments and trailing dots and spaces of a segment (as Windows servers read them)
+/// dropped; dot segments resolved; ASCII lowercased (case-insensitive routers).
+pub(crate) fn lenient_path(target: &str) -> String {
+    let end = target.find(['?', '#']).unwrap_or(target.len());
+    let mut bytes = target.as_bytes()[..end].to_vec();
+    for _ in 0..4 {
+        let decoded = percent_decode(&bytes);
+        if decoded == bytes {
+            break;
+        }
+        bytes = decoded;
+    }
+    let text = String::from_utf8_lossy(&bytes).replace('\\', "/");
+    let mut segments: Vec<&str> = Vec::new();
+    let mut trailing_slash = false;
+    for raw in text.split('/') {
+        let segment = raw.split(';').next().unwrap_or("");
+        trailing_slash = segment.is_empty() || segment == "." || segment == "..";
+        match segment {
+            "." => {}
+            ".." => {
+                segments.pop();
+            }
+            s => {
+                let s = s.trim_end_matches(['.', ' ']);
+                if !s.is_empty() {
+                    segments.push(s);
+                }
+            }
+        }
+    }
+    let mut out = format!("/{}", segments.join("/"));
+    if trailing_slash && !segments.is_empty() {
+        out.push('/');
+    }
+    out.to_ascii_lowercase()
+}
+
+/// One round of percent-decoding (`%2f` -> `/`); invalid escapes stay as written.
+fn percent_decode(bytes: &[u8]) -> Vec<u8> {
+    let hex = |b: u8| {
+        char::from(b)
+            .to_digit(16)
+            .and_then(|d| u8::try_from(d).ok())
+    };
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                out.push(h * 16 + l);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    out
+}
+
 /// A `Host` value or URI authority (`host[:port]`) as a normalised name, `None` for an empty
 /// value or an IP literal.
 fn host_of(value: &str) -> Result<Option<String>, Ambiguous> {
@@ -131,6 +236,55 @@ mod tests {
             "authority-form"
         );
         assert!(host("a.example/x", &["a.example"]).is_err());
+    }
+
+    #[test]
+    fn test_origin_form_of_absolute_targets() {
+        let t = |path: &str, authority: Option<&str>| {
+            Ok(Target {
+                path: path.into(),
+                authority: authority.map(Into::into),
+            })
+        };
+        assert_eq!(origin_form("/a/b?q=1"), t("/a/b?q=1", None));
+        assert_eq!(origin_form("*"), t("*", None));
+        assert_eq!(
+            origin_form("https://Oauth.example:443/oauth/token?x=1"),
+            t("/oauth/token?x=1", Some("Oauth.example:443"))
+        );
+        assert_eq!(origin_form("http://a.example"), t("/", Some("a.example")));
+        assert_eq!(
+            origin_form("http://a.example?x"),
+            t("/?x", Some("a.example"))
+        );
+        assert!(origin_form("a.example:443").is_err());
+    }
+
+    #[test]
+    fn test_lenient_path_reads_what_lenient_servers_route() {
+        for (raw, lenient) in [
+            ("/oauth/token", "/oauth/token"),
+            ("/oauth/token?grant=x", "/oauth/token"),
+            ("/oauth/./token", "/oauth/token"),
+            ("/x/../oauth/token", "/oauth/token"),
+            ("//oauth//token", "/oauth/token"),
+            ("/oauth%2Ftoken", "/oauth/token"),
+            ("/oauth%252ftoken", "/oauth/token"),
+            ("/%6Fauth/token", "/oauth/token"),
+            ("/oauth\\token", "/oauth/token"),
+            ("/oauth;jsessionid=1/token", "/oauth/token"),
+            ("/oauth./token", "/oauth/token"),
+            ("/OAuth/Token", "/oauth/token"),
+            ("/oauth/%2e%2e/oauth/token", "/oauth/token"),
+            ("/../../oauth/token", "/oauth/token"),
+            ("/oauth/token#frag", "/oauth/token"),
+            ("/v1/", "/v1/"),
+            ("/", "/"),
+            ("*", "/*"),
+            ("/bad%zz%", "/bad%zz%"),
+        ] {
+            assert_eq!(lenient_path(raw), lenient, "{raw}");
+        }
     }
 
     #[test]

@@ -11,25 +11,68 @@ pub(crate) const MAX_SNIFF: usize = 16 * 1024;
 pub enum Sniffed {
     /// Not enough bytes yet.
     NeedMore,
-    /// A TLS ClientHello; the SNI host name if present (raw, not yet normalised).
+    /// A TLS ClientHello; the SNI host name if present (raw, not yet normalised). An
+    /// SSLv2-format ClientHello is TLS without SNI.
     Tls(Option<String>),
     /// An HTTP/1 request head; the host it names (normalised, see
     /// `request::request_host`), `None` when it names none (no `Host`, an IP).
     Http(Option<String>),
     /// The HTTP/2 connection preface (prior knowledge): refused, its requests are not read.
     Http2,
-    /// Starts like TLS or HTTP but does not parse.
+    /// Starts like TLS or HTTP but does not parse (or is a TLS record no client starts with).
     Malformed,
     /// Any other protocol.
     Other,
 }
 
 /// Classifies `buf` (the bytes read so far).
+///
+/// Anything a TLS server could take as the start of a session is TLS, never `Other` (which
+/// is relayed by address, and so would carry a whole TLS session past `intercept_all_tls`):
+/// a TLS record of type handshake (`0x16`, parsed for its ClientHello below), an
+/// SSLv2-format ClientHello (RFC 5246 appendix E.2: a 2-byte header with the high bit set,
+/// then message type 1; it has no extensions and so no SNI), and the records some servers
+/// skip before a ClientHello (a 2-byte alert, which OpenSSL and Go drop when it is a
+/// warning, and a 1-byte ChangeCipherSpec), which are refused.
 pub(crate) fn sniff(buf: &[u8]) -> Sniffed {
     match buf.first() {
         None => Sniffed::NeedMore,
         Some(0x16) => sniff_tls(buf),
+        Some(0x80..=0xff) => sniff_sslv2(buf),
+        Some(0x14 | 0x15) => sniff_tls_preamble(buf),
         Some(_) => sniff_text(buf),
+    }
+}
+
+/// An SSLv2-format record header (`0x80 | length-high`, `length-low`) followed by message
+/// type 1 (CLIENT-HELLO) is the shape OpenSSL, Java and NSS accept as a ClientHello: TLS
+/// without SNI. Anything else with the high bit set is another protocol.
+fn sniff_sslv2(buf: &[u8]) -> Sniffed {
+    match buf.get(2) {
+        None => Sniffed::NeedMore,
+        Some(1) => Sniffed::Tls(None),
+        Some(_) => Sniffed::Other,
+    }
+}
+
+/// A TLS record header of type ChangeCipherSpec (`0x14`, 1 byte long) or alert (`0x15`, 2
+/// bytes long) with a version a server accepts on its first record (major below 16, as Go
+/// checks; OpenSSL wants 3): no client starts a session so, but a server that skips it reads
+/// the ClientHello that follows, which Warren would not have decided. Refused. Other bytes
+/// are another protocol.
+fn sniff_tls_preamble(buf: &[u8]) -> Sniffed {
+    let record_len = if buf[0] == 0x14 { 1 } else { 2 };
+    let shape = [
+        buf.get(1).map(|&major| major < 0x10),
+        buf.get(3).map(|&len_high| len_high == 0),
+        buf.get(4).map(|&len_low| len_low == record_len),
+    ];
+    if shape.contains(&Some(false)) {
+        sniff_text(buf)
+    } else if shape.contains(&None) {
+        Sniffed::NeedMore
+    } else {
+        Sniffed::Malformed
     }
 }
 
@@ -291,6 +334,47 @@ mod tests {
             broken[3..5].copy_from_slice(&len.to_be_bytes());
             let _ = sniff(&broken);
         }
+    }
+
+    /// An SSLv2-format ClientHello (RFC 5246 appendix E.2) offering TLS 1.2.
+    fn sslv2_client_hello() -> Vec<u8> {
+        let mut body = vec![1u8, 3, 3];
+        body.extend_from_slice(&[0, 3, 0, 0, 0, 32]); // cipher specs, session id, challenge
+        body.extend_from_slice(&[0, 0, 0x2f]);
+        body.extend_from_slice(&[9u8; 32]);
+        let mut rec = (0x8000u16 | body.len() as u16).to_be_bytes().to_vec();
+        rec.extend_from_slice(&body);
+        rec
+    }
+
+    #[test]
+    fn test_sniff_sslv2_format_hello_is_tls_without_sni() {
+        // Before the fix this was `Other`: relayed by address, past `intercept_all_tls`.
+        let hello = sslv2_client_hello();
+        assert_eq!(sniff(&hello), Sniffed::Tls(None));
+        assert_eq!(sniff(&hello[..3]), Sniffed::Tls(None));
+        assert_eq!(sniff(&hello[..2]), Sniffed::NeedMore);
+        // The long form of the length and any version: still the shape servers accept.
+        assert_eq!(sniff(&[0xff, 0xff, 1, 0, 2]), Sniffed::Tls(None));
+        // Control: other high-bit protocols (memcached's binary magic 0x80, then an opcode
+        // and a key length below 256) stay another protocol.
+        assert_eq!(sniff(&[0x80, 0x00, 0x00, 0x05, 0, 0]), Sniffed::Other);
+        assert_eq!(sniff(b"\xff\xfb\x18"), Sniffed::Other);
+    }
+
+    #[test]
+    fn test_sniff_tls_records_servers_skip_before_a_hello_refused() {
+        // A warning alert (OpenSSL and Go drop it and read on), then a ClientHello.
+        let mut alert_first = vec![0x15, 3, 1, 0, 2, 1, 0];
+        alert_first.extend_from_slice(&client_hello(Some("denied.example")));
+        assert_eq!(sniff(&alert_first), Sniffed::Malformed);
+        assert_eq!(sniff(&[0x15, 0, 0, 0, 2]), Sniffed::Malformed);
+        assert_eq!(sniff(&[0x14, 3, 3, 0, 1, 1]), Sniffed::Malformed);
+        assert_eq!(sniff(&alert_first[..4]), Sniffed::NeedMore);
+        // Controls: the same first bytes in other shapes are another protocol.
+        assert_eq!(sniff(&[0x15, 0x20, 0, 0, 2]), Sniffed::Other);
+        assert_eq!(sniff(&[0x15, 3, 1, 0, 7]), Sniffed::Other);
+        assert_eq!(sniff(&[0x14, 3, 1, 1, 1]), Sniffed::Other);
     }
 
     #[test]
