@@ -41,6 +41,12 @@ const CONN_WINDOW: u32 = 8 << 20;
 /// The guest's frames: small enough that a short answer is not queued behind much of a
 /// stream's data, and that a stream's receiver gets data while the next frame arrives.
 const MAX_FRAME_SIZE: u32 = 1 << 16;
+/// The largest header block (decoded, as HTTP/2 counts it) the guest may send: an answer
+/// needs `:status`, a stream's end two short trailers (`warren-exit`, and `warren-error` of
+/// at most 1 KiB). Without it h2 accepts 16 MiB per block, decoded and held before anything
+/// looks at it. A larger block resets its stream (far larger: a GOAWAY). The HPACK table the
+/// guest may make the host keep stays at HTTP/2's default 4 KiB (never raised here).
+const MAX_HEADER_LIST_SIZE: u32 = 16 * 1024;
 /// The longest guest error message passed on: the agent's own are a line, a hostile guest's
 /// may fill a whole message (1 MiB), which would reach every log and client it crosses.
 pub const MAX_GUEST_ERROR_MESSAGE: usize = 4096;
@@ -210,6 +216,7 @@ impl GuestChannel {
             .initial_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONN_WINDOW)
             .max_frame_size(MAX_FRAME_SIZE)
+            .max_header_list_size(MAX_HEADER_LIST_SIZE)
             .enable_push(false)
             .handshake::<_, Bytes>(h2_io)
             .await?;

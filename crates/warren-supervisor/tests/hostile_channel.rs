@@ -20,6 +20,7 @@ const DATA: u8 = 0;
 const HEADERS: u8 = 1;
 const SETTINGS: u8 = 4;
 const GOAWAY: u8 = 7;
+const CONTINUATION: u8 = 9;
 const END_STREAM: u8 = 1;
 const END_HEADERS: u8 = 4;
 const ACK: u8 = 1;
@@ -252,4 +253,30 @@ fn literal_header(block: &mut Vec<u8>, name: &[u8], len: usize) {
     block.extend_from_slice(name);
     hpack_int(block, 0, 7, len);
     block.extend(std::iter::repeat_n(b'a', len));
+}
+
+/// An answer whose header block decodes to 15 MiB, over CONTINUATION frames: h2's default
+/// (16 MiB) took it whole, decoded; the host's limit refuses it.
+#[tokio::test(flavor = "current_thread")]
+async fn test_fifteen_mib_response_headers_refused() {
+    let (ch, _t) = connected(|g, stream, _req| {
+        let mut block = vec![0x88];
+        literal_header(&mut block, b"x-big", 15 << 20);
+        let chunks: Vec<&[u8]> = block.chunks(1 << 16).collect();
+        let last = chunks.len() - 1;
+        for (i, c) in chunks.iter().enumerate() {
+            let kind = if i == 0 { HEADERS } else { CONTINUATION };
+            let flags = if i == last { END_HEADERS } else { 0 };
+            g.raw(&frame(kind, flags, stream, c));
+        }
+        g.raw(&frame(
+            DATA,
+            END_STREAM,
+            stream,
+            &encode(&Ok::<_, warren_protocol::GuestError>(GuestResponse::Pong)).expect("enc"),
+        ));
+    })
+    .await;
+    let r = ch.call(&HostRequest::Ping).await;
+    assert!(r.is_err(), "a 15 MiB header block was accepted: {r:?}");
 }
