@@ -41,6 +41,12 @@ const CONN_WINDOW: u32 = 8 << 20;
 /// The guest's frames: small enough that a short answer is not queued behind much of a
 /// stream's data, and that a stream's receiver gets data while the next frame arrives.
 const MAX_FRAME_SIZE: u32 = 1 << 16;
+/// The largest header block (decoded, as HTTP/2 counts it) the guest may send: an answer
+/// needs `:status`, a stream's end two short trailers (`warren-exit`, and `warren-error` of
+/// at most 1 KiB). Without it h2 accepts 16 MiB per block, decoded and held before anything
+/// looks at it. A larger block resets its stream (far larger: a GOAWAY). The HPACK table the
+/// guest may make the host keep stays at HTTP/2's default 4 KiB (never raised here).
+const MAX_HEADER_LIST_SIZE: u32 = 16 * 1024;
 /// The longest guest error message passed on: the agent's own are a line, a hostile guest's
 /// may fill a whole message (1 MiB), which would reach every log and client it crosses.
 pub const MAX_GUEST_ERROR_MESSAGE: usize = 4096;
@@ -68,7 +74,7 @@ pub enum ChannelError {
     #[error("channel I/O failed")]
     Io(#[from] std::io::Error),
     #[error("HTTP/2 failed")]
-    H2(#[from] h2::Error),
+    H2(#[source] H2Failure),
     #[error("message codec: {0}")]
     Codec(#[from] warren_protocol::CodecError),
     #[error("the guest's proof of the VM secret is wrong")]
@@ -82,6 +88,51 @@ pub enum ChannelError {
     #[error("the channel closed")]
     Closed,
 }
+
+/// Every HTTP/2 failure becomes a [`H2Failure`]: the one place guest bytes inside an
+/// `h2::Error` are dropped before the error reaches a log, a reply or `exit.json`.
+impl From<h2::Error> for ChannelError {
+    fn from(e: h2::Error) -> ChannelError {
+        ChannelError::H2(H2Failure(e))
+    }
+}
+
+/// An HTTP/2 failure, described without the peer's GOAWAY debug data. h2's own text appends
+/// that data escaped (up to a whole 64 KiB frame of the guest's bytes, four times that once
+/// escaped) to every error of the calls in flight; here a GOAWAY says only who sent it and
+/// its reason code. Every other kind of h2 error has a fixed text (a reason code, an I/O
+/// error, a misuse of the API), so it is passed on as h2 words it.
+#[derive(Debug)]
+pub struct H2Failure(h2::Error);
+
+impl H2Failure {
+    /// The h2 error (its `Display` is not bounded: use this type's).
+    pub fn inner(&self) -> &h2::Error {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for H2Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let e = &self.0;
+        if !e.is_go_away() {
+            return e.fmt(f);
+        }
+        let by = if e.is_remote() {
+            "received from the guest"
+        } else if e.is_library() {
+            "detected"
+        } else {
+            "sent"
+        };
+        match e.reason() {
+            Some(r) => write!(f, "connection error {by}: {r}"),
+            None => write!(f, "connection error {by}"),
+        }
+    }
+}
+
+impl std::error::Error for H2Failure {}
 
 /// An authenticated session with the guest agent.
 #[derive(Clone)]
@@ -165,12 +216,14 @@ impl GuestChannel {
             .initial_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONN_WINDOW)
             .max_frame_size(MAX_FRAME_SIZE)
+            .max_header_list_size(MAX_HEADER_LIST_SIZE)
             .enable_push(false)
             .handshake::<_, Bytes>(h2_io)
             .await?;
         let (closed_tx, closed) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             if let Err(e) = conn.await {
+                let e = H2Failure(e);
                 tracing::debug!(error = %e, "guest channel connection ended");
             }
             let _ = closed_tx.send(true);

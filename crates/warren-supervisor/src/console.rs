@@ -1,10 +1,10 @@
 //! The serial console: read from the VMM's console socket into a bounded log.
 //!
-//! The log is `console.log`; when it reaches [`LOG_HALF`] bytes it becomes `console.log.1`
-//! (replacing the previous one) and a new `console.log` starts, so at most 2 × LOG_HALF bytes
-//! are kept. A guest flooding its console cannot fill the host disk.
+//! The log is `console.log`; when it would pass [`LOG_HALF`] bytes it becomes
+//! `console.log.1` (replacing the previous one) and a new `console.log` starts, so at most
+//! 2 × LOG_HALF bytes are kept ([`crate::rotate`]). A guest flooding its console cannot fill
+//! the host disk.
 
-use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,9 +12,10 @@ use tokio::io::AsyncReadExt;
 use tokio::net::UnixStream;
 
 use crate::layout::VmDir;
+use crate::rotate::RotatingFile;
 
 /// Bytes per console log file.
-pub const LOG_HALF: u64 = 512 * 1024;
+pub use crate::rotate::LOG_HALF;
 /// Bytes of console output kept in memory for error messages.
 const TAIL: usize = 4096;
 
@@ -87,12 +88,7 @@ pub async fn connect(path: &std::path::Path, wait: Duration) -> std::io::Result<
 /// Copies the console into the bounded log until the VMM closes it.
 pub async fn pump(mut stream: UnixStream, dir: VmDir, tail: ConsoleTail) {
     let mut buf = vec![0u8; 16 * 1024];
-    let mut file = open_log(&dir);
-    let mut written = file
-        .as_ref()
-        .and_then(|f| f.metadata().ok())
-        .map(|m| m.len())
-        .unwrap_or(0);
+    let mut file = RotatingFile::append_to(dir.console_log());
     loop {
         let n = match stream.read(&mut buf).await {
             Ok(0) | Err(_) => return,
@@ -104,21 +100,6 @@ pub async fn pump(mut stream: UnixStream, dir: VmDir, tail: ConsoleTail) {
                 tracing::debug!(line = %crate::log::guest_text(line), "console");
             }
         }
-        if written >= LOG_HALF {
-            let _ = std::fs::rename(dir.console_log(), dir.console_log_old());
-            file = open_log(&dir);
-            written = 0;
-        }
-        if let Some(f) = file.as_mut() {
-            if f.write_all(&buf[..n]).is_ok() {
-                written += n as u64;
-            }
-        }
+        file.append(&buf[..n]);
     }
-}
-
-fn open_log(dir: &VmDir) -> Option<std::fs::File> {
-    warren_vmm::sys::private_file::create(&dir.console_log(), true)
-        .map_err(|e| tracing::warn!(error = %e, "console log unavailable"))
-        .ok()
 }

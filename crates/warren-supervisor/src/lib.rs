@@ -10,12 +10,14 @@
 //! 1. take the VM directory's lock (held for the process lifetime: a free lock means no
 //!    supervisor), bind `supervisor.sock`;
 //! 2. launch the VMM in the VM's cgroup, as the VM's uid, dying with the supervisor;
-//! 3. connect the console (the VMM waits for it, so no byte is lost) into a bounded log;
+//! 3. drain the VMM's and its helpers' stderr into bounded logs ([`child_log`]), connect
+//!    the console (the VMM waits for it, so no byte is lost) into a bounded log;
 //! 4. connect the channel: resync, HTTP/2, mutual authentication ([`channel`]);
 //! 5. serve clients until the VMM exits or a client asks to stop;
 //! 6. kill the cgroup, record why the VM ended in `exit.json`, remove the sockets, exit.
 
 pub mod channel;
+pub mod child_log;
 pub mod client;
 pub mod console;
 pub mod deadline;
@@ -26,6 +28,7 @@ pub mod log;
 pub mod network;
 pub mod proto;
 mod rekey;
+pub mod rotate;
 mod server;
 mod stream;
 pub mod stream_frame;

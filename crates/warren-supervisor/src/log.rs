@@ -32,9 +32,10 @@ use std::time::Instant;
 use tracing::{Level, Metadata};
 
 use crate::layout::VmDir;
+use crate::rotate::RotatingFile;
 
 /// Bytes per supervisor log file.
-pub const LOG_HALF: u64 = 512 * 1024;
+pub use crate::rotate::LOG_HALF;
 /// Longest record written, in bytes (the truncation marker included).
 pub const MAX_RECORD: usize = 4096;
 /// Longest guest-supplied string a record carries, in bytes, before its marker.
@@ -102,40 +103,39 @@ impl Bucket {
     }
 }
 
-struct Inner {
-    dir: VmDir,
-    file: Option<File>,
-    written: u64,
+/// A bounded log of records: each cut at [`MAX_RECORD`], those subject to the rate limit
+/// passed through a [`Bucket`] (the rest dropped and counted, and the count written before
+/// the next record admitted), the file rotated at [`LOG_HALF`]. `supervisor.log` is one;
+/// the stderr of the VM's QEMU and virtiofsd are others (`crate::child_log`).
+pub(crate) struct BoundedLog {
+    file: RotatingFile,
     bucket: Bucket,
-    /// Point stdout and stderr at each new file (the supervisor process; not unit tests).
-    redirect_stdio: bool,
+    /// What a line about suppressed records starts with.
+    marker: &'static str,
+    /// Called with the new file after each rotation.
+    on_rotate: Option<fn(&File)>,
 }
 
-impl Inner {
-    fn open(&mut self) {
-        self.file = warren_vmm::sys::private_file::create(&self.dir.supervisor_log(), true)
-            .map_err(|e| eprintln!("supervisor log unavailable: {e}"))
-            .ok();
-        self.written = self
-            .file
-            .as_ref()
-            .and_then(|f| f.metadata().ok())
-            .map(|m| m.len())
-            .unwrap_or(0);
-        if self.redirect_stdio {
-            if let Some(f) = &self.file {
-                // Best effort: a failure leaves them on the previous file, which is bounded
-                // by what the process prints outside `tracing` (a panic message).
-                let _ = nix::unistd::dup2_stdout(f);
-                let _ = nix::unistd::dup2_stderr(f);
-            }
+impl BoundedLog {
+    pub(crate) fn new(
+        file: RotatingFile,
+        marker: &'static str,
+        on_rotate: Option<fn(&File)>,
+    ) -> BoundedLog {
+        BoundedLog {
+            file,
+            bucket: Bucket::new(),
+            marker,
+            on_rotate,
         }
     }
 
-    fn commit(&mut self, record: &[u8], cut: usize, limited: bool) {
+    /// Writes one record of which `cut` bytes were not kept (a marker says so), if the rate
+    /// limit admits it (`limited`); returns whether it did.
+    pub(crate) fn commit(&mut self, record: &[u8], cut: usize, limited: bool) -> bool {
         let suppressed = if limited {
             match self.bucket.admit() {
-                None => return,
+                None => return false,
                 Some(n) => n,
             }
         } else {
@@ -143,8 +143,8 @@ impl Inner {
         };
         if suppressed > 0 {
             let line = format!(
-                "WARN warren_supervisor::log: {suppressed} log records suppressed (more than \
-                 {PER_SECOND} per second)\n"
+                "{}: {suppressed} log records suppressed (more than {PER_SECOND} per second)\n",
+                self.marker
             );
             self.append(line.as_bytes());
         }
@@ -158,24 +158,29 @@ impl Inner {
             line.extend_from_slice(format!("…[truncated {cut} bytes]\n").as_bytes());
             self.append(&line);
         }
+        true
     }
 
     fn append(&mut self, data: &[u8]) {
-        if self.written > 0 && self.written + data.len() as u64 > LOG_HALF {
-            let _ = std::fs::rename(self.dir.supervisor_log(), self.dir.supervisor_log_old());
-            self.open();
-        }
-        if let Some(f) = self.file.as_mut() {
-            if f.write_all(data).is_ok() {
-                self.written += data.len() as u64;
+        if self.file.append(data) {
+            if let (Some(hook), Some(f)) = (self.on_rotate, self.file.file()) {
+                hook(f);
             }
         }
     }
 }
 
+/// Points the process's stdout and stderr at `f` (the supervisor's current log file).
+fn redirect_stdio(f: &File) {
+    // Best effort: a failure leaves them on the previous file, which is bounded by what the
+    // process prints outside `tracing` (a panic message).
+    let _ = nix::unistd::dup2_stdout(f);
+    let _ = nix::unistd::dup2_stderr(f);
+}
+
 /// The bounded log of one VM's supervisor; a `tracing_subscriber` writer.
 #[derive(Clone)]
-pub struct SupervisorLog(Arc<Mutex<Inner>>);
+pub struct SupervisorLog(Arc<Mutex<BoundedLog>>);
 
 impl SupervisorLog {
     /// Appends to `dir`'s `supervisor.log` (the creator made it the process's stdout and
@@ -184,16 +189,17 @@ impl SupervisorLog {
         Self::open_with(dir, true)
     }
 
-    fn open_with(dir: VmDir, redirect_stdio: bool) -> SupervisorLog {
-        let mut inner = Inner {
-            dir,
-            file: None,
-            written: 0,
-            bucket: Bucket::new(),
-            redirect_stdio,
-        };
-        inner.open();
-        SupervisorLog(Arc::new(Mutex::new(inner)))
+    fn open_with(dir: VmDir, redirect: bool) -> SupervisorLog {
+        let file = RotatingFile::append_to(dir.supervisor_log());
+        let on_rotate: Option<fn(&File)> = redirect.then_some(redirect_stdio);
+        if let (Some(hook), Some(f)) = (on_rotate, file.file()) {
+            hook(f);
+        }
+        SupervisorLog(Arc::new(Mutex::new(BoundedLog::new(
+            file,
+            "WARN warren_supervisor::log",
+            on_rotate,
+        ))))
     }
 
     fn record(&self, limited: bool) -> Record {

@@ -290,6 +290,14 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
     let endpoints = launched.endpoints;
     // virtiofsd processes: they exit when QEMU disconnects; held here so they are reaped.
     let _device_helpers = launched.helpers;
+    // Their stderr and QEMU's (first), drained into bounded logs; QEMU's last line is read
+    // once its drain reached the end of the pipe.
+    let mut drains = launched
+        .stderr
+        .into_iter()
+        .map(|p| crate::child_log::drain(p.pipe, &p.log));
+    let vmm_stderr_drained = drains.next();
+    drains.for_each(drop);
     tracing::info!(vm = %cfg.vm_id, pid = ?child.id(), "VMM launched");
 
     let (phase, _) = watch::channel(VmPhase::Booting);
@@ -552,9 +560,15 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
         }
         _ = serve => unreachable!("the accept loop never ends"),
     };
-    // The console is drained before the reason is written: the guest's last line comes just
-    // before its VMM ends.
-    let _ = tokio::time::timeout(Duration::from_secs(1), console_task).await;
+    // The console and QEMU's stderr are drained before the reason is written: the guest's
+    // last line and QEMU's come just before it ends.
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let _ = console_task.await;
+        if let Some(d) = vmm_stderr_drained {
+            let _ = d.await;
+        }
+    })
+    .await;
     let reason = match ended {
         Ended::Vmm(status) => vmm_exit_reason(&dir, status, &tail),
         Ended::Said(r) => r,

@@ -18,8 +18,10 @@ pub struct LaunchSpec {
     pub name: String,
     /// Private 0700 directory, owned by `run_as`, where the backend creates its sockets.
     pub run_dir: PathBuf,
-    /// The VMM's stderr goes here; opened by the caller's (privileged) process, outside
-    /// `run_dir`, so the VMM cannot redirect the caller's writes.
+    /// Where the VMM's stderr is logged (each virtiofsd's beside it, `virtiofsd-<tag>.log`).
+    /// The VMM gets a pipe, never the file: the caller drains [`LaunchedVm::stderr`] into it,
+    /// outside `run_dir`, so the VMM can neither redirect the caller's writes nor grow the
+    /// file without bound.
     pub stderr_log: PathBuf,
     pub kernel: PathBuf,
     pub initramfs: PathBuf,
@@ -245,6 +247,33 @@ pub struct LaunchedVm {
     /// Device backends started for this VM (virtiofsd, one per share). They exit when the
     /// VMM disconnects; the VM's cgroup reaps any leftover.
     pub helpers: Vec<tokio::process::Child>,
+    /// The standard error of the VMM (first) and of each helper: for the caller to drain.
+    pub stderr: Vec<StderrPipe>,
+}
+
+/// The read end of a child's standard error pipe, and the log it belongs in. A child never
+/// gets a log file of its own: what it prints could then grow that file without bound (a
+/// guest can make QEMU print an error line per virtqueue kick). The caller drains the pipe
+/// into a bounded log, without ever making the child wait (`warren-supervisor::child_log`).
+/// Dropped unread, it costs the child only its messages: its writes fail with `EPIPE`, and
+/// neither QEMU (it ignores `SIGPIPE` from its start) nor virtiofsd (a Rust program, which
+/// ignores it too) dies of that. Both get `SIGKILL` with their supervisor anyway
+/// (`sys::process::confine`).
+#[derive(Debug)]
+pub struct StderrPipe {
+    pub log: PathBuf,
+    pub pipe: std::os::fd::OwnedFd,
+}
+
+impl StderrPipe {
+    /// A pipe for a child's stderr: this (the read end) and the write end for the child.
+    /// Both ends are close-on-exec; the spawn's `dup2` onto fd 2 makes the child's copy the
+    /// only one that survives its `exec`.
+    pub fn new(log: PathBuf) -> Result<(StderrPipe, std::os::fd::OwnedFd), VmmError> {
+        let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+            .map_err(|e| VmmError::io("create the stderr pipe for", &log, e.into()))?;
+        Ok((StderrPipe { log, pipe: read }, write))
+    }
 }
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -15,7 +15,7 @@ pub mod sys;
 
 pub use accel::{Accel, AccelChoice};
 pub use backend::{
-    LaunchSpec, LaunchedVm, NetIntercept, NetMode, NetSecret, NetSpec, VmBackend, VmControl,
-    VmEndpoints,
+    LaunchSpec, LaunchedVm, NetIntercept, NetMode, NetSecret, NetSpec, StderrPipe, VmBackend,
+    VmControl, VmEndpoints,
 };
 pub use error::VmmError;

@@ -10,15 +10,15 @@ pub(super) enum Ended {
     Said(String),
 }
 
-/// Why the VMM ended on its own: its status, its last stderr line, the console tail.
+/// Why the VMM ended on its own: its status, its last stderr line (from the log's tail
+/// only, escaped and cut: `child_log::last_line`), the console tail.
 pub(super) fn vmm_exit_reason(
     dir: &VmDir,
     status: std::process::ExitStatus,
     tail: &ConsoleTail,
 ) -> String {
     let mut reason = format!("the VMM exited unexpectedly ({})", describe_status(status));
-    let stderr = std::fs::read_to_string(dir.qemu_stderr()).unwrap_or_default();
-    if let Some(l) = stderr.lines().rev().find(|l| !l.trim().is_empty()) {
+    if let Some(l) = crate::child_log::last_line(&dir.qemu_stderr()) {
         reason.push_str(&format!(": {l}"));
     }
     reason.push_str(&tail.report(10));
@@ -98,7 +98,50 @@ pub(super) fn record_exit(dir: &VmDir, requested: bool, reason: String, boot_aga
 
 #[cfg(test)]
 mod tests {
-    use super::clock_failed;
+    use super::*;
+
+    fn hwm_kib() -> u64 {
+        let s = std::fs::read_to_string("/proc/self/status").expect("status");
+        s.lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmHWM")
+    }
+
+    /// The exit reason takes QEMU's last stderr line from the log's tail: a 1 GiB (sparse)
+    /// `qemu.stderr` ending with a QEMU line costs no memory (it was read whole, +1 GiB).
+    /// Positive control: the line is in the reason.
+    #[test]
+    fn test_exit_reason_reads_only_the_tail_of_qemu_stderr() {
+        use std::io::Write;
+        use std::os::unix::process::ExitStatusExt;
+        let d = tempfile::tempdir().expect("tempdir");
+        let dir = VmDir(d.path().to_path_buf());
+        let f = std::fs::File::create(dir.qemu_stderr()).expect("create");
+        f.set_len(1 << 30).expect("len");
+        drop(f);
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(dir.qemu_stderr())
+            .expect("open")
+            .write_all(b"\nqemu-system-x86_64: virtio-serial-bus: Unexpected port id 4660\n")
+            .expect("write");
+        let before = hwm_kib();
+        let reason = vmm_exit_reason(
+            &dir,
+            std::process::ExitStatus::from_raw(1 << 8),
+            &ConsoleTail::default(),
+        );
+        let grew = hwm_kib().saturating_sub(before);
+        assert!(grew < 16 * 1024, "VmHWM grew by {grew} KiB");
+        assert!(
+            reason.starts_with(
+                "the VMM exited unexpectedly (exit status 1): qemu-system-x86_64: \
+                 virtio-serial-bus: Unexpected port id 4660"
+            ),
+            "{reason}"
+        );
+    }
 
     #[test]
     fn test_clock_failure_is_the_agents_line_only() {

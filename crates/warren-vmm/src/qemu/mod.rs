@@ -25,7 +25,9 @@ use tokio::io::AsyncReadExt;
 pub use tsc::host_tsc_khz;
 
 use crate::accel::{Accel, ProbeVerdict};
-use crate::backend::{BoxFuture, LaunchSpec, LaunchedVm, VmBackend, VmControl, VmEndpoints};
+use crate::backend::{
+    BoxFuture, LaunchSpec, LaunchedVm, StderrPipe, VmBackend, VmControl, VmEndpoints,
+};
 use crate::error::VmmError;
 
 /// QEMU's qboot firmware: SeaBIOS' microvm build hangs with a PVH vmlinux + initrd.
@@ -74,7 +76,11 @@ impl VmBackend for QemuBackend {
             (bind_endpoint(&endpoints.channel)?, cmdline::CHANNEL_FD),
             (bind_endpoint(&endpoints.control)?, cmdline::QMP_FD),
         ];
-        let (helpers, share_conns) = virtiofs::spawn_all(spec)?;
+        let virtiofs::Started {
+            children: helpers,
+            conns: share_conns,
+            stderr: helper_stderr,
+        } = virtiofs::spawn_all(spec)?;
         // The NIC: the namespace's TAP device, opened here and kept open until spawn returns.
         let tap = match &spec.network {
             Some(net) => {
@@ -108,14 +114,12 @@ impl VmBackend for QemuBackend {
             (_, ram) => ram,
         };
         let args = qemu_args(spec, Attach::Fds, self.tsc_khz);
+        let (qemu_stderr, stderr_write) = StderrPipe::new(spec.stderr_log.clone())?;
         let mut cmd = tokio::process::Command::new(&self.qemu);
         cmd.args(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::from(
-                crate::sys::private_file::create(&spec.stderr_log, false)
-                    .map_err(|e| VmmError::io("create", &spec.stderr_log, e))?,
-            ))
+            .stderr(Stdio::from(stderr_write))
             .kill_on_drop(false);
         if let Some(cg) = &spec.cgroup {
             // Joined in the child, before the uid drop: nothing QEMU starts runs outside.
@@ -147,15 +151,19 @@ impl VmBackend for QemuBackend {
             program: self.qemu.display().to_string(),
             source,
         })?;
-        // QEMU holds its own copies now; the supervisor keeps only the paths to connect to.
-        drop((tap, listeners, share_conns, ram));
+        // QEMU holds its own copies now; the supervisor keeps only the paths to connect to
+        // (and the read end of QEMU's stderr: the command held the write end).
+        drop((tap, listeners, share_conns, ram, cmd));
         if let (Some(cg), Some(pid)) = (&spec.cgroup, child.id()) {
             crate::sys::cgroup::add_pid(cg, pid)?;
         }
+        let mut stderr = vec![qemu_stderr];
+        stderr.extend(helper_stderr);
         Ok(LaunchedVm {
             child,
             endpoints,
             helpers,
+            stderr,
         })
     }
 

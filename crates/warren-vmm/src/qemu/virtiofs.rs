@@ -8,7 +8,7 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
-use crate::backend::{LaunchSpec, Share};
+use crate::backend::{LaunchSpec, Share, StderrPipe};
 use crate::error::VmmError;
 
 /// The guest user's uid and gid (the image recipe's `user`).
@@ -159,31 +159,32 @@ pub fn virtiofsd_args(share: &Share) -> Vec<String> {
     a
 }
 
-/// A started virtiofsd per share, and the vhost-user connection to each (in share order) for
-/// the VMM.
-pub type Started = (
-    Vec<tokio::process::Child>,
-    Vec<std::os::unix::net::UnixStream>,
-);
+/// A started virtiofsd per share, the vhost-user connection to each (in share order) for
+/// the VMM, and each one's stderr for the caller to drain.
+#[derive(Default)]
+pub struct Started {
+    pub children: Vec<tokio::process::Child>,
+    pub conns: Vec<std::os::unix::net::UnixStream>,
+    pub stderr: Vec<StderrPipe>,
+}
 
 /// Starts one virtiofsd per share. Each gets a listening socket created here as fd 3, with
 /// the VMM's connection already queued on it, joins the VM's cgroup, and dies with the
 /// supervisor.
 pub fn spawn_all(spec: &LaunchSpec) -> Result<Started, VmmError> {
     if spec.shares.is_empty() {
-        return Ok((Vec::new(), Vec::new()));
+        return Ok(Started::default());
     }
     validate(&spec.shares)?;
     let bin = spec.virtiofsd.as_ref().ok_or(VmmError::VirtiofsdMissing)?;
     let filters = crate::sys::share_seccomp::share_filters()?;
-    let mut children = Vec::new();
-    let mut conns = Vec::new();
+    let mut started = Started::default();
     // Named only for the instant it takes to connect, beside the VM's other endpoints (a
     // directory the VMM cannot write).
     let dir = spec.run_dir.parent().unwrap_or(&spec.run_dir);
     for share in &spec.shares {
         let (listener, conn) = connected_pair(&dir.join(format!("vmm-fs-{}.sock", share.tag)))?;
-        conns.push(conn);
+        started.conns.push(conn);
         let log = spec
             .stderr_log
             .with_file_name(format!("virtiofsd-{}.log", share.tag));
@@ -200,14 +201,12 @@ pub fn spawn_all(spec: &LaunchSpec) -> Result<Started, VmmError> {
         std::fs::create_dir_all(&mountpoint).map_err(|e| VmmError::io("create", &mountpoint, e))?;
         let mut served = share.clone();
         served.host_dir = mountpoint.clone();
+        let (stderr, stderr_write) = StderrPipe::new(log)?;
         let mut cmd = std::process::Command::new(bin);
         cmd.args(virtiofsd_args(&served))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::from(
-                crate::sys::private_file::create(&log, false)
-                    .map_err(|e| VmmError::io("create", &log, e))?,
-            ));
+            .stderr(Stdio::from(stderr_write));
         if let Some(cg) = &spec.cgroup {
             // Joined in the child before exec: virtiofsd's sandbox forks at once, and that
             // child (the one serving the guest) must be inside the VM's limits too.
@@ -223,20 +222,23 @@ pub fn spawn_all(spec: &LaunchSpec) -> Result<Started, VmmError> {
         crate::sys::process::set_umask(&mut cmd, 0o022);
         crate::sys::share_seccomp::install_in_child(&mut cmd, filters.clone());
         crate::sys::process::pass_fd(&mut cmd, listener.as_raw_fd());
-        let child = tokio::process::Command::from(cmd)
+        let mut cmd = tokio::process::Command::from(cmd);
+        let child = cmd
             .kill_on_drop(false)
             .spawn()
             .map_err(|source| VmmError::Spawn {
                 program: bin.display().to_string(),
                 source,
             })?;
-        drop((listener, held, tree));
+        // The command held the write end of the stderr pipe: virtiofsd's is the only one now.
+        drop((listener, held, tree, cmd));
         if let (Some(cg), Some(pid)) = (&spec.cgroup, child.id()) {
             crate::sys::cgroup::add_pid(cg, pid)?;
         }
-        children.push(child);
+        started.children.push(child);
+        started.stderr.push(stderr);
     }
-    Ok((children, conns))
+    Ok(started)
 }
 
 /// A listening socket with one connection queued on it, and that connection; the name
