@@ -64,11 +64,8 @@ impl Service {
             Claim::Pending => {
                 // An earlier attempt was cut off after its admission: its copies say how far
                 // it got; none is trusted to be complete.
-                if self
-                    .warren
-                    .vm_by_request(&p.workspace, &format!("{rid}.0"))?
-                    .is_some()
-                {
+                let first = warren_core::vm::fork::copy_request_id(rid, 0);
+                if self.warren.vm_by_request(&p.workspace, &first)?.is_some() {
                     return Err(ApiError::new(
                         "outcome_unknown",
                         format!("the copies of request {rid} were left half-made; list and destroy them, then use a new request_id"),
@@ -101,7 +98,10 @@ impl Service {
                 let e = ApiError::from(e);
                 let made = self
                     .warren
-                    .vm_by_request(&p.workspace, &format!("{rid}.0"))?
+                    .vm_by_request(
+                        &p.workspace,
+                        &warren_core::vm::fork::copy_request_id(rid, 0),
+                    )?
                     .is_some_and(|r| r.state == VmState::Failed);
                 if made {
                     self.receipts.complete(
@@ -202,6 +202,27 @@ mod tests {
             host_ca_store: false,
             secret_headers: vec![],
         }
+    }
+
+    /// A fork's copies record request ids no caller can send: a `vm_create` (or another
+    /// fork) with the id of a fork's copy is not possible. (Before, fork `x`'s first copy
+    /// recorded `x.0`, which a `vm_create` with request id `x.0` collided with on the
+    /// store's unique index, or, cut off and retried, adopted as its own VM.)
+    #[test]
+    fn test_a_fork_copy_request_id_is_no_callers_request_id() {
+        for rid in ["x", "x.0", "a:b-c_d", &"r".repeat(128)] {
+            for i in [0, 1, 9] {
+                let copy = warren_core::vm::fork::copy_request_id(rid, i);
+                assert!(
+                    crate::receipts::validate_request_id(&copy).is_err(),
+                    "{copy} is a valid caller request id"
+                );
+            }
+        }
+        assert_ne!(
+            warren_core::vm::fork::copy_request_id("x", 0),
+            warren_core::vm::fork::copy_request_id("x", 1)
+        );
     }
 
     /// A fork's copies are new VMs: a workspace whose internet grant was taken away, or whose

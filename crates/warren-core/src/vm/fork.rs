@@ -49,7 +49,7 @@ pub const MAX_FORK_COUNT: u32 = 16;
 pub struct ForkVm {
     pub vm_id: String,
     pub count: u32,
-    /// The idempotency key of the request; copy `i` records `<request_id>.<i>`.
+    /// The idempotency key of the request; copy `i` records [`copy_request_id`].
     pub request_id: Option<String>,
     pub host_limits: Limits,
     pub workspace_limits: Limits,
@@ -58,6 +58,13 @@ pub struct ForkVm {
     /// (the CLI acting on its own state directory). The address, resolver and namespace
     /// hooks stay the parent's either way.
     pub network: Option<super::NetworkRequest>,
+}
+
+/// The request id copy `i` of the fork `request_id` records: `fork/<request_id>/<i>`. A
+/// caller's request id has no `/`, so no `vm_create` (whose VM records the caller's id as
+/// it is) and no other fork can name a fork's copy.
+pub fn copy_request_id(request_id: &str, i: u32) -> String {
+    format!("fork/{request_id}/{i}")
 }
 
 impl Warren {
@@ -108,7 +115,7 @@ impl Warren {
                     last_active_unix: now_unix(),
                     boot_ms: None,
                     generation: 1,
-                    request_id: req.request_id.as_ref().map(|r| format!("{r}.{i}")),
+                    request_id: req.request_id.as_ref().map(|r| copy_request_id(r, i)),
                     ram_file: false,
                     mounts: vec![],
                     disk_mib: parent.disk_mib,
