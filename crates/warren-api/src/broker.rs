@@ -78,13 +78,18 @@ pub struct Pipes {
 /// An attached controller's hold on its pipe; dropping it detaches.
 pub struct Attachment {
     key: Key,
+    /// The generation of the pipe attached to: a newer boot's pipe that replaced it under the
+    /// same key is not this attachment's to free.
+    generation: u64,
     inner: Arc<Mutex<HashMap<Key, Pipe>>>,
 }
 
 impl Drop for Attachment {
     fn drop(&mut self) {
         if let Some(p) = lock(&self.inner).get_mut(&self.key) {
-            p.attached = false;
+            if p.generation == self.generation {
+                p.attached = false;
+            }
         }
     }
 }
@@ -168,6 +173,7 @@ impl Pipes {
         pipe.attached = true;
         Ok(Attachment {
             key,
+            generation,
             inner: self.inner.clone(),
         })
     }
@@ -371,6 +377,28 @@ mod tests {
             Some("not_found")
         );
         assert!(p.attach("w", "vm", 2, JobId(1), TOKEN).is_ok());
+    }
+
+    /// A controller still attached to a lost boot's pipe when the new boot's job of the same
+    /// number registers: its detaching later must not free the new pipe, which its own
+    /// controller holds. (Before, the old attachment's drop cleared the new pipe's flag and a
+    /// second concurrent attachment with the new token succeeded.)
+    #[test]
+    fn test_an_old_boots_detach_leaves_the_new_pipe_attached() {
+        let p = Pipes::default();
+        let old = "o".repeat(43);
+        p.register("w", "vm", 1, JobId(1), &old);
+        let stale = p.attach("w", "vm", 1, JobId(1), &old).expect("attach");
+        p.register("w", "vm", 2, JobId(1), TOKEN);
+        let _current = p.attach("w", "vm", 2, JobId(1), TOKEN).expect("attach");
+        drop(stale);
+        assert_eq!(
+            p.attach("w", "vm", 2, JobId(1), TOKEN)
+                .err()
+                .map(|e| e.code),
+            Some("busy"),
+            "a second controller on the new pipe"
+        );
     }
 
     #[test]

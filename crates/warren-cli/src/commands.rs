@@ -71,6 +71,20 @@ pub(crate) fn default_state_dir() -> PathBuf {
     PathBuf::from(home).join(".local/state/warren")
 }
 
+/// The service socket of state directory `state` (`warrend.sock`), `None` when the directory
+/// does not exist. Refused, like `Warren::open` refuses the directory, unless the directory and
+/// its parents are the user's or root's (`warren_core::trusted_dir`): whatever listens in a
+/// directory another user controls (`/tmp/.local/state/warren` without `$HOME`, an inherited
+/// `$XDG_STATE_HOME`) could be theirs, and would get the requests and uploads meant for the
+/// service.
+pub(crate) fn state_socket(state: &std::path::Path) -> Result<Option<PathBuf>> {
+    if !state.exists() {
+        return Ok(None);
+    }
+    warren_core::trusted_dir::check(state)?;
+    Ok(Some(state.join("warrend.sock")))
+}
+
 pub(crate) fn open(cli: &Cli, accel: Option<&str>) -> Result<Warren> {
     let state = cli.state_dir.clone().unwrap_or_else(default_state_dir);
     let exe = std::env::current_exe().context("locating the warren binary")?;
@@ -1057,4 +1071,37 @@ fn preflight(cli: &Cli, json: bool) -> Result<i32> {
         }
     }
     Ok(if failed { 1 } else { 0 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The service socket of a state directory another user made is refused before anything
+    /// connects to it (it could be theirs); the user's own directory gives its socket, a
+    /// missing one none. (Before, `<state>/warrend.sock` was connected to whoever owned it.)
+    /// Needs root (the suite does) to make another user's directory.
+    #[test]
+    fn test_state_socket_only_in_a_trusted_directory() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let mine = tmp.path().join("mine");
+        std::fs::create_dir(&mine).expect("mkdir");
+        assert_eq!(
+            state_socket(&mine).expect("trusted"),
+            Some(mine.join("warrend.sock"))
+        );
+        assert_eq!(
+            state_socket(&tmp.path().join("missing")).expect("none"),
+            None
+        );
+        let theirs = tmp.path().join("theirs");
+        std::fs::create_dir(&theirs).expect("mkdir");
+        std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).expect("chown");
+        let e = state_socket(&theirs).expect_err("another user's directory");
+        assert_eq!(
+            e.downcast_ref::<warren_core::CoreError>().map(|c| c.code()),
+            Some("forbidden"),
+            "{e:#}"
+        );
+    }
 }

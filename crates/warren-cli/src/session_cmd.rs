@@ -61,7 +61,10 @@ async fn service_conn(cli: &Cli) -> Result<Option<Conn<tokio::net::UnixStream>>>
         .state_dir
         .clone()
         .unwrap_or_else(crate::commands::default_state_dir);
-    Ok(Conn::unix(&state.join("warrend.sock")).await.ok())
+    let Some(sock) = crate::commands::state_socket(&state)? else {
+        return Ok(None);
+    };
+    Ok(Conn::unix(&sock).await.ok())
 }
 
 /// `warren session ...` through the service (the same output as the direct path).

@@ -159,9 +159,10 @@ impl Opener {
             .state_dir
             .clone()
             .unwrap_or_else(crate::commands::default_state_dir);
-        let sock = state.join("warrend.sock");
-        if tokio::net::UnixStream::connect(&sock).await.is_ok() {
-            return Ok(Opener::Socket(sock));
+        if let Some(sock) = crate::commands::state_socket(&state)? {
+            if tokio::net::UnixStream::connect(&sock).await.is_ok() {
+                return Ok(Opener::Socket(sock));
+            }
         }
         Ok(Opener::Local(Box::new(crate::commands::open(cli, None)?)))
     }

@@ -7,7 +7,9 @@
 //! prints that text through [`Term`], which escapes each control character (Unicode
 //! category Cc: C0, DEL, and C1 as the code points U+0080..U+009F) the way Rust's
 //! `char::escape_debug` spells it (`\u{1b}`, `\u{9b}`, `\r`, `\0`), keeping only what the
-//! text's [`Shape`] needs. `--raw` turns escaping off.
+//! text's [`Shape`] needs, and so are the line and paragraph separators and the
+//! bidirectional controls, which break or reorder a line without being control characters.
+//! `--raw` turns escaping off.
 //!
 //! Byte streams the user asked for (`vm exec`, `vm read`, `vm output`, `warren run`) never
 //! pass through here: they stay raw, as `ssh` leaves them. JSON output (`--json`) is escaped
@@ -28,15 +30,25 @@ pub enum Shape {
     Text,
 }
 
+/// Whether `c` is escaped (unless its shape keeps it): a control character (Cc), or one of
+/// the characters that break or reorder a line without being one: the line and paragraph
+/// separators (U+2028, U+2029, new lines to many log viewers and JSON-based shippers) and the
+/// bidirectional embeddings, overrides and isolates (U+202A..U+202E, U+2066..U+2069, which
+/// make a terminal show text in another order than it is written).
+fn special(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
 /// `s` with its control characters escaped for `shape`; borrowed when nothing changes.
 pub fn escape(s: &str, shape: Shape) -> Cow<'_, str> {
-    if !s.chars().any(char::is_control) {
+    if !s.chars().any(special) {
         return Cow::Borrowed(s);
     }
     let mut out = String::with_capacity(s.len() + 8);
     let mut chars = s.chars().peekable();
     while let Some(c) = chars.next() {
-        if c.is_control() && !kept(c, chars.peek().copied(), shape) {
+        if special(c) && !kept(c, chars.peek().copied(), shape) {
             out.extend(c.escape_debug());
         } else {
             out.push(c);
@@ -116,6 +128,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Line separators and bidirectional controls are escaped in every shape: a log record
+    /// stays one line in viewers that break on U+2028, and text cannot be shown reordered.
+    /// (Before, they passed as they were.)
+    #[test]
+    fn test_line_separators_and_bidi_controls_escaped() {
+        for shape in [Shape::Field, Shape::Line, Shape::Text] {
+            for c in ['\u{2028}', '\u{2029}', '\u{202e}', '\u{2066}', '\u{2069}'] {
+                let s = format!("a{c}b");
+                let out = escape(&s, shape);
+                assert!(!out.contains(c), "{c:?} in {shape:?}: {out:?}");
+                assert_eq!(out, format!("a{}b", c.escape_unicode()));
+            }
+        }
+        assert_eq!(escape("plain é", Shape::Field), "plain é");
     }
 
     #[test]

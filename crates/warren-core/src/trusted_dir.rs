@@ -9,9 +9,9 @@
 //! owned by the running user or root; none may be writable by other users, except a sticky
 //! parent (like `/tmp`, where only a child's owner can rename it); a group-writable one only
 //! when the group is the running user's own. Both the path as named and the path it
-//! resolves to are walked: a symbolic link on the way must be owned by the user or root too
-//! (its target is then checked like any directory), so no link another user planted, and no
-//! parent of one, decides where the directory is.
+//! resolves to are walked: a symbolic link on the way must be owned by the user or root too,
+//! and the path it names is walked the same way (links within links included), so no link
+//! another user planted, and no parent of one, decides where the directory is.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -26,33 +26,51 @@ pub fn check(dir: &Path) -> Result<(), CoreError> {
         .canonicalize()
         .map_err(|e| CoreError::io("resolve", dir, e))?;
     let named = std::path::absolute(dir).map_err(|e| CoreError::io("resolve", dir, e))?;
-    walk(&real, dir)?;
+    walk(&real, dir, true, 0)?;
     if named != real {
-        walk(&named, dir)?;
+        walk(&named, dir, true, 0)?;
     }
     Ok(())
 }
 
-/// Checks `path` and its parents as they are named (links not followed: a link is judged
-/// by its owner, as its mode means nothing).
-fn walk(path: &Path, dir: &Path) -> Result<(), CoreError> {
+/// Links followed within links before a path is refused (the kernel's own limit).
+const MAX_LINKS: usize = 40;
+
+/// Checks `path` and its parents as they are named (a link is judged by its owner, as its
+/// mode means nothing), and the path each link on the way names, the same way: a link's
+/// target may itself go through a link (`/home/u/state -> /tmp/shared/state`), which is on
+/// neither the named nor the resolved path, and whose owner could re-point it later. `own`:
+/// `path` is the directory itself (not one of its parents).
+fn walk(path: &Path, dir: &Path, own: bool, links: usize) -> Result<(), CoreError> {
     let uid = rustix::process::geteuid().as_raw();
     let gid = rustix::process::getegid().as_raw();
     let mut at = Some(path);
-    let mut own = true;
+    let mut own = own;
     while let Some(d) = at {
         let m = std::fs::symlink_metadata(d).map_err(|e| CoreError::io("inspect", d, e))?;
-        let mode = if m.file_type().is_symlink() {
-            0
-        } else {
-            m.mode()
-        };
+        let link = m.file_type().is_symlink();
+        let mode = if link { 0 } else { m.mode() };
         if let Some(why) = refusal(m.uid(), m.gid(), mode, uid, gid, own) {
             return Err(CoreError::UntrustedDirectory(format!(
                 "{} (for {}): {why}",
                 d.display(),
                 dir.display()
             )));
+        }
+        if link {
+            if links >= MAX_LINKS {
+                return Err(CoreError::UntrustedDirectory(format!(
+                    "{} (for {}): too many levels of links",
+                    d.display(),
+                    dir.display()
+                )));
+            }
+            let target = std::fs::read_link(d).map_err(|e| CoreError::io("inspect", d, e))?;
+            let target = match d.parent() {
+                Some(p) if target.is_relative() => p.join(target),
+                _ => target,
+            };
+            walk(&target, dir, own, links + 1)?;
         }
         own = false;
         at = d.parent();
@@ -130,5 +148,44 @@ mod tests {
         assert!(check(&planted).is_ok(), "the user's own link");
         std::os::unix::fs::lchown(&planted, Some(65534), Some(65534)).expect("lchown");
         assert!(check(&planted).is_err(), "another user's link");
+    }
+
+    /// A link of the user's whose target goes through another user's link (in a sticky
+    /// directory, where that user may re-point it at any time) is refused, though neither
+    /// the path as named nor the path it resolves to has anything of that user's. (Before,
+    /// both walks passed.) Positive control: the same chain with the user's own link passes.
+    #[test]
+    fn test_a_link_through_another_users_link_is_refused() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let sticky = tmp.path().join("sticky");
+        std::fs::create_dir(&sticky).expect("mkdir");
+        std::fs::set_permissions(
+            &sticky,
+            std::os::unix::fs::PermissionsExt::from_mode(0o1777),
+        )
+        .expect("chmod");
+        let real = tmp.path().join("real");
+        std::fs::create_dir_all(real.join("state")).expect("mkdir");
+        let shared = sticky.join("shared");
+        std::os::unix::fs::symlink(&real, &shared).expect("symlink");
+        let state = tmp.path().join("state");
+        std::os::unix::fs::symlink(shared.join("state"), &state).expect("symlink");
+        assert!(check(&state).is_ok(), "every link the user's own");
+        std::os::unix::fs::lchown(&shared, Some(65534), Some(65534)).expect("lchown");
+        let e = check(&state).expect_err("a link another user can re-point");
+        assert_eq!(e.code(), "forbidden", "{e}");
+        // A relative link within the user's own directory is followed the same way, and a
+        // link to a sticky directory as a parent is one as before.
+        let rel = tmp.path().join("rel");
+        std::os::unix::fs::symlink("real/state", &rel).expect("symlink");
+        assert!(check(&rel).is_ok(), "{:?}", check(&rel));
+        std::fs::create_dir(sticky.join("mine")).expect("mkdir");
+        let to_sticky = tmp.path().join("to-sticky");
+        std::os::unix::fs::symlink(&sticky, &to_sticky).expect("symlink");
+        assert!(
+            check(&to_sticky.join("mine")).is_ok(),
+            "{:?}",
+            check(&to_sticky.join("mine"))
+        );
     }
 }

@@ -61,11 +61,12 @@ pub(crate) fn find_rule<'a>(
     }
     let overridden = headers
         .iter()
-        .any(|(n, _)| METHOD_OVERRIDES.iter().any(|o| n.eq_ignore_ascii_case(o)));
+        .any(|(n, _)| METHOD_OVERRIDES.iter().any(|o| n.eq_ignore_ascii_case(o)))
+        || form_override(method, target, headers);
     let lenient = crate::request::lenient_path(target);
     let near = |r: &&RuleState| {
         r.rule.host.matches(host)
-            && (overridden || r.rule.method.eq_ignore_ascii_case(method))
+            && (overridden || same_route_method(&r.rule.method, method))
             && lenient.starts_with(&crate::request::lenient_path(&r.rule.path_prefix))
     };
     if rules.iter().any(|r| near(&r)) {
@@ -73,6 +74,32 @@ pub(crate) fn find_rule<'a>(
     } else {
         Matched::None
     }
+}
+
+/// Whether a server could run `rule_method`'s handler for a request with `method`: the same
+/// method in any case, or `HEAD` for a `GET` rule (most frameworks answer `HEAD` with the
+/// `GET` handler).
+fn same_route_method(rule_method: &str, method: &str) -> bool {
+    rule_method.eq_ignore_ascii_case(method)
+        || (rule_method.eq_ignore_ascii_case("GET") && method.eq_ignore_ascii_case("HEAD"))
+}
+
+/// Whether a POST may claim another method the way Rack, Laravel and Symfony read it: a
+/// `_method` query parameter, or a form body (which may hold a `_method` field; the body is
+/// not read before the rules are matched).
+fn form_override(method: &str, target: &str, headers: &[(String, Vec<u8>)]) -> bool {
+    if !method.eq_ignore_ascii_case("POST") {
+        return false;
+    }
+    let query = target.split_once('?').map_or("", |(_, q)| q);
+    let query = crate::request::decode_repeatedly(query).to_ascii_lowercase();
+    let form = headers.iter().any(|(n, v)| {
+        let v = String::from_utf8_lossy(v).trim().to_ascii_lowercase();
+        n.eq_ignore_ascii_case("content-type")
+            && (v.starts_with("application/x-www-form-urlencoded")
+                || v.starts_with("multipart/form-data"))
+    });
+    form || query.contains("_method")
 }
 
 impl RuleState {
@@ -197,6 +224,45 @@ mod tests {
         }
     }
 
+    /// Methods a server routes to a rule's handler without naming it: `HEAD` for a `GET`
+    /// rule, a `POST` with a `_method` parameter or a form body for any rule. (Before, both
+    /// were forwarded.)
+    #[test]
+    fn test_methods_routed_to_a_rule_elsewhere_are_ambiguous() {
+        let rule = |method: &str, path: &str| RuleState {
+            rule: InterceptRule {
+                method: method.into(),
+                path_prefix: path.into(),
+                ..rules().remove(0).rule
+            },
+            lock: tokio::sync::Mutex::new(()),
+        };
+        let rules = vec![rule("GET", "/v1/token"), rule("PUT", "/v1/secret")];
+        let find = |method: &str, target: &str, content_type: &str| {
+            let headers = vec![("Content-Type".to_string(), content_type.as_bytes().to_vec())];
+            match find_rule(&rules, "oauth.example", method, target, &headers) {
+                Matched::Rule(_) => "rule",
+                Matched::Ambiguous => "ambiguous",
+                Matched::None => "none",
+            }
+        };
+        let json = "application/json";
+        assert_eq!(find("GET", "/v1/token", json), "rule");
+        assert_eq!(find("HEAD", "/v1/token", json), "ambiguous");
+        assert_eq!(find("POST", "/v1/secret?_method=PUT", json), "ambiguous");
+        assert_eq!(find("POST", "/v1/secret?%5Fmethod=put", json), "ambiguous");
+        assert_eq!(
+            find("POST", "/v1/secret", "application/x-www-form-urlencoded"),
+            "ambiguous"
+        );
+        assert_eq!(find("PUT", "/v1/secret", json), "rule");
+        // Controls.
+        assert_eq!(find("POST", "/v1/secret", json), "none");
+        assert_eq!(find("HEAD", "/v1/other", json), "none");
+        assert_eq!(find("DELETE", "/v1/token", json), "none");
+        assert_eq!(find("GET", "/v1/secret", json), "none");
+    }
+
     #[test]
     fn test_rule_matching_refuses_other_spellings_of_a_rule_path() {
         assert_eq!(find("POST", "/v1/oauth/token", &[]), "rule");
@@ -223,6 +289,10 @@ mod tests {
             ),
             "ambiguous"
         );
+        // A non-ASCII letter that Unicode case-insensitive routers (Java's
+        // equalsIgnoreCase) take for an ASCII one: the Kelvin sign for `k`.
+        assert_eq!(find("POST", "/v1/oauth/to%E2%84%AAen", &[]), "ambiguous");
+        assert_eq!(find("POST", "/V1/OAUTH/TO%E2%84%AAEN", &[]), "ambiguous");
         // Controls: other paths, another method, another host are not the rule's.
         assert_eq!(find("POST", "/v1/messages", &[]), "none");
         assert_eq!(find("POST", "/v1/oauth/other", &[]), "none");

@@ -115,15 +115,7 @@ pub(crate) fn origin_form(target: &str) -> Result<Target, Ambiguous> {
 /// dropped; dot segments resolved; ASCII lowercased (case-insensitive routers).
 pub(crate) fn lenient_path(target: &str) -> String {
     let end = target.find(['?', '#']).unwrap_or(target.len());
-    let mut bytes = target.as_bytes()[..end].to_vec();
-    for _ in 0..4 {
-        let decoded = percent_decode(&bytes);
-        if decoded == bytes {
-            break;
-        }
-        bytes = decoded;
-    }
-    let text = String::from_utf8_lossy(&bytes).replace('\\', "/");
+    let text = decode_repeatedly(&target[..end]).replace('\\', "/");
     let mut segments: Vec<&str> = Vec::new();
     let mut trailing_slash = false;
     for raw in text.split('/') {
@@ -146,7 +138,26 @@ pub(crate) fn lenient_path(target: &str) -> String {
     if trailing_slash && !segments.is_empty() {
         out.push('/');
     }
-    out.to_ascii_lowercase()
+    // Case folded as the most lenient router compares: Java's `equalsIgnoreCase` takes the
+    // Kelvin sign for `k`, the long s for `s` and the dotless i for `i` (upper, then lower).
+    out.chars()
+        .flat_map(char::to_uppercase)
+        .flat_map(char::to_lowercase)
+        .collect()
+}
+
+/// `text` percent-decoded as often as a server might (double encoding included, at most four
+/// rounds), invalid escapes and invalid UTF-8 kept as well as they can be.
+pub(crate) fn decode_repeatedly(text: &str) -> String {
+    let mut bytes = text.as_bytes().to_vec();
+    for _ in 0..4 {
+        let decoded = percent_decode(&bytes);
+        if decoded == bytes {
+            break;
+        }
+        bytes = decoded;
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// One round of percent-decoding (`%2f` -> `/`); invalid escapes stay as written.
@@ -275,6 +286,9 @@ mod tests {
             ("/oauth;jsessionid=1/token", "/oauth/token"),
             ("/oauth./token", "/oauth/token"),
             ("/OAuth/Token", "/oauth/token"),
+            ("/oauth/to%E2%84%AAen", "/oauth/token"),
+            ("/oauth/toKen%C5%BF", "/oauth/tokens"),
+            ("/%C4%B1d", "/id"),
             ("/oauth/%2e%2e/oauth/token", "/oauth/token"),
             ("/../../oauth/token", "/oauth/token"),
             ("/oauth/token#frag", "/oauth/token"),

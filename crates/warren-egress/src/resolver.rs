@@ -36,8 +36,15 @@ pub const MAX_TTL: u32 = 3600;
 pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
 /// Most names remembered per VM; expired entries go first, then the cache is cleared.
 const MAX_NAMES: usize = 4096;
+/// Most addresses used from one answer, and remembered per name (the ones expiring first make
+/// room): an upstream answer may carry ~4,000 `A` records (64 KiB over TCP), and a guest may
+/// ask for [`MAX_NAMES`] names of a zone whose server returns that many.
+pub(crate) const MAX_ADDRS_PER_NAME: usize = 32;
 /// Concurrent guest queries being answered per VM (UDP).
 const MAX_INFLIGHT: usize = 64;
+/// How long a guest's DNS-over-TCP connection may take to send one query, and to take its
+/// answer.
+const TCP_TURN: Duration = Duration::from_secs(10);
 
 /// Addresses Warren's resolver returned, per normalised name, each with its expiry.
 /// The mutex guards the map only; it is never held across an await.
@@ -61,11 +68,16 @@ impl ResolvedNames {
             }
         }
         let entry = map.entry(name.to_string()).or_default();
-        for ip in ips {
+        for ip in ips.iter().take(MAX_ADDRS_PER_NAME) {
             match entry.iter_mut().find(|(a, _)| a == ip) {
                 Some(slot) => slot.1 = slot.1.max(expiry),
                 None => entry.push((*ip, expiry)),
             }
+        }
+        if entry.len() > MAX_ADDRS_PER_NAME {
+            // Keep the addresses that stay valid longest (the latest answers').
+            entry.sort_by_key(|(_, e)| std::cmp::Reverse(*e));
+            entry.truncate(MAX_ADDRS_PER_NAME);
         }
     }
 
@@ -174,7 +186,14 @@ pub(crate) async fn lookup(inner: &Inner, name: &str) -> Result<Lookup, ResolveE
     let policy: &EgressPolicy = &inner.cfg.policy;
     let mut ips = Vec::new();
     let mut ttl = MAX_TTL;
-    for r in &resp.answers {
+    // At most MAX_ADDRS_PER_NAME records looked at: each costs a socket in the outbound
+    // namespace (`is_own_address`), and the rest would not be kept.
+    let records = resp
+        .answers
+        .iter()
+        .filter(|r| matches!(r.data, RData::A(_)))
+        .take(MAX_ADDRS_PER_NAME);
+    for r in records {
         if let RData::A(a) = &r.data {
             // Never hand out (or accept by) an address the proxy would refuse: blocked ranges
             // and the outbound namespace's own addresses (an error asking counts as own).
@@ -369,8 +388,7 @@ pub(crate) async fn serve_tcp(inner: Arc<Inner>, listener: TcpListener) -> io::R
                     conn.read_exact(&mut buf).await?;
                     Ok::<_, io::Error>(buf)
                 };
-                let Ok(Ok(query)) = tokio::time::timeout(Duration::from_secs(10), read).await
-                else {
+                let Ok(Ok(query)) = tokio::time::timeout(TCP_TURN, read).await else {
                     return;
                 };
                 let Some(reply) = answer(&inner, &query).await else {
@@ -379,9 +397,13 @@ pub(crate) async fn serve_tcp(inner: Arc<Inner>, listener: TcpListener) -> io::R
                 let Ok(len) = u16::try_from(reply.len()) else {
                     return;
                 };
-                if conn.write_all(&len.to_be_bytes()).await.is_err()
-                    || conn.write_all(&reply).await.is_err()
-                {
+                // Under a deadline too: a guest that never reads its answers must not hold
+                // its place (and the socket's buffers) for good.
+                let write = async {
+                    conn.write_all(&len.to_be_bytes()).await?;
+                    conn.write_all(&reply).await
+                };
+                if !matches!(tokio::time::timeout(TCP_TURN, write).await, Ok(Ok(()))) {
                     return;
                 }
             }
@@ -401,5 +423,30 @@ mod tests {
         assert!(names.has("a.example.com", ip));
         assert!(!names.has("b.example.com", ip));
         assert_eq!(names.names_for(ip), vec!["a.example.com".to_string()]);
+    }
+
+    /// An answer with thousands of addresses (an attacker's zone, 64 KiB over TCP) is not kept
+    /// whole: a name holds at most MAX_ADDRS_PER_NAME addresses, the latest answer's first.
+    /// (Before, every address was kept: 4,096 names x ~4,000 addresses per VM.)
+    #[test]
+    fn test_addresses_per_name_bounded() {
+        let names = ResolvedNames::default();
+        let ips: Vec<Ipv4Addr> = (0..4000u32)
+            .map(|i| Ipv4Addr::from(0xcb00_7100 + i))
+            .collect();
+        names.insert("many.example", &ips, Duration::from_secs(60));
+        let later: Vec<Ipv4Addr> = (0..8u32).map(|i| Ipv4Addr::from(0xc633_6400 + i)).collect();
+        names.insert("many.example", &later, Duration::from_secs(600));
+        let map = names.map.lock().expect("map");
+        let kept = &map["many.example"];
+        assert!(
+            kept.len() <= MAX_ADDRS_PER_NAME,
+            "{} addresses kept for one name",
+            kept.len()
+        );
+        drop(map);
+        // Positive control: the latest answer's addresses are usable.
+        assert!(later.iter().all(|ip| names.has("many.example", *ip)));
+        assert!(names.has("many.example", ips[0]));
     }
 }

@@ -106,3 +106,58 @@ async fn test_a_guest_cannot_make_the_egress_hold_unbounded_connections() -> Res
     assert_eq!(a_records(&m), vec![API]);
     Ok(())
 }
+
+/// A guest that pipelines DNS-over-TCP queries and never reads the answers cannot keep its
+/// places: once an answer cannot be written for 10 s the connection is closed and its place
+/// serves another. (Before, the answer's write waited for good: all 16 places stayed taken
+/// and every later connection was closed at once.)
+#[tokio::test]
+async fn test_dns_tcp_connections_that_never_read_their_answers_are_closed() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let (topo, _egress, _handle) = up_with("x", config).await?;
+    let q = {
+        let mut m = hickory_proto::op::Message::query();
+        m.metadata.recursion_desired = true;
+        m.add_query(hickory_proto::op::Query::query(
+            hickory_proto::rr::Name::from_ascii("api.allowed.test.")?,
+            RecordType::A,
+        ));
+        m.to_vec()?
+    };
+    let mut framed = (q.len() as u16).to_be_bytes().to_vec();
+    framed.extend_from_slice(&q);
+    let burst: Vec<u8> = framed.repeat(3000);
+    let mut stuck = Vec::new();
+    for _ in 0..MAX_DNS_TCP_CONNECTIONS {
+        let mut s = topo.guest_tcp(DNS, 53).await?;
+        let small: libc::c_int = 4096;
+        // SAFETY: a connected socket and an int-sized option.
+        unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                (&small as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+        // Queries only, never a read: the resolver's answers pile up until it cannot write.
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.write_all(&burst)).await;
+        stuck.push(s);
+    }
+    // Past the 10 s an answer may take to be written: the places are free again.
+    tokio::time::sleep(Duration::from_secs(16)).await;
+    let mut s = topo.guest_tcp(DNS, 53).await?;
+    s.write_all(&framed).await?;
+    let len = tokio::time::timeout(Duration::from_secs(5), s.read_u16())
+        .await
+        .map_err(|_| anyhow::anyhow!("no answer: the places are still held"))??;
+    let mut reply = vec![0u8; usize::from(len)];
+    s.read_exact(&mut reply).await?;
+    assert_eq!(
+        a_records(&hickory_proto::op::Message::from_vec(&reply)?),
+        vec![API]
+    );
+    drop(stuck);
+    Ok(())
+}

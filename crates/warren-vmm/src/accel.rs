@@ -102,17 +102,19 @@ pub async fn resolve(
             }
             let key = cache_key(qemu, cache_dir)?;
             let path = cache_dir.join(format!("accel-probe-{key}.json"));
-            let verdict = match std::fs::read(&path)
-                .ok()
+            let cache = private_dir(cache_dir);
+            let verdict = match cache
+                .then(|| std::fs::read(&path).ok())
+                .flatten()
                 .and_then(|b| serde_json::from_slice::<ProbeVerdict>(&b).ok())
             {
                 Some(v) => v,
                 None => {
                     let v = probe.await;
-                    std::fs::create_dir_all(cache_dir)
-                        .map_err(|e| VmmError::io("create", cache_dir, e))?;
-                    let body = serde_json::to_vec(&v).expect("invariant: verdict serialises");
-                    std::fs::write(&path, body).map_err(|e| VmmError::io("write", &path, e))?;
+                    if cache {
+                        let body = serde_json::to_vec(&v).expect("invariant: verdict serialises");
+                        write_private(&path, &body).map_err(|e| VmmError::io("write", &path, e))?;
+                    }
                     v
                 }
             };
@@ -172,7 +174,8 @@ fn qemu_digest(qemu: &Path, cache_dir: &Path) -> Result<String, VmmError> {
 
 /// Where host facts that hold for one host boot are cached (binary digests, the TSC rate):
 /// `/run/warren` for root (cleared at reboot), a per-user directory in the temporary
-/// directory otherwise.
+/// directory otherwise. That name is predictable, so nothing is read from or written to it
+/// unless [`private_dir`] accepts it.
 pub fn host_cache_dir() -> PathBuf {
     if nix::unistd::geteuid().is_root() {
         PathBuf::from("/run/warren")
@@ -181,9 +184,60 @@ pub fn host_cache_dir() -> PathBuf {
     }
 }
 
+/// Creates `dir` (0700) when missing and says whether cached facts may be kept in it: a
+/// directory, not a link, of the effective user's, that no other user can write. Another
+/// local user can make `/tmp/warren-<uid>` before its owner does: facts read from it would be
+/// theirs (a wrong TSC rate for every guest, the digest a checkpoint is bound to), and files
+/// written into it could be their links to the owner's files.
+pub fn private_dir(dir: &Path) -> bool {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    if std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .is_err()
+    {
+        return false;
+    }
+    let Ok(m) = std::fs::symlink_metadata(dir) else {
+        return false;
+    };
+    let ok = m.is_dir() && m.uid() == nix::unistd::geteuid().as_raw() && m.mode() & 0o022 == 0;
+    if !ok {
+        tracing::warn!(
+            dir = %dir.display(),
+            "cache directory not used: it must be a directory of this user's that no one else can write"
+        );
+    }
+    ok
+}
+
+/// Writes `body` to `path` through a new temporary file beside it and a rename (never through
+/// an existing file or link at either name).
+pub fn write_private(path: &Path, body: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".{}.tmp", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let _ = std::fs::remove_file(&tmp);
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all(body))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
 /// SHA-256 of a host binary (QEMU, firmware), recomputed only when its identity (device,
 /// inode, size, mtime) changes: hashing QEMU costs ~200 ms, too much for every create or
-/// resume. The record lives in `cache_dir`, named after the file.
+/// resume. The record lives in `cache_dir`, named after the file, when that directory is
+/// [`private_dir`] (otherwise the binary is hashed every time).
 pub fn file_digest(qemu: &Path, cache_dir: &Path) -> Result<String, VmmError> {
     use sha2::{Digest, Sha256};
     use std::os::unix::fs::MetadataExt;
@@ -201,8 +255,10 @@ pub fn file_digest(qemu: &Path, cache_dir: &Path) -> Result<String, VmmError> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "binary".into());
     let record = cache_dir.join(format!("{name}.digest.json"));
-    if let Some(cached) = std::fs::read(&record)
-        .ok()
+    let cache = private_dir(cache_dir);
+    if let Some(cached) = cache
+        .then(|| std::fs::read(&record).ok())
+        .flatten()
         .and_then(|b| serde_json::from_slice::<BinaryIdentity>(&b).ok())
     {
         id.sha256.clone_from(&cached.sha256);
@@ -212,9 +268,10 @@ pub fn file_digest(qemu: &Path, cache_dir: &Path) -> Result<String, VmmError> {
     }
     let bin = std::fs::read(qemu).map_err(|e| VmmError::io("read", qemu, e))?;
     id.sha256 = hex::encode(Sha256::digest(&bin));
-    std::fs::create_dir_all(cache_dir).map_err(|e| VmmError::io("create", cache_dir, e))?;
-    let body = serde_json::to_vec(&id).expect("invariant: identity serialises");
-    std::fs::write(&record, body).map_err(|e| VmmError::io("write", &record, e))?;
+    if cache {
+        let body = serde_json::to_vec(&id).expect("invariant: identity serialises");
+        write_private(&record, &body).map_err(|e| VmmError::io("write", &record, e))?;
+    }
     Ok(id.sha256)
 }
 
@@ -260,6 +317,65 @@ mod tests {
             async { unreachable!("no probe for hvf") },
         ));
         assert!(matches!(r, Err(VmmError::AccelUnsupported(_))));
+    }
+
+    /// A cache directory another user could have made (or can write) is neither read nor
+    /// written: a link planted in it does not make the digest's owner overwrite the link's
+    /// target, and a forged record is not believed. (Before, the record was written through
+    /// the link.) Positive control: a private directory keeps the record. Needs root (the
+    /// suite does) for the other user's directory.
+    #[test]
+    fn test_digest_cache_only_in_a_private_directory() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().expect("tempdir");
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, "precious").expect("victim");
+        let open = d.path().join("open");
+        std::fs::create_dir(&open).expect("mkdir");
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        std::os::unix::fs::symlink(&victim, open.join("sh.digest.json")).expect("link");
+        let real = file_digest(Path::new("/bin/sh"), &open).expect("digest");
+        assert_eq!(
+            std::fs::read_to_string(&victim).expect("victim"),
+            "precious",
+            "written through a planted link"
+        );
+        // Another user's directory: a forged record is not believed.
+        let theirs = d.path().join("theirs");
+        std::fs::create_dir(&theirs).expect("mkdir");
+        let meta = std::fs::metadata("/bin/sh").expect("stat");
+        let forged = {
+            use std::os::unix::fs::MetadataExt;
+            BinaryIdentity {
+                path: PathBuf::from("/bin/sh"),
+                dev: meta.dev(),
+                ino: meta.ino(),
+                size: meta.size(),
+                mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+                sha256: "f".repeat(64),
+            }
+        };
+        std::fs::write(
+            theirs.join("sh.digest.json"),
+            serde_json::to_vec(&forged).expect("json"),
+        )
+        .expect("forged");
+        std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).expect("chown");
+        assert_eq!(
+            file_digest(Path::new("/bin/sh"), &theirs).expect("digest"),
+            real
+        );
+        // Positive control: the user's own private directory holds the record.
+        let mine = d.path().join("mine");
+        assert_eq!(
+            file_digest(Path::new("/bin/sh"), &mine).expect("digest"),
+            real
+        );
+        assert!(mine.join("sh.digest.json").is_file());
+        assert_eq!(
+            file_digest(Path::new("/bin/sh"), &mine).expect("digest"),
+            real
+        );
     }
 
     #[test]

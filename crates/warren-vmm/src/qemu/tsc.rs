@@ -38,9 +38,12 @@ pub fn host_tsc_khz() -> Result<u64, VmmError> {
         .map_err(|e| VmmError::io("read", "/proc/sys/kernel/random/boot_id", e))?
         .trim()
         .to_string();
-    let path = crate::accel::host_cache_dir().join("host-tsc.json");
-    let cached = std::fs::read(&path)
-        .ok()
+    let dir = crate::accel::host_cache_dir();
+    let cache = crate::accel::private_dir(&dir);
+    let path = dir.join("host-tsc.json");
+    let cached = cache
+        .then(|| std::fs::read(&path).ok())
+        .flatten()
         .and_then(|b| serde_json::from_slice::<Cached>(&b).ok())
         .filter(|c| c.boot_id == boot_id && c.khz > 0);
     let khz = match cached {
@@ -51,7 +54,9 @@ pub fn host_tsc_khz() -> Result<u64, VmmError> {
                 Some(k) if agrees(k, measured) => k,
                 _ => measured,
             };
-            store(&path, &Cached { boot_id, khz });
+            if cache {
+                store(&path, &Cached { boot_id, khz });
+            }
             khz
         }
     };
@@ -63,16 +68,11 @@ fn agrees(cpuinfo: u64, measured: u64) -> bool {
     cpuinfo.abs_diff(measured) * 1000 <= measured
 }
 
-/// Best effort: a cache that cannot be written costs the next process another 50 ms.
+/// Best effort: a cache that cannot be written costs the next process another 50 ms. `path`
+/// is in a [`crate::accel::private_dir`].
 fn store(path: &std::path::Path, c: &Cached) {
-    let Some(dir) = path.parent() else { return };
-    let tmp = dir.join(format!("host-tsc.json.{}", std::process::id()));
     let body = serde_json::to_vec(c).expect("invariant: the record serialises");
-    let ok = std::fs::create_dir_all(dir)
-        .and_then(|()| std::fs::write(&tmp, body))
-        .and_then(|()| std::fs::rename(&tmp, path));
-    if let Err(e) = ok {
-        let _ = std::fs::remove_file(&tmp);
+    if let Err(e) = crate::accel::write_private(path, &body) {
         tracing::debug!(error = %e, "caching the host TSC rate failed");
     }
 }
