@@ -140,12 +140,11 @@ impl Pipes {
             .filter(|((v, _), p)| v == vm && p.attached)
             .count();
         let pipe = pipes.get_mut(&key).ok_or_else(not_found)?;
-        if pipe.generation != generation && !pipe.attached {
-            // Its job belonged to a boot that is gone.
-            pipes.remove(&key);
-            return Err(not_found());
-        }
         if pipe.generation != generation {
+            // Its job belonged to a boot that is gone (forgotten unless still attached).
+            if !pipe.attached {
+                pipes.remove(&key);
+            }
             return Err(not_found());
         }
         // Compared in full whatever the bytes: no early exit on the first difference.

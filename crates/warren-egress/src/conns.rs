@@ -18,9 +18,16 @@
 //! every proxied connection reads and writes the guest through.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
+
+use crate::decision_log::Kind;
+use crate::egress::Inner;
+use crate::policy::DenyReason;
 
 /// Guest connections the proxy of one VM serves at once.
 pub const MAX_CONNECTIONS: usize = 256;
@@ -30,6 +37,37 @@ pub const MAX_DNS_TCP_CONNECTIONS: usize = 16;
 pub const IDLE_LIMIT: Duration = Duration::from_secs(600);
 /// How long a TLS handshake (with the guest, or with the upstream) may take.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The next guest connection on `listener` that finds a place among `places`, with its
+/// place. An accept error (EMFILE and friends) is logged and retried after a pause rather
+/// than ending the service; a connection past the places is closed at once and recorded as
+/// `too_many_connections` under `kind` (the decision log's own rate limit bounds these).
+pub(crate) async fn accept_within(
+    inner: &Inner,
+    listener: &TcpListener,
+    places: &Arc<Semaphore>,
+    kind: Kind,
+) -> (TcpStream, OwnedSemaphorePermit) {
+    loop {
+        let conn = match listener.accept().await {
+            Ok((c, _)) => c,
+            Err(e) => {
+                tracing::warn!(vm = %inner.cfg.vm, ?kind, error = %e, "egress accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        match places.clone().try_acquire_owned() {
+            Ok(place) => return (conn, place),
+            Err(_) => {
+                drop(conn);
+                inner
+                    .log
+                    .record(kind, None, None, Err(DenyReason::TooManyConnections));
+            }
+        }
+    }
+}
 
 /// When a connection's guest side last moved a byte.
 #[derive(Debug)]

@@ -30,7 +30,7 @@ use tokio::sync::Semaphore;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::conns::{Activity, HANDSHAKE_TIMEOUT, IDLE_LIMIT, MAX_CONNECTIONS};
+use crate::conns::{accept_within, Activity, HANDSHAKE_TIMEOUT, IDLE_LIMIT, MAX_CONNECTIONS};
 use crate::decision_log::Kind;
 use crate::egress::Inner;
 use crate::error::ConnError;
@@ -44,28 +44,13 @@ pub const FIRST_BYTES_WAIT: Duration = Duration::from_secs(1);
 /// How long a started ClientHello or request head may take to complete.
 pub const SNIFF_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Accepts connections until the listener fails.
+/// Serves the guest's connections, each within its place (`conns::accept_within`) and
+/// under the idle limit, for as long as the egress runs.
 pub(crate) async fn serve(inner: Arc<Inner>, listener: TcpListener) {
     let local = listener.local_addr().ok();
     let places = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
-        let (conn, _) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                // EMFILE and friends: back off instead of spinning.
-                tracing::warn!(vm = %inner.cfg.vm, error = %e, "proxy accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let Ok(place) = places.clone().try_acquire_owned() else {
-            // Full: closed at once (the decision log's own rate limit bounds these records).
-            drop(conn);
-            inner
-                .log
-                .record(Kind::Tcp, None, None, Err(DenyReason::TooManyConnections));
-            continue;
-        };
+        let (conn, place) = accept_within(&inner, &listener, &places, Kind::Tcp).await;
         let i = inner.clone();
         inner.tasks.spawn(async move {
             let activity = Arc::new(Activity::new());

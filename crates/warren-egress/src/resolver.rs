@@ -21,7 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, UdpSocket};
 use tokio::sync::Semaphore;
 
-use crate::conns::MAX_DNS_TCP_CONNECTIONS;
+use crate::conns::{accept_within, MAX_DNS_TCP_CONNECTIONS};
 use crate::decision_log::Kind;
 use crate::egress::Inner;
 use crate::outbound::Outbound;
@@ -361,22 +361,7 @@ pub(crate) async fn serve_udp(inner: Arc<Inner>, sock: UdpSocket) -> io::Result<
 pub(crate) async fn serve_tcp(inner: Arc<Inner>, listener: TcpListener) -> io::Result<()> {
     let places = Arc::new(Semaphore::new(MAX_DNS_TCP_CONNECTIONS));
     loop {
-        let mut conn = match listener.accept().await {
-            Ok((c, _)) => c,
-            Err(e) => {
-                // EMFILE and friends: back off instead of ending the service for good.
-                tracing::warn!(vm = %inner.cfg.vm, error = %e, "DNS (TCP) accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let Ok(place) = places.clone().try_acquire_owned() else {
-            drop(conn);
-            inner
-                .log
-                .record(Kind::Dns, None, None, Err(DenyReason::TooManyConnections));
-            continue;
-        };
+        let (mut conn, place) = accept_within(&inner, &listener, &places, Kind::Dns).await;
         let inner2 = inner.clone();
         inner.tasks.spawn(async move {
             let _place = place;

@@ -87,15 +87,7 @@ async fn test_a_guest_cannot_make_the_egress_hold_unbounded_connections() -> Res
         closed_within(&mut past, Duration::from_secs(5)).await,
         "a DNS connection past {MAX_DNS_TCP_CONNECTIONS} was kept"
     );
-    let q = {
-        let mut m = hickory_proto::op::Message::query();
-        m.metadata.recursion_desired = true;
-        m.add_query(hickory_proto::op::Query::query(
-            hickory_proto::rr::Name::from_ascii("api.allowed.test.")?,
-            RecordType::A,
-        ));
-        m.to_vec()?
-    };
+    let q = a_query("api.allowed.test.")?;
     let s = &mut dns[0];
     s.write_all(&(q.len() as u16).to_be_bytes()).await?;
     s.write_all(&q).await?;
@@ -115,15 +107,7 @@ async fn test_a_guest_cannot_make_the_egress_hold_unbounded_connections() -> Res
 async fn test_dns_tcp_connections_that_never_read_their_answers_are_closed() -> Result<()> {
     use std::os::fd::AsRawFd;
     let (topo, _egress, _handle) = up_with("x", config).await?;
-    let q = {
-        let mut m = hickory_proto::op::Message::query();
-        m.metadata.recursion_desired = true;
-        m.add_query(hickory_proto::op::Query::query(
-            hickory_proto::rr::Name::from_ascii("api.allowed.test.")?,
-            RecordType::A,
-        ));
-        m.to_vec()?
-    };
+    let q = a_query("api.allowed.test.")?;
     let mut framed = (q.len() as u16).to_be_bytes().to_vec();
     framed.extend_from_slice(&q);
     let burst: Vec<u8> = framed.repeat(3000);
@@ -160,4 +144,15 @@ async fn test_dns_tcp_connections_that_never_read_their_answers_are_closed() -> 
     );
     drop(stuck);
     Ok(())
+}
+
+/// A DNS query for `name`'s A records, as a guest's resolver sends it.
+fn a_query(name: &str) -> Result<Vec<u8>> {
+    let mut m = hickory_proto::op::Message::query();
+    m.metadata.recursion_desired = true;
+    m.add_query(hickory_proto::op::Query::query(
+        hickory_proto::rr::Name::from_ascii(name)?,
+        RecordType::A,
+    ));
+    Ok(m.to_vec()?)
 }

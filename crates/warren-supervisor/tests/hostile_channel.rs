@@ -234,16 +234,17 @@ async fn test_control_answer_with_headers_under_the_limit() {
         let mut block = vec![0x88];
         literal_header(&mut block, b"x-pad", 8 * 1024);
         g.raw(&frame(HEADERS, END_HEADERS, stream, &block));
-        g.raw(&frame(
-            DATA,
-            END_STREAM,
-            stream,
-            &encode(&Ok::<_, warren_protocol::GuestError>(GuestResponse::Pong)).expect("enc"),
-        ));
+        g.raw(&pong(stream));
     })
     .await;
     let r = ch.call(&HostRequest::Ping).await.expect("call");
     assert!(matches!(r, Ok(GuestResponse::Pong)));
+}
+
+/// The DATA frame that ends `stream` with a `Pong` answer.
+fn pong(stream: u32) -> Vec<u8> {
+    let body = encode(&Ok::<_, warren_protocol::GuestError>(GuestResponse::Pong)).expect("enc");
+    frame(DATA, END_STREAM, stream, &body)
 }
 
 /// An HPACK literal without indexing, new name `name`, a value of `len` bytes.
@@ -269,12 +270,7 @@ async fn test_fifteen_mib_response_headers_refused() {
             let flags = if i == last { END_HEADERS } else { 0 };
             g.raw(&frame(kind, flags, stream, c));
         }
-        g.raw(&frame(
-            DATA,
-            END_STREAM,
-            stream,
-            &encode(&Ok::<_, warren_protocol::GuestError>(GuestResponse::Pong)).expect("enc"),
-        ));
+        g.raw(&pong(stream));
     })
     .await;
     let r = ch.call(&HostRequest::Ping).await;
