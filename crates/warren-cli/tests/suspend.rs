@@ -305,5 +305,20 @@ fn test_suspend_standby_ram_file_small_checkpoint_process_continues() {
     assert_eq!(pid_line(&vm), first, "same process across standby cycles");
     let r = vm.sh("cat /proc/meminfo | head -1");
     assert_eq!(r.code, 0);
+    // The channel's own round trip (an HTTP/2 PING) works on the session the resumed VM's
+    // new supervisor made, and measures something real.
+    let client =
+        warren_supervisor::SupervisorClient::new(&vm.env.vm_dir(&vm.id).join("supervisor.sock"));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    for _ in 0..3 {
+        let rtt = rt.block_on(client.channel_ping()).expect("channel ping");
+        assert!(
+            rtt > std::time::Duration::ZERO && rtt < std::time::Duration::from_secs(20),
+            "channel ping took {rtt:?}"
+        );
+    }
     vm.destroy();
 }

@@ -18,6 +18,7 @@
 use std::future::Future;
 use std::path::Path;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -134,10 +135,19 @@ impl std::fmt::Display for H2Failure {
 
 impl std::error::Error for H2Failure {}
 
+/// The HTTP/2 connection's PING handle and whether a PING of a caller that gave up is
+/// still unanswered.
+struct Pinger {
+    ping_pong: Option<h2::PingPong>,
+    in_flight: bool,
+}
+
 /// An authenticated session with the guest agent.
 #[derive(Clone)]
 pub struct GuestChannel {
     sender: h2::client::SendRequest<Bytes>,
+    /// The connection's HTTP/2 PING: one in flight at a time, so callers take turns.
+    pinger: Arc<tokio::sync::Mutex<Pinger>>,
     /// Becomes true when the HTTP/2 connection task ends.
     closed: tokio::sync::watch::Receiver<bool>,
     pub info: AgentInfo,
@@ -220,6 +230,11 @@ impl GuestChannel {
             .enable_push(false)
             .handshake::<_, Bytes>(h2_io)
             .await?;
+        let mut conn = conn;
+        let pinger = Arc::new(tokio::sync::Mutex::new(Pinger {
+            ping_pong: conn.ping_pong(),
+            in_flight: false,
+        }));
         let (closed_tx, closed) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             if let Err(e) = conn.await {
@@ -230,6 +245,7 @@ impl GuestChannel {
         });
         let mut ch = GuestChannel {
             sender,
+            pinger,
             closed,
             info: AgentInfo {
                 agent_version: String::new(),
@@ -284,6 +300,36 @@ impl GuestChannel {
             GuestResponse::Authenticated(info) => Ok((info, hello.version)),
             _ => Err(ChannelError::Unexpected("Auth")),
         }
+    }
+
+    /// The channel's own round trip: an HTTP/2 PING, answered by the guest's HTTP/2
+    /// connection without a request (no stream, headers or message), within
+    /// [`crate::deadline::CONTROL_LIMIT`]. Returns the time from sending it to its PONG.
+    pub async fn ping(&self) -> Result<Duration, ChannelError> {
+        let limit = crate::deadline::CONTROL_LIMIT;
+        let round = async {
+            let mut guard = self.pinger.lock().await;
+            let Pinger {
+                ping_pong,
+                in_flight,
+            } = &mut *guard;
+            let ping_pong = ping_pong.as_mut().ok_or(ChannelError::Unexpected("PING"))?;
+            // A caller that gave up left its PING unanswered: HTTP/2 allows one at a time,
+            // so its PONG is waited for first.
+            if *in_flight {
+                std::future::poll_fn(|cx| ping_pong.poll_pong(cx)).await?;
+                *in_flight = false;
+            }
+            let t = Instant::now();
+            ping_pong.send_ping(h2::Ping::opaque())?;
+            *in_flight = true;
+            std::future::poll_fn(|cx| ping_pong.poll_pong(cx)).await?;
+            *in_flight = false;
+            Ok(t.elapsed())
+        };
+        tokio::time::timeout(limit, round)
+            .await
+            .map_err(|_| ChannelError::Timeout(limit))?
     }
 
     /// Sends one request and waits for its response, at most for the deadline of its kind

@@ -116,6 +116,14 @@ impl SupervisorClient {
         }
     }
 
+    /// The channel's round trip (an HTTP/2 PING), as the supervisor measured it.
+    pub async fn channel_ping(&self) -> Result<Duration, ClientError> {
+        match self.request(&SupervisorRequest::ChannelPing).await? {
+            SupervisorResponse::ChannelPong { rtt_ns } => Ok(Duration::from_nanos(rtt_ns)),
+            _ => Err(ClientError::Unexpected),
+        }
+    }
+
     pub async fn status(&self) -> Result<StatusInfo, ClientError> {
         match self.request(&SupervisorRequest::Status).await? {
             SupervisorResponse::Status(s) => Ok(s),

@@ -100,7 +100,9 @@ pub fn client_limit(req: &SupervisorRequest) -> Duration {
         | SupervisorRequest::ForkSave { .. }
         | SupervisorRequest::ForkSaveHeld { .. } => HIBERNATE_LIMIT,
         // Until the stream is open; the open stream itself has no deadline.
-        SupervisorRequest::OpenStream(_) => RECONNECT_WAIT + CONTROL_LIMIT,
+        SupervisorRequest::OpenStream(_) | SupervisorRequest::ChannelPing => {
+            RECONNECT_WAIT + CONTROL_LIMIT
+        }
     };
     work + CLIENT_MARGIN
 }

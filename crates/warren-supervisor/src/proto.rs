@@ -49,6 +49,9 @@ pub enum SupervisorRequest {
     },
     /// Ends a `ForkSaveHeld`: the VM runs on as after `Resume`.
     ForkRelease,
+    /// The channel's round trip: one HTTP/2 PING to the guest's connection and its PONG
+    /// (no request reaches the agent's handlers). Answered `ChannelPong`.
+    ChannelPing,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -64,6 +67,10 @@ pub enum SupervisorResponse {
     ForkSaved {
         size: u64,
         paused_ms: u64,
+    },
+    /// `ChannelPing` done: the round trip as the supervisor measured it on the channel.
+    ChannelPong {
+        rtt_ns: u64,
     },
 }
 

@@ -704,6 +704,16 @@ async fn process(req: SupervisorRequest, shared: &Arc<Shared>) -> Reply {
             let ch = shared.channel(RECONNECT_WAIT).await?;
             guest_call(&ch, r).await.map(SupervisorResponse::Guest)
         }
+        SupervisorRequest::ChannelPing => {
+            let ch = shared.channel(RECONNECT_WAIT).await?;
+            let rtt = ch
+                .ping()
+                .await
+                .map_err(|e| SupervisorError::Channel(error_chain(&e)))?;
+            Ok(SupervisorResponse::ChannelPong {
+                rtt_ns: u64::try_from(rtt.as_nanos()).unwrap_or(u64::MAX),
+            })
+        }
     }
 }
 

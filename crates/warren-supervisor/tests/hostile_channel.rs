@@ -19,6 +19,7 @@ const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
 const DATA: u8 = 0;
 const HEADERS: u8 = 1;
 const SETTINGS: u8 = 4;
+const PING: u8 = 6;
 const GOAWAY: u8 = 7;
 const CONTINUATION: u8 = 9;
 const END_STREAM: u8 = 1;
@@ -116,6 +117,9 @@ impl Guest {
     }
 }
 
+/// How late the guest answers its first HTTP/2 PING.
+const FIRST_PONG_DELAY: Duration = Duration::from_millis(300);
+
 /// Runs a guest that authenticates and then hands every later request to `attack`.
 fn spawn_guest(
     s: StdStream,
@@ -134,9 +138,19 @@ fn spawn_guest(
         g.raw(&frame(SETTINGS, 0, 0, &[]));
         let mut bodies: std::collections::HashMap<u32, Vec<u8>> = Default::default();
         let guest_nonce = [7u8; 32];
+        let mut pings = 0;
         while let Some((kind, flags, stream, p)) = g.next_frame() {
             match kind {
                 SETTINGS if flags & ACK == 0 => g.raw(&frame(SETTINGS, ACK, 0, &[])),
+                // The first PING is answered late (a caller may give up on it), later ones
+                // at once.
+                PING if flags & ACK == 0 => {
+                    if pings == 0 {
+                        std::thread::sleep(FIRST_PONG_DELAY);
+                    }
+                    pings += 1;
+                    g.raw(&frame(PING, ACK, 0, &p));
+                }
                 DATA => {
                     bodies.entry(stream).or_default().extend_from_slice(&p);
                     if flags & END_STREAM != 0 {
@@ -237,6 +251,22 @@ async fn test_control_answer_with_headers_under_the_limit() {
         g.raw(&pong(stream));
     })
     .await;
+    let r = ch.call(&HostRequest::Ping).await.expect("call");
+    assert!(matches!(r, Ok(GuestResponse::Pong)));
+}
+
+/// The channel's PING: a caller that gave up on one (its PONG still due) does not leave the
+/// connection's one PING slot taken; the next caller waits for that PONG, then sends its own.
+#[tokio::test(flavor = "current_thread")]
+async fn test_channel_ping_after_an_abandoned_ping() {
+    let (ch, _t) = connected(|g, stream, _req| g.respond(stream, &Ok(GuestResponse::Pong))).await;
+    let first = tokio::time::timeout(Duration::from_millis(50), ch.ping()).await;
+    assert!(first.is_err(), "the late PONG came early: {first:?}");
+    for _ in 0..3 {
+        let rtt = ch.ping().await.expect("a later ping");
+        assert!(rtt < Duration::from_secs(10), "{rtt:?}");
+    }
+    // Requests still go through beside it.
     let r = ch.call(&HostRequest::Ping).await.expect("call");
     assert!(matches!(r, Ok(GuestResponse::Pong)));
 }
