@@ -69,7 +69,7 @@ fn main() {
     // RUST_LOG cannot lift this: the rmcp filter comes first and drops whatever it names.
     let not_rmcp = filter::filter_fn(|m| !from_rmcp(m.target()));
     // Every field escaped: they carry guest and caller text (`logging`).
-    let fmt = tracing_subscriber::fmt::layer().fmt_fields(logging::EscapedFields::default());
+    let fmt = tracing_subscriber::fmt::layer().fmt_fields(logging::EscapedFields);
     if let cli::Command::Supervise { vm_dir } = &args.command {
         // Much of a supervisor's log is caused by its guest: bounded, rate-limited records in
         // a rotated `supervisor.log` (`warren_supervisor::log`).
