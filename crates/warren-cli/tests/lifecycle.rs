@@ -430,8 +430,43 @@ fn test_lifecycle_vmm_has_no_network_no_run_sockets_and_planted_files_are_refuse
         assert!(only_a_down_lo(&links), "{} ({p}): {links:?}", comm(p));
     }
 
-    // No socket in `run/`; the endpoints are root's, owner-only, in a root-owned directory.
+    // QEMU sees only its view of the host's file system (`warren-vmm::sys::view`): its
+    // run directory, the image, `/usr`; not the VM directory's other files (the secret, the
+    // sockets), the state's database, the share's host directory (virtiofsd serves it),
+    // home directories or `/etc`. Control: the host's root holds them.
     let dir = vm.env.vm_dir(&vm.id);
+    let qemu = pids
+        .iter()
+        .find(|p| comm(p).starts_with("qemu-system"))
+        .expect("qemu");
+    let seen = |root: &str, p: &std::path::Path| {
+        std::path::Path::new(root)
+            .join(p.strip_prefix("/").expect("absolute"))
+            .exists()
+    };
+    let qroot = format!("/proc/{qemu}/root");
+    let hidden = [
+        dir.join("secret"),
+        dir.join("vmm-channel.sock"),
+        vm.env.state.path().join("warren.db"),
+        share.path().join("."),
+        std::path::PathBuf::from("/etc/passwd"),
+        std::path::PathBuf::from("/root"),
+    ];
+    for p in &hidden {
+        assert!(seen("/", p), "control: the host has {}", p.display());
+        assert!(!seen(&qroot, p), "QEMU sees {}", p.display());
+    }
+    for p in [dir.join("run"), std::path::PathBuf::from("/usr/bin")] {
+        assert!(seen(&qroot, &p), "QEMU lacks {}", p.display());
+    }
+    assert_ne!(
+        std::fs::read_link(format!("/proc/{qemu}/ns/mnt")).expect("mntns"),
+        std::fs::read_link("/proc/self/ns/mnt").expect("own mntns"),
+        "QEMU is in the host's mount namespace"
+    );
+
+    // No socket in `run/`; the endpoints are root's, owner-only, in a root-owned directory.
     let run = dir.join("run");
     assert_eq!(sockets_in(&run), Vec::<String>::new(), "sockets in run/");
     let mut endpoints = sockets_in(&dir);

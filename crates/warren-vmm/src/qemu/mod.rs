@@ -114,8 +114,18 @@ impl VmBackend for QemuBackend {
             (_, ram) => ram,
         };
         let args = qemu_args(spec, Attach::Fds, self.tsc_khz);
+        // Run by its absolute path: the view's root has no working directory of ours.
+        let program =
+            std::fs::canonicalize(&self.qemu).map_err(|e| VmmError::io("find", &self.qemu, e))?;
+        let view = crate::sys::view::VmmView::for_launch(
+            &program,
+            &spec.run_dir,
+            &view_dirs(spec),
+            spec.accel == crate::Accel::Kvm,
+        )
+        .map_err(|e| VmmError::io("prepare the VMM's view for", &spec.run_dir, e))?;
         let (qemu_stderr, stderr_write) = StderrPipe::new(spec.stderr_log.clone())?;
-        let mut cmd = tokio::process::Command::new(&self.qemu);
+        let mut cmd = tokio::process::Command::new(&program);
         cmd.args(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -128,7 +138,8 @@ impl VmBackend for QemuBackend {
                 &crate::sys::cgroup::member_dirs(cg),
             );
         }
-        crate::sys::process::confine(cmd.as_std_mut(), spec.run_as, &spec.groups);
+        crate::sys::process::confine_viewed(cmd.as_std_mut(), spec.run_as, &spec.groups, &view)
+            .map_err(|e| VmmError::io("prepare the VMM's view for", &spec.run_dir, e))?;
         let mut fds: Vec<(std::os::fd::RawFd, i32)> = Vec::new();
         {
             use std::os::fd::AsRawFd;
@@ -176,6 +187,42 @@ impl VmBackend for QemuBackend {
             Ok(Box::new(q) as Box<dyn VmControl>)
         })
     }
+}
+
+/// The directories a VMM may read besides its run directory ([`crate::sys::view`]): the
+/// image's (kernel, initramfs, the root file system its disk backs onto), a template's RAM
+/// file's, and the state directory's `templates/` and `forks/` (a clone's or a fork copy's
+/// disk backs onto a layer there; a fork copy restores from a state there), found beside
+/// `vms/` above the run directory (`STATE/vms/<id>/run`). Their own modes still apply.
+fn view_dirs(spec: &LaunchSpec) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = [
+        Some(&spec.kernel),
+        Some(&spec.initramfs),
+        Some(&spec.disk),
+        spec.template_ram.as_ref(),
+        spec.ram_file.as_ref(),
+    ]
+    .into_iter()
+    .flatten()
+    .filter_map(|p| p.parent().map(Path::to_path_buf))
+    .collect();
+    if let Some(state) = spec
+        .run_dir
+        .parent()
+        .and_then(Path::parent)
+        .and_then(Path::parent)
+    {
+        dirs.extend(
+            ["templates", "forks"]
+                .iter()
+                .map(|d| state.join(d))
+                .filter(|d| d.is_dir()),
+        );
+    }
+    dirs.retain(|d| !d.starts_with(&spec.run_dir));
+    dirs.sort();
+    dirs.dedup();
+    dirs
 }
 
 /// Binds the listening socket of one endpoint at `path` (replacing a stale one), owner-only.

@@ -9,4 +9,5 @@ pub mod process;
 pub mod share_seccomp;
 pub mod tap;
 pub mod tsc;
+pub mod view;
 pub mod vmm_file;

@@ -15,6 +15,30 @@ use std::os::unix::process::CommandExt;
 /// The supervisor must spawn from a thread that lives as long as it does (the parent-death
 /// signal fires when the spawning *thread* exits): it runs a current-thread runtime.
 pub fn confine(cmd: &mut std::process::Command, run_as: Option<(u32, u32)>, groups: &[u32]) {
+    confine_in(cmd, run_as, groups, None)
+}
+
+/// [`confine`], and with a `view` the child also gets a mount namespace of its own whose
+/// root holds only that view ([`crate::sys::view`]), built before the uid drop. A view
+/// that cannot be prepared here is an error; one that cannot be built in the child fails
+/// the spawn: a VMM never runs with the host's file system.
+pub fn confine_viewed(
+    cmd: &mut std::process::Command,
+    run_as: Option<(u32, u32)>,
+    groups: &[u32],
+    view: &crate::sys::view::VmmView,
+) -> std::io::Result<()> {
+    let prepared = view.prepare()?;
+    confine_in(cmd, run_as, groups, Some(prepared));
+    Ok(())
+}
+
+fn confine_in(
+    cmd: &mut std::process::Command,
+    run_as: Option<(u32, u32)>,
+    groups: &[u32],
+    view: Option<crate::sys::view::Prepared>,
+) {
     let groups: Vec<nix::unistd::Gid> = groups
         .iter()
         .map(|g| nix::unistd::Gid::from_raw(*g))
@@ -29,21 +53,30 @@ pub fn confine(cmd: &mut std::process::Command, run_as: Option<(u32, u32)>, grou
         )
     });
     // SAFETY: the closure runs in the forked child before exec and only makes
-    // async-signal-safe syscalls (unshare, open, write, close, setgroups, setgid, setuid,
-    // prctl, getppid) on buffers allocated before the fork. Credentials are changed here,
-    // after the namespace (which needs them), and the parent-death signal is set last because
-    // credential changes clear it.
+    // async-signal-safe syscalls (unshare, open, write, close, mount, mkdir, symlink,
+    // pivot_root, chdir, setgroups, setgid, setuid, prctl, getppid) on buffers allocated
+    // before the fork. Credentials are changed here, after the namespaces and the view
+    // (which need them), and the parent-death signal is set last because credential changes
+    // clear it.
     unsafe {
         cmd.pre_exec(move || {
             use nix::sched::{unshare, CloneFlags};
+            let mounts = if view.is_some() {
+                CloneFlags::CLONE_NEWNS
+            } else {
+                CloneFlags::empty()
+            };
             match &maps {
-                None => unshare(CloneFlags::CLONE_NEWNET)?,
+                None => unshare(CloneFlags::CLONE_NEWNET | mounts)?,
                 Some((uid_map, gid_map)) => {
-                    unshare(CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNET)?;
+                    unshare(CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNET | mounts)?;
                     write_proc(c"/proc/self/setgroups", b"deny")?;
                     write_proc(c"/proc/self/uid_map", uid_map)?;
                     write_proc(c"/proc/self/gid_map", gid_map)?;
                 }
+            }
+            if let Some(view) = &view {
+                view.enter()?;
             }
             if let Some((uid, gid)) = run_as {
                 nix::unistd::setgroups(&groups)?;
