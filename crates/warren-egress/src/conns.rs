@@ -13,10 +13,29 @@
 //!   handshake, a request body, a slow upstream, a relay in either direction. TLS handshakes
 //!   (the guest's with Warren, Warren's with the upstream) must also complete within
 //!   [`HANDSHAKE_TIMEOUT`].
+//! - **How much kernel memory.** Both sockets of every relay have their send and receive
+//!   buffers fixed at [`RELAY_SOCKET_BUFFER`]: the guest's right after accept, the
+//!   upstream's before `connect` (so the window scale it offers fits). Left to itself the
+//!   kernel grows each buffer towards `tcp_wmem`/`tcp_rmem`'s maximum (4 and 6 MiB by
+//!   default, often raised): a guest that reads a fast download and then stops leaves the
+//!   guest-facing send queue and the upstream receive queue full: up to 10 MiB per connection
+//!   with default limits (3-21 MiB in the test, on a host with raised ones), GiBs at
+//!   [`MAX_CONNECTIONS`], all outside the VM's cgroups. Fixed, the kernel takes
+//!   `min(size, net.core.*mem_max)` and doubles it for its bookkeeping: a buffer holds about
+//!   512 KiB at most (one packet more on a send queue), a stalled direction of a connection
+//!   1 MiB (two buffers), both directions 2 MiB, so a VM at most 256 MiB of stalled downloads
+//!   and 512 MiB in all. The price is throughput on long paths: a connection moves at most
+//!   about a window (near the fixed size) per round trip, ~25 MiB/s at 10 ms, ~2.5 MiB/s at
+//!   100 ms, far more on the guest's local link and from nearby mirrors. A guest's
+//!   DNS-over-TCP connection needs room for one message (64 KiB at most) and gets
+//!   [`DNS_SOCKET_BUFFER`]: 4 MiB for all 16 (the resolver's own queries upstream over TCP,
+//!   one answer each within 20 s, are left alone). A buffer that cannot be fixed fails its
+//!   connection (closed as accepted, or never connected) rather than letting it grow.
 //!
 //! Activity is the guest side's bytes, counted by [`Activity::touch`] in the stream wrapper
 //! every proxied connection reads and writes the guest through.
 
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +46,7 @@ use tokio::time::Instant;
 
 use crate::decision_log::Kind;
 use crate::egress::Inner;
+use crate::error::BufferError;
 use crate::policy::DenyReason;
 
 /// Guest connections the proxy of one VM serves at once.
@@ -37,16 +57,24 @@ pub const MAX_DNS_TCP_CONNECTIONS: usize = 16;
 pub const IDLE_LIMIT: Duration = Duration::from_secs(600);
 /// How long a TLS handshake (with the guest, or with the upstream) may take.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// The send and receive buffer size (`SO_SNDBUF`, `SO_RCVBUF`) asked of the kernel for both
+/// sockets of every relay; the kernel doubles it (see the module's "How much kernel
+/// memory").
+pub const RELAY_SOCKET_BUFFER: usize = 256 * 1024;
+/// The same for a guest's DNS-over-TCP connection: one whole message (at most 64 KiB).
+pub const DNS_SOCKET_BUFFER: usize = 64 * 1024;
 
 /// The next guest connection on `listener` that finds a place among `places`, with its
-/// place. An accept error (EMFILE and friends) is logged and retried after a pause rather
-/// than ending the service; a connection past the places is closed at once and recorded as
-/// `too_many_connections` under `kind` (the decision log's own rate limit bounds these).
+/// place, its kernel buffers fixed at `buffer` ([`fix_buffers`]). An accept error (EMFILE and friends) is
+/// logged and retried after a pause rather than ending the service; a connection past the
+/// places is closed at once and recorded as `too_many_connections` under `kind` (the decision
+/// log's own rate limit bounds these); one whose buffers cannot be fixed is closed and logged.
 pub(crate) async fn accept_within(
     inner: &Inner,
     listener: &TcpListener,
     places: &Arc<Semaphore>,
     kind: Kind,
+    buffer: usize,
 ) -> (TcpStream, OwnedSemaphorePermit) {
     loop {
         let conn = match listener.accept().await {
@@ -58,7 +86,14 @@ pub(crate) async fn accept_within(
             }
         };
         match places.clone().try_acquire_owned() {
-            Ok(place) => return (conn, place),
+            Ok(place) => match fix_buffers(&conn, "guest-facing", buffer) {
+                Ok(()) => return (conn, place),
+                Err(e) => {
+                    tracing::warn!(vm = %inner.cfg.vm, ?kind, error = %e, source = %e.source,
+                        "egress closed a guest connection");
+                    drop(conn);
+                }
+            },
             Err(_) => {
                 drop(conn);
                 inner
@@ -67,6 +102,19 @@ pub(crate) async fn accept_within(
             }
         }
     }
+}
+
+/// Fixes both kernel buffers of a `side` socket at `bytes`.
+pub(crate) fn fix_buffers<F: AsFd>(
+    sock: &F,
+    side: &'static str,
+    bytes: usize,
+) -> Result<(), BufferError> {
+    crate::sys::sockopt::fix_buffers(sock, bytes).map_err(|source| BufferError {
+        side,
+        bytes,
+        source,
+    })
 }
 
 /// When a connection's guest side last moved a byte.
@@ -111,6 +159,27 @@ impl Activity {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Both buffers of a fixed socket read back as what the kernel makes of the size: capped
+    /// at `net.core.*mem_max` and doubled, whatever the autotuning limits are.
+    #[test]
+    fn test_fix_buffers_sets_both_buffers() {
+        use nix::sys::socket::{getsockopt, sockopt};
+        let max = |name: &str| -> usize {
+            std::fs::read_to_string(format!("/proc/sys/net/core/{name}"))
+                .expect("sysctl")
+                .trim()
+                .parse()
+                .expect("number")
+        };
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let s = std::net::TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        fix_buffers(&s, "test", RELAY_SOCKET_BUFFER).expect("fix");
+        let snd = getsockopt(&s, sockopt::SndBuf).expect("SO_SNDBUF");
+        let rcv = getsockopt(&s, sockopt::RcvBuf).expect("SO_RCVBUF");
+        assert_eq!(snd, 2 * RELAY_SOCKET_BUFFER.min(max("wmem_max")));
+        assert_eq!(rcv, 2 * RELAY_SOCKET_BUFFER.min(max("rmem_max")));
+    }
 
     /// The watch ends `limit` after the last touch, not after the first, and not before.
     #[tokio::test(start_paused = true)]

@@ -86,6 +86,21 @@ pub enum EgressError {
     Listener(#[source] io::Error),
 }
 
+/// Fixing the kernel buffers of a connection's socket failed (`crate::conns`, "How much
+/// kernel memory"): the connection is closed unserved rather than left with buffers the
+/// kernel would grow.
+#[derive(Debug, thiserror::Error)]
+#[error("fixing the kernel buffers of the {side} socket at {bytes} bytes")]
+pub(crate) struct BufferError {
+    /// `guest-facing` or `upstream`.
+    pub(crate) side: &'static str,
+    /// The size asked for.
+    pub(crate) bytes: usize,
+    /// Cause.
+    #[source]
+    pub(crate) source: io::Error,
+}
+
 /// Why one proxied connection ended abnormally (logged at debug, never shown to the guest).
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ConnError {

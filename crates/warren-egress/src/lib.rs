@@ -36,7 +36,10 @@ pub use config::{
     CaMaterial, EgressConfig, InterceptRule, SecretSource, SecretSpec, UpstreamRoots,
     DEFAULT_RULE_TIMEOUT,
 };
-pub use conns::{HANDSHAKE_TIMEOUT, IDLE_LIMIT, MAX_CONNECTIONS, MAX_DNS_TCP_CONNECTIONS};
+pub use conns::{
+    DNS_SOCKET_BUFFER, HANDSHAKE_TIMEOUT, IDLE_LIMIT, MAX_CONNECTIONS, MAX_DNS_TCP_CONNECTIONS,
+    RELAY_SOCKET_BUFFER,
+};
 pub use egress::{Egress, EgressHandle, Listeners};
 pub use error::{ConfigError, EgressError, SecretError};
 pub use host_ca::{

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use tokio::net::{TcpSocket, TcpStream, UdpSocket};
 
+use crate::conns::{fix_buffers, RELAY_SOCKET_BUFFER};
 use crate::error::EgressError;
 use crate::sys::netns::{NetnsWorker, SocketKind};
 
@@ -78,7 +79,9 @@ impl Outbound {
 
     /// [`Outbound::tcp_connect`] for a destination a guest chose: refused
     /// (`PermissionDenied`) when it is an address of this namespace
-    /// ([`Outbound::is_own_address`]), checked on the connecting socket itself.
+    /// ([`Outbound::is_own_address`]), checked on the connecting socket itself. The socket's
+    /// kernel buffers are fixed at [`RELAY_SOCKET_BUFFER`] before it connects (so the
+    /// window scale it offers fits them); if they cannot be, nothing is connected.
     pub async fn tcp_connect_remote(&self, addr: SocketAddrV4) -> io::Result<TcpStream> {
         let socket = self.tcp_socket().await?;
         if own_address(&socket, *addr.ip())? {
@@ -86,6 +89,11 @@ impl Outbound {
                 io::ErrorKind::PermissionDenied,
                 "destination is an address of the outbound namespace",
             ));
+        }
+        if let Err(e) = fix_buffers(&socket, "upstream", RELAY_SOCKET_BUFFER) {
+            tracing::warn!(destination = %addr, error = %e, source = %e.source,
+                "egress refused an upstream connection");
+            return Err(io::Error::other(e));
         }
         connect(socket, addr).await
     }

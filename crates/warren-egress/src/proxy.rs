@@ -1,7 +1,8 @@
 //! The transparent TCP proxy of one VM.
 //!
 //! Per accepted connection (one task each, at most [`MAX_CONNECTIONS`] at once, each closed
-//! after [`IDLE_LIMIT`] without a byte to or from the guest: `crate::conns`):
+//! after [`IDLE_LIMIT`] without a byte to or from the guest, both its sockets' kernel buffers
+//! fixed at [`RELAY_SOCKET_BUFFER`]: `crate::conns`):
 //! 1. the original destination from `SO_ORIGINAL_DST` (nftables `redirect` rewrote it);
 //! 2. the first client bytes are read (up to [`FIRST_BYTES_WAIT`]) and classified: a TLS
 //!    ClientHello is decided by SNI, an HTTP request by the host it names, the HTTP/2 preface
@@ -30,7 +31,9 @@ use tokio::sync::Semaphore;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::conns::{accept_within, Activity, HANDSHAKE_TIMEOUT, IDLE_LIMIT, MAX_CONNECTIONS};
+use crate::conns::{
+    accept_within, Activity, HANDSHAKE_TIMEOUT, IDLE_LIMIT, MAX_CONNECTIONS, RELAY_SOCKET_BUFFER,
+};
 use crate::decision_log::Kind;
 use crate::egress::Inner;
 use crate::error::ConnError;
@@ -50,7 +53,8 @@ pub(crate) async fn serve(inner: Arc<Inner>, listener: TcpListener) {
     let local = listener.local_addr().ok();
     let places = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
-        let (conn, place) = accept_within(&inner, &listener, &places, Kind::Tcp).await;
+        let (conn, place) =
+            accept_within(&inner, &listener, &places, Kind::Tcp, RELAY_SOCKET_BUFFER).await;
         let i = inner.clone();
         inner.tasks.spawn(async move {
             let activity = Arc::new(Activity::new());

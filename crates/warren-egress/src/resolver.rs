@@ -21,7 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, UdpSocket};
 use tokio::sync::Semaphore;
 
-use crate::conns::{accept_within, MAX_DNS_TCP_CONNECTIONS};
+use crate::conns::{accept_within, DNS_SOCKET_BUFFER, MAX_DNS_TCP_CONNECTIONS};
 use crate::decision_log::Kind;
 use crate::egress::Inner;
 use crate::outbound::Outbound;
@@ -361,7 +361,8 @@ pub(crate) async fn serve_udp(inner: Arc<Inner>, sock: UdpSocket) -> io::Result<
 pub(crate) async fn serve_tcp(inner: Arc<Inner>, listener: TcpListener) -> io::Result<()> {
     let places = Arc::new(Semaphore::new(MAX_DNS_TCP_CONNECTIONS));
     loop {
-        let (mut conn, place) = accept_within(&inner, &listener, &places, Kind::Dns).await;
+        let (mut conn, place) =
+            accept_within(&inner, &listener, &places, Kind::Dns, DNS_SOCKET_BUFFER).await;
         let inner2 = inner.clone();
         inner.tasks.spawn(async move {
             let _place = place;
