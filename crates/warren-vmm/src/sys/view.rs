@@ -61,8 +61,11 @@ enum Kind {
 
 #[derive(Debug, Clone)]
 struct Entry {
-    /// Path on the host and in the view.
+    /// Path in the view (as the launch names it).
     path: PathBuf,
+    /// What is mounted there: the host path with every link resolved (a directory's), so
+    /// that neither the choice of staging directory nor a bind is fooled by a link.
+    source: PathBuf,
     kind: Kind,
     /// The source's mount flags that a bind must keep (`statvfs`).
     keep: MsFlags,
@@ -109,6 +112,7 @@ impl VmmView {
                 Ok(m) if m.file_type().is_symlink() => {
                     let target = std::fs::read_link(&p)?;
                     v.entries.push(Entry {
+                        source: p.clone(),
                         path: p,
                         kind: Kind::Link(cstring(&target)?),
                         keep: MsFlags::empty(),
@@ -127,6 +131,7 @@ impl VmmView {
         }
         v.entries.push(Entry {
             path: PathBuf::from("/proc"),
+            source: PathBuf::from("/proc"),
             kind: Kind::Tree,
             keep: MsFlags::empty(),
         });
@@ -147,15 +152,17 @@ impl VmmView {
 
     fn dir(&mut self, path: &Path, writable: bool, noexec: bool) -> std::io::Result<()> {
         let path = absolute(path)?;
-        if !std::fs::metadata(&path)?.is_dir() {
+        let source = std::fs::canonicalize(&path)?;
+        if !std::fs::metadata(&source)?.is_dir() {
             return Err(std::io::Error::other(format!(
                 "{} is not a directory",
                 path.display()
             )));
         }
-        let keep = source_flags(&path)?;
+        let keep = source_flags(&source)?;
         self.entries.push(Entry {
             path,
+            source,
             kind: Kind::Dir { writable, noexec },
             keep,
         });
@@ -166,6 +173,7 @@ impl VmmView {
         let keep = source_flags(path)?;
         self.entries.push(Entry {
             path: path.to_path_buf(),
+            source: path.to_path_buf(),
             kind: Kind::Device,
             keep,
         });
@@ -176,6 +184,7 @@ impl VmmView {
         let keep = source_flags(path)?;
         self.entries.push(Entry {
             path: path.to_path_buf(),
+            source: path.to_path_buf(),
             kind: Kind::File,
             keep,
         });
@@ -190,7 +199,8 @@ impl VmmView {
     }
 
     /// Leaves out a directory inside another of the same access (its parent's bind shows
-    /// it); one of other access inside another stays, mounted after it.
+    /// it, at the same place: inside it on the host too); one of other access inside another
+    /// stays, mounted after it.
     fn drop_nested(&mut self) {
         let all = self.entries.clone();
         self.entries.retain(|e| {
@@ -200,7 +210,9 @@ impl VmmView {
             !all.iter().any(|o| {
                 matches!(o.kind, Kind::Dir { writable: w, noexec: x } if w == writable && x == noexec)
                     && o.path != e.path
-                    && e.path.starts_with(&o.path)
+                    && e.path.strip_prefix(&o.path).ok().is_some_and(|rel| {
+                        e.source.strip_prefix(&o.source).ok() == Some(rel)
+                    })
             })
         });
         // Parents before children: a bind inside another is mounted after it.
@@ -214,15 +226,18 @@ impl VmmView {
 
     /// Makes every buffer the child needs.
     pub(crate) fn prepare(&self) -> std::io::Result<Prepared> {
+        // Compared with links resolved, on both sides: a source reached through a link into
+        // the staging directory would be looked up, in the child, inside the new root.
         let staging = STAGING
             .iter()
-            .map(Path::new)
+            .filter_map(|s| std::fs::canonicalize(s).ok())
             .find(|s| {
                 s.is_dir()
-                    && !self
-                        .entries
-                        .iter()
-                        .any(|e| e.path.starts_with(s) || s.starts_with(&e.path))
+                    && !self.entries.iter().any(|e| {
+                        [&e.path, &e.source]
+                            .iter()
+                            .any(|p| p.starts_with(s) || s.starts_with(p))
+                    })
             })
             .ok_or_else(|| {
                 std::io::Error::other("no directory to build the VMM's root on (tried /mnt, /media, /srv, /boot, /opt, /var/empty, /tmp)")
@@ -232,6 +247,7 @@ impl VmmView {
         for e in &self.entries {
             let rel = e.path.strip_prefix("/").unwrap_or(&e.path);
             let target = staging.join(rel);
+            let staging = staging.as_path();
             let parent_dirs = match &e.kind {
                 Kind::Dir { .. } | Kind::Tree => target.ancestors().collect::<Vec<_>>(),
                 Kind::File | Kind::Device | Kind::Link(_) => target.ancestors().skip(1).collect(),
@@ -244,7 +260,7 @@ impl VmmView {
             mounts.push(PreparedMount {
                 source: match &e.kind {
                     Kind::Link(t) => t.clone(),
-                    _ => cstring(&e.path)?,
+                    _ => cstring(&e.source)?,
                 },
                 target: cstring(&target)?,
                 kind: e.kind.clone(),
@@ -252,7 +268,7 @@ impl VmmView {
             });
         }
         Ok(Prepared {
-            staging: cstring(staging)?,
+            staging: cstring(&staging)?,
             dirs: dirs.iter().map(|d| cstring(d)).collect::<Result<_, _>>()?,
             mounts,
         })
@@ -336,6 +352,36 @@ impl Prepared {
                 none,
             )?;
         }
+        // The view is complete: no mount the host makes from here on (under `/usr`, `/sys`,
+        // a bound directory) propagates into it. Then each directory's restrictions apply to
+        // everything mounted below it too (`/sys/fs/cgroup` below `/sys`, ...), not only to
+        // its top: a remount changes one mount, `mount_setattr` the whole tree.
+        mount(
+            none,
+            self.staging.as_c_str(),
+            none,
+            MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+            none,
+        )?;
+        for m in &self.mounts {
+            let attr = match m.kind {
+                Kind::Dir {
+                    writable: false, ..
+                } => libc::MOUNT_ATTR_RDONLY | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV,
+                Kind::Dir {
+                    writable: true,
+                    noexec,
+                } => {
+                    let mut a = libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV;
+                    if noexec {
+                        a |= libc::MOUNT_ATTR_NOEXEC;
+                    }
+                    a
+                }
+                Kind::File | Kind::Device | Kind::Link(_) | Kind::Tree => continue,
+            };
+            set_tree_attr(m.target.as_c_str(), attr)?;
+        }
         mount(
             none,
             self.staging.as_c_str(),
@@ -349,6 +395,32 @@ impl Prepared {
         nix::unistd::chdir(c"/")?;
         Ok(())
     }
+}
+
+/// Sets `attr` on the mount at `path` and every mount below it (`mount_setattr(2)`, Linux
+/// 5.12). Async-signal-safe: one raw syscall on a buffer on the stack.
+fn set_tree_attr(path: &std::ffi::CStr, attr: u64) -> std::io::Result<()> {
+    let a = libc::mount_attr {
+        attr_set: attr,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    // SAFETY: `path` is NUL-terminated and `a` a live `mount_attr` of the size passed.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            libc::AT_RECURSIVE as libc::c_uint,
+            &a as *const libc::mount_attr,
+            std::mem::size_of::<libc::mount_attr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 fn absolute(p: &Path) -> std::io::Result<PathBuf> {
@@ -453,5 +525,122 @@ mod tests {
             plain.contains(&format!("SEEN {}", marker.display())),
             "control: {plain}"
         );
+    }
+
+    /// Runs `f` on a thread of its own in a mount namespace of its own (private, so nothing
+    /// it mounts reaches the host), where a test may mount what a view's sources hold.
+    fn in_own_mount_ns<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        std::thread::spawn(move || {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).expect("unshare");
+            let none: Option<&str> = None;
+            nix::mount::mount(none, "/", none, MsFlags::MS_REC | MsFlags::MS_PRIVATE, none)
+                .expect("private");
+            f()
+        })
+        .join()
+        .expect("thread")
+    }
+
+    fn tmpfs(at: &Path) {
+        nix::mount::mount(
+            Some("tmpfs"),
+            at,
+            Some("tmpfs"),
+            MsFlags::empty(),
+            Some("mode=0777"),
+        )
+        .expect("tmpfs");
+    }
+
+    /// A read-only directory is read-only all the way down: a file system mounted below it
+    /// on the host (as `/sys/fs/cgroup` is below `/sys`) is read-only in the view too, and
+    /// one the host mounts there after the VMM started (a shared mount propagates) does not
+    /// arrive writable. Every mount of the view but `/proc`, the devices and the run
+    /// directory is read-only. Control: the host side of both mounts is writable.
+    #[test]
+    fn test_view_is_read_only_below_its_read_only_binds() {
+        let (text, control) = in_own_mount_ns(|| {
+            let run = tempfile::tempdir().expect("run");
+            let readable = tempfile::tempdir().expect("readable");
+            let r = readable.path().to_path_buf();
+            // A shared mount, as `/` is on a systemd host.
+            nix::mount::mount(Some(&r), &r, None::<&str>, MsFlags::MS_BIND, None::<&str>)
+                .expect("bind");
+            nix::mount::mount(
+                None::<&str>,
+                &r,
+                None::<&str>,
+                MsFlags::MS_SHARED,
+                None::<&str>,
+            )
+            .expect("shared");
+            std::fs::create_dir(r.join("sub")).expect("sub");
+            std::fs::create_dir(r.join("later")).expect("later");
+            tmpfs(&r.join("sub"));
+            let script = format!(
+                "touch {r}/sub/x 2>/dev/null && echo FAIL sub writable\n\
+                 touch {run}/ready\n\
+                 while [ ! -e {run}/go ]; do sleep 0.02; done\n\
+                 touch {r}/later/x 2>/dev/null && echo FAIL later writable\n\
+                 while read -r _ _ _ _ at opts _; do case $at in \
+                 /proc|/proc/*|/dev/*|{run}) ;; *) case $opts in ro|ro,*) ;; \
+                 *) echo \"FAIL $at $opts\";; esac;; esac; done < /proc/self/mountinfo\n\
+                 echo done\n",
+                r = r.display(),
+                run = run.path().display(),
+            );
+            let sh = std::fs::canonicalize("/bin/sh").expect("sh");
+            let view = VmmView::for_launch(&sh, run.path(), std::slice::from_ref(&r), false)
+                .expect("view");
+            let mut cmd = std::process::Command::new(&sh);
+            cmd.arg("-c")
+                .arg(&script)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            crate::sys::process::confine_viewed(&mut cmd, None, &[], &view).expect("confine");
+            let child = cmd.spawn().expect("spawn");
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            while !run.path().join("ready").exists() && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            tmpfs(&r.join("later"));
+            std::fs::write(run.path().join("go"), "").expect("go");
+            let out = child.wait_with_output().expect("wait");
+            let text = String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr);
+            let control = std::fs::write(r.join("sub/y"), "").is_ok()
+                && std::fs::write(r.join("later/y"), "").is_ok();
+            for m in ["sub", "later", ""] {
+                let _ = nix::mount::umount2(&r.join(m), nix::mount::MntFlags::MNT_DETACH);
+            }
+            (text, control)
+        });
+        assert!(control, "control: the host's mounts are writable");
+        assert!(text.contains("done"), "{text}");
+        assert!(!text.contains("FAIL"), "{text}");
+    }
+
+    /// A directory named through a link into the staging directory (a state directory
+    /// under a link to `/mnt/...`) is the directory the link names in the view, not an empty
+    /// one of the staging tmpfs.
+    #[test]
+    fn test_view_of_a_directory_behind_a_link_into_the_staging_directory() {
+        let sh = std::fs::canonicalize("/bin/sh").expect("sh");
+        let outer = tempfile::tempdir().expect("outer");
+        let staging = {
+            let v = VmmView::for_launch(&sh, outer.path(), &[], false).expect("view");
+            let p = v.prepare().expect("prepare");
+            PathBuf::from(std::ffi::OsStr::from_bytes(p.staging.as_bytes()))
+        };
+        let real = tempfile::tempdir_in(&staging).expect("dir in the staging directory");
+        let link = outer.path().join("state");
+        std::os::unix::fs::symlink(real.path(), &link).expect("link");
+        let view = VmmView::for_launch(&sh, &link, &[], false).expect("view");
+        let mut cmd = std::process::Command::new(&sh);
+        cmd.arg("-c").arg(format!("echo ok > {}/w", link.display()));
+        crate::sys::process::confine_viewed(&mut cmd, None, &[], &view).expect("confine");
+        let out = cmd.output();
+        let written = std::fs::read_to_string(real.path().join("w")).ok();
+        assert_eq!(written.as_deref(), Some("ok\n"), "{out:?}");
     }
 }
