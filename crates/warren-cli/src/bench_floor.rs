@@ -54,6 +54,7 @@ pub(crate) async fn raw_restore(w: &Warren, dir: &std::path::Path) -> Result<f64
         named_ram: false,
         groups: vec![],
         bench_port: None,
+        view_readable: vec![],
     };
     let backend = QemuBackend::new(warren_vmm::accel::find_qemu()?)?;
     let ep = QemuBackend::endpoints(&run_dir);

@@ -90,11 +90,7 @@ impl Harness {
             std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777))
                 .expect("chmod");
         }
-        // The stand-in runs from the harness directory: a VMM sees its program's own
-        // directory (and no other of the host's), and the harness claims and reports there.
-        let fake_path = dir.path().join("qemu");
-        std::fs::copy(env!("CARGO_BIN_EXE_warren-hostile-qemu"), &fake_path).expect("copy");
-        let fake = fake_path.to_str().expect("utf-8");
+        let fake = env!("CARGO_BIN_EXE_warren-hostile-qemu");
         let real = real_qemu();
         let harness_dir = dir.path().to_str().expect("utf-8").to_string();
         let d = Daemon::start_env(
@@ -103,6 +99,8 @@ impl Harness {
                 ("WARREN_QEMU", fake),
                 ("WARREN_HARNESS_REAL_QEMU", &real),
                 ("WARREN_HARNESS_DIR", &harness_dir),
+                // The stand-in claims and reports there: in its view (`warren-vmm::sys::view`).
+                ("WARREN_TEST_VMM_DIR", &harness_dir),
                 ("WARREN_ACCEL", "tcg"),
             ],
         );

@@ -134,6 +134,8 @@ fn test_lifecycle_disturbed_timer_calibration_boots_again() {
     let create = || {
         env.cmd()
             .env("WARREN_QEMU", &wrapper)
+            // The wrapper's counter is in its own directory: in the VMM's view for tests.
+            .env("WARREN_TEST_VMM_DIR", dir.path())
             .env("WARREN_ACCEL", "tcg")
             .args(["vm", "create", "--image", &image, "--json"])
             .output()

@@ -48,6 +48,45 @@ impl VmDir {
     pub fn secret_next(&self) -> PathBuf {
         self.0.join("secret.next")
     }
+    /// Names the template directory (under `STATE/templates/`) the VM's disk chain backs
+    /// onto, if any (written by the creator, root's).
+    pub fn template_marker(&self) -> PathBuf {
+        self.0.join("template")
+    }
+    /// The directories the VMM reads besides its image's and its run directory (its view,
+    /// `warren_vmm::sys::view`): its template's (from [`VmDir::template_marker`], beside
+    /// `vms/` in `STATE/templates/`), and the directory of the fork state it restores from.
+    /// A marker that is not a plain name is an error.
+    pub fn view_readable(&self, restore_from: Option<&Path>) -> std::io::Result<Vec<PathBuf>> {
+        let mut out = Vec::new();
+        match std::fs::read_to_string(self.template_marker()) {
+            Ok(name) => {
+                let name = name.trim();
+                let plain = !name.is_empty()
+                    && name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+                if !plain {
+                    return Err(std::io::Error::other(
+                        "the VM's template marker is not a name",
+                    ));
+                }
+                let state = self.0.parent().and_then(Path::parent).ok_or_else(|| {
+                    std::io::Error::other("the VM directory has no state directory")
+                })?;
+                let dir = state.join("templates").join(name);
+                if dir.is_dir() {
+                    out.push(dir);
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        if let Some(dir) = restore_from.and_then(Path::parent) {
+            out.push(dir.to_path_buf());
+        }
+        Ok(out)
+    }
     /// Held locked by the live supervisor.
     pub fn lock(&self) -> PathBuf {
         self.0.join("supervisor.lock")
@@ -204,5 +243,36 @@ mod tests {
         let link = d.path().join("link.lock");
         std::os::unix::fs::symlink(&old, &link).expect("symlink");
         assert!(open_lock_file(&link).is_err(), "a link was followed");
+    }
+
+    /// A VMM reads its own template's directory and the fork state's, no other template
+    /// (found by a hostile review: all of `templates/` and `forks/` were in every view); a
+    /// marker that could name a path outside `templates/` fails the launch.
+    #[test]
+    fn test_view_readable_names_only_the_vms_own_template_and_fork_state() {
+        let state = tempfile::tempdir().expect("state");
+        let vm = state.path().join("vms").join("vm-1");
+        std::fs::create_dir_all(&vm).expect("vm dir");
+        for t in ["t-own", "t-other"] {
+            std::fs::create_dir_all(state.path().join("templates").join(t)).expect("template");
+        }
+        let dir = VmDir(vm.clone());
+        assert_eq!(
+            dir.view_readable(None).expect("none"),
+            Vec::<PathBuf>::new()
+        );
+        std::fs::write(dir.template_marker(), "t-own\n").expect("marker");
+        let fork_state = state.path().join("forks").join("abc").join("state");
+        assert_eq!(
+            dir.view_readable(Some(&fork_state)).expect("own"),
+            vec![
+                state.path().join("templates").join("t-own"),
+                state.path().join("forks").join("abc")
+            ]
+        );
+        for bad in ["../../etc", "t-own/../t-other", "", "/etc"] {
+            std::fs::write(dir.template_marker(), bad).expect("marker");
+            assert!(dir.view_readable(None).is_err(), "{bad:?} accepted");
+        }
     }
 }

@@ -278,7 +278,23 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
     };
     let ca_cert = network.as_ref().map(|n| n.ca_cert_pem.clone());
     let launched_at = Instant::now();
-    let launched = match backend.launch(&cfg.launch) {
+    let mut launch = cfg.launch.clone();
+    launch.view_readable = match dir.view_readable(cfg.restore_from.as_deref()) {
+        Ok(v) => v,
+        Err(source) => {
+            record_exit(
+                &dir,
+                false,
+                format!("launching the VMM failed: {source}"),
+                false,
+            );
+            return Err(SuperviseError::Io {
+                what: "the VMM's view",
+                source,
+            });
+        }
+    };
+    let launched = match backend.launch(&launch) {
         Ok(l) => l,
         Err(e) => {
             record_exit(&dir, false, format!("launching the VMM failed: {e}"), false);

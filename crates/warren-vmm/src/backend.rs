@@ -64,6 +64,11 @@ pub struct LaunchSpec {
     /// run directory), the raw-port baseline of `warren bench --suite streams`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bench_port: Option<PathBuf>,
+    /// Directories the VMM reads besides its image's and its run directory
+    /// ([`crate::sys::view`]): the template its disk backs onto, the fork state it restores
+    /// from. Set by the supervisor at each launch from the VM directory, never stored.
+    #[serde(default, skip_serializing)]
+    pub view_readable: Vec<PathBuf>,
     /// Guest RAM is a private (copy-on-write) mapping of this read-only file: a template's
     /// RAM, which the clone restored from the template's device state starts with. Writes
     /// stay in the clone's own memory; the file is never changed.

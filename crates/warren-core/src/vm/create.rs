@@ -222,6 +222,7 @@ impl Warren {
                 ram_file: rec.ram_file.then(|| run.join("guest.ram")),
                 network,
                 bench_port: bench_port.then(|| run.join("bench-port.sock")),
+                view_readable: vec![],
                 template_ram: None,
                 clone_ram: None,
                 fork_ram: None,

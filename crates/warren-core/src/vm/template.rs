@@ -581,6 +581,7 @@ impl Warren {
                 named_ram: false,
                 groups: if root { vec![TEMPLATE_GID] } else { vec![] },
                 bench_port: None,
+                view_readable: vec![],
             },
             boot_timeout_ms: self.cfg.boot_timeout.as_millis() as u64,
             restore: true,

@@ -308,6 +308,7 @@ mod tests {
             ram_file: None,
             network: None,
             bench_port: None,
+            view_readable: vec![],
             template_ram: None,
             clone_ram: None,
             fork_ram: None,

@@ -121,6 +121,7 @@ impl VmBackend for QemuBackend {
             &program,
             &spec.run_dir,
             &view_dirs(spec),
+            &test_vmm_dir(),
             spec.accel == crate::Accel::Kvm,
         )
         .map_err(|e| VmmError::io("prepare the VMM's view for", &spec.run_dir, e))?;
@@ -191,9 +192,8 @@ impl VmBackend for QemuBackend {
 
 /// The directories a VMM may read besides its run directory ([`crate::sys::view`]): the
 /// image's (kernel, initramfs, the root file system its disk backs onto), a template's RAM
-/// file's, and the state directory's `templates/` and `forks/` (a clone's or a fork copy's
-/// disk backs onto a layer there; a fork copy restores from a state there), found beside
-/// `vms/` above the run directory (`STATE/vms/<id>/run`). Their own modes still apply.
+/// file's, and what the supervisor named ([`LaunchSpec::view_readable`]: its template, the
+/// fork state it restores from). Their own modes still apply.
 fn view_dirs(spec: &LaunchSpec) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = [
         Some(&spec.kernel),
@@ -206,23 +206,21 @@ fn view_dirs(spec: &LaunchSpec) -> Vec<PathBuf> {
     .flatten()
     .filter_map(|p| p.parent().map(Path::to_path_buf))
     .collect();
-    if let Some(state) = spec
-        .run_dir
-        .parent()
-        .and_then(Path::parent)
-        .and_then(Path::parent)
-    {
-        dirs.extend(
-            ["templates", "forks"]
-                .iter()
-                .map(|d| state.join(d))
-                .filter(|d| d.is_dir()),
-        );
-    }
+    dirs.extend(spec.view_readable.iter().cloned());
     dirs.retain(|d| !d.starts_with(&spec.run_dir));
     dirs.sort();
     dirs.dedup();
     dirs
+}
+
+/// `$WARREN_TEST_VMM_DIR`: a directory the test suite's QEMU stand-ins (a wrapper that counts
+/// boots, the hostile-guest harness) read and write besides the run directory. The
+/// environment is the operator's, as `$WARREN_QEMU` is (which picks the program itself).
+fn test_vmm_dir() -> Vec<PathBuf> {
+    std::env::var_os("WARREN_TEST_VMM_DIR")
+        .map(PathBuf::from)
+        .into_iter()
+        .collect()
 }
 
 /// Binds the listening socket of one endpoint at `path` (replacing a stale one), owner-only.

@@ -3,11 +3,14 @@
 //!
 //! - read-only: `/usr` (QEMU, its modules, firmware and libraries), the merged-`/usr` links
 //!   (`/bin`, `/lib`, ...) as links or read-only directories, `/etc/ld.so.cache`, `/sys`,
-//!   and the directories the launch names ([`VmmView::for_launch`]: the image's, a
-//!   template's, the state's `templates/` and `forks/`, whose own modes still apply);
+//!   and the directories the launch names ([`VmmView::for_launch`]: the image's, the VM's
+//!   own template's, the fork state it restores from; their own modes still apply);
+//! - read-only too: the QEMU program file itself when it lies outside `/usr` (a
+//!   `$WARREN_QEMU` elsewhere; its directory stays out of the view, so an escape cannot
+//!   plant programs next to it);
 //! - read-write: the VM's `run/` directory (no devices, set-uid or executables there), and
-//!   the QEMU program's own directory when it lies outside `/usr` (a test's stand-in; its
-//!   own modes apply);
+//!   for the test suite's QEMU stand-ins only, the directory `$WARREN_TEST_VMM_DIR` names
+//!   (its own modes apply; the variable is the environment's, like `$WARREN_QEMU`);
 //! - `/proc` (QEMU maps RAM through `/proc/self/fd`), and the device nodes `null`, `zero`,
 //!   `full`, `random`, `urandom` (and `kvm` under KVM).
 //!
@@ -94,14 +97,16 @@ struct PreparedMount {
 }
 
 impl VmmView {
-    /// The view of a VMM that runs the program `qemu` for a VM whose own directory is
-    /// `run_dir` and that reads `readable` (the image's directory, template or fork files).
+    /// The view of a VMM that runs the program `qemu` (an absolute path) for a VM whose own
+    /// directory is `run_dir`, that reads `readable` (the image's directory, template or
+    /// fork files) and writes `writable` besides its run directory (test stand-ins only).
     /// Missing optional entries (a link this system lacks) are left out; a missing required
     /// one (the run directory, a readable directory) is an error.
     pub fn for_launch(
         qemu: &Path,
         run_dir: &Path,
         readable: &[PathBuf],
+        writable: &[PathBuf],
         kvm: bool,
     ) -> std::io::Result<VmmView> {
         let mut v = VmmView::default();
@@ -136,11 +141,11 @@ impl VmmView {
             keep: MsFlags::empty(),
         });
         v.dir(Path::new("/sys"), false, false)?;
-        let program_dir = qemu
-            .parent()
-            .ok_or_else(|| std::io::Error::other("the VMM program has no directory"))?;
-        if !program_dir.starts_with("/usr") {
-            v.dir(program_dir, true, false)?;
+        if !qemu.starts_with("/usr") {
+            v.file(qemu)?;
+        }
+        for w in writable {
+            v.dir(w, true, false)?;
         }
         v.dir(run_dir, true, true)?;
         for r in readable {
@@ -491,8 +496,14 @@ mod tests {
             marker = marker.display(),
         );
         let sh = std::fs::canonicalize("/bin/sh").expect("sh");
-        let view = VmmView::for_launch(&sh, run.path(), &[readable.path().to_path_buf()], false)
-            .expect("view");
+        let view = VmmView::for_launch(
+            &sh,
+            run.path(),
+            &[readable.path().to_path_buf()],
+            &[],
+            false,
+        )
+        .expect("view");
         let run_it = |viewed: bool| {
             let mut cmd = std::process::Command::new(&sh);
             cmd.arg("-c").arg(&script);
@@ -590,7 +601,7 @@ mod tests {
                 run = run.path().display(),
             );
             let sh = std::fs::canonicalize("/bin/sh").expect("sh");
-            let view = VmmView::for_launch(&sh, run.path(), std::slice::from_ref(&r), false)
+            let view = VmmView::for_launch(&sh, run.path(), std::slice::from_ref(&r), &[], false)
                 .expect("view");
             let mut cmd = std::process::Command::new(&sh);
             cmd.arg("-c")
@@ -628,19 +639,64 @@ mod tests {
         let sh = std::fs::canonicalize("/bin/sh").expect("sh");
         let outer = tempfile::tempdir().expect("outer");
         let staging = {
-            let v = VmmView::for_launch(&sh, outer.path(), &[], false).expect("view");
+            let v = VmmView::for_launch(&sh, outer.path(), &[], &[], false).expect("view");
             let p = v.prepare().expect("prepare");
             PathBuf::from(std::ffi::OsStr::from_bytes(p.staging.as_bytes()))
         };
         let real = tempfile::tempdir_in(&staging).expect("dir in the staging directory");
         let link = outer.path().join("state");
         std::os::unix::fs::symlink(real.path(), &link).expect("link");
-        let view = VmmView::for_launch(&sh, &link, &[], false).expect("view");
+        let view = VmmView::for_launch(&sh, &link, &[], &[], false).expect("view");
         let mut cmd = std::process::Command::new(&sh);
         cmd.arg("-c").arg(format!("echo ok > {}/w", link.display()));
         crate::sys::process::confine_viewed(&mut cmd, None, &[], &view).expect("confine");
         let out = cmd.output();
         let written = std::fs::read_to_string(real.path().join("w")).ok();
         assert_eq!(written.as_deref(), Some("ok\n"), "{out:?}");
+    }
+}
+
+#[cfg(test)]
+mod program_tests {
+    use super::*;
+
+    /// A VMM program outside `/usr` is in the view as one read-only file: its directory's
+    /// other files are not, and nothing can be planted next to it (found by a hostile
+    /// review: with its directory bound read-write, an escape from a QEMU found in
+    /// `~/.local/bin` could write programs the user later runs). Control: unconfined, the
+    /// sibling is there.
+    #[test]
+    fn test_program_outside_usr_is_one_read_only_file() {
+        let run = tempfile::tempdir().expect("run");
+        let prog = tempfile::tempdir().expect("prog");
+        let sh = prog.path().join("qemu");
+        std::fs::copy(std::fs::canonicalize("/bin/sh").expect("sh"), &sh).expect("copy");
+        std::fs::write(prog.path().join("sibling"), "x").expect("sibling");
+        let script = format!(
+            "[ -e {d}/sibling ] && echo SEEN; touch {d}/planted 2>/dev/null && echo PLANTED; \
+             touch {p} 2>/dev/null && echo WROTE; echo done",
+            d = prog.path().display(),
+            p = sh.display()
+        );
+        let view = VmmView::for_launch(&sh, run.path(), &[], &[], false).expect("view");
+        let run_it = |viewed: bool| {
+            let mut cmd = std::process::Command::new(&sh);
+            cmd.arg("-c").arg(&script);
+            if viewed {
+                crate::sys::process::confine_viewed(&mut cmd, None, &[], &view).expect("confine");
+            }
+            let out = cmd.output().expect("spawn");
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr)
+        };
+        let text = run_it(true);
+        assert!(text.contains("done"), "{text}");
+        assert!(
+            !text.contains("SEEN") && !text.contains("PLANTED") && !text.contains("WROTE"),
+            "{text}"
+        );
+        assert!(!prog.path().join("planted").exists());
+        assert!(run_it(false).contains("SEEN"), "control");
+        let _ = std::fs::remove_file(prog.path().join("planted"));
     }
 }
