@@ -209,16 +209,24 @@ impl VmmView {
     fn drop_nested(&mut self) {
         let all = self.entries.clone();
         self.entries.retain(|e| {
-            let Kind::Dir { writable, noexec } = e.kind else {
-                return true;
-            };
-            !all.iter().any(|o| {
-                matches!(o.kind, Kind::Dir { writable: w, noexec: x } if w == writable && x == noexec)
-                    && o.path != e.path
+            let shown_by = |o: &Entry| {
+                o.path != e.path
                     && e.path.strip_prefix(&o.path).ok().is_some_and(|rel| {
                         e.source.strip_prefix(&o.source).ok() == Some(rel)
                     })
-            })
+            };
+            match e.kind {
+                Kind::Dir { writable, noexec } => !all.iter().any(|o| {
+                    matches!(o.kind, Kind::Dir { writable: w, noexec: x } if w == writable && x == noexec)
+                        && shown_by(o)
+                }),
+                // A read-only file in a read-only directory of the view is there already
+                // (and no mount point could be made for it there).
+                Kind::File => !all.iter().any(|o| {
+                    matches!(o.kind, Kind::Dir { writable: false, .. }) && shown_by(o)
+                }),
+                Kind::Device | Kind::Link(_) | Kind::Tree => true,
+            }
         });
         // Parents before children: a bind inside another is mounted after it.
         self.entries.sort_by_key(|e| e.path.components().count());
