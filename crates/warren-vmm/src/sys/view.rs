@@ -74,7 +74,8 @@ struct Entry {
     keep: MsFlags,
 }
 
-/// A VMM's file system view, ready to be built in a spawned child ([`VmmView::prepare`]).
+/// A VMM's file system view, built in a spawned child by
+/// [`crate::sys::process::confine_viewed`].
 #[derive(Debug, Clone, Default)]
 pub struct VmmView {
     entries: Vec<Entry>,
