@@ -13,6 +13,10 @@ use warren_supervisor::SupervisorClient;
 
 /// Guest errors the flood causes.
 const FLOOD: usize = 800;
+/// How a flood record's text reads in the log: the guest's newline escaped (`\n`) when it
+/// entered the host, and that value then quoted, its backslash escaped in turn
+/// (`warren-cli::logging`).
+const FLOOD_IN_LOG: &str = r"flood\\nFORGED";
 
 fn exec_request(program: &str) -> HostRequest {
     HostRequest::ExecStart(ExecStart {
@@ -115,14 +119,14 @@ fn test_supervisor_log_guest_text_flood_stays_bounded() {
         assert!(line.len() <= MAX_RECORD, "a {} byte line", line.len());
         assert!(!line.starts_with("FORGED"), "the guest forged a line");
     }
-    let flooded = cur.lines().filter(|l| l.contains("flood\\nFORGED")).count();
+    let flooded = cur.lines().filter(|l| l.contains(FLOOD_IN_LOG)).count();
     eprintln!(
         "flood: {flooded} of {FLOOD} records written in {elapsed:.1} s; the log holds {total} bytes"
     );
     assert!(flooded > 0, "no flood record was logged");
     assert!(
         cur.lines()
-            .filter(|l| l.contains("flood\\nFORGED"))
+            .filter(|l| l.contains(FLOOD_IN_LOG))
             .all(|l| l.contains("…[+")),
         "a flood record was not truncated"
     );
