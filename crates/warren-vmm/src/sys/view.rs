@@ -323,10 +323,15 @@ impl Prepared {
                     continue;
                 }
                 Kind::File | Kind::Device => {
+                    // Read-only and not through a link: in a writable directory of the view
+                    // the mount point is the host's file itself (a program another VMM may be
+                    // running, which refuses writers), and a link planted there is not
+                    // followed as root.
                     let fd = nix::fcntl::open(
                         target,
                         nix::fcntl::OFlag::O_CREAT
-                            | nix::fcntl::OFlag::O_WRONLY
+                            | nix::fcntl::OFlag::O_RDONLY
+                            | nix::fcntl::OFlag::O_NOFOLLOW
                             | nix::fcntl::OFlag::O_CLOEXEC,
                         nix::sys::stat::Mode::from_bits_truncate(0o644),
                     )?;
@@ -707,5 +712,48 @@ mod program_tests {
         assert!(!prog.path().join("planted").exists());
         assert!(run_it(false).contains("SEEN"), "control");
         let _ = std::fs::remove_file(prog.path().join("planted"));
+    }
+}
+
+#[cfg(test)]
+mod writable_program_tests {
+    use super::*;
+
+    /// A VMM program in a writable directory of the view (a test stand-in in
+    /// `$WARREN_TEST_VMM_DIR`) is bound read-only while another VMM runs the same program:
+    /// making its mount point never opens the program for writing (which a running program
+    /// refuses, `ETXTBSY`), nor follows a link planted in its place. Control: the writable
+    /// directory is writable.
+    #[test]
+    fn test_program_in_a_writable_dir_while_another_runs_it() {
+        let run = tempfile::tempdir().expect("run");
+        let w = tempfile::tempdir().expect("w");
+        let w_path = std::fs::canonicalize(w.path()).expect("canonical");
+        let prog = w_path.join("qemu");
+        std::fs::copy(std::fs::canonicalize("/bin/sh").expect("sh"), &prog).expect("copy");
+        let mut other = std::process::Command::new(&prog)
+            .arg("-c")
+            .arg("sleep 5")
+            .spawn()
+            .expect("other");
+        let script = format!(
+            "touch {w}/ok || echo FAIL writable; touch {p} 2>/dev/null && echo WROTE; echo done",
+            w = w_path.display(),
+            p = prog.display(),
+        );
+        let view =
+            VmmView::for_launch(&prog, run.path(), &[], std::slice::from_ref(&w_path), false)
+                .expect("view");
+        let mut cmd = std::process::Command::new(&prog);
+        cmd.arg("-c").arg(&script);
+        crate::sys::process::confine_viewed(&mut cmd, None, &[], &view).expect("confine");
+        let out = cmd.output();
+        let _ = other.kill();
+        let _ = other.wait();
+        let out = out.expect("spawned while another runs the program");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(text.contains("done") && !text.contains("FAIL"), "{text}");
+        assert!(!text.contains("WROTE"), "{text}");
     }
 }
