@@ -86,11 +86,16 @@ impl Fields {
 }
 
 /// Whether `value` could read as more (or less) than one value: a field's value with a
-/// space, or empty; either with `=`, a quote, a backslash or a control character.
+/// space, a brace (a span's fields end at `}`), or empty; either with `=`, a quote, a
+/// backslash or a control character.
 fn needs_quotes(value: &str, message: bool) -> bool {
     (!message && value.is_empty())
         || value.chars().any(|c| {
-            c == '=' || c == '"' || c == '\\' || c.is_control() || (!message && c.is_whitespace())
+            c == '='
+                || c == '"'
+                || c == '\\'
+                || c.is_control()
+                || (!message && (c.is_whitespace() || c == '{' || c == '}'))
         })
         || escape(value, Shape::Field) != value
 }
@@ -202,8 +207,9 @@ mod tests {
             .with_writer(move || writer.clone());
         let subscriber = tracing_subscriber::registry().with(layer);
         let hostile = "busy workspace=admin";
+        let braces = "x}:admin{n";
         tracing::subscriber::with_default(subscriber, || {
-            let span = tracing::info_span!("call", tool = %hostile, n = 3);
+            let span = tracing::info_span!("call", tool = %hostile, n = 3, name = %braces);
             let _in = span.enter();
             tracing::warn!(vm = "vm-1", error = %hostile, path = %r"a\u{1b}", "idle suspend failed");
             tracing::warn!(empty = "", "guest said {hostile}");
@@ -224,6 +230,9 @@ mod tests {
             "{out}"
         );
         assert!(lines[0].contains(r#"tool="busy workspace=admin""#), "{out}");
+        // A span's fields end at `}`: a brace in a value cannot end them early (found by a
+        // hostile review: `call{name=x}:admin{n}` read as a second span).
+        assert!(lines[0].contains(r#"name="x}:admin{n""#), "{out}");
         assert!(lines[0].contains(r#"path="a\\u{1b}""#), "{out}");
         assert!(
             lines[0].contains("vm=vm-1 ") && lines[0].contains("n=3"),

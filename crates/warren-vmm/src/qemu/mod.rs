@@ -217,10 +217,14 @@ fn view_dirs(spec: &LaunchSpec) -> Vec<PathBuf> {
 /// boots, the hostile-guest harness) read and write besides the run directory. The
 /// environment is the operator's, as `$WARREN_QEMU` is (which picks the program itself).
 fn test_vmm_dir() -> Vec<PathBuf> {
-    std::env::var_os("WARREN_TEST_VMM_DIR")
-        .map(PathBuf::from)
-        .into_iter()
-        .collect()
+    let dir = std::env::var_os("WARREN_TEST_VMM_DIR").map(PathBuf::from);
+    if let Some(d) = &dir {
+        tracing::warn!(
+            dir = %d.display(),
+            "WARREN_TEST_VMM_DIR is set: the VMM may write this directory (for the test suite's QEMU stand-ins only)"
+        );
+    }
+    dir.into_iter().collect()
 }
 
 /// Binds the listening socket of one endpoint at `path` (replacing a stale one), owner-only.

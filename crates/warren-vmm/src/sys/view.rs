@@ -206,7 +206,8 @@ impl VmmView {
 
     /// Leaves out a directory inside another of the same access (its parent's bind shows
     /// it, at the same place: inside it on the host too); one of other access inside another
-    /// stays, mounted after it.
+    /// stays, mounted after it, and a read-only parent's restrictions still cover it (they
+    /// are set on the parent's whole tree), so nesting only ever makes the view stricter.
     fn drop_nested(&mut self) {
         let all = self.entries.clone();
         self.entries.retain(|e| {
