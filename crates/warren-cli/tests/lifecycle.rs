@@ -462,6 +462,25 @@ fn test_lifecycle_vmm_has_no_network_no_run_sockets_and_planted_files_are_refuse
     for p in [dir.join("run"), std::path::PathBuf::from("/usr/bin")] {
         assert!(seen(&qroot, &p), "QEMU lacks {}", p.display());
     }
+    // Its `/proc` is a procfs of its own that lists only its uid's processes. Control: the
+    // test's own `/proc` is the host's, without the option.
+    let proc_opts = |pid: &str| {
+        let info = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).expect("mountinfo");
+        info.lines()
+            .find(|l| l.split(' ').nth(4) == Some("/proc"))
+            .map(str::to_owned)
+            .unwrap_or_default()
+    };
+    let own = proc_opts("self");
+    assert!(
+        own.contains(" - proc ") && !own.contains("hidepid"),
+        "control: {own}"
+    );
+    let theirs = proc_opts(qemu);
+    assert!(
+        theirs.contains("hidepid=invisible"),
+        "QEMU's /proc: {theirs}"
+    );
     assert_ne!(
         std::fs::read_link(format!("/proc/{qemu}/ns/mnt")).expect("mntns"),
         std::fs::read_link("/proc/self/ns/mnt").expect("own mntns"),

@@ -11,8 +11,10 @@
 //! - read-write: the VM's `run/` directory (no devices, set-uid or executables there), and
 //!   for the test suite's QEMU stand-ins only, the directory `$WARREN_TEST_VMM_DIR` names
 //!   (its own modes apply; the variable is the environment's, like `$WARREN_QEMU`);
-//! - `/proc` (QEMU maps RAM through `/proc/self/fd`), and the device nodes `null`, `zero`,
-//!   `full`, `random`, `urandom` (and `kvm` under KVM).
+//! - `/proc` (QEMU maps RAM through `/proc/self/fd`): for a root Warren a procfs of its own
+//!   that lists only the processes of the VMM's uid (`hidepid=invisible`), for a non-root
+//!   Warren the host's; and the device nodes `null`, `zero`, `full`, `random`, `urandom`
+//!   (and `kvm` under KVM).
 //!
 //! Everything else (home directories, `/etc`, `/tmp`, `/run` and the sockets in it, other
 //! VMs' state, the service's database) is not in the namespace at all: a VMM escape can
@@ -58,8 +60,11 @@ enum Kind {
     Device,
     /// A symbolic link made in the new root, with this target.
     Link(CString),
-    /// A recursive bind of a pseudo file system (`/proc`), flags as they are.
-    Tree,
+    /// `/proc`: for a root Warren a fresh instance with `hidepid=invisible` (the VMM, once
+    /// it drops to its VM's uid, sees only its own processes); for a non-root Warren, whose
+    /// VMM's user namespace owns no pid namespace and so may mount no procfs, a recursive
+    /// bind of the host's, flags as they are.
+    Proc { fresh: bool },
 }
 
 #[derive(Debug, Clone)]
@@ -138,7 +143,9 @@ impl VmmView {
         v.entries.push(Entry {
             path: PathBuf::from("/proc"),
             source: PathBuf::from("/proc"),
-            kind: Kind::Tree,
+            kind: Kind::Proc {
+                fresh: nix::unistd::geteuid().is_root(),
+            },
             keep: MsFlags::empty(),
         });
         v.dir(Path::new("/sys"), false, false)?;
@@ -227,7 +234,7 @@ impl VmmView {
                 Kind::File => !all.iter().any(|o| {
                     matches!(o.kind, Kind::Dir { writable: false, .. }) && shown_by(o)
                 }),
-                Kind::Device | Kind::Link(_) | Kind::Tree => true,
+                Kind::Device | Kind::Link(_) | Kind::Proc { .. } => true,
             }
         });
         // Parents before children: a bind inside another is mounted after it.
@@ -264,7 +271,7 @@ impl VmmView {
             let target = staging.join(rel);
             let staging = staging.as_path();
             let parent_dirs = match &e.kind {
-                Kind::Dir { .. } | Kind::Tree => target.ancestors().collect::<Vec<_>>(),
+                Kind::Dir { .. } | Kind::Proc { .. } => target.ancestors().collect::<Vec<_>>(),
                 Kind::File | Kind::Device | Kind::Link(_) => target.ancestors().skip(1).collect(),
             };
             for d in parent_dirs.into_iter().rev() {
@@ -338,7 +345,19 @@ impl Prepared {
                     )?;
                     drop(fd);
                 }
-                Kind::Dir { .. } | Kind::Tree => {}
+                Kind::Proc { fresh: true } => {
+                    // Other users' processes are not even listed; the VMM's own (same uid)
+                    // and `/proc/self` are there as before.
+                    mount(
+                        Some(c"proc"),
+                        target,
+                        Some(c"proc"),
+                        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+                        Some(c"hidepid=invisible"),
+                    )?;
+                    continue;
+                }
+                Kind::Dir { .. } | Kind::Proc { fresh: false } => {}
             }
             mount(
                 Some(m.source.as_c_str()),
@@ -348,7 +367,7 @@ impl Prepared {
                 none,
             )?;
             let flags = match m.kind {
-                Kind::Tree | Kind::Link(_) | Kind::Device => continue,
+                Kind::Proc { .. } | Kind::Link(_) | Kind::Device => continue,
                 Kind::File => MsFlags::MS_RDONLY | MsFlags::MS_NOSUID,
                 Kind::Dir {
                     writable: false, ..
@@ -398,7 +417,7 @@ impl Prepared {
                     }
                     a
                 }
-                Kind::File | Kind::Device | Kind::Link(_) | Kind::Tree => continue,
+                Kind::File | Kind::Device | Kind::Link(_) | Kind::Proc { .. } => continue,
             };
             set_tree_attr(m.target.as_c_str(), attr)?;
         }
@@ -668,6 +687,55 @@ mod tests {
         let out = cmd.output();
         let written = std::fs::read_to_string(real.path().join("w")).ok();
         assert_eq!(written.as_deref(), Some("ok\n"), "{out:?}");
+    }
+    /// For a root Warren the view's `/proc` lists only the VMM's own uid's processes: the
+    /// program, dropped to an unprivileged uid, sees itself but neither init nor the test
+    /// (root's). Control: the same program with the same uid but without the view sees both.
+    #[test]
+    fn test_view_proc_hides_other_users_processes() {
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "the fresh /proc is a root Warren's (this suite runs as root)"
+        );
+        let sh = std::fs::canonicalize("/bin/sh").expect("sh");
+        let run = tempfile::tempdir().expect("run");
+        let view = VmmView::for_launch(&sh, run.path(), &[], &[], false).expect("view");
+        let me = std::process::id();
+        let script = format!(
+            "cd /\n\
+             [ -d /proc/$$ ] && echo SELF\n\
+             [ -e /proc/self/fd/0 ] && echo FDS\n\
+             [ -e /proc/1 ] && echo INIT\n\
+             [ -e /proc/{me} ] && echo TEST\n"
+        );
+        let run_it = |viewed: bool| {
+            let mut cmd = std::process::Command::new(&sh);
+            cmd.arg("-c").arg(&script);
+            let uid = Some((2_999_999, 2_999_999));
+            if viewed {
+                crate::sys::process::confine_viewed(&mut cmd, uid, &[], &view).expect("confine");
+            } else {
+                crate::sys::process::confine(&mut cmd, uid, &[]);
+            }
+            let out = cmd.output().expect("spawn");
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr)
+        };
+        let viewed = run_it(true);
+        assert!(
+            viewed.contains("SELF") && viewed.contains("FDS"),
+            "{viewed}"
+        );
+        assert!(!viewed.contains("INIT"), "init listed: {viewed}");
+        assert!(
+            !viewed.contains("TEST"),
+            "the test (root's) listed: {viewed}"
+        );
+        let plain = run_it(false);
+        assert!(
+            plain.contains("INIT") && plain.contains("TEST"),
+            "control: {plain}"
+        );
     }
 }
 
