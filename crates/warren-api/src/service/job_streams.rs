@@ -62,22 +62,12 @@ impl Service {
         &self.pipes
     }
 
-    /// Registers the broker pipe `vm_exec` started for `job`. A pipe is otherwise forgotten
-    /// only when a controller finds its job gone (or the VM is destroyed), so one never
-    /// attached would stay for the VM's life: once the VM has more pipes than jobs can hold
-    /// processes at once (`MAX_LIVE_JOBS`), those whose jobs are gone are swept.
-    pub(crate) async fn register_pipe(&self, workspace: &str, vm: &str, job: JobId, token: &str) {
-        // The generation the job runs in: read now, after the start (a wake that had to boot
-        // the VM fresh moved it). A VM gone since has no pipes to keep.
-        let Ok(generation) = self.warren.get_vm(vm).map(|r| r.generation) else {
-            return;
-        };
-        self.register_pipe_in(workspace, vm, generation, job, token)
-            .await;
-    }
-
-    /// [`Self::register_pipe`] for a job of the VM's generation `generation`.
-    async fn register_pipe_in(
+    /// Registers the broker pipe `vm_exec` started for `job` in the VM's generation
+    /// `generation` (the one `Warren::exec_broker` saw the job start in). A pipe is otherwise
+    /// forgotten only when a controller finds its job gone (or the VM is destroyed), so one
+    /// never attached would stay for the VM's life: once the VM has more pipes than jobs can
+    /// hold processes at once (`MAX_LIVE_JOBS`), those whose jobs are gone are swept.
+    pub(crate) async fn register_pipe(
         &self,
         workspace: &str,
         vm: &str,
@@ -207,7 +197,7 @@ mod tests {
         // Never attached, their jobs long gone (the guest knows no such VM or job).
         for j in 1..=40u64 {
             service
-                .register_pipe_in("w", "vm-x", 1, warren_protocol::JobId(j), TOKEN)
+                .register_pipe("w", "vm-x", 1, warren_protocol::JobId(j), TOKEN)
                 .await;
         }
         let left = pipes.jobs_of("vm-x").len();
@@ -218,7 +208,7 @@ mod tests {
         // Another VM's pipes are not looked at.
         pipes.register("w", "vm-y", 1, warren_protocol::JobId(1), TOKEN);
         service
-            .register_pipe_in("w", "vm-x", 1, warren_protocol::JobId(99), TOKEN)
+            .register_pipe("w", "vm-x", 1, warren_protocol::JobId(99), TOKEN)
             .await;
         assert!(pipes.has("vm-y", warren_protocol::JobId(1)));
         assert!(

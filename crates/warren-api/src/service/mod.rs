@@ -882,8 +882,16 @@ impl Service {
             timeout_ms: a.timeout_ms,
             request_key: Some(key),
         };
+        // A broker job's generation: `None` when the VM began a fresh boot meanwhile.
+        let mut broker_generation = None;
         let started = if a.broker_pipe_token.is_some() {
-            self.warren.exec_broker(&rec.id, start).await
+            self.warren
+                .exec_broker(&rec.id, start)
+                .await
+                .map(|(job, generation)| {
+                    broker_generation = generation;
+                    job
+                })
         } else if interactive {
             let req = ExecInteractive {
                 start,
@@ -902,8 +910,9 @@ impl Service {
                     serde_json::json!({ "ok": { "vm_id": rec.id, "job_id": job.to_string() } });
                 self.receipts
                     .complete(&p.workspace, "vm_exec", rid, &stored)?;
-                if let Some(token) = &a.broker_pipe_token {
-                    self.register_pipe(&p.workspace, &rec.id, job, token).await;
+                if let (Some(token), Some(generation)) = (&a.broker_pipe_token, broker_generation) {
+                    self.register_pipe(&p.workspace, &rec.id, generation, job, token)
+                        .await;
                 }
                 let page = to_value(self.exec_page(&rec.id, job, wait_ms).await?)?;
                 Ok(self.with_pipe(page, &rec.id, job, &a))

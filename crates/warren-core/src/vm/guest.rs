@@ -132,17 +132,30 @@ impl Warren {
         }
     }
 
-    /// Starts a job with a broker pipe (`ExecBroker`), waking a suspended VM first.
-    pub async fn exec_broker(&self, id: &str, req: ExecStart) -> Result<JobId, CoreError> {
-        match self
-            .awake_client(id)
-            .await?
-            .guest(HostRequest::ExecBroker(req))
-            .await?
-        {
-            GuestResponse::ExecStarted(j) => Ok(j),
-            _ => Err(unexpected()),
+    /// Starts a job with a broker pipe (`ExecBroker`), waking a suspended VM first. Returns
+    /// the job and the generation (boot) it runs in, or `None` for the generation when a
+    /// fresh boot of the VM began while the job was being started: job ids start again in a
+    /// new boot, so a pipe must never be registered under a generation its job did not run
+    /// in. The generation is read after the wake and again after the start: a fresh boot
+    /// moves it before its supervisor starts (and after the old one is gone), so the same
+    /// value on both sides means the supervisor that started the job was of that generation.
+    pub async fn exec_broker(
+        &self,
+        id: &str,
+        mut req: ExecStart,
+    ) -> Result<(JobId, Option<u64>), CoreError> {
+        self.with_image_env(id, &mut req)?;
+        let client = self.awake_client(id).await?;
+        let before = self.get_vm(id)?.generation;
+        let job = match client.guest(HostRequest::ExecBroker(req)).await? {
+            GuestResponse::ExecStarted(j) => j,
+            _ => return Err(unexpected()),
+        };
+        let after = self.get_vm(id).ok().map(|r| r.generation);
+        if after != Some(before) {
+            tracing::warn!(vm = id, %job, before, ?after, "a fresh boot began while a broker job started: its pipe is not kept");
         }
+        Ok((job, (after == Some(before)).then_some(before)))
     }
 
     /// The jobs the guest retains, oldest first.
@@ -252,6 +265,91 @@ mod tests {
     use super::*;
     use warren_protocol::limits::{MAX_JOB_COMMAND_BYTES, MAX_JOB_RECORDS, MAX_LISTED_PROCESSES};
     use warren_protocol::{JobState, JobSummary, ProcessInfo};
+
+    /// A stand-in supervisor for VM `id` of `w` that answers one request with a started
+    /// job, first running `between` (what happens to the VM while the job starts).
+    async fn supervisor_starting_job(
+        w: &crate::Warren,
+        id: &str,
+        between: impl FnOnce() + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        use warren_supervisor::proto::{read_frame, write_frame, Reply, SupervisorRequest};
+        let listener = tokio::net::UnixListener::bind(w.vm_dir(id).socket()).expect("bind");
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            let req: SupervisorRequest = read_frame(&mut s).await.expect("request");
+            assert!(
+                matches!(req, SupervisorRequest::Guest(HostRequest::ExecBroker(_))),
+                "{req:?}"
+            );
+            between();
+            let reply: Reply = Ok(warren_supervisor::SupervisorResponse::Guest(
+                GuestResponse::ExecStarted(JobId(7)),
+            ));
+            write_frame(&mut s, &reply).await.expect("reply");
+        })
+    }
+
+    /// An engine holding one running VM `id`, whose supervisor's lock the returned guard
+    /// holds (what the engine checks before it trusts a running record).
+    fn engine_with_vm(
+        id: &str,
+    ) -> (
+        tempfile::TempDir,
+        crate::Warren,
+        nix::fcntl::Flock<std::fs::File>,
+    ) {
+        let state = tempfile::tempdir().expect("state");
+        let w = crate::Warren::open(crate::WarrenConfig::new(
+            state.path().to_path_buf(),
+            "/usr/bin/warren".into(),
+        ))
+        .expect("open");
+        let mut rec = crate::vm::test_vm(id);
+        w.store
+            .insert(&mut rec, super::super::VM_UID_BASE, |_| {
+                Ok::<(), CoreError>(())
+            })
+            .expect("insert");
+        let dir = w.vm_dir(id);
+        std::fs::create_dir_all(dir.path()).expect("vm dir");
+        let lock = std::fs::File::create(dir.lock()).expect("lock file");
+        let lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            .expect("lock");
+        (state, w, lock)
+    }
+
+    /// A broker job reports the generation it was started in; when a fresh boot of the VM
+    /// (a new generation) begins while the job starts, no generation is reported, so its
+    /// pipe is not registered under the new boot's (whose job ids start again). Control:
+    /// without the fresh boot the generation is the VM's.
+    #[tokio::test]
+    async fn test_exec_broker_reports_no_generation_across_a_fresh_boot() {
+        let id = "vm-0123456789ab";
+        let start = || ExecStart {
+            argv: vec!["true".into()],
+            env: Default::default(),
+            cwd: None,
+            stdin: None,
+            timeout_ms: None,
+            request_key: None,
+        };
+        let (_state, w, _supervisor) = engine_with_vm(id);
+        let server = supervisor_starting_job(&w, id, || {}).await;
+        let got = w.exec_broker(id, start()).await.expect("started");
+        server.await.expect("server");
+        assert_eq!(got, (JobId(7), Some(1)), "control");
+        std::fs::remove_file(w.vm_dir(id).socket()).expect("socket");
+
+        let store = w.store.clone();
+        let server = supervisor_starting_job(&w, id, move || {
+            assert_eq!(store.bump_generation(id), Ok(2));
+        })
+        .await;
+        let got = w.exec_broker(id, start()).await.expect("started");
+        server.await.expect("server");
+        assert_eq!(got, (JobId(7), None), "the job's boot is not the VM's now");
+    }
 
     #[test]
     fn test_hostile_job_list_held_to_protocol_limits() {
