@@ -557,3 +557,49 @@ fn test_lifecycle_vmm_has_no_network_no_run_sockets_and_planted_files_are_refuse
     ok(vm.warren(&["vm", "resume", &vm.id]), "resume");
     assert_eq!(vm.sh("echo back").stdout, "back\n");
 }
+
+/// A state directory writable by a primary group users share (`users`, gid 100) is refused
+/// even to a user whose primary group it is: another member could plant what the VMs boot.
+/// (Before, the running user's primary group was always trusted.) Control: the same
+/// directory without the group's write bit is used.
+#[test]
+fn test_lifecycle_state_directory_writable_by_a_shared_group_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let top = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(top.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let (state, home) = (top.path().join("state"), top.path().join("home"));
+    for d in [&state, &home] {
+        std::fs::create_dir(d).expect("mkdir");
+        std::os::unix::fs::chown(d, Some(4242), Some(100)).expect("chown");
+    }
+    let as_member = || {
+        std::process::Command::new("setpriv")
+            .args(["--reuid", "4242", "--regid", "100", "--clear-groups", "env"])
+            .arg(format!("HOME={}", home.display()))
+            .arg(WARREN)
+            .arg("--state-dir")
+            .arg(&state)
+            .args(["vm", "list"])
+            .output()
+            .expect("setpriv")
+    };
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o775)).expect("chmod");
+    let out = as_member();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "used: {err}");
+    assert!(
+        err.contains("[forbidden]") && err.contains("writable by group 100"),
+        "{err}"
+    );
+    assert!(
+        !state.join("warren.db").exists(),
+        "nothing made in a refused directory"
+    );
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let out = as_member();
+    assert!(
+        out.status.success(),
+        "control: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

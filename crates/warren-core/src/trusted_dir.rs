@@ -8,7 +8,10 @@
 //! [`check`] walks the directory and every parent, as OpenSSH's strict modes do: each must be
 //! owned by the running user or root; none may be writable by other users, except a sticky
 //! parent (like `/tmp`, where only a child's owner can rename it); a group-writable one only
-//! when the group is the running user's own. Both the path as named and the path it
+//! when nobody else is in the group ([`trusted_group`]: the running user's private group, as
+//! a umask of 002 leaves directories on Debian-style systems, or root's group while no user
+//! is listed in it). A primary group users share (`users`) is not trusted, even when it is
+//! the running user's. Both the path as named and the path it
 //! resolves to are walked: a symbolic link on the way must be owned by the user or root too,
 //! and the path it names is walked the same way (links within links included), so no link
 //! another user planted, and no parent of one, decides where the directory is.
@@ -50,7 +53,9 @@ fn walk(path: &Path, dir: &Path, own: bool, links: usize) -> Result<(), CoreErro
         let m = std::fs::symlink_metadata(d).map_err(|e| CoreError::io("inspect", d, e))?;
         let link = m.file_type().is_symlink();
         let mode = if link { 0 } else { m.mode() };
-        if let Some(why) = refusal(m.uid(), m.gid(), mode, uid, gid, own) {
+        if let Some(why) = refusal(m.uid(), m.gid(), mode, uid, own, &|g| {
+            trusted_group(g, uid, gid)
+        }) {
             return Err(CoreError::UntrustedDirectory(format!(
                 "{} (for {}): {why}",
                 d.display(),
@@ -78,9 +83,16 @@ fn walk(path: &Path, dir: &Path, own: bool, links: usize) -> Result<(), CoreErro
     Ok(())
 }
 
-/// Why a directory with `owner`, `group` and `mode` cannot be trusted by `uid`/`gid`; `own`:
-/// it is the directory itself rather than a parent.
-fn refusal(owner: u32, group: u32, mode: u32, uid: u32, gid: u32, own: bool) -> Option<String> {
+/// Why a directory with `owner`, `group` and `mode` cannot be trusted by `uid`, whose
+/// trusted groups `trusted` names; `own`: it is the directory itself rather than a parent.
+fn refusal(
+    owner: u32,
+    group: u32,
+    mode: u32,
+    uid: u32,
+    own: bool,
+    trusted: &dyn Fn(u32) -> bool,
+) -> Option<String> {
     if owner != uid && owner != 0 {
         return Some(format!("owned by uid {owner}, not by uid {uid} or root"));
     }
@@ -88,13 +100,39 @@ fn refusal(owner: u32, group: u32, mode: u32, uid: u32, gid: u32, own: bool) -> 
     if mode & 0o002 != 0 && !sticky {
         return Some(format!("writable by every user (mode {:o})", mode & 0o7777));
     }
-    if mode & 0o020 != 0 && group != gid && group != 0 && !sticky {
+    if mode & 0o020 != 0 && !sticky && !trusted(group) {
         return Some(format!(
-            "writable by group {group}, not the running user's (mode {:o})",
+            "writable by group {group}, which other users may be in (mode {:o}; `chmod g-w` \
+             it, or make its group the running user's private one)",
             mode & 0o7777
         ));
     }
     None
+}
+
+/// Whether only the running user (`uid`, primary group `gid`) can be in group `group`: it
+/// is the user's private group (their primary group, named as the user, listing nobody
+/// else), or root's group (gid 0) while it lists nobody. Looked up through the system's
+/// user database (`getpwuid_r`, `getgrgid_r`); a lookup that fails trusts nothing. A user
+/// the administrator gave another user's private group as primary group is not seen here.
+fn trusted_group(group: u32, uid: u32, gid: u32) -> bool {
+    use nix::unistd::{Gid, Group, Uid, User};
+    let Ok(Some(g)) = Group::from_gid(Gid::from_raw(group)) else {
+        return false;
+    };
+    if group == 0 {
+        return g.mem.is_empty();
+    }
+    let Ok(Some(u)) = User::from_uid(Uid::from_raw(uid)) else {
+        return false;
+    };
+    private_to(group, &g.name, &g.mem, gid, &u.name)
+}
+
+/// Whether group `gid_of_group` (`name`, listing `members`) is private to the user `user`
+/// whose primary group is `primary`.
+fn private_to(gid_of_group: u32, name: &str, members: &[String], primary: u32, user: &str) -> bool {
+    gid_of_group == primary && name == user && members.iter().all(|m| m == user)
 }
 
 #[cfg(test)]
@@ -103,19 +141,57 @@ mod tests {
 
     #[test]
     fn test_refusals() {
+        let own = |g: u32| g == 1000;
+        let refusal =
+            |owner, group, mode, uid, is_own| refusal(owner, group, mode, uid, is_own, &own);
         // The running user's or root's, not writable by others: trusted.
-        assert!(refusal(1000, 1000, 0o40755, 1000, 1000, true).is_none());
-        assert!(refusal(0, 0, 0o40755, 1000, 1000, false).is_none());
+        assert!(refusal(1000, 1000, 0o40755, 1000, true).is_none());
+        assert!(refusal(0, 0, 0o40755, 1000, false).is_none());
         // Another user's: refused wherever it is.
-        assert!(refusal(1001, 1001, 0o40700, 1000, 1000, true).is_some());
-        assert!(refusal(1001, 1001, 0o40755, 0, 0, false).is_some());
+        assert!(refusal(1001, 1001, 0o40700, 1000, true).is_some());
+        assert!(refusal(1001, 1001, 0o40755, 0, false).is_some());
         // World-writable: only a sticky parent (like /tmp).
-        assert!(refusal(0, 0, 0o41777, 1000, 1000, false).is_none());
-        assert!(refusal(0, 0, 0o41777, 1000, 1000, true).is_some());
-        assert!(refusal(0, 0, 0o40777, 1000, 1000, false).is_some());
-        // Group-writable: only the user's own group.
-        assert!(refusal(1000, 1000, 0o40775, 1000, 1000, true).is_none());
-        assert!(refusal(1000, 50, 0o40775, 1000, 1000, true).is_some());
+        assert!(refusal(0, 0, 0o41777, 1000, false).is_none());
+        assert!(refusal(0, 0, 0o41777, 1000, true).is_some());
+        assert!(refusal(0, 0, 0o40777, 1000, false).is_some());
+        // Group-writable: only a trusted group.
+        assert!(refusal(1000, 1000, 0o40775, 1000, true).is_none());
+        assert!(refusal(1000, 50, 0o40775, 1000, true).is_some());
+        assert!(refusal(0, 0, 0o40775, 1000, false).is_some());
+    }
+
+    /// A group is private to a user only when it is their primary group, named as they
+    /// are, and lists nobody else: a primary group users share (`users`, gid 100, the
+    /// documented gap: before, any primary group was trusted) is not.
+    #[test]
+    fn test_private_groups() {
+        let none: [String; 0] = [];
+        assert!(private_to(1000, "alice", &none, 1000, "alice"));
+        assert!(private_to(1000, "alice", &["alice".into()], 1000, "alice"));
+        assert!(
+            !private_to(100, "users", &none, 100, "alice"),
+            "a shared primary group"
+        );
+        assert!(
+            !private_to(1000, "alice", &["bob".into()], 1000, "alice"),
+            "bob listed"
+        );
+        assert!(
+            !private_to(1001, "bob", &none, 1000, "alice"),
+            "not her primary group"
+        );
+    }
+
+    /// On this system: root's group, listing nobody, is trusted for root; a group that no
+    /// user database knows is not, even as the running user's primary group (before, the
+    /// running user's primary group always was).
+    #[test]
+    fn test_trusted_group_from_the_user_database() {
+        assert!(trusted_group(0, 0, 0), "root's group, listing nobody");
+        assert!(
+            !trusted_group(4_000_000, 0, 4_000_000),
+            "a group no database knows"
+        );
     }
 
     /// A state directory another user made (the review's attack: pre-created where the
