@@ -356,6 +356,11 @@ impl Credentials {
         let Via::Token { token_id } = &p.via else {
             return Ok(());
         };
+        self.recheck_token(token_id)
+    }
+
+    /// Whether the token `token_id` still holds (exists, not revoked, not expired).
+    pub fn recheck_token(&self, token_id: &str) -> Result<(), ApiError> {
         let unauth = |m: &str| ApiError::new("unauthenticated", m);
         let row: Option<(Option<i64>, i64)> = self
             .conn()

@@ -19,6 +19,8 @@
 //! - a session belongs to the workspace and credential that initialized it: every request
 //!   naming it (POST, the GET stream, DELETE) from anyone else is refused before rmcp sees it
 //!   (`sessions::bind`), and each tool call checks the owner again;
+//! - a session ends within [`crate::ws::RECHECK`] of its token being revoked or expiring
+//!   (`sessions::spawn_recheck`), its open event stream with it;
 //! - a credential holds at most `http.max_mcp_sessions_per_token` sessions at once, a
 //!   workspace at most [`MAX_SESSIONS_PER_WORKSPACE`], the service at most
 //!   `http.max_mcp_sessions`, counted by `SessionSlot`s that live exactly as long as their
@@ -80,7 +82,9 @@ where
     S: Clone + Send + Sync + 'static,
 {
     let limits = SessionLimits::from_config(&service.config().http);
-    routes(service, Arc::new(SessionCounts::new(limits))).0
+    let (router, bindings) = routes(service.clone(), Arc::new(SessionCounts::new(limits)));
+    sessions::spawn_recheck(&bindings, service);
+    router
 }
 
 /// The routes, and the session bindings their middleware keeps (for tests).
@@ -344,6 +348,7 @@ mod tests {
 
     struct Fixture {
         _dir: tempfile::TempDir,
+        service: Arc<Service>,
         app: Router,
         sessions: Arc<SessionCounts>,
         bindings: Arc<Bindings>,
@@ -364,10 +369,12 @@ mod tests {
     fn fixture() -> Fixture {
         let dir = tempfile::tempdir().expect("tempdir");
         let sessions = Arc::new(SessionCounts::default());
-        let (app, bindings) = routes(test_service(dir.path()), sessions.clone());
+        let service = test_service(dir.path());
+        let (app, bindings) = routes(service.clone(), sessions.clone());
         let app = app.layer(middleware::from_fn(attach_principal));
         Fixture {
             _dir: dir,
+            service,
             app,
             sessions,
             bindings,
@@ -581,6 +588,67 @@ mod tests {
         )
         .await;
         assert_eq!(after.status(), StatusCode::NOT_FOUND);
+    }
+
+    /// A revoked token's session ends within the recheck: its open GET event stream ends,
+    /// and its id is served no more. Control: another token's session of the same workspace
+    /// goes on working. (Before, both stayed open until the session idled out.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn test_revoked_tokens_session_and_event_stream_end() {
+        let f = fixture();
+        let issue = || {
+            let (info, _secret) = f
+                .service
+                .credentials()
+                .issue("ws-r", None, &crate::auth::PolicyRequest::default())
+                .expect("issue");
+            info.id
+        };
+        let (gone, kept) = (issue(), issue());
+        let (by_gone, by_kept) = (As("ws-r", &gone), As("ws-r", &kept));
+        let sid_gone = open_session(&f.app, by_gone).await;
+        let sid_kept = open_session(&f.app, by_kept).await;
+        let stream = send(&f.app, Method::GET, Some(by_gone), Some(&sid_gone), None).await;
+        assert_eq!(stream.status(), StatusCode::OK);
+        sessions::spawn_recheck(&f.bindings, f.service.clone());
+        // Control: a recheck of valid tokens ends nothing. The revocation comes after the
+        // periodic recheck's first round, so a later round must see it.
+        assert_eq!(f.bindings.end_lapsed(f.service.credentials()).await, 0);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(f.bindings.len(), 2, "the first round ended nothing");
+        f.service.credentials().revoke(&gone).expect("revoke");
+        let started = std::time::Instant::now();
+        let ended = tokio::time::timeout(
+            crate::ws::RECHECK + Duration::from_secs(5),
+            axum::body::to_bytes(stream.into_body(), 1 << 20),
+        )
+        .await;
+        assert!(
+            ended.is_ok(),
+            "the revoked token's event stream stayed open"
+        );
+        eprintln!(
+            "event stream ended {:?} after the revocation",
+            started.elapsed()
+        );
+        let after = send(
+            &f.app,
+            Method::POST,
+            Some(by_gone),
+            Some(&sid_gone),
+            Some(call(5, "vm_list", serde_json::json!({}))),
+        )
+        .await;
+        assert_eq!(
+            refusal(after).await,
+            (StatusCode::NOT_FOUND, "not_found".to_string())
+        );
+        assert_eq!(
+            f.bindings.len(),
+            1,
+            "only the other token's session is bound"
+        );
+        assert_session_works(&f.app, by_kept, &sid_kept).await;
     }
 
     #[tokio::test]

@@ -12,7 +12,10 @@
 //!    not_found` or `400 invalid_argument`, and never reaches rmcp, so the session is left as
 //!    it was: the same answer for another owner's session as for one that does not exist;
 //! 3. a DELETE that rmcp accepted drops the binding; the bindings of sessions that ended
-//!    otherwise (idle timeout, shutdown) are pruned whenever a new session is bound.
+//!    otherwise (idle timeout, shutdown) are pruned whenever a new session is bound;
+//! 4. every few seconds ([`spawn_recheck`]) each token's sessions are checked against the
+//!    token: a revoked, expired or deleted token's sessions are closed (their event streams
+//!    end) and unbound.
 //!
 //! Session ids are bearer capabilities for the session's stream: nothing here logs them, and
 //! the `warren` binary drops rmcp's own log events, which carry them (`docs/logging.md`).
@@ -107,10 +110,67 @@ impl Bindings {
         self.lock().remove(id);
     }
 
+    /// Ends every session whose credential no longer holds (a token revoked, expired or
+    /// deleted since its `initialize`): rmcp closes it, which ends its GET event stream and
+    /// its requests in flight, and the binding goes. A local caller's session always holds.
+    /// Returns how many ended.
+    pub(super) async fn end_lapsed(&self, credentials: &crate::auth::Credentials) -> usize {
+        use rmcp::transport::streamable_http_server::session::SessionManager;
+        let held: Vec<(String, String)> = self
+            .lock()
+            .iter()
+            .filter_map(|(sid, o)| match &o.via {
+                Via::Token { token_id } => Some((sid.clone(), token_id.clone())),
+                Via::Local { .. } => None,
+            })
+            .collect();
+        let mut holds: HashMap<String, bool> = HashMap::new();
+        let mut ended = 0;
+        for (sid, token) in held {
+            let ok = *holds
+                .entry(token)
+                .or_insert_with_key(|t| credentials.recheck_token(t).is_ok());
+            if ok {
+                continue;
+            }
+            self.unbind(&sid);
+            let id: Arc<str> = sid.into();
+            if let Err(e) = self.manager.close_session(&id).await {
+                tracing::warn!(error = %e, "closing an MCP session of a lapsed credential failed");
+            }
+            ended += 1;
+        }
+        if ended > 0 {
+            tracing::info!(
+                ended,
+                "MCP sessions of revoked or expired credentials closed"
+            );
+        }
+        ended
+    }
+
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.lock().len()
     }
+}
+
+/// Ends the sessions of lapsed credentials ([`Bindings::end_lapsed`]) every
+/// [`crate::ws::RECHECK`], as long as `bindings` lives (the router that holds them): a
+/// revoked token's open event stream closes within that, as a guest stream's does.
+pub(super) fn spawn_recheck(bindings: &Arc<Bindings>, service: Arc<crate::service::Service>) {
+    let weak = Arc::downgrade(bindings);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(crate::ws::RECHECK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(b) = weak.upgrade() else {
+                return;
+            };
+            b.end_lapsed(service.credentials()).await;
+        }
+    });
 }
 
 /// The middleware: see the module docs. Needs the [`Principal`] that [`crate::http`]'s
