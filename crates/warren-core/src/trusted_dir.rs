@@ -11,7 +11,9 @@
 //! when nobody else is in the group ([`trusted_group`]: the running user's private group, as
 //! a umask of 002 leaves directories on Debian-style systems, or root's group while no user
 //! is listed in it). A primary group users share (`users`) is not trusted, even when it is
-//! the running user's. Both the path as named and the path it
+//! the running user's. A directory with an access ACL is refused when a named entry lets
+//! another user, or a group not trusted so, write (its mode's group bits are the ACL's
+//! mask, which such an entry writes through). Both the path as named and the path it
 //! resolves to are walked: a symbolic link on the way must be owned by the user or root too,
 //! and the path it names is walked the same way (links within links included), so no link
 //! another user planted, and no parent of one, decides where the directory is.
@@ -53,9 +55,18 @@ fn walk(path: &Path, dir: &Path, own: bool, links: usize) -> Result<(), CoreErro
         let m = std::fs::symlink_metadata(d).map_err(|e| CoreError::io("inspect", d, e))?;
         let link = m.file_type().is_symlink();
         let mode = if link { 0 } else { m.mode() };
-        if let Some(why) = refusal(m.uid(), m.gid(), mode, uid, own, &|g| {
-            trusted_group(g, uid, gid)
-        }) {
+        let trusted = |g| trusted_group(g, uid, gid);
+        let why = refusal(m.uid(), m.gid(), mode, uid, own, &trusted).or_else(|| {
+            // The group bits of a directory with an access ACL are its mask: a named entry
+            // (another user, a shared group) can write through them whatever the owning
+            // group is.
+            let sticky = mode & STICKY != 0 && !own;
+            if link || sticky || mode & 0o020 == 0 {
+                return None;
+            }
+            acl_writers(d, uid, &trusted)
+        });
+        if let Some(why) = why {
             return Err(CoreError::UntrustedDirectory(format!(
                 "{} (for {}): {why}",
                 d.display(),
@@ -106,6 +117,40 @@ fn refusal(
              it, or make its group the running user's private one)",
             mode & 0o7777
         ));
+    }
+    None
+}
+
+/// Why the access ACL of `dir`, whose mode grants its group class write, lets someone other
+/// than `uid` (or a group `trusted` does not name) write to it; `None` when it has no ACL or
+/// none such. An ACL that cannot be read (other than none there) refuses.
+fn acl_writers(dir: &Path, uid: u32, trusted: &dyn Fn(u32) -> bool) -> Option<String> {
+    const USER: u16 = 0x02;
+    const GROUP: u16 = 0x08;
+    const WRITE: u16 = 0x02;
+    let mut buf = vec![0u8; 4096];
+    let n = match rustix::fs::lgetxattr(dir, "system.posix_acl_access", &mut buf[..]) {
+        Ok(n) => n,
+        Err(e) if e == rustix::io::Errno::NODATA || e == rustix::io::Errno::NOTSUP => return None,
+        Err(e) => return Some(format!("its ACL cannot be read ({e})")),
+    };
+    // A version word, then (tag u16, perm u16, id u32) entries, little-endian.
+    let entries = buf[..n].get(4..).unwrap_or_default();
+    for e in entries.chunks_exact(8) {
+        let tag = u16::from_le_bytes([e[0], e[1]]);
+        let perm = u16::from_le_bytes([e[2], e[3]]);
+        let id = u32::from_le_bytes([e[4], e[5], e[6], e[7]]);
+        if perm & WRITE == 0 {
+            continue;
+        }
+        if tag == USER && id != uid {
+            return Some(format!("writable by uid {id} through its ACL"));
+        }
+        if tag == GROUP && !trusted(id) {
+            return Some(format!(
+                "writable by group {id} through its ACL, which other users may be in"
+            ));
+        }
     }
     None
 }
@@ -224,6 +269,75 @@ mod tests {
         assert!(check(&planted).is_ok(), "the user's own link");
         std::os::unix::fs::lchown(&planted, Some(65534), Some(65534)).expect("lchown");
         assert!(check(&planted).is_err(), "another user's link");
+    }
+
+    /// Sets `dir`'s access ACL: its owner, group and others as `mode` says, plus `extra`
+    /// named (tag, id) entries with rwx and a mask of rwx.
+    fn set_acl(dir: &Path, mode: u16, extra: &[(u16, u32)]) {
+        let any = u32::MAX;
+        let mut entries = vec![(0x01, (mode >> 6) & 7, any)];
+        entries.extend(extra.iter().map(|&(t, id)| (t, 7, id)));
+        entries.extend([
+            (0x04, (mode >> 3) & 7, any),
+            (0x10, 7, any),
+            (0x20, mode & 7, any),
+        ]);
+        // The kernel takes entries in tag order.
+        entries.sort_by_key(|&(tag, _, id)| (tag, id));
+        let mut acl = 2u32.to_le_bytes().to_vec();
+        for (tag, perm, id) in entries {
+            acl.extend(u16::to_le_bytes(tag));
+            acl.extend(u16::to_le_bytes(perm));
+            acl.extend(u32::to_le_bytes(id));
+        }
+        rustix::fs::setxattr(
+            dir,
+            "system.posix_acl_access",
+            &acl,
+            rustix::fs::XattrFlags::empty(),
+        )
+        .expect("set an ACL (the test's file system must have them)");
+    }
+
+    /// A directory whose mode looks group-writable by a trusted group (root's, for the
+    /// root-run suite) but whose ACL lets another user or a shared group write is refused:
+    /// with an ACL the mode's group bits are its mask, not the group's. (Before, both were
+    /// trusted, and Warren went on to create `images/` there, which the ACL's user could
+    /// write for good.) Positive control: the same mode without a named entry, and a named
+    /// entry for the running user itself, pass.
+    #[test]
+    fn test_an_acl_granting_another_user_write_is_refused() {
+        assert_eq!(
+            rustix::process::geteuid().as_raw(),
+            0,
+            "the suite runs as root"
+        );
+        let tmp = tempfile::tempdir().expect("tmp");
+        let dir = tmp.path().join("state");
+        std::fs::create_dir(&dir).expect("mkdir");
+        std::os::unix::fs::chown(&dir, Some(0), Some(0)).expect("chown");
+        set_acl(&dir, 0o775, &[]);
+        assert!(check(&dir).is_ok(), "control: {:?}", check(&dir));
+        set_acl(&dir, 0o775, &[(0x02, 0)]);
+        assert!(
+            check(&dir).is_ok(),
+            "control, the user's own entry: {:?}",
+            check(&dir)
+        );
+        set_acl(&dir, 0o775, &[(0x02, 1234)]);
+        let e = check(&dir).expect_err("another user's ACL entry");
+        assert_eq!(e.code(), "forbidden", "{e}");
+        assert!(e.to_string().contains("uid 1234"), "{e}");
+        set_acl(&dir, 0o775, &[(0x08, 50)]);
+        assert!(check(&dir).is_err(), "a shared group's ACL entry");
+        // A parent with such an ACL is refused too.
+        set_acl(&dir, 0o775, &[(0x02, 1234)]);
+        let under = dir.join("warren");
+        std::fs::create_dir(&under).expect("mkdir");
+        assert!(
+            check(&under).is_err(),
+            "a parent with another user's ACL entry"
+        );
     }
 
     /// A link of the user's whose target goes through another user's link (in a sticky
