@@ -462,6 +462,30 @@ fn test_lifecycle_vmm_has_no_network_no_run_sockets_and_planted_files_are_refuse
     for p in [dir.join("run"), std::path::PathBuf::from("/usr/bin")] {
         assert!(seen(&qroot, &p), "QEMU lacks {}", p.display());
     }
+    // It runs as a uid of its state directory's own host-wide block (`uid_blocks`): no VM
+    // of another state directory runs as it.
+    let status = std::fs::read_to_string(format!("/proc/{qemu}/status")).expect("status");
+    let uid: u32 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|u| u.split_whitespace().next())
+        .and_then(|u| u.parse().ok())
+        .expect("uid");
+    let state = std::fs::canonicalize(vm.env.state.path()).expect("state");
+    let key = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(state.to_string_lossy().as_bytes()))
+    };
+    let block: u32 = std::fs::read_to_string(format!("/var/lib/warren-uids/state-{key}"))
+        .expect("the state directory's block")
+        .trim()
+        .parse()
+        .expect("block");
+    let first = 2_000_000 + block * 65_536;
+    assert!(
+        (first..first + 65_536).contains(&uid),
+        "QEMU runs as {uid}, outside block {block}"
+    );
     // Its `/proc` is a procfs of its own that lists only its uid's processes. Control: the
     // test's own `/proc` is the host's, without the option.
     let proc_opts = |pid: &str| {

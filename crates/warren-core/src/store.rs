@@ -490,6 +490,12 @@ pub(crate) fn insert_in(
             break;
         }
     }
+    if uid - uid_base >= crate::vm::uid_blocks::BLOCK {
+        // Unreachable under any host limit: a block holds 65,536 VMs.
+        return Err(rusqlite::Error::InvalidParameterName(
+            "no free VM uid left in this state directory's block".into(),
+        ));
+    }
     rec.uid = uid;
     tx.execute(
         "INSERT INTO vms (id, image_id, state, reason, memory_mib, vcpus, accel, uid, created_unix, boot_ms,

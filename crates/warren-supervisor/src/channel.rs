@@ -449,7 +449,10 @@ impl GuestChannel {
 async fn resync(stream: &mut UnixStream, decoder: &mut Decoder) -> Result<Vec<u8>, ChannelError> {
     let (mut rd, mut wr) = stream.split();
     let mut buf = vec![0u8; 64 * 1024];
+    let started = Instant::now();
+    let mut sent = 0u32;
     loop {
+        sent += 1;
         let mut nonce: SyncNonce = [0; framing::SYNC_NONCE_LEN];
         rand::rng().fill_bytes(&mut nonce);
         wr.write_all(&framing::encode_sync(&nonce)).await?;
@@ -476,6 +479,11 @@ async fn resync(stream: &mut UnixStream, decoder: &mut Decoder) -> Result<Vec<u8
                 }
             }
             if acked {
+                tracing::debug!(
+                    syncs = sent,
+                    us = started.elapsed().as_micros() as u64,
+                    "sync acknowledged"
+                );
                 return Ok(after);
             }
         }

@@ -16,7 +16,7 @@ use super::mounts::{identify_mounts, net_spec, shares_of, validate_mounts};
 use super::{
     kill_supervisor, local_workspace, now_unix, tail, wait_supervisor_exit, write_private,
     CreateVm, SuspendMode, Warren, DEFAULT_IDLE_SECONDS, DEFAULT_IMAGE, DEFAULT_MEMORY_MIB,
-    DEFAULT_VCPUS, MEMORY_MIB_RANGE, VCPUS_RANGE, VM_UID_BASE,
+    DEFAULT_VCPUS, MEMORY_MIB_RANGE, VCPUS_RANGE,
 };
 use crate::error::CoreError;
 use crate::store::{self as vmstore, Usage, VmRecord, VmState};
@@ -123,7 +123,7 @@ impl Warren {
         };
         let ws = rec.workspace.clone();
         self.store
-            .insert(&mut rec, VM_UID_BASE, |tx| -> Result<(), CoreError> {
+            .insert(&mut rec, self.uid_base, |tx| -> Result<(), CoreError> {
                 req.workspace_limits.check(
                     &format!("workspace {ws}"),
                     vmstore::usage(tx, Some(&ws))?,

@@ -33,7 +33,7 @@ use warren_supervisor::{SupervisorClient, SupervisorConfig};
 
 use super::fork_session::SessionFork;
 use super::template::{settle_copy, TEMPLATE_GID};
-use super::{now_unix, write_private, Limits, Warren, VM_UID_BASE};
+use super::{now_unix, write_private, Limits, Warren};
 use crate::error::CoreError;
 use crate::store::{self as vmstore, Usage, VmRecord, VmState};
 
@@ -145,7 +145,7 @@ impl Warren {
             req.host_limits
                 .check("host", vmstore::usage(tx, None)?, add)?;
             for r in recs.iter_mut() {
-                vmstore::insert_in(tx, r, VM_UID_BASE)?;
+                vmstore::insert_in(tx, r, self.uid_base)?;
             }
             if let Some(plan) = &sessions {
                 Self::admit_session_fork(tx, plan, (req.host_limits, req.workspace_limits))?;
@@ -592,7 +592,7 @@ mod tests {
         .expect("open");
         let mut rec = crate::vm::test_vm("vm-0123456789ab");
         w.store()
-            .insert(&mut rec, VM_UID_BASE, |_| Ok::<(), CoreError>(()))
+            .insert(&mut rec, w.uid_base, |_| Ok::<(), CoreError>(()))
             .expect("insert");
         // A live supervisor, as far as the engine can tell: its lock is held.
         let dir = w.vm_dir(&rec.id);

@@ -29,6 +29,7 @@ pub mod pool;
 mod reconcile;
 mod suspend;
 pub mod template;
+pub mod uid_blocks;
 
 pub use mounts::{parse_mount, validate_mounts, MAX_MOUNTS};
 
@@ -253,6 +254,9 @@ pub struct Warren {
     images: ImageStore,
     /// The limits resumes are admitted under (`admission.rs`); `None`: unlimited.
     pub(crate) admission: Option<std::sync::Arc<crate::admission::LimitsFor>>,
+    /// The first VM uid of this state directory's host-wide block ([`uid_blocks`]); a
+    /// non-root Warren runs no VMM as a uid of its own and uses [`VM_UID_BASE`].
+    pub(crate) uid_base: u32,
 }
 
 /// Resolves an accelerator warning to the user (printed by the CLI).
@@ -274,11 +278,26 @@ impl Warren {
         let _ = std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o711));
         let store = Store::open(&cfg.state_dir.join("warren.db"))?;
         let images = ImageStore::open(&cfg.image_dir)?;
+        // After the database exists: a block is taken back only from a state without one.
+        let uid_base = if nix::unistd::geteuid().is_root() {
+            let base = uid_blocks::base_for(&cfg.state_dir)?;
+            // VMs made before state directories had blocks of their own may share uids
+            // with another state directory's.
+            for rec in store.list()? {
+                if !(base..base.saturating_add(uid_blocks::BLOCK)).contains(&rec.uid) {
+                    tracing::warn!(vm = %rec.id, uid = rec.uid, "this VM's uid lies outside its state directory's uid block, so another state directory's VM may share it: destroy and recreate it");
+                }
+            }
+            base
+        } else {
+            VM_UID_BASE
+        };
         Ok(Warren {
             cfg,
             store,
             images,
             admission: None,
+            uid_base,
         })
     }
 
@@ -290,6 +309,7 @@ impl Warren {
             store: self.store.clone(),
             images: self.images.clone(),
             admission: self.admission.clone(),
+            uid_base: self.uid_base,
         }
     }
 

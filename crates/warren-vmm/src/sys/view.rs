@@ -14,7 +14,8 @@
 //! - `/proc` (QEMU maps RAM through `/proc/self/fd`): for a root Warren a procfs of its own
 //!   that lists only the processes of the VMM's uid (`hidepid=invisible`), for a non-root
 //!   Warren the host's; and the device nodes `null`, `zero`, `full`, `random`, `urandom`
-//!   (and `kvm` under KVM).
+//!   (and `kvm` under KVM). `/sys/fs/cgroup` is an empty directory in the view (its files
+//!   list every host process and every VM's cgroup).
 //!
 //! Everything else (home directories, `/etc`, `/tmp`, `/run` and the sockets in it, other
 //! VMs' state, the service's database) is not in the namespace at all: a VMM escape can
@@ -65,6 +66,9 @@ enum Kind {
     /// VMM's user namespace owns no pid namespace and so may mount no procfs, a recursive
     /// bind of the host's, flags as they are.
     Proc { fresh: bool },
+    /// An empty read-only tmpfs over a directory of a bound tree (`/sys/fs/cgroup`, whose
+    /// files list every host process and every VM's cgroup).
+    Empty,
 }
 
 #[derive(Debug, Clone)]
@@ -149,6 +153,14 @@ impl VmmView {
             keep: MsFlags::empty(),
         });
         v.dir(Path::new("/sys"), false, false)?;
+        if Path::new("/sys/fs/cgroup").is_dir() {
+            v.entries.push(Entry {
+                path: PathBuf::from("/sys/fs/cgroup"),
+                source: PathBuf::from("/sys/fs/cgroup"),
+                kind: Kind::Empty,
+                keep: MsFlags::empty(),
+            });
+        }
         if !qemu.starts_with("/usr") {
             v.file(qemu)?;
         }
@@ -234,7 +246,7 @@ impl VmmView {
                 Kind::File => !all.iter().any(|o| {
                     matches!(o.kind, Kind::Dir { writable: false, .. }) && shown_by(o)
                 }),
-                Kind::Device | Kind::Link(_) | Kind::Proc { .. } => true,
+                Kind::Device | Kind::Link(_) | Kind::Proc { .. } | Kind::Empty => true,
             }
         });
         // Parents before children: a bind inside another is mounted after it.
@@ -271,7 +283,9 @@ impl VmmView {
             let target = staging.join(rel);
             let staging = staging.as_path();
             let parent_dirs = match &e.kind {
-                Kind::Dir { .. } | Kind::Proc { .. } => target.ancestors().collect::<Vec<_>>(),
+                Kind::Dir { .. } | Kind::Proc { .. } | Kind::Empty => {
+                    target.ancestors().collect::<Vec<_>>()
+                }
                 Kind::File | Kind::Device | Kind::Link(_) => target.ancestors().skip(1).collect(),
             };
             for d in parent_dirs.into_iter().rev() {
@@ -357,6 +371,19 @@ impl Prepared {
                     )?;
                     continue;
                 }
+                Kind::Empty => {
+                    mount(
+                        Some(c"tmpfs"),
+                        target,
+                        Some(c"tmpfs"),
+                        MsFlags::MS_RDONLY
+                            | MsFlags::MS_NOSUID
+                            | MsFlags::MS_NODEV
+                            | MsFlags::MS_NOEXEC,
+                        Some(c"mode=0555,size=4k,nr_inodes=2"),
+                    )?;
+                    continue;
+                }
                 Kind::Dir { .. } | Kind::Proc { fresh: false } => {}
             }
             mount(
@@ -367,7 +394,7 @@ impl Prepared {
                 none,
             )?;
             let flags = match m.kind {
-                Kind::Proc { .. } | Kind::Link(_) | Kind::Device => continue,
+                Kind::Proc { .. } | Kind::Empty | Kind::Link(_) | Kind::Device => continue,
                 Kind::File => MsFlags::MS_RDONLY | MsFlags::MS_NOSUID,
                 Kind::Dir {
                     writable: false, ..
@@ -417,7 +444,9 @@ impl Prepared {
                     }
                     a
                 }
-                Kind::File | Kind::Device | Kind::Link(_) | Kind::Proc { .. } => continue,
+                Kind::File | Kind::Device | Kind::Link(_) | Kind::Proc { .. } | Kind::Empty => {
+                    continue
+                }
             };
             set_tree_attr(m.target.as_c_str(), attr)?;
         }
@@ -690,7 +719,9 @@ mod tests {
     }
     /// For a root Warren the view's `/proc` lists only the VMM's own uid's processes: the
     /// program, dropped to an unprivileged uid, sees itself but neither init nor the test
-    /// (root's). Control: the same program with the same uid but without the view sees both.
+    /// (root's); and `/sys/fs/cgroup` (every process's and VM's cgroup) is empty, the rest of
+    /// `/sys` there. Control: the same program with the same uid but without the view sees
+    /// all of it.
     #[test]
     fn test_view_proc_hides_other_users_processes() {
         assert!(
@@ -706,7 +737,9 @@ mod tests {
              [ -d /proc/$$ ] && echo SELF\n\
              [ -e /proc/self/fd/0 ] && echo FDS\n\
              [ -e /proc/1 ] && echo INIT\n\
-             [ -e /proc/{me} ] && echo TEST\n"
+             [ -e /proc/{me} ] && echo TEST\n\
+             [ -n \"$(ls -A /sys/fs/cgroup)\" ] && echo CGROUPS\n\
+             [ -d /sys/devices/system/cpu ] && echo SYS\n"
         );
         let run_it = |viewed: bool| {
             let mut cmd = std::process::Command::new(&sh);
@@ -731,9 +764,14 @@ mod tests {
             !viewed.contains("TEST"),
             "the test (root's) listed: {viewed}"
         );
+        assert!(
+            !viewed.contains("CGROUPS"),
+            "the cgroup tree is there: {viewed}"
+        );
+        assert!(viewed.contains("SYS"), "the rest of /sys is: {viewed}");
         let plain = run_it(false);
         assert!(
-            plain.contains("INIT") && plain.contains("TEST"),
+            plain.contains("INIT") && plain.contains("TEST") && plain.contains("CGROUPS"),
             "control: {plain}"
         );
     }
