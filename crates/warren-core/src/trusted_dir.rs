@@ -8,10 +8,10 @@
 //! [`check`] walks the directory and every parent, as OpenSSH's strict modes do: each must be
 //! owned by the running user or root; none may be writable by other users, except a sticky
 //! parent (like `/tmp`, where only a child's owner can rename it); a group-writable one only
-//! when nobody else is in the group ([`trusted_group`]: the running user's private group, as
-//! a umask of 002 leaves directories on Debian-style systems, or root's group while no user
-//! is listed in it). A primary group users share (`users`) is not trusted, even when it is
-//! the running user's. A directory with an access ACL is refused when a named entry lets
+//! when the running user is in the group and nobody else is ([`trusted_group`]: the user's
+//! private group, as a umask of 002 leaves directories on Debian-style systems; root's group
+//! for root where no other account has it). A primary group users share (`users`) is not
+//! trusted, even when it is the running user's. A directory with an access ACL is refused when a named entry lets
 //! another user, or a group not trusted so, write (its mode's group bits are the ACL's
 //! mask, which such an entry writes through). Both the path as named and the path it
 //! resolves to are walked: a symbolic link on the way must be owned by the user or root too,
@@ -48,14 +48,13 @@ const MAX_LINKS: usize = 40;
 /// `path` is the directory itself (not one of its parents).
 fn walk(path: &Path, dir: &Path, own: bool, links: usize) -> Result<(), CoreError> {
     let uid = rustix::process::geteuid().as_raw();
-    let gid = rustix::process::getegid().as_raw();
     let mut at = Some(path);
     let mut own = own;
     while let Some(d) = at {
         let m = std::fs::symlink_metadata(d).map_err(|e| CoreError::io("inspect", d, e))?;
         let link = m.file_type().is_symlink();
         let mode = if link { 0 } else { m.mode() };
-        let trusted = |g| trusted_group(g, uid, gid);
+        let trusted = |g| trusted_group(g, uid);
         let why = refusal(m.uid(), m.gid(), mode, uid, own, &trusted).or_else(|| {
             // The group bits of a directory with an access ACL are its mask: a named entry
             // (another user, a shared group) can write through them whatever the owning
@@ -155,29 +154,34 @@ fn acl_writers(dir: &Path, uid: u32, trusted: &dyn Fn(u32) -> bool) -> Option<St
     None
 }
 
-/// Whether only the running user (`uid`, primary group `gid`) can be in group `group`: it
-/// is the user's private group (their primary group, named as the user, listing nobody
-/// else), or root's group (gid 0) while it lists nobody. Looked up through the system's
-/// user database (`getpwuid_r`, `getgrgid_r`); a lookup that fails trusts nothing. A user
-/// the administrator gave another user's private group as primary group is not seen here.
-fn trusted_group(group: u32, uid: u32, gid: u32) -> bool {
+/// Whether only the running user (`uid`) can be in group `group`: the user is in it (their
+/// primary group, or listed), nobody else is listed, and no other account has it as primary
+/// group (every account the system's user database enumerates is looked at). An empty group
+/// is not trusted: setgid programs run as such groups. Looked up through the system's user
+/// database (`getpwuid_r`, `getgrgid_r`, `getpwent`); a lookup that fails trusts nothing.
+/// Accounts of a source that does not enumerate (a directory service set not to) are not
+/// seen.
+fn trusted_group(group: u32, uid: u32) -> bool {
     use nix::unistd::{Gid, Group, Uid, User};
     let Ok(Some(g)) = Group::from_gid(Gid::from_raw(group)) else {
         return false;
     };
-    if group == 0 {
-        return g.mem.is_empty();
-    }
     let Ok(Some(u)) = User::from_uid(Uid::from_raw(uid)) else {
         return false;
     };
-    private_to(group, &g.name, &g.mem, gid, &u.name)
+    let Some(primary) = warren_vmm::sys::accounts::primary_members(group) else {
+        return false;
+    };
+    only_user_in(&g.mem, &primary, u.gid.as_raw() == group, &u.name, uid)
 }
 
-/// Whether group `gid_of_group` (`name`, listing `members`) is private to the user `user`
-/// whose primary group is `primary`.
-fn private_to(gid_of_group: u32, name: &str, members: &[String], primary: u32, user: &str) -> bool {
-    gid_of_group == primary && name == user && members.iter().all(|m| m == user)
+/// Whether the user (`user`, `uid`) is in a group (`primary`: it is their primary group)
+/// whose listed members are `listed` and whose primary members are the uids `primaries`,
+/// and nobody else is.
+fn only_user_in(listed: &[String], primaries: &[u32], primary: bool, user: &str, uid: u32) -> bool {
+    (primary || listed.iter().any(|m| m == user))
+        && listed.iter().all(|m| m == user)
+        && primaries.iter().all(|&p| p == uid)
 }
 
 #[cfg(test)]
@@ -205,38 +209,55 @@ mod tests {
         assert!(refusal(0, 0, 0o40775, 1000, false).is_some());
     }
 
-    /// A group is private to a user only when it is their primary group, named as they
-    /// are, and lists nobody else: a primary group users share (`users`, gid 100, the
-    /// documented gap: before, any primary group was trusted) is not.
+    /// A group is trusted only when the user is in it and nobody else is: a primary group
+    /// users share (`users`, gid 100, the documented gap: before, any primary group was
+    /// trusted), one that lists someone else, one that is another account's primary group
+    /// too (before: not seen), and an empty one (setgid programs run as such) are not.
     #[test]
-    fn test_private_groups() {
+    fn test_groups_only_the_user_is_in() {
         let none: [String; 0] = [];
-        assert!(private_to(1000, "alice", &none, 1000, "alice"));
-        assert!(private_to(1000, "alice", &["alice".into()], 1000, "alice"));
+        let alice = || vec!["alice".to_string()];
+        assert!(only_user_in(&none, &[1000], true, "alice", 1000));
         assert!(
-            !private_to(100, "users", &none, 100, "alice"),
-            "a shared primary group"
+            only_user_in(&alice(), &[], false, "alice", 1000),
+            "listed only"
         );
         assert!(
-            !private_to(1000, "alice", &["bob".into()], 1000, "alice"),
+            !only_user_in(&none, &[1000, 1001], true, "alice", 1000),
+            "bob's primary too"
+        );
+        assert!(
+            !only_user_in(&["bob".into()], &[1000], true, "alice", 1000),
             "bob listed"
         );
         assert!(
-            !private_to(1001, "bob", &none, 1000, "alice"),
-            "not her primary group"
+            !only_user_in(&none, &[], false, "alice", 1000),
+            "empty: setgid programs'"
+        );
+        assert!(
+            !only_user_in(&["bob".into()], &[], false, "alice", 1000),
+            "bob's only"
         );
     }
 
-    /// On this system: root's group, listing nobody, is trusted for root; a group that no
-    /// user database knows is not, even as the running user's primary group (before, the
-    /// running user's primary group always was).
+    /// On this system: root's group is trusted for root when root is the only account
+    /// with it as primary group (true of the machines this suite runs on), not for another
+    /// user (root is in it); a group no user database knows is not, even as the running
+    /// user's primary group (before, the running user's primary group always was). The
+    /// enumeration sees root.
     #[test]
     fn test_trusted_group_from_the_user_database() {
-        assert!(trusted_group(0, 0, 0), "root's group, listing nobody");
-        assert!(
-            !trusted_group(4_000_000, 0, 4_000_000),
-            "a group no database knows"
+        assert_eq!(
+            warren_vmm::sys::accounts::primary_members(0).map(|m| m.contains(&0)),
+            Some(true)
         );
+        assert_eq!(
+            trusted_group(0, 0),
+            warren_vmm::sys::accounts::primary_members(0) == Some(vec![0]),
+            "root's group"
+        );
+        assert!(!trusted_group(0, 65534), "root's group for nobody");
+        assert!(!trusted_group(4_000_000, 0), "a group no database knows");
     }
 
     /// A state directory another user made (the review's attack: pre-created where the
