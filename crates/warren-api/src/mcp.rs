@@ -651,6 +651,31 @@ mod tests {
         assert_session_works(&f.app, by_kept, &sid_kept).await;
     }
 
+    /// A recheck that cannot read the tokens (a database error) ends no session: only a
+    /// token known to have lapsed does. Control: once the table is back and the token
+    /// revoked, its session ends.
+    #[tokio::test]
+    async fn test_a_failed_recheck_ends_no_session() {
+        let f = fixture();
+        let (info, _secret) = f
+            .service
+            .credentials()
+            .issue("ws-r", None, &crate::auth::PolicyRequest::default())
+            .expect("issue");
+        let who = As("ws-r", &info.id);
+        let sid = open_session(&f.app, who).await;
+        let db = rusqlite::Connection::open(f._dir.path().join("state/warren.db")).expect("db");
+        db.execute_batch("ALTER TABLE tokens RENAME TO tokens_away")
+            .expect("hide the table");
+        assert!(f.service.credentials().recheck_token(&info.id).is_err());
+        assert_eq!(f.bindings.end_lapsed(f.service.credentials()).await, 0);
+        db.execute_batch("ALTER TABLE tokens_away RENAME TO tokens")
+            .expect("restore the table");
+        assert_session_works(&f.app, who, &sid).await;
+        f.service.credentials().revoke(&info.id).expect("revoke");
+        assert_eq!(f.bindings.end_lapsed(f.service.credentials()).await, 1);
+    }
+
     #[tokio::test]
     async fn test_router_two_session_ids_refused() {
         let f = fixture();

@@ -127,16 +127,33 @@ impl Bindings {
         let mut holds: HashMap<String, bool> = HashMap::new();
         let mut ended = 0;
         for (sid, token) in held {
-            let ok = *holds
-                .entry(token)
-                .or_insert_with_key(|t| credentials.recheck_token(t).is_ok());
+            let ok = *holds.entry(token).or_insert_with_key(|t| {
+                match credentials.recheck_token(t) {
+                    Ok(()) => true,
+                    // Only a credential known to have lapsed ends its sessions: a database
+                    // that is busy now says nothing about the token.
+                    Err(e) if e.code == "unauthenticated" => false,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "rechecking an MCP session's token failed; checked again next round");
+                        true
+                    }
+                }
+            });
             if ok {
                 continue;
             }
             self.unbind(&sid);
             let id: Arc<str> = sid.into();
-            if let Err(e) = self.manager.close_session(&id).await {
-                tracing::warn!(error = %e, "closing an MCP session of a lapsed credential failed");
+            // A session whose worker does not answer must not hold up the other sessions'
+            // closes (it is unbound already: no request reaches it any more).
+            match tokio::time::timeout(CLOSE_WAIT, self.manager.close_session(&id)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "closing an MCP session of a lapsed credential failed")
+                }
+                Err(_) => tracing::warn!(
+                    "closing an MCP session of a lapsed credential took over {CLOSE_WAIT:?}; left to end on its own"
+                ),
             }
             ended += 1;
         }
@@ -155,6 +172,9 @@ impl Bindings {
     }
 }
 
+/// How long one session's close may take before the recheck goes on without it.
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Ends the sessions of lapsed credentials ([`Bindings::end_lapsed`]) every
 /// [`crate::ws::RECHECK`], as long as `bindings` lives (the router that holds them): a
 /// revoked token's open event stream closes within that, as a guest stream's does.
@@ -168,7 +188,12 @@ pub(super) fn spawn_recheck(bindings: &Arc<Bindings>, service: Arc<crate::servic
             let Some(b) = weak.upgrade() else {
                 return;
             };
-            b.end_lapsed(service.credentials()).await;
+            // Each round a task of its own: one that panics is logged, and the next runs.
+            let service = service.clone();
+            let round = tokio::spawn(async move { b.end_lapsed(service.credentials()).await });
+            if let Err(e) = round.await {
+                tracing::error!(error = %e, "an MCP session recheck round failed");
+            }
         }
     });
 }
