@@ -36,6 +36,12 @@ use warren_protocol::{
 
 /// How often an unanswered `Sync` is repeated.
 pub const SYNC_RETRY: Duration = Duration::from_millis(20);
+/// How long the first `Sync` to a restored guest is waited for before it is repeated. Its
+/// port was open when it was saved and the socket is connected before the restore
+/// ([`GuestChannel::connect_over`]), so that `Sync` is not lost, only answered slowly (the
+/// guest's code runs cold after a restore: 20-40 ms under TCG); repeating it after
+/// [`SYNC_RETRY`] made the guest answer twice and the host wait for the second answer.
+pub const RESTORED_SYNC_WAIT: Duration = Duration::from_millis(250);
 /// HTTP/2 windows: large enough that a 128 KiB file chunk flows without waiting for updates.
 const STREAM_WINDOW: u32 = 1 << 20;
 const CONN_WINDOW: u32 = 8 << 20;
@@ -188,7 +194,7 @@ impl GuestChannel {
         deadline: Instant,
     ) -> Result<GuestChannel, ChannelError> {
         let budget = deadline.saturating_duration_since(Instant::now());
-        tokio::time::timeout(budget, Self::session(stream, secret))
+        tokio::time::timeout(budget, Self::session(stream, secret, RESTORED_SYNC_WAIT))
             .await
             .map_err(|_| ChannelError::Timeout(budget))?
     }
@@ -212,13 +218,18 @@ impl GuestChannel {
 
     async fn connect_inner(path: &Path, secret: &[u8]) -> Result<GuestChannel, ChannelError> {
         let stream = Self::socket(path).await?;
-        Self::session(stream, secret).await
+        Self::session(stream, secret, SYNC_RETRY).await
     }
 
-    async fn session(stream: UnixStream, secret: &[u8]) -> Result<GuestChannel, ChannelError> {
+    /// A session over `stream`, its first `Sync` repeated after `first_wait`.
+    async fn session(
+        stream: UnixStream,
+        secret: &[u8],
+        first_wait: Duration,
+    ) -> Result<GuestChannel, ChannelError> {
         let mut stream = stream;
         let mut decoder = Decoder::new();
-        let leftover = resync(&mut stream, &mut decoder).await?;
+        let leftover = resync(&mut stream, &mut decoder, first_wait).await?;
         tracing::debug!("channel resynchronised");
         let h2_io = ChannelIo::new(stream, decoder, leftover);
 
@@ -445,8 +456,13 @@ impl GuestChannel {
     }
 }
 
-/// Sends `Sync`s until the guest acknowledges the latest; returns data read after the ack.
-async fn resync(stream: &mut UnixStream, decoder: &mut Decoder) -> Result<Vec<u8>, ChannelError> {
+/// Sends `Sync`s until the guest acknowledges the latest (the first repeated after
+/// `first_wait`, the others after [`SYNC_RETRY`]); returns data read after the ack.
+async fn resync(
+    stream: &mut UnixStream,
+    decoder: &mut Decoder,
+    first_wait: Duration,
+) -> Result<Vec<u8>, ChannelError> {
     let (mut rd, mut wr) = stream.split();
     let mut buf = vec![0u8; 64 * 1024];
     let started = Instant::now();
@@ -456,7 +472,8 @@ async fn resync(stream: &mut UnixStream, decoder: &mut Decoder) -> Result<Vec<u8
         let mut nonce: SyncNonce = [0; framing::SYNC_NONCE_LEN];
         rand::rng().fill_bytes(&mut nonce);
         wr.write_all(&framing::encode_sync(&nonce)).await?;
-        let until = tokio::time::Instant::now() + SYNC_RETRY;
+        let wait = if sent == 1 { first_wait } else { SYNC_RETRY };
+        let until = tokio::time::Instant::now() + wait;
         loop {
             let n = match tokio::time::timeout_at(until, rd.read(&mut buf)).await {
                 Err(_) => break, // resend
