@@ -39,6 +39,9 @@ pub struct ServiceConfig {
     /// Seconds a VM may take to boot before creation fails.
     #[serde(default = "default_boot_timeout")]
     pub boot_timeout_secs: u64,
+    /// Shapes with a current template at most (the least recently used past it are retired).
+    #[serde(default = "default_max_templates")]
+    pub max_templates: usize,
     #[serde(default)]
     pub http: HttpConfig,
     #[serde(default)]
@@ -307,6 +310,9 @@ fn default_socket_mode() -> u32 {
 }
 fn default_boot_timeout() -> u64 {
     120
+}
+fn default_max_templates() -> usize {
+    warren_core::DEFAULT_MAX_TEMPLATES
 }
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 8090))

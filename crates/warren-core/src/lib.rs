@@ -25,6 +25,7 @@ pub use session::{CreateSession, SessionDevices};
 pub use store::{MountSpec, SessionRecord};
 pub use vm::fork::ForkVm;
 pub use vm::pool::{PoolShape, PoolStatus};
+pub use vm::template_gc::DEFAULT_MAX_TEMPLATES;
 pub use vm::{
     local_workspace, validate_mounts, CreateVm, Limits, NetworkRequest, SuspendMode, Warren,
     WarrenConfig,

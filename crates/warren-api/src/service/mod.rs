@@ -216,6 +216,12 @@ impl Service {
             .parse::<AccelChoice>()
             .map_err(|e| ApiError::invalid(e.to_string()))?;
         wc.boot_timeout = Duration::from_secs(cfg.boot_timeout_secs);
+        if cfg.max_templates == 0 {
+            return Err(ApiError::invalid(
+                "max_templates must be at least 1 (turn templates off per image instead)",
+            ));
+        }
+        wc.max_templates = cfg.max_templates;
         let mut warren = Warren::open(wc)?;
         let db = cfg.state_dir.join("warren.db");
         let creds = Credentials::open(&db)?;

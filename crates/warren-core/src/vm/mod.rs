@@ -29,6 +29,7 @@ pub mod pool;
 mod reconcile;
 mod suspend;
 pub mod template;
+pub mod template_gc;
 pub mod uid_blocks;
 
 pub use mounts::{parse_mount, validate_mounts, MAX_MOUNTS};
@@ -58,6 +59,9 @@ pub struct WarrenConfig {
     pub boot_timeout: Duration,
     /// How supervisors are started (`WARREN_SUPERVISORS`, see [`launch`]).
     pub supervisors: launch::SupervisorLaunch,
+    /// Shapes with a current template at most; past it the least recently used are
+    /// retired (`template_gc`).
+    pub max_templates: usize,
 }
 
 impl WarrenConfig {
@@ -70,6 +74,7 @@ impl WarrenConfig {
             accel: AccelChoice::Auto,
             boot_timeout: DEFAULT_BOOT_TIMEOUT,
             supervisors: launch::SupervisorLaunch::from_env(),
+            max_templates: template_gc::DEFAULT_MAX_TEMPLATES,
         }
     }
 }

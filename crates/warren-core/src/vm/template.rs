@@ -67,10 +67,10 @@ pub const TEMPLATE_GID: u32 = VM_UID_BASE - 1;
 /// The workspace template builds run in (their VMs exist only while the template is made).
 pub const TEMPLATE_WORKSPACE: &str = "warren-templates";
 /// File in a clone's VM directory naming the template its disk backs onto.
-const TEMPLATE_MARKER: &str = "template";
-const RECORD: &str = "template.json";
+pub(super) const TEMPLATE_MARKER: &str = "template";
+pub(super) const RECORD: &str = "template.json";
 /// A build's staging directory or stand-in shares older than this were left by a crash.
-const STALE_BUILD: Duration = Duration::from_secs(3600);
+pub(super) const STALE_BUILD: Duration = Duration::from_secs(3600);
 /// Largest `template.json` accepted.
 const MAX_RECORD_BYTES: u64 = 16 * 1024;
 
@@ -108,7 +108,7 @@ impl TemplateKey {
 /// A key whose CPU model is not the one new VMs of its accelerator get now (Warren changed
 /// its default, e.g. TCG `max` to [`warren_vmm::qemu::TCG_CPU`]): creates only ask for keys
 /// with the current model, so such a template is never used again.
-fn superseded_model(key: &TemplateKey) -> bool {
+pub(super) fn superseded_model(key: &TemplateKey) -> bool {
     // The key names its accelerator as `Accel` displays it (see `template_key`).
     [warren_vmm::Accel::Tcg, warren_vmm::Accel::Kvm]
         .into_iter()
@@ -147,7 +147,7 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Co
     move |e| CoreError::io(op, path, e)
 }
 
-fn read_record(dir: &Path) -> Result<TemplateRecord, CoreError> {
+pub(super) fn read_record(dir: &Path) -> Result<TemplateRecord, CoreError> {
     use std::io::Read;
     let path = dir.join(RECORD);
     let mut bytes = Vec::new();
@@ -167,7 +167,7 @@ fn read_record(dir: &Path) -> Result<TemplateRecord, CoreError> {
 }
 
 impl Warren {
-    fn templates_dir(&self) -> PathBuf {
+    pub(super) fn templates_dir(&self) -> PathBuf {
         self.cfg.state_dir.join("templates")
     }
 
@@ -201,7 +201,7 @@ impl Warren {
     }
 
     /// The pointer to the current template of `key`: a file holding its directory's name.
-    fn current_path(&self, key: &TemplateKey) -> PathBuf {
+    pub(super) fn current_path(&self, key: &TemplateKey) -> PathBuf {
         self.templates_dir()
             .join(format!("{}.current", key.digest()))
     }
@@ -236,67 +236,8 @@ impl Warren {
             self.collect_templates();
             return Ok(None);
         }
+        super::template_gc::note_use(&current);
         Ok(Some(Template { dir, record }))
-    }
-
-    /// Deletes template directories that are neither current nor backing any VM's disk.
-    fn collect_templates(&self) {
-        let root = self.templates_dir();
-        let Ok(entries) = std::fs::read_dir(&root) else {
-            return;
-        };
-        let mut used: Vec<String> = std::fs::read_dir(self.cfg.state_dir.join("vms"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| std::fs::read_to_string(e.path().join(TEMPLATE_MARKER)).ok())
-            .map(|s| s.trim().to_string())
-            .collect();
-        let mut dirs = Vec::new();
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with("building-") || name.starts_with("shares-") {
-                // A build's staging or stand-in shares a crash left behind (a build in
-                // progress is far younger).
-                let stale = e
-                    .metadata()
-                    .and_then(|m| m.modified())
-                    .ok()
-                    .and_then(|t| t.elapsed().ok())
-                    .is_some_and(|age| age > STALE_BUILD);
-                if stale {
-                    if let Err(err) = std::fs::remove_dir_all(e.path()) {
-                        tracing::warn!(error = %err, %name, "removing a crashed template build's files");
-                    }
-                }
-                continue;
-            }
-            if name.ends_with(".current") {
-                if let Ok(n) = std::fs::read_to_string(e.path()) {
-                    let n = n.trim().to_string();
-                    let superseded = valid_dir_name(&n)
-                        && read_record(&root.join(&n)).is_ok_and(|r| superseded_model(&r.key));
-                    if superseded {
-                        // No create asks for this key again: drop the pointer, and the
-                        // files go below unless a VM's disk still stands on them.
-                        if let Err(err) = std::fs::remove_file(e.path()) {
-                            tracing::warn!(error = %err, %name, "removing a superseded template");
-                        }
-                    } else {
-                        used.push(n);
-                    }
-                }
-            } else if valid_dir_name(&name) {
-                dirs.push(name);
-            }
-        }
-        for name in dirs {
-            if !used.contains(&name) {
-                if let Err(err) = std::fs::remove_dir_all(root.join(&name)) {
-                    tracing::warn!(error = %err, %name, "removing an unused template");
-                }
-            }
-        }
     }
 
     /// The template for `key`, built now if there is none (at most one build per key at a
@@ -458,6 +399,7 @@ impl Warren {
         if let Ok(dir) = &result {
             let ram = dir.join("ram");
             let _ = tokio::task::spawn_blocking(move || warm_page_cache(&ram)).await;
+            self.evict_templates(&self.current_path(key));
         }
         self.collect_templates();
         result
@@ -764,7 +706,7 @@ impl BuildShares {
 }
 
 /// A template directory's name: `t-<32 hex>-<8 hex>`.
-fn valid_dir_name(name: &str) -> bool {
+pub(super) fn valid_dir_name(name: &str) -> bool {
     name.len() == 2 + 32 + 1 + 8
         && name.starts_with("t-")
         && name.as_bytes()[34] == b'-'
@@ -842,10 +784,22 @@ mod tests {
         let listed = w.list_templates().expect("list");
         let names: Vec<&str> = listed.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(names, [made[1].0.as_str()]);
-        assert!(
-            !made[0].1.exists() && !made[0].2.exists(),
-            "old model retired"
-        );
+        assert!(!made[0].2.exists(), "old model retired");
+        // Its files go once retired for the grace period (`template_gc`).
+        let mark = made[0].1.join("retired");
+        std::fs::File::options()
+            .write(true)
+            .open(&mark)
+            .and_then(|f| {
+                f.set_modified(
+                    std::time::SystemTime::now()
+                        - super::super::template_gc::RETIRE_GRACE
+                        - Duration::from_secs(1),
+                )
+            })
+            .expect("age the mark");
+        w.list_templates().expect("list");
+        assert!(!made[0].1.exists(), "old model's files removed");
         assert!(
             made[1].1.exists() && made[1].2.exists(),
             "current model kept"

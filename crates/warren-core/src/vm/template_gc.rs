@@ -1,0 +1,284 @@
+//! How many templates a host keeps, and when their files go.
+//!
+//! - **Cap.** At most `WarrenConfig::max_templates` shapes have a current template. Each
+//!   pointer's (`<key digest>.current`) modification time is its last use (a clone touches
+//!   it); a build that makes one more than the cap retires the least recently used others'
+//!   pointers. A caller who can vary the shape (memory, vCPUs, shares' guest paths) can
+//!   therefore make Warren build templates, but not keep more than the cap of them on disk:
+//!   before, every shape's template stayed for good.
+//! - **Retired files.** A template directory that is neither current nor backing any VM's
+//!   disk is first marked (`retired`, with the time it was first seen so), and deleted by a
+//!   later collection once the mark is [`RETIRE_GRACE`] old: a create that found the
+//!   template just before its pointer went still has its files while it starts its clone
+//!   (whose marker then keeps them).
+
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use super::template::{
+    read_record, superseded_model, valid_dir_name, STALE_BUILD, TEMPLATE_MARKER,
+};
+use super::Warren;
+
+/// How long a retired template's files stay before they are deleted.
+pub(super) const RETIRE_GRACE: Duration = Duration::from_secs(60);
+/// The mark on a retired template's directory.
+const RETIRED: &str = "retired";
+/// Templates kept when the configuration names no cap.
+pub const DEFAULT_MAX_TEMPLATES: usize = 16;
+
+/// Records that the template behind `pointer` was just used (its last use orders eviction).
+/// Best effort: a pointer that cannot be touched only ages.
+pub(super) fn note_use(pointer: &Path) {
+    let touched = std::fs::File::options()
+        .write(true)
+        .open(pointer)
+        .and_then(|f| f.set_modified(SystemTime::now()));
+    if let Err(e) = touched {
+        tracing::debug!(error = %e, pointer = %pointer.display(), "noting a template's use");
+    }
+}
+
+impl Warren {
+    /// Retires the least recently used current templates past the cap, never `keep` (the
+    /// pointer of the template just built).
+    pub(super) fn evict_templates(&self, keep: &Path) {
+        let root = self.templates_dir();
+        let Ok(entries) = std::fs::read_dir(&root) else {
+            return;
+        };
+        let mut pointers: Vec<(SystemTime, std::path::PathBuf)> = entries
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".current"))
+            .map(|e| {
+                let used = e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .unwrap_or(SystemTime::UNIX_EPOCH);
+                (used, e.path())
+            })
+            .collect();
+        let cap = self.cfg.max_templates.max(1);
+        if pointers.len() <= cap {
+            return;
+        }
+        pointers.sort();
+        let mut over = pointers.len() - cap;
+        for (_, p) in pointers {
+            if over == 0 {
+                break;
+            }
+            if p == keep {
+                continue;
+            }
+            match std::fs::remove_file(&p) {
+                Ok(()) => {
+                    tracing::info!(pointer = %p.display(), cap, "retiring the least recently used template");
+                    over -= 1;
+                }
+                Err(e) => tracing::warn!(error = %e, pointer = %p.display(), "retiring a template"),
+            }
+        }
+    }
+
+    /// Deletes template directories that are neither current nor backing any VM's disk
+    /// once they have been so for [`RETIRE_GRACE`] (module docs), and a crashed build's
+    /// leftovers.
+    pub(super) fn collect_templates(&self) {
+        let root = self.templates_dir();
+        let Ok(entries) = std::fs::read_dir(&root) else {
+            return;
+        };
+        let mut used: Vec<String> = std::fs::read_dir(self.cfg.state_dir.join("vms"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join(TEMPLATE_MARKER)).ok())
+            .map(|s| s.trim().to_string())
+            .collect();
+        let mut dirs = Vec::new();
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("building-") || name.starts_with("shares-") {
+                // A build's staging or stand-in shares a crash left behind (a build in
+                // progress is far younger).
+                let stale = e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|age| age > STALE_BUILD);
+                if stale {
+                    if let Err(err) = std::fs::remove_dir_all(e.path()) {
+                        tracing::warn!(error = %err, %name, "removing a crashed template build's files");
+                    }
+                }
+                continue;
+            }
+            if name.ends_with(".current") {
+                if let Ok(n) = std::fs::read_to_string(e.path()) {
+                    let n = n.trim().to_string();
+                    let superseded = valid_dir_name(&n)
+                        && read_record(&root.join(&n)).is_ok_and(|r| superseded_model(&r.key));
+                    if superseded {
+                        // No create asks for this key again: drop the pointer, and the
+                        // files go below unless a VM's disk still stands on them.
+                        if let Err(err) = std::fs::remove_file(e.path()) {
+                            tracing::warn!(error = %err, %name, "removing a superseded template");
+                        }
+                    } else {
+                        used.push(n);
+                    }
+                }
+            } else if valid_dir_name(&name) {
+                dirs.push(name);
+            }
+        }
+        for name in dirs {
+            if used.contains(&name) {
+                // In use again (or still): a mark from before no longer counts.
+                let _ = std::fs::remove_file(root.join(&name).join(RETIRED));
+                continue;
+            }
+            let mark = root.join(&name).join(RETIRED);
+            let age = std::fs::metadata(&mark)
+                .and_then(|m| m.modified())
+                .ok()
+                .map(|t| t.elapsed().unwrap_or_default());
+            match age {
+                None => {
+                    if let Err(err) = std::fs::write(&mark, b"") {
+                        tracing::warn!(error = %err, %name, "marking a retired template");
+                    }
+                }
+                Some(age) if age >= RETIRE_GRACE => {
+                    if let Err(err) = std::fs::remove_dir_all(root.join(&name)) {
+                        tracing::warn!(error = %err, %name, "removing an unused template");
+                    }
+                }
+                Some(_) => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::template::{TemplateKey, TemplateRecord, RECORD};
+    use super::*;
+
+    /// An engine on a fresh state directory keeping at most `cap` templates.
+    fn engine(cap: usize) -> (tempfile::TempDir, Warren) {
+        let state = tempfile::tempdir().expect("state");
+        let mut cfg =
+            crate::WarrenConfig::new(state.path().to_path_buf(), "/usr/bin/warren".into());
+        cfg.max_templates = cap;
+        (state, Warren::open(cfg).expect("open"))
+    }
+
+    /// A template of `memory_mib` in `w`'s store (record and pointer, no files), its
+    /// pointer last used `age` ago; returns (directory, pointer).
+    fn fake(
+        w: &Warren,
+        memory_mib: u32,
+        age: Duration,
+    ) -> (std::path::PathBuf, std::path::PathBuf) {
+        let key = TemplateKey {
+            image_id: "a".repeat(64),
+            memory_mib,
+            vcpus: 1,
+            accel: "tcg".into(),
+            cpu: warren_vmm::qemu::TCG_CPU.into(),
+            shares: vec![],
+            network: false,
+        };
+        let art = || crate::vm::artifacts::Artifact {
+            path: "/x".into(),
+            sha256: "0".repeat(64),
+        };
+        let root = w.templates_dir();
+        let name = format!("t-{}-00000000", key.digest());
+        let dir = root.join(&name);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let record = TemplateRecord {
+            key: key.clone(),
+            artifacts: crate::vm::artifacts::RuntimeArtifacts {
+                qemu: art(),
+                firmware: art(),
+                kernel: art(),
+            },
+            created_unix: 1,
+            boot_ms: 1,
+        };
+        std::fs::write(dir.join(RECORD), serde_json::to_vec(&record).expect("json"))
+            .expect("record");
+        let pointer = w.current_path(&key);
+        std::fs::write(&pointer, &name).expect("pointer");
+        age_file(&pointer, age);
+        (dir, pointer)
+    }
+
+    fn age_file(p: &Path, age: Duration) {
+        std::fs::File::options()
+            .write(true)
+            .open(p)
+            .and_then(|f| f.set_modified(SystemTime::now() - age))
+            .expect("set mtime");
+    }
+
+    /// Past the cap, a build retires the least recently used templates (never the one just
+    /// built, however old its pointer); their files stay through the grace period and go
+    /// after it. A use moves a template to the back of the line. (Before, every shape's
+    /// template was kept for good.)
+    #[test]
+    fn test_templates_past_the_cap_are_retired_least_recently_used_first() {
+        let (_state, w) = engine(2);
+        let hour = Duration::from_secs(3600);
+        let (d1, p1) = fake(&w, 256, 4 * hour);
+        let (d2, p2) = fake(&w, 384, 3 * hour);
+        let (d3, p3) = fake(&w, 512, 2 * hour);
+        let (d4, p4) = fake(&w, 640, 5 * hour);
+        note_use(&p1);
+        w.evict_templates(&p4);
+        assert!(p1.exists(), "used just now");
+        assert!(
+            !p2.exists() && !p3.exists(),
+            "the least recently used two retired"
+        );
+        assert!(p4.exists(), "the template just built stays");
+        w.collect_templates();
+        assert!(
+            d2.exists() && d3.exists(),
+            "their files stay through the grace period"
+        );
+        age_file(&d2.join(RETIRED), RETIRE_GRACE + Duration::from_secs(1));
+        w.collect_templates();
+        assert!(!d2.exists(), "gone after the grace period");
+        assert!(d3.exists(), "still within it");
+        assert!(d1.exists() && d4.exists(), "current templates are kept");
+        // Within the cap nothing is retired.
+        w.evict_templates(&p4);
+        assert!(p1.exists() && p4.exists());
+    }
+
+    /// A retired template whose files a VM's disk uses (its marker names it) is kept
+    /// whatever the mark's age.
+    #[test]
+    fn test_a_retired_template_a_vm_uses_is_kept() {
+        let (_state, w) = engine(1);
+        let hour = Duration::from_secs(3600);
+        let (d1, p1) = fake(&w, 256, 2 * hour);
+        let (_d2, p2) = fake(&w, 384, hour);
+        w.evict_templates(&p2);
+        assert!(!p1.exists());
+        let vm = w.cfg.state_dir.join("vms/vm-000000000001");
+        std::fs::create_dir_all(&vm).expect("vm dir");
+        let name = d1.file_name().expect("name").to_string_lossy().into_owned();
+        std::fs::write(vm.join(TEMPLATE_MARKER), &name).expect("marker");
+        std::fs::write(d1.join(RETIRED), b"").expect("mark");
+        age_file(&d1.join(RETIRED), 2 * RETIRE_GRACE);
+        w.collect_templates();
+        assert!(d1.exists(), "a VM's disk stands on it");
+        assert!(!d1.join(RETIRED).exists(), "in use: the mark is dropped");
+    }
+}
