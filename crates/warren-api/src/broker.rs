@@ -8,7 +8,10 @@
 //! hash. Job ids start again at 1 when a VM boots fresh (and only then does its generation
 //! change), so a pipe of an older generation names a job of a boot that is gone: it is
 //! replaced by a new registration and refused (and forgotten) at attach, so an old token can
-//! never reach the new boot's job of the same number. A wrong token, another workspace,
+//! never reach the new boot's job of the same number; it never counts as the new job's pipe
+//! ([`Pipes::has`]), nor is the new pipe forgotten when the old job's end is seen
+//! ([`Pipes::end`]). An attachment keeps the generation it was made for: the controller's end
+//! (`crate::broker_ws`) closes it once the VM is in another. A wrong token, another workspace,
 //! an unknown job or a job without a pipe are all the same `not_found`; a second concurrent
 //! attachment, or one more than [`MAX_ATTACHED_PER_VM`] on a VM, is `busy`. Pipes end when
 //! their job's processes are all gone, when their VM is destroyed, and with the service.
@@ -84,6 +87,13 @@ pub struct Attachment {
     inner: Arc<Mutex<HashMap<Key, Pipe>>>,
 }
 
+impl Attachment {
+    /// The VM generation (boot) the attachment was made for: its job's.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+}
+
 impl Drop for Attachment {
     fn drop(&mut self) {
         if let Some(p) = lock(&self.inner).get_mut(&self.key) {
@@ -100,8 +110,9 @@ fn lock(m: &Mutex<HashMap<Key, Pipe>>) -> MutexGuard<'_, HashMap<Key, Pipe>> {
 
 impl Pipes {
     /// Registers the pipe of `job`, started in the VM's generation `generation`; an
-    /// existing one of the same generation (a retried request) keeps its hash, one of another
-    /// generation (a job of a lost boot with the same number) is replaced.
+    /// existing one of the same generation (a retried request) keeps its hash, one of an older
+    /// generation (a job of a lost boot with the same number) is replaced, and one of a newer
+    /// generation stays (this registration, late, is of a lost boot's job).
     pub fn register(&self, workspace: &str, vm: &str, generation: u64, job: JobId, token: &str) {
         let fresh = || Pipe {
             workspace: workspace.to_string(),
@@ -111,14 +122,17 @@ impl Pipes {
         };
         let mut pipes = lock(&self.inner);
         let pipe = pipes.entry((vm.to_string(), job)).or_insert_with(fresh);
-        if pipe.generation != generation {
+        if pipe.generation < generation {
             *pipe = fresh();
         }
     }
 
-    /// Whether `job` has a pipe.
-    pub fn has(&self, vm: &str, job: JobId) -> bool {
-        lock(&self.inner).contains_key(&(vm.to_string(), job))
+    /// Whether `job` of generation `generation` has a pipe (a pipe under the same number of
+    /// another generation is another boot's job's).
+    pub fn has(&self, vm: &str, generation: u64, job: JobId) -> bool {
+        lock(&self.inner)
+            .get(&(vm.to_string(), job))
+            .is_some_and(|p| p.generation == generation)
     }
 
     /// Attaches the controller holding `token` to `job` of the VM's current generation
@@ -141,8 +155,9 @@ impl Pipes {
             .count();
         let pipe = pipes.get_mut(&key).ok_or_else(not_found)?;
         if pipe.generation != generation {
-            // Its job belonged to a boot that is gone (forgotten unless still attached).
-            if !pipe.attached {
+            // Its job belonged to a boot that is gone (forgotten unless still attached); a
+            // newer boot's pipe is refused to a caller that read an older generation, and kept.
+            if pipe.generation < generation && !pipe.attached {
                 pipes.remove(&key);
             }
             return Err(not_found());
@@ -177,9 +192,19 @@ impl Pipes {
         })
     }
 
-    /// Forgets the pipe of `job` (its job ended).
+    /// Forgets the pipe of `job`, whatever its generation (the sweep of finished jobs).
     pub fn remove(&self, vm: &str, job: JobId) {
         lock(&self.inner).remove(&(vm.to_string(), job));
+    }
+
+    /// Forgets the pipe of `job` of generation `generation` (its job ended); a pipe of another
+    /// boot's job under the same number stays.
+    pub fn end(&self, vm: &str, generation: u64, job: JobId) {
+        let mut pipes = lock(&self.inner);
+        let key = (vm.to_string(), job);
+        if pipes.get(&key).is_some_and(|p| p.generation == generation) {
+            pipes.remove(&key);
+        }
     }
 
     /// Forgets every pipe of `vm` (destroyed).
@@ -350,7 +375,7 @@ mod tests {
         drop(a);
         let _a = p.attach("w", "vm1", 1, JobId(1), TOKEN).expect("again");
         p.remove_vm("vm1");
-        assert!(!p.has("vm1", JobId(1)));
+        assert!(!p.has("vm1", 1, JobId(1)));
     }
 
     /// Job ids start again when a VM boots fresh (a new generation): a token registered
@@ -368,7 +393,7 @@ mod tests {
             Some("not_found"),
             "attach after the boot, before any new registration"
         );
-        assert!(!p.has("vm", JobId(1)), "forgotten");
+        assert!(!p.has("vm", 1, JobId(1)), "forgotten");
         p.register("w", "vm", 1, JobId(1), &old);
         p.register("w", "vm", 2, JobId(1), TOKEN);
         assert_eq!(
@@ -398,6 +423,44 @@ mod tests {
             Some("busy"),
             "a second controller on the new pipe"
         );
+    }
+
+    /// Whether a job has a pipe, and forgetting it when its job ended, are of the job's own
+    /// generation: after a fresh boot (job ids start again) the lost boot's pipe is not the
+    /// new job's, and the lost job's end does not forget the new job's pipe. (Before, `has`
+    /// answered for any generation, so a replayed `vm_exec` could report another boot's pipe,
+    /// and the end of a lost boot's job forgot the new boot's pipe.)
+    #[test]
+    fn test_has_and_end_are_of_the_pipes_own_generation() {
+        let p = Pipes::default();
+        let old = "o".repeat(43);
+        p.register("w", "vm", 1, JobId(1), &old);
+        assert!(p.has("vm", 1, JobId(1)), "control");
+        assert!(
+            !p.has("vm", 2, JobId(1)),
+            "a lost boot's pipe in generation 2"
+        );
+        p.register("w", "vm", 2, JobId(1), TOKEN);
+        assert!(!p.has("vm", 1, JobId(1)), "replaced");
+        p.end("vm", 1, JobId(1));
+        assert!(
+            p.has("vm", 2, JobId(1)),
+            "the lost job's end leaves the new pipe"
+        );
+        // A late registration of the lost boot's job, and an attach by a caller that read
+        // the old generation, leave the new pipe as it is.
+        p.register("w", "vm", 1, JobId(1), &old);
+        assert_eq!(
+            p.attach("w", "vm", 1, JobId(1), &old).err().map(|e| e.code),
+            Some("not_found")
+        );
+        assert!(p.has("vm", 2, JobId(1)));
+        let a = p
+            .attach("w", "vm", 2, JobId(1), TOKEN)
+            .expect("the new token");
+        assert_eq!(a.generation(), 2);
+        p.end("vm", 2, JobId(1));
+        assert!(!p.has("vm", 2, JobId(1)), "its own end forgets it");
     }
 
     #[test]

@@ -10,7 +10,13 @@
 //!   one pending accept), waiting while they are full with no further accept (later job
 //!   processes wait in the socket's backlog), then numbers the connection, sends `open`, and
 //!   starts the connection's task. A pipe that ended (the
-//!   job's processes are gone) ends the attachment with 1001 `job finished`.
+//!   job's processes are gone) ends the attachment with 1001 `job finished`. Before each
+//!   accept, and again once the guest answered it, the VM's generation is read (one database
+//!   read each): an attachment is for its job's boot only, so once the VM is in another (it
+//!   booted fresh: job ids started again, and the same number may name another job) it ends
+//!   with 1001 and takes nothing from the new boot ([`boot_check`]). The read after the
+//!   answer is the one that counts: an accept that woke the VM may itself have booted it
+//!   fresh, and a fresh boot moves the generation before its supervisor starts.
 //! - **one per connection**: guest bytes become `data` frames (read only as fast as the
 //!   WebSocket drains); the controller's data for it waits in a queue of at most
 //!   [`QUEUE_BYTES`] and is written as the guest reads; a `close` from the controller is
@@ -21,7 +27,8 @@
 //!   opened, closes the attachment with 1002.
 //! - the task itself: frames to the controller under `[streams] rate_bytes`, the credential
 //!   recheck and pings (`crate::ws::Lifeline`), suspend/destroy (1001), and a look every
-//!   [`JOB_CHECK`] whether the job's processes are all gone.
+//!   [`JOB_CHECK`] whether the job's processes are all gone, its answer taken only when the
+//!   VM is in the attachment's generation before and after it ([`check_job`]).
 //!
 //! Open and close are logged with workspace, VM, job, duration, byte counts and reason; the
 //! token and the payload never are.
@@ -47,7 +54,7 @@ use crate::error::ApiError;
 use crate::http::error_response;
 use crate::service::job_streams::BrokerOpen;
 use crate::service::Service;
-use crate::streams::RateLimit;
+use crate::streams::{CloseReason, RateLimit};
 use crate::ws::{Lifeline, GOING_AWAY, INTERNAL, MAX_MESSAGE, NORMAL, POLICY};
 
 /// Guest connections one attachment carries at once.
@@ -64,6 +71,8 @@ pub const JOB_CHECK: Duration = Duration::from_secs(5);
 pub const JOB_CHECK_LIMIT: Duration = Duration::from_secs(2);
 /// WebSocket close code for broken framing (RFC 6455 "protocol error").
 const PROTOCOL: u16 = 1002;
+/// The close reason when the job's processes are all gone (its pipe is then forgotten).
+const JOB_FINISHED: &str = "job finished";
 
 /// The request header carrying the controller's token.
 pub const TOKEN_HEADER: &str = "x-broker-pipe";
@@ -146,7 +155,8 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
         mut ticket,
         attachment,
     } = opened;
-    tracing::info!(workspace = %p.workspace, vm = %vm_id, job = %job, "broker pipe attached");
+    let generation = attachment.generation();
+    tracing::info!(workspace = %p.workspace, vm = %vm_id, job = %job, generation, "broker pipe attached");
     let (mut sink, source) = socket.split();
     let mut life = Lifeline::new(started);
     let conns: Shared = Arc::default();
@@ -157,6 +167,7 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
         service.clone(),
         p.workspace.clone(),
         vm_id.clone(),
+        generation,
         job,
         conns.clone(),
         out_tx.clone(),
@@ -190,11 +201,8 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
                 break (GOING_AWAY, why.into());
             }
             _ = job_check.tick() => {
-                // Bounded: a guest slow to answer must not hold off the loop's other
-                // duties (the credential recheck); no answer counts as not finished.
-                let done = tokio::time::timeout(JOB_CHECK_LIMIT, service.broker_job_done(&vm_id, job));
-                if matches!(done.await, Ok(true)) {
-                    break (GOING_AWAY, "job finished".into());
+                if let Some(end) = check_job(&service, &vm_id, generation, job).await {
+                    break end;
                 }
             }
             duty = life.due() => {
@@ -209,8 +217,8 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
     for (_, c) in lock(&conns).live.drain() {
         c.task.abort();
     }
-    if reason == "job finished" {
-        service.broker_pipes().remove(&vm_id, job);
+    if reason == JOB_FINISHED {
+        service.broker_pipes().end(&vm_id, generation, job);
     }
     crate::ws::close(&service, &vm_id, &mut sink, code, &reason).await;
     tracing::info!(
@@ -227,11 +235,49 @@ async fn run(service: Arc<Service>, p: Principal, opened: BrokerOpen, socket: We
     drop((attachment, ticket));
 }
 
-/// Takes the job's connections one at a time while there is room.
+/// `Some` close when the VM is no longer in `generation`, the boot the attachment was made
+/// for (it booted fresh, or it is gone): one database read. A record that cannot be read
+/// ends the attachment too: nothing is taken from a boot that may not be its job's.
+fn boot_check(service: &Service, vm: &str, generation: u64) -> Option<End> {
+    match service.engine().get_vm(vm) {
+        Ok(r) if r.generation == generation => None,
+        Ok(r) => Some((
+            GOING_AWAY,
+            format!(
+                "the VM booted fresh (generation {}): the job's boot is gone",
+                r.generation
+            ),
+        )),
+        Err(warren_core::CoreError::VmNotFound(_)) => {
+            Some((GOING_AWAY, CloseReason::Destroyed.as_str().into()))
+        }
+        Err(e) => Some((INTERNAL, ApiError::from(e).message)),
+    }
+}
+
+/// The periodic look at the job: `Some` close when the VM left `generation` (looked at before
+/// and after the guest's answer, which is about whichever boot gave it: the look wakes a
+/// suspended VM, and that wake may boot it fresh) or the job's processes are all gone.
+/// Bounded: a guest slow to answer must not hold off the loop's other duties (the credential
+/// recheck); no answer counts as not finished.
+async fn check_job(service: &Service, vm: &str, generation: u64, job: JobId) -> Option<End> {
+    if let Some(end) = boot_check(service, vm, generation) {
+        return Some(end);
+    }
+    let done = tokio::time::timeout(JOB_CHECK_LIMIT, service.broker_job_done(vm, job)).await;
+    if let Some(end) = boot_check(service, vm, generation) {
+        return Some(end);
+    }
+    matches!(done, Ok(true)).then(|| (GOING_AWAY, JOB_FINISHED.into()))
+}
+
+/// Takes the job's connections one at a time while there is room, from the job's boot
+/// (`generation`) only.
 async fn accept(
     service: Arc<Service>,
     workspace: String,
     vm: String,
+    generation: u64,
     job: JobId,
     conns: Shared,
     out: mpsc::Sender<Vec<u8>>,
@@ -241,17 +287,27 @@ async fn accept(
         let Ok(permit) = slots.clone().acquire_owned().await else {
             return (INTERNAL, "internal error".into());
         };
-        let stream = match service
+        // Not even asked of another boot's guest (its job of this number is not ours).
+        if let Some(end) = boot_check(&service, &vm, generation) {
+            return end;
+        }
+        let opened = service
             .engine()
             .open_stream(&vm, StreamTarget::BrokerAccept { job })
-            .await
-        {
+            .await;
+        // The open wakes a suspended VM, which may boot it fresh: whatever the answer, it is
+        // the new boot's then (the generation moved before that boot's supervisor started),
+        // and the stream is dropped unread.
+        if let Some(end) = boot_check(&service, &vm, generation) {
+            return end;
+        }
+        let stream = match opened {
             Ok(s) => s,
             Err(e)
                 if e.guest()
                     .is_some_and(|g| g.code == warren_protocol::ErrorCode::NotFound) =>
             {
-                return (GOING_AWAY, "job finished".into())
+                return (GOING_AWAY, JOB_FINISHED.into())
             }
             Err(e) => return (INTERNAL, ApiError::from(e).message),
         };
@@ -259,7 +315,7 @@ async fn accept(
         let first = match reader.next().await {
             Ok(Ok(first)) if first.first() == Some(&BROKER_ACCEPTED) => first,
             // The guest ended the pipe while we waited: the job's processes are gone.
-            Ok(Err(_)) => return (GOING_AWAY, "job finished".into()),
+            Ok(Err(_)) => return (GOING_AWAY, JOB_FINISHED.into()),
             Ok(Ok(_)) => return (INTERNAL, "the guest sent no accept mark".into()),
             Err(e) => return (INTERNAL, format!("broker stream: {e}")),
         };
@@ -422,4 +478,244 @@ async fn upstream(
         }
     }
     (NORMAL, "client closed".into())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+    use tokio::net::UnixListener;
+    use warren_core::store::{Store, VmRecord, VmState};
+    use warren_protocol::{GuestResponse, HostRequest, JobOutput, JobState};
+    use warren_supervisor::proto::{read_frame, write_frame, Reply, SupervisorRequest};
+    use warren_supervisor::SupervisorResponse;
+
+    pub(crate) const VM: &str = "vm-0123456789ab";
+
+    /// A running VM `VM` of `workspace` in generation 1, in the database of
+    /// `crate::ws::tests::test_service(dir)`, with the supervisor's lock held (what the engine
+    /// checks before it trusts a running record) and its socket path free for a stand-in.
+    /// Returns another handle on the database (to move the generation, as a fresh boot does),
+    /// the lock and the VM's directory.
+    pub(crate) fn running_vm(
+        dir: &std::path::Path,
+        workspace: &str,
+    ) -> (
+        Store,
+        nix::fcntl::Flock<std::fs::File>,
+        warren_supervisor::VmDir,
+    ) {
+        let state = dir.join("state");
+        let store = Store::open(&state.join("warren.db")).expect("store");
+        let mut rec = VmRecord {
+            id: VM.into(),
+            image_id: "0".repeat(64),
+            state: VmState::Running,
+            reason: None,
+            memory_mib: 256,
+            vcpus: 1,
+            accel: "tcg".into(),
+            uid: 0,
+            created_unix: 0,
+            boot_ms: None,
+            workspace: workspace.into(),
+            disk_mib: 0,
+            generation: 1,
+            request_id: None,
+            idle_seconds: 0,
+            idle_mode: "hibernate".into(),
+            last_active_unix: 0,
+            mounts: vec![],
+            ram_file: false,
+        };
+        store
+            .insert(&mut rec, 2_000_000, |_| Ok::<(), rusqlite::Error>(()))
+            .expect("insert");
+        let vm_dir = warren_supervisor::VmDir(state.join("vms").join(VM));
+        std::fs::create_dir_all(&vm_dir.0).expect("vm dir");
+        let lock = std::fs::File::create(vm_dir.lock()).expect("lock file");
+        let lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            .expect("lock");
+        (store, lock, vm_dir)
+    }
+
+    /// A stand-in supervisor answering one request on `listener`: a broker accept of job 1,
+    /// answered with a connection whose first bytes are `b"hello"`, or a job output read,
+    /// answered with `complete`. Before it answers, `fresh_boot` moves the VM to generation 2
+    /// (the request woke the VM and its restore failed: the answer is the new boot's).
+    pub(crate) fn supervisor(
+        listener: UnixListener,
+        fresh_boot: Option<Store>,
+        complete: bool,
+    ) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            let req: SupervisorRequest = read_frame(&mut s).await.expect("request");
+            if let Some(store) = fresh_boot {
+                assert_eq!(store.bump_generation(VM), Ok(2));
+            }
+            match req {
+                SupervisorRequest::OpenStream(StreamTarget::BrokerAccept { job: JobId(1) }) => {
+                    let reply: Reply = Ok(SupervisorResponse::StreamOpened);
+                    write_frame(&mut s, &reply).await.expect("reply");
+                    let first = [&[BROKER_ACCEPTED][..], b"hello"].concat();
+                    warren_supervisor::stream_frame::write_data(&mut s, &first)
+                        .await
+                        .expect("accepted");
+                    // Held until the service drops it.
+                    let mut buf = [0u8; 64];
+                    while matches!(s.read(&mut buf).await, Ok(n) if n > 0) {}
+                }
+                SupervisorRequest::Guest(HostRequest::JobOutput(r)) if r.job == JobId(1) => {
+                    let reply: Reply = Ok(SupervisorResponse::Guest(GuestResponse::JobOutput(
+                        JobOutput {
+                            stdout: vec![],
+                            stderr: vec![],
+                            stdout_retained: 0,
+                            stderr_retained: 0,
+                            state: JobState::Running,
+                            truncated: false,
+                            output_complete: complete,
+                            background_processes: 0,
+                        },
+                    )));
+                    write_frame(&mut s, &reply).await.expect("reply");
+                }
+                other => panic!("unexpected request {other:?}"),
+            }
+        })
+    }
+
+    fn accept_job_1(
+        service: &Arc<Service>,
+        out: mpsc::Sender<Vec<u8>>,
+    ) -> tokio::task::JoinHandle<End> {
+        tokio::spawn(accept(
+            service.clone(),
+            "w".into(),
+            VM.into(),
+            1,
+            JobId(1),
+            Arc::default(),
+            out,
+        ))
+    }
+
+    fn is_fresh_boot(end: &End) -> bool {
+        end.0 == GOING_AWAY && end.1.contains("booted fresh (generation 2)")
+    }
+
+    /// Control: an accept in the attachment's boot hands the connection to the controller.
+    #[tokio::test]
+    async fn test_accept_in_the_attachments_boot_opens_the_connection() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let service = crate::ws::tests::test_service(dir.path());
+        let (_store, _lock, vm_dir) = running_vm(dir.path(), "w");
+        let guest = supervisor(
+            UnixListener::bind(vm_dir.socket()).expect("bind"),
+            None,
+            false,
+        );
+        let (out, mut from_accept) = mpsc::channel(64);
+        let task = accept_job_1(&service, out);
+        let got = tokio::time::timeout(Duration::from_secs(10), from_accept.recv()).await;
+        assert_eq!(got.expect("in time"), Some(open_frame(1)));
+        let got = tokio::time::timeout(Duration::from_secs(10), from_accept.recv()).await;
+        assert_eq!(got.expect("in time"), Some(data_frames(1, b"hello")));
+        task.abort();
+        drop(guest);
+    }
+
+    /// The accept's open wakes the VM, whose restore fails: it boots fresh (generation 2) and
+    /// the new boot's job 1 (same number, another job) connects. Nothing of it reaches the
+    /// controller, and the attachment ends with 1001. (Before, the generation was looked at
+    /// only when the attachment opened: the new boot's connection was opened to the old
+    /// job's controller, its bytes sent.)
+    #[tokio::test]
+    async fn test_accept_takes_nothing_from_a_boot_its_own_wake_began() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let service = crate::ws::tests::test_service(dir.path());
+        let (store, _lock, vm_dir) = running_vm(dir.path(), "w");
+        let listener = UnixListener::bind(vm_dir.socket()).expect("bind");
+        let guest = supervisor(listener, Some(store), false);
+        let (out, mut from_accept) = mpsc::channel(64);
+        let end = tokio::time::timeout(Duration::from_secs(10), accept_job_1(&service, out))
+            .await
+            .expect("the attachment ends")
+            .expect("accept");
+        assert!(is_fresh_boot(&end), "{end:?}");
+        assert_eq!(
+            from_accept.recv().await,
+            None,
+            "nothing sent to the controller"
+        );
+        // The stream was dropped unread: the stand-in saw its end.
+        tokio::time::timeout(Duration::from_secs(10), guest)
+            .await
+            .expect("the stream was dropped")
+            .expect("stand-in");
+    }
+
+    /// The VM booted fresh while the attachment held no accept (suspended from the CLI, its
+    /// restore failed): the next accept is not even asked of the new boot's guest.
+    #[tokio::test]
+    async fn test_accept_after_a_fresh_boot_asks_nothing_of_the_new_boot() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let service = crate::ws::tests::test_service(dir.path());
+        let (store, _lock, vm_dir) = running_vm(dir.path(), "w");
+        let listener = UnixListener::bind(vm_dir.socket()).expect("bind");
+        assert_eq!(store.bump_generation(VM), Ok(2));
+        let (out, mut from_accept) = mpsc::channel(64);
+        let end = tokio::time::timeout(Duration::from_secs(10), accept_job_1(&service, out))
+            .await
+            .expect("the attachment ends")
+            .expect("accept");
+        assert!(is_fresh_boot(&end), "{end:?}");
+        assert_eq!(from_accept.recv().await, None);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), listener.accept())
+                .await
+                .is_err(),
+            "the new boot's supervisor was asked"
+        );
+    }
+
+    /// The periodic job look: its answer counts only from the attachment's boot. A look whose
+    /// wake booted the VM fresh ends the attachment for the boot, not as `job finished`
+    /// (which would forget the pipe by number); control: from the same boot, a job whose
+    /// processes are gone is `job finished`. (Before, the new boot's answer was taken.)
+    #[tokio::test]
+    async fn test_job_check_takes_no_answer_of_another_boot() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let service = crate::ws::tests::test_service(dir.path());
+        let (store, _lock, vm_dir) = running_vm(dir.path(), "w");
+        let guest = supervisor(
+            UnixListener::bind(vm_dir.socket()).expect("bind"),
+            None,
+            true,
+        );
+        let end = check_job(&service, VM, 1, JobId(1)).await;
+        assert_eq!(end, Some((GOING_AWAY, JOB_FINISHED.into())), "control");
+        guest.await.expect("stand-in");
+        std::fs::remove_file(vm_dir.socket()).expect("socket");
+
+        let listener = UnixListener::bind(vm_dir.socket()).expect("bind");
+        let guest = supervisor(listener, Some(store), true);
+        let end = check_job(&service, VM, 1, JobId(1)).await;
+        assert!(end.as_ref().is_some_and(is_fresh_boot), "{end:?}");
+        guest.await.expect("stand-in");
+        // Already moved: the guest is not asked.
+        let end = check_job(&service, VM, 1, JobId(1)).await;
+        assert!(end.as_ref().is_some_and(is_fresh_boot), "{end:?}");
+    }
+
+    #[test]
+    fn test_boot_check_of_a_destroyed_vm_ends_the_attachment() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let service = crate::ws::tests::test_service(dir.path());
+        assert_eq!(
+            boot_check(&service, VM, 1),
+            Some((GOING_AWAY, "destroyed".into()))
+        );
+    }
 }

@@ -89,7 +89,8 @@ impl Service {
 
     /// Attaches the controller holding `token` to job `job`'s broker pipe (see
     /// `crate::broker` for the refusals), waking a suspended VM; a pipe whose job's
-    /// processes are all gone is forgotten and refused.
+    /// processes are all gone is forgotten and refused, and so is one whose boot the wake
+    /// ended (the VM booted fresh: the generation moved).
     pub async fn open_broker(
         &self,
         p: &Principal,
@@ -102,12 +103,15 @@ impl Service {
             .pipes
             .attach(&p.workspace, &rec.id, rec.generation, job, token)?;
         let ticket = self.streams.admit(&p.workspace, &rec.id)?;
-        if self.broker_job_done(&rec.id, job).await {
-            self.pipes.remove(&rec.id, job);
-            return Err(ApiError::new(
-                "not_found",
-                format!("no broker pipe for job {job}"),
-            ));
+        let done = self.broker_job_done(&rec.id, job).await;
+        let not_found = || ApiError::new("not_found", format!("no broker pipe for job {job}"));
+        // The answer is about whichever boot gave it.
+        if self.warren.get_vm(&rec.id)?.generation != rec.generation {
+            return Err(not_found());
+        }
+        if done {
+            self.pipes.end(&rec.id, rec.generation, job);
+            return Err(not_found());
         }
         Ok(BrokerOpen {
             vm_id: rec.id,
@@ -115,6 +119,29 @@ impl Service {
             ticket,
             attachment,
         })
+    }
+
+    /// `vm_exec`'s answer for a job started with a broker pipe (`asked`): `broker_pipe` says
+    /// whether the pipe is there (it is gone once the job's processes are). Only a pipe of the
+    /// generation the job started in (`started_in`; `None`: no pipe was kept) counts, and only
+    /// while the VM is still in it: after a fresh boot the job's number names another boot's
+    /// job, whose pipe is not this request's.
+    pub(super) fn with_pipe(
+        &self,
+        mut page: Value,
+        vm: &str,
+        job: JobId,
+        asked: bool,
+        started_in: Option<u64>,
+    ) -> Value {
+        if asked {
+            let there = started_in.is_some_and(|g| {
+                matches!(self.warren.get_vm(vm), Ok(r) if r.generation == g)
+                    && self.pipes.has(vm, g, job)
+            });
+            page["broker_pipe"] = Value::Bool(there);
+        }
+        page
     }
 
     /// Whether job `job`'s processes are all gone (or the guest no longer knows it), so its
@@ -185,7 +212,13 @@ impl Service {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::{json, Value};
+    use tokio::net::UnixListener;
+    use warren_protocol::JobId;
+
+    use crate::auth::Principal;
     use crate::broker::Pipes;
+    use crate::broker_ws::tests::{running_vm, supervisor, VM};
 
     const TOKEN: &str = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQ";
 
@@ -210,10 +243,69 @@ mod tests {
         service
             .register_pipe("w", "vm-x", 1, warren_protocol::JobId(99), TOKEN)
             .await;
-        assert!(pipes.has("vm-y", warren_protocol::JobId(1)));
+        assert!(pipes.has("vm-y", 1, warren_protocol::JobId(1)));
         assert!(
-            pipes.has("vm-x", warren_protocol::JobId(99)),
+            pipes.has("vm-x", 1, warren_protocol::JobId(99)),
             "the new pipe stays"
         );
+    }
+
+    /// `vm_exec`'s `broker_pipe` (first answer and replay) reports a pipe of the job's own
+    /// boot only, while the VM is still in it. (Before, any pipe under the job's number
+    /// counted: after a fresh boot a replay reported the lost boot's pipe, or the new boot's
+    /// pipe of another job with the same number.)
+    #[test]
+    fn test_vm_exec_reports_only_a_pipe_of_its_jobs_boot() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let service = crate::ws::tests::test_service(dir.path());
+        let (store, _lock, _) = running_vm(dir.path(), "w");
+        let pipe = |started_in: Option<u64>| {
+            service.with_pipe(json!({}), VM, JobId(1), true, started_in)["broker_pipe"].clone()
+        };
+        service.pipes.register("w", VM, 1, JobId(1), TOKEN);
+        assert_eq!(pipe(Some(1)), Value::Bool(true), "control");
+        assert_eq!(pipe(None), Value::Bool(false), "no pipe was kept");
+        assert_eq!(
+            service.with_pipe(json!({}), VM, JobId(1), false, Some(1)),
+            json!({}),
+            "not asked"
+        );
+        // The VM booted fresh: the lost boot's job 1 and its pipe are gone.
+        assert_eq!(store.bump_generation(VM), Ok(2));
+        assert_eq!(pipe(Some(1)), Value::Bool(false), "the lost boot's pipe");
+        // The new boot's job 1, another job, has a pipe of its own.
+        service.pipes.register("w", VM, 2, JobId(1), TOKEN);
+        assert_eq!(pipe(Some(1)), Value::Bool(false), "the new boot's pipe");
+        assert_eq!(pipe(Some(2)), Value::Bool(true), "its own request's");
+    }
+
+    /// An attach whose look at the job woke the VM into a fresh boot is refused: the pipe's
+    /// job is of the boot that is gone. Control: the same look in the pipe's boot attaches.
+    /// (Before, the attachment was made for the new boot.)
+    #[tokio::test]
+    async fn test_attach_whose_wake_booted_the_vm_fresh_is_refused() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let service = crate::ws::tests::test_service(dir.path());
+        let p = Principal::local(0);
+        let (store, _lock, vm_dir) = running_vm(dir.path(), &p.workspace);
+        service.pipes.register(&p.workspace, VM, 1, JobId(1), TOKEN);
+        let guest = supervisor(
+            UnixListener::bind(vm_dir.socket()).expect("bind"),
+            None,
+            false,
+        );
+        let opened = service.open_broker(&p, VM, JobId(1), TOKEN).await;
+        assert_eq!(opened.map(|o| o.attachment.generation()).ok(), Some(1));
+        guest.await.expect("stand-in");
+        std::fs::remove_file(vm_dir.socket()).expect("socket");
+
+        let guest = supervisor(
+            UnixListener::bind(vm_dir.socket()).expect("bind"),
+            Some(store),
+            false,
+        );
+        let opened = service.open_broker(&p, VM, JobId(1), TOKEN).await;
+        assert_eq!(opened.err().map(|e| e.code), Some("not_found"));
+        guest.await.expect("stand-in");
     }
 }

@@ -864,8 +864,10 @@ impl Service {
                 .and_then(Value::as_str)
                 .ok_or_else(|| ApiError::internal("receipt without a job"))?;
             let job = parse_job(job)?;
+            let started_in = v.get("broker_generation").and_then(Value::as_u64);
             let page = to_value(self.exec_page(&rec.id, job, wait_ms).await?)?;
-            return Ok(self.with_pipe(page, &rec.id, job, &a));
+            let asked = a.broker_pipe_token.is_some();
+            return Ok(self.with_pipe(page, &rec.id, job, asked, started_in));
         }
         if rec.state != VmState::Running && claim == Claim::Pending {
             return Err(ApiError::new(
@@ -912,8 +914,12 @@ impl Service {
         };
         match started {
             Ok(job) => {
-                let stored =
+                // A broker job's generation, for a replay's `broker_pipe`.
+                let mut stored =
                     serde_json::json!({ "ok": { "vm_id": rec.id, "job_id": job.to_string() } });
+                if let Some(g) = broker_generation {
+                    stored["ok"]["broker_generation"] = g.into();
+                }
                 self.receipts
                     .complete(&p.workspace, "vm_exec", rid, &stored)?;
                 if let (Some(token), Some(generation)) = (&a.broker_pipe_token, broker_generation) {
@@ -921,7 +927,8 @@ impl Service {
                         .await;
                 }
                 let page = to_value(self.exec_page(&rec.id, job, wait_ms).await?)?;
-                Ok(self.with_pipe(page, &rec.id, job, &a))
+                let asked = a.broker_pipe_token.is_some();
+                Ok(self.with_pipe(page, &rec.id, job, asked, broker_generation))
             }
             Err(e) => {
                 if e.guest().is_some() || matches!(e, CoreError::VmNotRunning { .. }) {
@@ -933,15 +940,6 @@ impl Service {
                 Err(e.into())
             }
         }
-    }
-
-    /// `vm_exec`'s answer for a job started with a broker pipe: `broker_pipe` says whether
-    /// the pipe is there (it is gone once the job's processes are).
-    fn with_pipe(&self, mut page: Value, vm: &str, job: JobId, a: &VmExecArgs) -> Value {
-        if a.broker_pipe_token.is_some() {
-            page["broker_pipe"] = Value::Bool(self.pipes.has(vm, job));
-        }
-        page
     }
 
     /// Waits up to `wait_ms` for the job to end, then returns its first page. A job that ends
