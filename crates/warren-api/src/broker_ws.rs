@@ -14,7 +14,7 @@
 //!   accept, and again once the guest answered it, the VM's generation is read (one database
 //!   read each): an attachment is for its job's boot only, so once the VM is in another (it
 //!   booted fresh: job ids started again, and the same number may name another job) it ends
-//!   with 1001 and takes nothing from the new boot ([`boot_check`]). The read after the
+//!   with 1001 and takes nothing from the new boot (`boot_check`). The read after the
 //!   answer is the one that counts: an accept that woke the VM may itself have booted it
 //!   fresh, and a fresh boot moves the generation before its supervisor starts.
 //! - **one per connection**: guest bytes become `data` frames (read only as fast as the
@@ -28,7 +28,7 @@
 //! - the task itself: frames to the controller under `[streams] rate_bytes`, the credential
 //!   recheck and pings (`crate::ws::Lifeline`), suspend/destroy (1001), and a look every
 //!   [`JOB_CHECK`] whether the job's processes are all gone, its answer taken only when the
-//!   VM is in the attachment's generation before and after it ([`check_job`]).
+//!   VM is in the attachment's generation before and after it (`check_job`).
 //!
 //! Open and close are logged with workspace, VM, job, duration, byte counts and reason; the
 //! token and the payload never are.

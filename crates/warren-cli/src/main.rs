@@ -26,6 +26,7 @@ mod host_keys;
 mod image_cmd;
 mod jobs_cmd;
 mod logging;
+mod preflight_cmd;
 mod progress;
 mod refresh;
 mod remote_exec;

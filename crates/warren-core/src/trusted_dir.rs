@@ -8,7 +8,7 @@
 //! [`check`] walks the directory and every parent, as OpenSSH's strict modes do: each must be
 //! owned by the running user or root; none may be writable by other users, except a sticky
 //! parent (like `/tmp`, where only a child's owner can rename it); a group-writable one only
-//! when the running user is in the group and nobody else is ([`trusted_group`]: the user's
+//! when the running user is in the group and nobody else is (`trusted_group`: the user's
 //! private group, as a umask of 002 leaves directories on Debian-style systems; root's group
 //! for root where no other account has it). A primary group users share (`users`) is not
 //! trusted, even when it is the running user's. A directory with an access ACL is refused when a named entry lets

@@ -8,7 +8,7 @@
 //!   before, every shape's template stayed for good.
 //! - **Retired files.** A template directory that is neither current nor backing any VM's
 //!   disk is first marked (`retired`, with the time it was first seen so), and deleted by a
-//!   later collection once the mark is [`RETIRE_GRACE`] old: a create that found the
+//!   later collection once the mark is `RETIRE_GRACE` old: a create that found the
 //!   template just before its pointer went still has its files while it starts its clone
 //!   (whose marker then keeps them).
 

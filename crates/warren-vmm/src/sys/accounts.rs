@@ -5,7 +5,7 @@
 const MAX_ACCOUNTS: usize = 1_000_000;
 
 /// The uids of every account whose primary group is `group`; `None` when the enumeration
-/// was cut off (more than [`MAX_ACCOUNTS`] accounts).
+/// was cut off (more than `MAX_ACCOUNTS` accounts).
 pub fn primary_members(group: u32) -> Option<Vec<u32>> {
     // `getpwent` keeps one enumeration per process: one caller at a time.
     static ENUMERATION: std::sync::Mutex<()> = std::sync::Mutex::new(());
