@@ -11,8 +11,16 @@
 //!   uids are `VM_UID_BASE + k * BLOCK ..`; `state-<sha256 of that path>` holds `k`;
 //! - a block whose uids fall in any range of `/etc/subuid` or `/etc/subgid` is never given
 //!   (a user's user namespaces own those ids);
-//! - a block is taken back only when its state directory has no database any more and no
-//!   process on the host runs as one of its uids;
+//! - `dev-<k>` holds the device of the filesystem the state directory was on when it got
+//!   block `k`;
+//! - a block whose uids fall in any range of `/etc/subuid` or `/etc/subgid` *now* is not
+//!   used any more: its state directory gets another (its VMs made in the old one are named
+//!   in [`super::Warren::open`]'s warning);
+//! - a block is taken back only when its state directory is known to be gone: no database,
+//!   no VM directory left (a hibernated VM's `run/` files belong to the block's uids), the
+//!   filesystem it was on still there (a state directory on an unmounted filesystem is only
+//!   out of sight), and no process on the host runs as one of its uids;
+//! - a state directory's path must be UTF-8 (the registry names it as text);
 //! - every change happens under an exclusive `flock` of the registry's `.lock`.
 //!
 //! Written by hand: no crate keeps a host-wide id registry; the file formats are ours and
@@ -49,7 +57,7 @@ pub fn base_for(state_dir: &Path) -> Result<u32, CoreError> {
 fn base_in(
     registry: &Path,
     state_dir: &Path,
-    reserved: &[(u32, u32)],
+    reserved: &[(u64, u64)],
     busy: &dyn Fn(u32, u32) -> bool,
 ) -> Result<u32, CoreError> {
     let io = |what: &'static str, p: &Path| {
@@ -70,23 +78,51 @@ fn base_in(
         .map_err(|(_, e)| CoreError::io("lock", &lock_path, e.into()))?;
 
     let state = state_dir.canonicalize().map_err(io("resolve", state_dir))?;
-    let state_text = state.to_string_lossy().into_owned();
+    // Two paths that are not UTF-8 could read alike as text (and share a block), and the
+    // take-back could not find the directory again by its text.
+    let Some(state_text) = state.to_str().map(str::to_owned) else {
+        return Err(CoreError::InvalidArgument(format!(
+            "{}: a root Warren's state directory must have a UTF-8 path (the VM uid \
+             registry names it)",
+            state.display()
+        )));
+    };
+    let state_dev = std::fs::metadata(&state)
+        .map_err(io("inspect", &state))?
+        .dev();
+    let reserved_block = |k: u32| {
+        let (lo, hi) = (base(k) as u64, base(k) as u64 + BLOCK as u64);
+        reserved
+            .iter()
+            .any(|&(s, n)| s < hi && lo < s.saturating_add(n))
+    };
     let index = registry.join(format!(
         "state-{}",
         hex::encode(Sha256::digest(state_text.as_bytes()))
     ));
     if let Some(k) = read_small(&index)?.and_then(|t| t.trim().parse::<u32>().ok()) {
         if k < MAX_BLOCKS && read_small(&block_file(registry, k))?.as_deref() == Some(&state_text) {
-            return Ok(base(k));
+            if !reserved_block(k) {
+                if read_small(&dev_file(registry, k))?.is_none() {
+                    write_replace(&dev_file(registry, k), state_dev.to_string().as_bytes())?;
+                }
+                return Ok(base(k));
+            }
+            // A user's user namespaces were given ids of this block since it was claimed
+            // (`useradd` picks subordinate ranges without knowing of Warren): new VMs get
+            // uids of a block of their own again. The old block stays this directory's.
+            tracing::warn!(
+                block = k,
+                state = %state_text,
+                "this state directory's uid block now overlaps a range of /etc/subuid or \
+                 /etc/subgid: a user's user namespaces can run as its VMs' uids; new VMs get \
+                 another block"
+            );
         }
     }
     for k in 0..MAX_BLOCKS {
         let (lo, hi) = (base(k), base(k) + BLOCK);
-        let overlaps = |&(s, n): &(u32, u32)| {
-            let (s, e) = (s as u64, s as u64 + n as u64);
-            s < hi as u64 && (lo as u64) < e
-        };
-        if reserved.iter().any(overlaps) {
+        if reserved_block(k) {
             continue;
         }
         let file = block_file(registry, k);
@@ -94,8 +130,7 @@ fn base_in(
             None => {}
             Some(owner) if owner == state_text => {}
             Some(owner) => {
-                let gone = !Path::new(&owner).join("warren.db").exists();
-                if !gone || busy(lo, hi) {
+                if !owner_gone(registry, k, &owner)? || busy(lo, hi) {
                     continue;
                 }
                 tracing::info!(block = k, previous = %owner, "taking back the uid block of a state directory that is gone");
@@ -110,6 +145,7 @@ fn base_in(
                 }
             }
         }
+        write_replace(&dev_file(registry, k), state_dev.to_string().as_bytes())?;
         write_replace(&file, state_text.as_bytes())?;
         write_replace(&index, k.to_string().as_bytes())?;
         tracing::info!(block = k, state = %state_text, first_uid = base(k), "uid block claimed");
@@ -126,6 +162,44 @@ fn base(k: u32) -> u32 {
 
 fn block_file(registry: &Path, k: u32) -> PathBuf {
     registry.join(format!("block-{k}"))
+}
+
+fn dev_file(registry: &Path, k: u32) -> PathBuf {
+    registry.join(format!("dev-{k}"))
+}
+
+/// Whether block `k`'s state directory `owner` is known to be gone (module docs): anything
+/// that cannot be read counts as still there.
+fn owner_gone(registry: &Path, k: u32, owner: &str) -> Result<bool, CoreError> {
+    let owner = Path::new(owner);
+    if !matches!(owner.join("warren.db").try_exists(), Ok(false)) {
+        return Ok(false);
+    }
+    match std::fs::read_dir(owner.join("vms")) {
+        Ok(mut vms) => {
+            if vms.next().is_some() {
+                return Ok(false);
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(_) => return Ok(false),
+    }
+    let Some(dev) = read_small(&dev_file(registry, k))?.and_then(|t| t.trim().parse::<u64>().ok())
+    else {
+        // A block claimed before devices were recorded.
+        return Ok(true);
+    };
+    // The nearest part of its path that exists, links not followed, must lie on the
+    // filesystem the directory was on: a filesystem not mounted shows its mount point
+    // (another filesystem's directory) or nothing there.
+    for part in owner.ancestors() {
+        match std::fs::symlink_metadata(part) {
+            Ok(m) => return Ok(!m.file_type().is_symlink() && m.dev() == dev),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(_) => return Ok(false),
+        }
+    }
+    Ok(false)
 }
 
 /// Makes the registry directory (root's, 0700) or refuses one that is not that.
@@ -178,7 +252,7 @@ fn write_replace(path: &Path, data: &[u8]) -> Result<(), CoreError> {
 }
 
 /// The uid and gid ranges `(start, count)` of `/etc/subuid` and `/etc/subgid`.
-fn subordinate_ranges() -> Vec<(u32, u32)> {
+fn subordinate_ranges() -> Vec<(u64, u64)> {
     let mut out = Vec::new();
     for f in ["/etc/subuid", "/etc/subgid"] {
         if let Ok(Some(text)) = read_small(Path::new(f)) {
@@ -188,8 +262,9 @@ fn subordinate_ranges() -> Vec<(u32, u32)> {
     out
 }
 
-/// `name:start:count` lines; anything else is skipped.
-fn parse_subordinate(text: &str) -> Vec<(u32, u32)> {
+/// `name:start:count` lines (numbers as wide as shadow's, `unsigned long`); anything else
+/// is skipped.
+fn parse_subordinate(text: &str) -> Vec<(u64, u64)> {
     text.lines()
         .filter_map(|l| {
             let mut parts = l.trim().split(':');
@@ -310,6 +385,104 @@ mod tests {
             VM_UID_BASE + 2 * BLOCK,
             "blocks 0 and 1 overlap bob's and carol's"
         );
+    }
+
+    /// Two state directories whose paths are not UTF-8 used to be named alike in the
+    /// registry (both as `\u{FFFD}`) and got the same block; such a path is refused now.
+    #[test]
+    fn test_state_paths_that_are_not_utf8_are_refused() {
+        use std::os::unix::ffi::OsStrExt;
+        let (t, r) = registry();
+        let idle = |_: u32, _: u32| false;
+        let mut got = Vec::new();
+        for name in [&b"s\xff"[..], &b"s\xfe"[..]] {
+            let s = t.path().join(std::ffi::OsStr::from_bytes(name));
+            std::fs::create_dir_all(&s).expect("mkdir");
+            std::fs::write(s.join("warren.db"), "").expect("db");
+            got.push(base_in(&r, &s, &[], &idle));
+        }
+        for g in got {
+            let e = g.expect_err("refused");
+            assert_eq!(e.code(), "invalid_argument", "{e}");
+        }
+    }
+
+    /// A subordinate range given since a block was claimed (`useradd` picks ranges up to
+    /// 600100000 without knowing of Warren) moves new VMs to another block; the old one
+    /// stays the directory's.
+    #[test]
+    fn test_a_block_overlapping_a_later_subordinate_range_is_left() {
+        let (t, r) = registry();
+        let idle = |_: u32, _: u32| false;
+        let a = state(&t, "a");
+        assert_eq!(base_in(&r, &a, &[], &idle).expect("a"), VM_UID_BASE);
+        let later = parse_subordinate("user29:1935008:65536\n");
+        let moved = base_in(&r, &a, &later, &idle).expect("a again");
+        assert_eq!(
+            moved,
+            VM_UID_BASE + BLOCK,
+            "block 0 now overlaps user29's range"
+        );
+        let b = state(&t, "b");
+        let bb = base_in(&r, &b, &[], &idle).expect("b");
+        assert!(
+            bb != VM_UID_BASE && bb != moved,
+            "block 0 is still a's: {bb}"
+        );
+    }
+
+    /// A state directory whose database went but whose VM directories stay (a hibernated
+    /// VM's `run/` files belong to the block's uids) keeps its block.
+    #[test]
+    fn test_a_block_with_vm_directories_left_is_kept() {
+        let (t, r) = registry();
+        let idle = |_: u32, _: u32| false;
+        let a = state(&t, "a");
+        assert_eq!(base_in(&r, &a, &[], &idle).expect("a"), VM_UID_BASE);
+        std::fs::create_dir_all(a.join("vms/vm-000000000001/run")).expect("vm dir");
+        std::fs::remove_file(a.join("warren.db")).expect("rm db");
+        let c = state(&t, "c");
+        assert_eq!(base_in(&r, &c, &[], &idle).expect("c"), VM_UID_BASE + BLOCK);
+    }
+
+    /// A state directory out of sight because its filesystem is not mounted (its path now
+    /// leads to another filesystem, or nowhere) keeps its block; one deleted with the
+    /// directory around it is taken back.
+    #[test]
+    fn test_a_block_whose_filesystem_is_not_mounted_is_kept() {
+        let (t, r) = registry();
+        let idle = |_: u32, _: u32| false;
+        let mnt = t.path().join("mnt");
+        let a = state(&t, "mnt/a");
+        assert_eq!(base_in(&r, &a, &[], &idle).expect("a"), VM_UID_BASE);
+        // The filesystem a was on, as if mounted at `mnt` and now not mounted: `mnt` is an
+        // empty directory of the filesystem below.
+        let here = std::fs::metadata(t.path()).expect("stat").dev();
+        std::fs::write(r.join("dev-0"), (here + 1).to_string()).expect("dev");
+        std::fs::remove_dir_all(&a).expect("rm a");
+        let c = state(&t, "c");
+        assert_eq!(
+            base_in(&r, &c, &[], &idle).expect("c"),
+            VM_UID_BASE + BLOCK,
+            "a may come back when its filesystem is mounted"
+        );
+        // Control: the same, its filesystem still there (a temporary directory deleted).
+        std::fs::write(r.join("dev-0"), here.to_string()).expect("dev");
+        std::fs::remove_dir_all(&mnt).expect("rm mnt");
+        let d = state(&t, "d");
+        assert_eq!(base_in(&r, &d, &[], &idle).expect("d"), VM_UID_BASE);
+    }
+
+    /// A subordinate range too wide for 32 bits (shadow reads `unsigned long`) still counts:
+    /// before, it was skipped and its blocks given.
+    #[test]
+    fn test_a_wide_subordinate_range_counts() {
+        let (t, r) = registry();
+        let a = state(&t, "a");
+        let ranges = parse_subordinate("big:100000:4294967296\n");
+        assert_eq!(ranges.len(), 1);
+        let e = base_in(&r, &a, &ranges, &|_, _| false).expect_err("every block is the user's");
+        assert_eq!(e.code(), "busy", "{e}");
     }
 
     /// A registry another user could write to is refused.
