@@ -71,6 +71,17 @@ impl Warren {
             if p == keep {
                 continue;
             }
+            // A mark from a moment the template looked unused (a collection between its
+            // build's rename and its pointer's, or a pointer it could not read) would cut
+            // the grace short of a create that found it just now: its grace starts here.
+            // Dropped before the pointer goes, so no collection sees the old mark on an
+            // unused template.
+            if let Ok(name) = std::fs::read_to_string(&p) {
+                let name = name.trim();
+                if valid_dir_name(name) {
+                    let _ = std::fs::remove_file(root.join(name).join(RETIRED));
+                }
+            }
             match std::fs::remove_file(&p) {
                 Ok(()) => {
                     tracing::info!(pointer = %p.display(), cap, "retiring the least recently used template");
@@ -259,6 +270,28 @@ mod tests {
         // Within the cap nothing is retired.
         w.evict_templates(&p4);
         assert!(p1.exists() && p4.exists());
+    }
+
+    /// A template retired with a mark left from a moment it looked unused (a collection
+    /// between its build's two renames) still gets its full grace: a create may have found
+    /// it just before its pointer went. (Before, the old mark let the collection right after
+    /// the eviction delete it.)
+    #[test]
+    fn test_a_retired_template_gets_its_grace_whatever_an_older_mark() {
+        let (_state, w) = engine(1);
+        let hour = Duration::from_secs(3600);
+        let (d1, p1) = fake(&w, 256, 2 * hour);
+        std::fs::write(d1.join(RETIRED), b"").expect("mark");
+        age_file(&d1.join(RETIRED), 2 * RETIRE_GRACE);
+        let (_d2, p2) = fake(&w, 384, hour);
+        note_use(&p2);
+        w.evict_templates(&p2);
+        assert!(!p1.exists(), "retired");
+        w.collect_templates();
+        assert!(d1.exists(), "within its grace");
+        age_file(&d1.join(RETIRED), RETIRE_GRACE + Duration::from_secs(1));
+        w.collect_templates();
+        assert!(!d1.exists(), "gone after it");
     }
 
     /// A retired template whose files a VM's disk uses (its marker names it) is kept
