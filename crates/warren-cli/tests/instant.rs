@@ -199,6 +199,18 @@ fn test_template_clones_isolated_rekeyed_and_never_on_other_artifacts() {
     assert_eq!(line(&c, "echo ok"), "ok");
     assert_eq!(line(&a, "cat /workspace/disk-a"), "a");
     a.destroy();
+    // Unused now: marked, kept through its grace (a create may have just found it), then
+    // removed by the next collection (`warren-core::vm::template_gc`).
+    let _ = template_dir(&env);
+    let mark = tpl.join("retired");
+    assert!(tpl.exists() && mark.exists(), "marked, within its grace");
+    std::fs::File::options()
+        .write(true)
+        .open(&mark)
+        .and_then(|f| {
+            f.set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(61))
+        })
+        .expect("age the mark");
     let _ = template_dir(&env);
     assert!(!tpl.exists(), "the stale template goes once no VM uses it");
     c.destroy();

@@ -481,9 +481,10 @@ fn test_lifecycle_vmm_has_no_network_no_run_sockets_and_planted_files_are_refuse
         .trim()
         .parse()
         .expect("block");
-    let first = 2_000_000 + block * 65_536;
+    // The block's first id is its templates group; VMs get the ids after it.
+    let first = 0x7000_0000 + block * 65_536;
     assert!(
-        (first..first + 65_536).contains(&uid),
+        (first + 1..first + 65_536).contains(&uid),
         "QEMU runs as {uid}, outside block {block}"
     );
     // Its `/proc` is a procfs of its own that lists only its uid's processes. Control: the

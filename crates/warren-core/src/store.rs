@@ -490,8 +490,9 @@ pub(crate) fn insert_in(
             break;
         }
     }
-    if uid - uid_base >= crate::vm::uid_blocks::BLOCK {
-        // Unreachable under any host limit: a block holds 65,536 VMs.
+    if uid - uid_base >= crate::vm::uid_blocks::BLOCK - 1 {
+        // Unreachable under any host limit: a block holds 65,535 VMs (its first id is the
+        // state directory's templates group).
         return Err(rusqlite::Error::InvalidParameterName(
             "no free VM uid left in this state directory's block".into(),
         ));

@@ -122,8 +122,10 @@ impl Warren {
             _ => None,
         };
         let ws = rec.workspace.clone();
-        self.store
-            .insert(&mut rec, self.uid_base, |tx| -> Result<(), CoreError> {
+        self.store.insert(
+            &mut rec,
+            self.first_vm_uid(),
+            |tx| -> Result<(), CoreError> {
                 req.workspace_limits.check(
                     &format!("workspace {ws}"),
                     vmstore::usage(tx, Some(&ws))?,
@@ -131,7 +133,8 @@ impl Warren {
                 )?;
                 req.host_limits
                     .check("host", vmstore::usage(tx, None)?, add)
-            })?;
+            },
+        )?;
         let bench_port = req.raw_bench_port;
         let started = match &template {
             Some(tpl) => {

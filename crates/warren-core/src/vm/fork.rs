@@ -8,7 +8,8 @@
 //! 2. **Save** (the parent's supervisor, `warren-supervisor::fork`): jobs frozen, vCPUs
 //!    stopped, memory and device state to one state file (`mapped-ram`), the disk overlay
 //!    copied; then the parent runs on. The state file moves to `STATE/forks/<id>/` (root's,
-//!    group [`TEMPLATE_GID`], 0440: the copies' VMMs read it, nothing else can).
+//!    group of the state directory's templates (`Warren::template_gid`), 0440: the copies'
+//!    VMMs read it, nothing else can).
 //! 3. **Copies**, restored concurrently: each gets its own copy of the disk overlay (so the
 //!    backing chain, image or template layer, is the parent's), anonymous RAM filled from the
 //!    state file, the parent's current secret to authenticate with, and at once moves to a
@@ -32,7 +33,7 @@ use rand::RngCore;
 use warren_supervisor::{SupervisorClient, SupervisorConfig};
 
 use super::fork_session::SessionFork;
-use super::template::{settle_copy, TEMPLATE_GID};
+use super::template::settle_copy;
 use super::{now_unix, write_private, Limits, Warren};
 use crate::error::CoreError;
 use crate::store::{self as vmstore, Usage, VmRecord, VmState};
@@ -145,7 +146,7 @@ impl Warren {
             req.host_limits
                 .check("host", vmstore::usage(tx, None)?, add)?;
             for r in recs.iter_mut() {
-                vmstore::insert_in(tx, r, self.uid_base)?;
+                vmstore::insert_in(tx, r, self.first_vm_uid())?;
             }
             if let Some(plan) = &sessions {
                 Self::admit_session_fork(tx, plan, (req.host_limits, req.workspace_limits))?;
@@ -227,7 +228,7 @@ impl Warren {
                 .map_err(|e| CoreError::io("chmod", &forks, e))?;
             std::fs::create_dir(&fdir).map_err(|e| CoreError::io("create", &fdir, e))?;
             if nix::unistd::geteuid().is_root() {
-                chown(&fdir, Some(0), Some(TEMPLATE_GID))
+                chown(&fdir, Some(0), Some(self.template_gid()))
                     .map_err(|e| CoreError::io("chown", &fdir, e))?;
             }
             std::fs::set_permissions(&fdir, std::fs::Permissions::from_mode(0o750))
@@ -311,7 +312,7 @@ impl Warren {
             // Written by the VMM: owner and mode change through a checked descriptor only.
             let owner = nix::unistd::geteuid()
                 .is_root()
-                .then_some((0, TEMPLATE_GID));
+                .then_some((0, self.template_gid()));
             warren_vmm::sys::vmm_file::claim_regular(&state, owner, 0o440)
                 .map_err(|e| CoreError::io("claim", &state, e))?;
             // The copies read the state, and those that map it keep reading it as long as they
@@ -447,7 +448,11 @@ impl Warren {
         launch.template_ram = None;
         launch.clone_ram = None;
         launch.ram_file = None;
-        launch.groups = if root { vec![TEMPLATE_GID] } else { vec![] };
+        launch.groups = if root {
+            vec![self.template_gid()]
+        } else {
+            vec![]
+        };
         if let Some(shares) = shares {
             launch.shares = shares;
         }

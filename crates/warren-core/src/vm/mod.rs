@@ -44,8 +44,11 @@ pub const VCPUS_RANGE: std::ops::RangeInclusive<u32> = 1..=64;
 /// How long a guest may take from launch to answering on its channel. TCG boots take ~2 s
 /// alone, but 2-core CI machines booting several VMs at once are far slower.
 pub const DEFAULT_BOOT_TIMEOUT: Duration = Duration::from_secs(120);
-/// First uid handed to VMM processes; each VM gets its own.
-pub const VM_UID_BASE: u32 = 2_000_000;
+/// Where the host-wide blocks of VM uids begin ([`uid_blocks`]): above systemd's container
+/// range (0x00080000-0x6FFFFFFF, which `systemd-nspawn --private-users=pick` and userns
+/// managers hand out) and `useradd`'s subordinate ranges (up to 600100000 by default), below
+/// 2^31 (ids past it trip old tools).
+pub const VM_UID_BASE: u32 = 0x7000_0000;
 /// The recipe whose newest image is used when none is named.
 pub const DEFAULT_IMAGE: &str = "dev";
 
@@ -316,6 +319,17 @@ impl Warren {
             admission: self.admission.clone(),
             uid_base: self.uid_base,
         }
+    }
+
+    /// The group of this state directory's templates and fork files, which only its own
+    /// VMMs are given: its uid block's first id ([`uid_blocks`]; VMs get the ids after it).
+    pub fn template_gid(&self) -> u32 {
+        self.uid_base
+    }
+
+    /// The first uid a VM of this state directory may get.
+    pub(crate) fn first_vm_uid(&self) -> u32 {
+        self.uid_base + 1
     }
 
     pub fn images(&self) -> &ImageStore {

@@ -21,7 +21,8 @@
 //! none. A template directory never changes or moves: clones' disks name its layer as their
 //! backing file.
 //!
-//! **Files and access.** Root's, group [`TEMPLATE_GID`]: the directory 0750, the RAM file and
+//! **Files and access.** Root's, group `Warren::template_gid` (the first id of the state
+//! directory's uid block, given to its own VMMs only): the directory 0750, the RAM file and
 //! the disk layer 0440 (a clone's VMM, in that group, maps the one and reads the other as
 //! its backing file), the device state, the secret and the record 0400 (root copies the
 //! state into the clone's own directory). Nothing else can read them.
@@ -54,16 +55,13 @@ use warren_vmm::backend::MemMib;
 use warren_vmm::{Accel, LaunchSpec};
 
 use super::artifacts::RuntimeArtifacts;
-use super::{write_private, CreateVm, SuspendMode, Warren, VM_UID_BASE};
+use super::{write_private, CreateVm, SuspendMode, Warren};
 use crate::error::CoreError;
 use crate::store::{MountSpec, VmRecord};
 
 /// The `nobody` user and group: owner of a template build's stand-in share directories.
 const NOBODY: u32 = 65534;
 
-/// Group of the templates' RAM files and disk layers; a clone's VMM gets it as its only
-/// supplementary group.
-pub const TEMPLATE_GID: u32 = VM_UID_BASE - 1;
 /// The workspace template builds run in (their VMs exist only while the template is made).
 pub const TEMPLATE_WORKSPACE: &str = "warren-templates";
 /// File in a clone's VM directory naming the template its disk backs onto.
@@ -357,7 +355,7 @@ impl Warren {
                 std::fs::rename(from, &dest).map_err(io("rename", from))?;
                 // The build VM's VMM wrote most of these: owner and mode change through a
                 // checked descriptor, never through a link it could have planted.
-                let owner = root_user.then_some((0, TEMPLATE_GID));
+                let owner = root_user.then_some((0, self.template_gid()));
                 warren_vmm::sys::vmm_file::claim_regular(&dest, owner, *mode)
                     .map_err(io("claim", &dest))?;
             }
@@ -370,7 +368,8 @@ impl Warren {
             let body = serde_json::to_vec_pretty(&record).expect("invariant: record serialises");
             write_private(&staging.join(RECORD), &body)?;
             if root_user {
-                chown(&staging, Some(0), Some(TEMPLATE_GID)).map_err(io("chown", &staging))?;
+                chown(&staging, Some(0), Some(self.template_gid()))
+                    .map_err(io("chown", &staging))?;
             }
             std::fs::set_permissions(&staging, std::fs::Permissions::from_mode(0o750))
                 .map_err(io("chmod", &staging))?;
@@ -521,7 +520,11 @@ impl Warren {
                 clone_ram,
                 fork_ram: None,
                 named_ram: false,
-                groups: if root { vec![TEMPLATE_GID] } else { vec![] },
+                groups: if root {
+                    vec![self.template_gid()]
+                } else {
+                    vec![]
+                },
                 bench_port: None,
                 view_readable: vec![],
             },

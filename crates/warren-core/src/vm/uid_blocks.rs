@@ -8,7 +8,8 @@
 //! a root-only registry ([`REGISTRY`]) that outlives reboots (a hibernated VM's files keep
 //! its uid):
 //! - `block-<k>` holds the canonical path of the state directory that has block `k`, whose
-//!   uids are `VM_UID_BASE + k * BLOCK ..`; `state-<sha256 of that path>` holds `k`;
+//!   ids are `VM_UID_BASE + k * BLOCK ..` (the first the state directory's templates group,
+//!   the others its VMs' uids); `state-<sha256 of that path>` holds `k`;
 //! - a block whose uids fall in any range of `/etc/subuid` or `/etc/subgid` is never given
 //!   (a user's user namespaces own those ids);
 //! - `dev-<k>` holds the device of the filesystem the state directory was on when it got
@@ -39,8 +40,9 @@ use crate::error::CoreError;
 pub const REGISTRY: &str = "/var/lib/warren-uids";
 /// Uids per state directory.
 pub const BLOCK: u32 = 65_536;
-/// Blocks there can be: every uid stays below 2^31 (ids past it trip old tools).
-const MAX_BLOCKS: u32 = (i32::MAX as u32 - VM_UID_BASE) / BLOCK;
+/// Blocks there can be: every id stays below systemd's "foreign" range (0x7FFE0000) and so
+/// below 2^31.
+const MAX_BLOCKS: u32 = (0x7FFE_0000 - VM_UID_BASE) / BLOCK;
 /// The longest registry, subuid or status file read.
 const MAX_FILE: u64 = 1 << 20;
 
@@ -375,9 +377,13 @@ mod tests {
     fn test_blocks_in_subordinate_ranges_are_skipped() {
         let (t, r) = registry();
         let a = state(&t, "a");
-        let ranges = parse_subordinate(
-            "alice:100000:65536\n# comment\nbob:2000100:10\nbad line\ncarol:2065536:1\n",
+        // bob's range ends inside block 0, carol's one id is block 1's first.
+        let text = format!(
+            "alice:100000:65536\n# comment\nbob:{}:10\nbad line\ncarol:{}:1\n",
+            VM_UID_BASE - 5,
+            VM_UID_BASE + BLOCK
         );
+        let ranges = parse_subordinate(&text);
         assert_eq!(ranges.len(), 3);
         let got = base_in(&r, &a, &ranges, &|_, _| false).expect("a");
         assert_eq!(
@@ -416,7 +422,7 @@ mod tests {
         let idle = |_: u32, _: u32| false;
         let a = state(&t, "a");
         assert_eq!(base_in(&r, &a, &[], &idle).expect("a"), VM_UID_BASE);
-        let later = parse_subordinate("user29:1935008:65536\n");
+        let later = parse_subordinate(&format!("user29:{}:65536\n", VM_UID_BASE - 65_000));
         let moved = base_in(&r, &a, &later, &idle).expect("a again");
         assert_eq!(
             moved,
