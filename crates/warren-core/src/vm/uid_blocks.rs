@@ -213,12 +213,19 @@ fn open_registry(registry: &Path) -> Result<(), CoreError> {
     }
     let m =
         std::fs::symlink_metadata(registry).map_err(|e| CoreError::io("inspect", registry, e))?;
-    if !m.is_dir() || m.uid() != 0 || m.permissions().mode() & 0o077 != 0 {
+    let mode = m.permissions().mode();
+    if !m.is_dir() || m.uid() != 0 || mode & 0o022 != 0 {
         return Err(CoreError::UntrustedDirectory(format!(
-            "{}: the VM uid registry must be a directory of root's that only root can use \
-             (mode 0700)",
+            "{}: the VM uid registry must be a directory of root's that only root can write \
+             to (mode 0700)",
             registry.display()
         )));
+    }
+    if mode & 0o077 != 0 {
+        // Root's and written by nobody else (a host path a container runtime made, 0755):
+        // made root's alone before anything in it is used.
+        std::fs::set_permissions(registry, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| CoreError::io("chmod", registry, e))?;
     }
     Ok(())
 }
@@ -489,6 +496,19 @@ mod tests {
         assert_eq!(ranges.len(), 1);
         let e = base_in(&r, &a, &ranges, &|_, _| false).expect_err("every block is the user's");
         assert_eq!(e.code(), "busy", "{e}");
+    }
+
+    /// A registry of root's that others may read (a host path a container runtime made,
+    /// 0755) is made root's alone and used.
+    #[test]
+    fn test_a_readable_registry_is_made_private() {
+        let (t, r) = registry();
+        std::fs::create_dir(&r).expect("mkdir");
+        std::fs::set_permissions(&r, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let a = state(&t, "a");
+        assert_eq!(base_in(&r, &a, &[], &|_, _| false).expect("a"), VM_UID_BASE);
+        let m = std::fs::metadata(&r).expect("registry");
+        assert_eq!(m.permissions().mode() & 0o777, 0o700);
     }
 
     /// A registry another user could write to is refused.
