@@ -148,7 +148,7 @@ impl Service {
     /// broker pipe has ended.
     pub async fn broker_job_done(&self, vm: &str, job: JobId) -> bool {
         match self
-            .read(vm, job, Cursor::default(), 0, Duration::ZERO)
+            .job_read(vm, job, Cursor::default(), 0, Duration::ZERO)
             .await
         {
             Ok(o) => o.output_complete,
@@ -159,7 +159,9 @@ impl Service {
     /// The job exists and the cursors lie within its output: asked without waiting (a
     /// one-byte read: a status read accepts cursors in output already released).
     async fn probe(&self, vm: &str, job: JobId, at: Cursor) -> Result<(), ApiError> {
-        self.read(vm, job, at, 1, Duration::ZERO).await.map(drop)
+        self.job_read(vm, job, at, 1, Duration::ZERO)
+            .await
+            .map(drop)
     }
 
     /// Reads a job's output at `at`: at most `max_bytes` per stream, waiting up to `wait`
@@ -172,7 +174,8 @@ impl Service {
         max_bytes: u32,
         wait: Duration,
     ) -> Result<JobOutput, ApiError> {
-        self.read(vm, job, at, max_bytes, wait).await
+        let req = output_request(job, at, max_bytes, wait);
+        Ok(self.warren.job_output(vm, req).await?)
     }
 
     /// [`Service::job_read`] releasing an interactive job's output only before `release`

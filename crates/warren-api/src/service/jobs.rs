@@ -157,7 +157,7 @@ impl Service {
         loop {
             // From the start: answers at once when there is output, else waits for news.
             let o = self
-                .read(vm, job, Cursor::default(), MAX_READ_PER_STREAM, left())
+                .job_read(vm, job, Cursor::default(), MAX_READ_PER_STREAM, left())
                 .await?;
             if matches!(o.state, JobState::Finished(_)) || left().is_zero() {
                 return Ok(output::page(
@@ -172,20 +172,8 @@ impl Service {
                 stdout: o.stdout_retained,
                 stderr: o.stderr_retained,
             };
-            self.read(vm, job, at, 0, left()).await?;
+            self.job_read(vm, job, at, 0, left()).await?;
         }
-    }
-
-    pub(super) async fn read(
-        &self,
-        vm: &str,
-        job: JobId,
-        at: Cursor,
-        max_bytes: u32,
-        wait: Duration,
-    ) -> Result<JobOutput, ApiError> {
-        let req = output_request(job, at, max_bytes, wait);
-        Ok(self.warren.job_output(vm, req).await?)
     }
 
     /// Never wakes the VM nor counts as activity: a suspended VM answers from the host's
@@ -249,7 +237,7 @@ impl Service {
             stderr: c.stderr,
         };
         let o = self
-            .read(
+            .job_read(
                 &rec.id,
                 job,
                 cursor,

@@ -544,7 +544,6 @@ fn sweep_fork_leftovers(forks: &Path, parent_run: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::vm::WarrenConfig;
 
     #[test]
     fn test_sweep_removes_only_fork_files_left_unchanged_for_long() {
@@ -589,16 +588,7 @@ mod tests {
 
     #[tokio::test]
     async fn test_fork_refused_under_an_expired_image_policy() {
-        let state = tempfile::tempdir().expect("state");
-        let w = Warren::open(WarrenConfig::new(
-            state.path().to_path_buf(),
-            "/usr/bin/warren".into(),
-        ))
-        .expect("open");
-        let mut rec = crate::vm::test_vm("vm-0123456789ab");
-        w.store()
-            .insert(&mut rec, w.uid_base, |_| Ok::<(), CoreError>(()))
-            .expect("insert");
+        let (state, w, rec) = crate::vm::test_engine_with_vm("vm-0123456789ab");
         // A live supervisor, as far as the engine can tell: its lock is held.
         let dir = w.vm_dir(&rec.id);
         std::fs::create_dir_all(dir.path()).expect("vm dir");

@@ -299,18 +299,7 @@ mod tests {
         crate::Warren,
         nix::fcntl::Flock<std::fs::File>,
     ) {
-        let state = tempfile::tempdir().expect("state");
-        let w = crate::Warren::open(crate::WarrenConfig::new(
-            state.path().to_path_buf(),
-            "/usr/bin/warren".into(),
-        ))
-        .expect("open");
-        let mut rec = crate::vm::test_vm(id);
-        w.store
-            .insert(&mut rec, super::super::VM_UID_BASE, |_| {
-                Ok::<(), CoreError>(())
-            })
-            .expect("insert");
+        let (state, w, _) = crate::vm::test_engine_with_vm(id);
         let dir = w.vm_dir(id);
         std::fs::create_dir_all(dir.path()).expect("vm dir");
         let lock = std::fs::File::create(dir.lock()).expect("lock file");

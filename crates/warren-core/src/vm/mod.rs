@@ -539,6 +539,24 @@ pub(crate) fn test_vm(id: &str) -> crate::store::VmRecord {
     }
 }
 
+/// An engine on a fresh state directory (kept alive by the returned guard) holding the
+/// running VM record [`test_vm`] `id` (no VM directory, no supervisor), for the engine's
+/// unit tests.
+#[cfg(test)]
+pub(crate) fn test_engine_with_vm(id: &str) -> (tempfile::TempDir, Warren, crate::store::VmRecord) {
+    let state = tempfile::tempdir().expect("state");
+    let w = Warren::open(WarrenConfig::new(
+        state.path().to_path_buf(),
+        "/usr/bin/warren".into(),
+    ))
+    .expect("open");
+    let mut rec = test_vm(id);
+    w.store
+        .insert(&mut rec, w.first_vm_uid(), |_| Ok::<(), CoreError>(()))
+        .expect("insert");
+    (state, w, rec)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -254,18 +254,7 @@ mod tests {
     /// An engine on a fresh state directory (kept alive by the returned guard) holding one
     /// `resuming` VM record `id` with its (empty) VM directory, and no supervisor.
     fn resuming_vm(id: &str) -> (tempfile::TempDir, crate::Warren, VmRecord) {
-        let state = tempfile::tempdir().expect("state");
-        let w = crate::Warren::open(crate::WarrenConfig::new(
-            state.path().to_path_buf(),
-            "/usr/bin/warren".into(),
-        ))
-        .expect("open");
-        let mut rec = crate::vm::test_vm(id);
-        w.store
-            .insert(&mut rec, super::super::VM_UID_BASE, |_| {
-                Ok::<(), crate::error::CoreError>(())
-            })
-            .expect("insert");
+        let (state, w, rec) = crate::vm::test_engine_with_vm(id);
         w.store
             .set_state(&rec.id, VmState::Resuming, None, None)
             .expect("resuming");

@@ -729,8 +729,39 @@ pub(super) fn replace_config(dir: &VmDir, cfg: &SupervisorConfig) -> Result<(), 
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+
+    /// A template of `key` in `w`'s store, its directory named with `suffix`: a record made
+    /// on stand-in artifacts and the pointer, no files. Returns (name, directory, pointer).
+    pub(in crate::vm) fn fake_template(
+        w: &crate::Warren,
+        key: &TemplateKey,
+        suffix: &str,
+    ) -> (String, PathBuf, PathBuf) {
+        let art = || crate::vm::artifacts::Artifact {
+            path: "/x".into(),
+            sha256: "0".repeat(64),
+        };
+        let name = format!("t-{}-{suffix}", key.digest());
+        let dir = w.templates_dir().join(&name);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let record = TemplateRecord {
+            key: key.clone(),
+            artifacts: crate::vm::artifacts::RuntimeArtifacts {
+                qemu: art(),
+                firmware: art(),
+                kernel: art(),
+            },
+            created_unix: 1,
+            boot_ms: 1,
+        };
+        std::fs::write(dir.join(RECORD), serde_json::to_vec(&record).expect("json"))
+            .expect("record");
+        let pointer = w.current_path(key);
+        std::fs::write(&pointer, &name).expect("pointer");
+        (name, dir, pointer)
+    }
 
     fn key() -> TemplateKey {
         TemplateKey {
@@ -754,34 +785,13 @@ mod tests {
             "/usr/bin/warren".into(),
         ))
         .expect("open");
-        let art = || crate::vm::artifacts::Artifact {
-            path: "/x".into(),
-            sha256: "0".repeat(64),
-        };
-        let root = w.templates_dir();
         let mut made = vec![];
         for (n, cpu) in [("1", "max"), ("2", warren_vmm::qemu::TCG_CPU)] {
             let k = TemplateKey {
                 cpu: cpu.into(),
                 ..key()
             };
-            let name = format!("t-{}-0000000{n}", k.digest());
-            let dir = root.join(&name);
-            std::fs::create_dir_all(&dir).expect("dir");
-            let record = TemplateRecord {
-                key: k.clone(),
-                artifacts: crate::vm::artifacts::RuntimeArtifacts {
-                    qemu: art(),
-                    firmware: art(),
-                    kernel: art(),
-                },
-                created_unix: 1,
-                boot_ms: 1,
-            };
-            std::fs::write(dir.join(RECORD), serde_json::to_vec(&record).expect("json"))
-                .expect("record");
-            let pointer = root.join(format!("{}.current", k.digest()));
-            std::fs::write(&pointer, &name).expect("pointer");
+            let (name, dir, pointer) = fake_template(&w, &k, &format!("0000000{n}"));
             made.push((name, dir, pointer));
         }
         let listed = w.list_templates().expect("list");

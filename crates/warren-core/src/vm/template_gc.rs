@@ -175,7 +175,7 @@ impl Warren {
 
 #[cfg(test)]
 mod tests {
-    use super::super::template::{TemplateKey, TemplateRecord, RECORD};
+    use super::super::template::TemplateKey;
     use super::*;
 
     /// An engine on a fresh state directory keeping at most `cap` templates.
@@ -203,28 +203,7 @@ mod tests {
             shares: vec![],
             network: false,
         };
-        let art = || crate::vm::artifacts::Artifact {
-            path: "/x".into(),
-            sha256: "0".repeat(64),
-        };
-        let root = w.templates_dir();
-        let name = format!("t-{}-00000000", key.digest());
-        let dir = root.join(&name);
-        std::fs::create_dir_all(&dir).expect("dir");
-        let record = TemplateRecord {
-            key: key.clone(),
-            artifacts: crate::vm::artifacts::RuntimeArtifacts {
-                qemu: art(),
-                firmware: art(),
-                kernel: art(),
-            },
-            created_unix: 1,
-            boot_ms: 1,
-        };
-        std::fs::write(dir.join(RECORD), serde_json::to_vec(&record).expect("json"))
-            .expect("record");
-        let pointer = w.current_path(&key);
-        std::fs::write(&pointer, &name).expect("pointer");
+        let (_, dir, pointer) = super::super::template::tests::fake_template(w, &key, "00000000");
         age_file(&pointer, age);
         (dir, pointer)
     }
