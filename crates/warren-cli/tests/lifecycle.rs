@@ -506,6 +506,13 @@ fn test_lifecycle_vmm_has_no_network_no_run_sockets_and_planted_files_are_refuse
         theirs.contains("hidepid=invisible"),
         "QEMU's /proc: {theirs}"
     );
+    // Its host-wide files that name other processes (lock holders) are covered.
+    let info = std::fs::read_to_string(format!("/proc/{qemu}/mountinfo")).expect("mountinfo");
+    assert!(
+        info.lines()
+            .any(|l| l.split(' ').nth(4) == Some("/proc/locks")),
+        "QEMU's /proc/locks is not masked: {info}"
+    );
     assert_ne!(
         std::fs::read_link(format!("/proc/{qemu}/ns/mnt")).expect("mntns"),
         std::fs::read_link("/proc/self/ns/mnt").expect("own mntns"),

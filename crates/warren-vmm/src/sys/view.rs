@@ -12,8 +12,9 @@
 //!   for the test suite's QEMU stand-ins only, the directory `$WARREN_TEST_VMM_DIR` names
 //!   (its own modes apply; the variable is the environment's, like `$WARREN_QEMU`);
 //! - `/proc` (QEMU maps RAM through `/proc/self/fd`): for a root Warren a procfs of its own
-//!   that lists only the processes of the VMM's uid (`hidepid=invisible`), for a non-root
-//!   Warren the host's; and the device nodes `null`, `zero`, `full`, `random`, `urandom`
+//!   that lists only the processes of the VMM's uid (`hidepid=invisible`), its host-wide
+//!   files that name other processes or uids (`locks`, `key-users`, ...) covered by
+//!   `/dev/null`, for a non-root Warren the host's; and the device nodes `null`, `zero`, `full`, `random`, `urandom`
 //!   (and `kvm` under KVM). `/sys/fs/cgroup` is an empty directory in the view (its files
 //!   list every host process and every VM's cgroup).
 //!
@@ -47,6 +48,31 @@ const STAGING: &[&str] = &[
 /// Device nodes every VMM gets.
 const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom"];
 
+/// Host-wide files of a procfs that a fresh, `hidepid` instance still shows every uid and
+/// that QEMU never reads: who holds file locks (pids), which uids hold kernel keys, the
+/// scheduler's and timers' per-task dumps, kernel symbols and modules, kernel memory
+/// layouts. Each is covered by `/dev/null` in a root Warren's view (the set container
+/// runtimes mask, and `locks`/`key-users`, which list other users' processes and uids).
+const MASKED_PROC: &[&str] = &[
+    "locks",
+    "key-users",
+    "keys",
+    "sched_debug",
+    "timer_list",
+    "timer_stats",
+    "latency_stats",
+    "kcore",
+    "kallsyms",
+    "modules",
+    "sysrq-trigger",
+    "vmallocinfo",
+    "slabinfo",
+    "pagetypeinfo",
+    "kpagecount",
+    "kpageflags",
+    "kpagecgroup",
+];
+
 /// The top-level links of a merged-`/usr` system (or directories on an older one).
 const USR_LINKS: &[&str] = &["bin", "sbin", "lib", "lib64", "lib32", "libx32"];
 
@@ -69,6 +95,8 @@ enum Kind {
     /// An empty read-only tmpfs over a directory of a bound tree (`/sys/fs/cgroup`, whose
     /// files list every host process and every VM's cgroup).
     Empty,
+    /// A file of the fresh `/proc` covered by a bind of `/dev/null` ([`MASKED_PROC`]).
+    Mask,
 }
 
 #[derive(Debug, Clone)]
@@ -144,14 +172,27 @@ impl VmmView {
         if kvm {
             v.device(Path::new("/dev/kvm"))?;
         }
+        let fresh = nix::unistd::geteuid().is_root();
         v.entries.push(Entry {
             path: PathBuf::from("/proc"),
             source: PathBuf::from("/proc"),
-            kind: Kind::Proc {
-                fresh: nix::unistd::geteuid().is_root(),
-            },
+            kind: Kind::Proc { fresh },
             keep: MsFlags::empty(),
         });
+        // A non-root Warren's VMM runs as the user and sees the host's `/proc` anyway.
+        if fresh {
+            for f in MASKED_PROC {
+                let path = Path::new("/proc").join(f);
+                if std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_file()) {
+                    v.entries.push(Entry {
+                        path,
+                        source: PathBuf::from("/dev/null"),
+                        kind: Kind::Mask,
+                        keep: MsFlags::empty(),
+                    });
+                }
+            }
+        }
         v.dir(Path::new("/sys"), false, false)?;
         if Path::new("/sys/fs/cgroup").is_dir() {
             v.entries.push(Entry {
@@ -246,7 +287,9 @@ impl VmmView {
                 Kind::File => !all.iter().any(|o| {
                     matches!(o.kind, Kind::Dir { writable: false, .. }) && shown_by(o)
                 }),
-                Kind::Device | Kind::Link(_) | Kind::Proc { .. } | Kind::Empty => true,
+                Kind::Device | Kind::Link(_) | Kind::Proc { .. } | Kind::Empty | Kind::Mask => {
+                    true
+                }
             }
         });
         // Parents before children: a bind inside another is mounted after it.
@@ -286,7 +329,9 @@ impl VmmView {
                 Kind::Dir { .. } | Kind::Proc { .. } | Kind::Empty => {
                     target.ancestors().collect::<Vec<_>>()
                 }
-                Kind::File | Kind::Device | Kind::Link(_) => target.ancestors().skip(1).collect(),
+                Kind::File | Kind::Device | Kind::Link(_) | Kind::Mask => {
+                    target.ancestors().skip(1).collect()
+                }
             };
             for d in parent_dirs.into_iter().rev() {
                 if d.starts_with(staging) && d != staging && !dirs.iter().any(|x| x == d) {
@@ -384,7 +429,8 @@ impl Prepared {
                     )?;
                     continue;
                 }
-                Kind::Dir { .. } | Kind::Proc { fresh: false } => {}
+                // The file is procfs's own (mounted just before): nothing to create.
+                Kind::Dir { .. } | Kind::Proc { fresh: false } | Kind::Mask => {}
             }
             mount(
                 Some(m.source.as_c_str()),
@@ -394,7 +440,9 @@ impl Prepared {
                 none,
             )?;
             let flags = match m.kind {
-                Kind::Proc { .. } | Kind::Empty | Kind::Link(_) | Kind::Device => continue,
+                Kind::Proc { .. } | Kind::Empty | Kind::Link(_) | Kind::Device | Kind::Mask => {
+                    continue
+                }
                 Kind::File => MsFlags::MS_RDONLY | MsFlags::MS_NOSUID,
                 Kind::Dir {
                     writable: false, ..
@@ -444,9 +492,12 @@ impl Prepared {
                     }
                     a
                 }
-                Kind::File | Kind::Device | Kind::Link(_) | Kind::Proc { .. } | Kind::Empty => {
-                    continue
-                }
+                Kind::File
+                | Kind::Device
+                | Kind::Link(_)
+                | Kind::Proc { .. }
+                | Kind::Empty
+                | Kind::Mask => continue,
             };
             set_tree_attr(m.target.as_c_str(), attr)?;
         }
@@ -739,8 +790,14 @@ mod tests {
              [ -e /proc/1 ] && echo INIT\n\
              [ -e /proc/{me} ] && echo TEST\n\
              [ -n \"$(ls -A /sys/fs/cgroup)\" ] && echo CGROUPS\n\
+             [ -n \"$(cat /proc/locks)\" ] && echo LOCKS\n\
+             [ -n \"$(cat /proc/key-users)\" ] && echo KEYUSERS\n\
+             [ -n \"$(cat /proc/cpuinfo)\" ] && echo CPUINFO\n\
              [ -d /sys/devices/system/cpu ] && echo SYS\n"
         );
+        // A lock the test holds: /proc/locks names its pid to anyone who may read it.
+        let held = tempfile::tempfile().expect("lock file");
+        held.lock().expect("flock");
         let run_it = |viewed: bool| {
             let mut cmd = std::process::Command::new(&sh);
             cmd.arg("-c").arg(&script);
@@ -769,9 +826,18 @@ mod tests {
             "the cgroup tree is there: {viewed}"
         );
         assert!(viewed.contains("SYS"), "the rest of /sys is: {viewed}");
+        assert!(
+            !viewed.contains("LOCKS") && !viewed.contains("KEYUSERS"),
+            "host-wide proc files are readable: {viewed}"
+        );
+        assert!(viewed.contains("CPUINFO"), "the rest of /proc is: {viewed}");
         let plain = run_it(false);
         assert!(
-            plain.contains("INIT") && plain.contains("TEST") && plain.contains("CGROUPS"),
+            plain.contains("INIT")
+                && plain.contains("TEST")
+                && plain.contains("CGROUPS")
+                && plain.contains("LOCKS")
+                && plain.contains("KEYUSERS"),
             "control: {plain}"
         );
     }
