@@ -613,7 +613,7 @@ mod tests {
         sessions::spawn_recheck(&f.bindings, f.service.clone());
         // Control: a recheck of valid tokens ends nothing. The revocation comes after the
         // periodic recheck's first round, so a later round must see it.
-        assert_eq!(f.bindings.end_lapsed(f.service.credentials()).await, 0);
+        assert_eq!(f.bindings.end_lapsed(&f.service).await, 0);
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(f.bindings.len(), 2, "the first round ended nothing");
         f.service.credentials().revoke(&gone).expect("revoke");
@@ -668,12 +668,12 @@ mod tests {
         db.execute_batch("ALTER TABLE tokens RENAME TO tokens_away")
             .expect("hide the table");
         assert!(f.service.credentials().recheck_token(&info.id).is_err());
-        assert_eq!(f.bindings.end_lapsed(f.service.credentials()).await, 0);
+        assert_eq!(f.bindings.end_lapsed(&f.service).await, 0);
         db.execute_batch("ALTER TABLE tokens_away RENAME TO tokens")
             .expect("restore the table");
         assert_session_works(&f.app, who, &sid).await;
         f.service.credentials().revoke(&info.id).expect("revoke");
-        assert_eq!(f.bindings.end_lapsed(f.service.credentials()).await, 1);
+        assert_eq!(f.bindings.end_lapsed(&f.service).await, 1);
     }
 
     #[tokio::test]

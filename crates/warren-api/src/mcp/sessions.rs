@@ -113,8 +113,9 @@ impl Bindings {
     /// Ends every session whose credential no longer holds (a token revoked, expired or
     /// deleted since its `initialize`): rmcp closes it, which ends its GET event stream and
     /// its requests in flight, and the binding goes. A local caller's session always holds.
-    /// Returns how many ended.
-    pub(super) async fn end_lapsed(&self, credentials: &crate::auth::Credentials) -> usize {
+    /// The tokens are looked up in one task on the blocking pool (the database may be busy
+    /// with a writer). Returns how many ended.
+    pub(super) async fn end_lapsed(&self, service: &Arc<crate::service::Service>) -> usize {
         use rmcp::transport::streamable_http_server::session::SessionManager;
         let held: Vec<(String, String)> = self
             .lock()
@@ -124,21 +125,42 @@ impl Bindings {
                 Via::Local { .. } => None,
             })
             .collect();
-        let mut holds: HashMap<String, bool> = HashMap::new();
+        if held.is_empty() {
+            return 0;
+        }
+        let mut tokens: Vec<String> = held.iter().map(|(_, t)| t.clone()).collect();
+        tokens.sort();
+        tokens.dedup();
+        let svc = service.clone();
+        let holds: HashMap<String, bool> = match tokio::task::spawn_blocking(move || {
+            tokens
+                .into_iter()
+                .map(|t| {
+                    let ok = match svc.credentials().recheck_token(&t) {
+                        Ok(()) => true,
+                        // Only a credential known to have lapsed ends its sessions: a
+                        // database that is busy now says nothing about the token.
+                        Err(e) if e.code == "unauthenticated" => false,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "rechecking an MCP session's token failed; checked again next round");
+                            true
+                        }
+                    };
+                    (t, ok)
+                })
+                .collect()
+        })
+        .await
+        {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(error = %e, "rechecking MCP sessions' tokens failed; checked again next round");
+                return 0;
+            }
+        };
         let mut ended = 0;
         for (sid, token) in held {
-            let ok = *holds.entry(token).or_insert_with_key(|t| {
-                match credentials.recheck_token(t) {
-                    Ok(()) => true,
-                    // Only a credential known to have lapsed ends its sessions: a database
-                    // that is busy now says nothing about the token.
-                    Err(e) if e.code == "unauthenticated" => false,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "rechecking an MCP session's token failed; checked again next round");
-                        true
-                    }
-                }
-            });
+            let ok = holds.get(&token).copied().unwrap_or(true);
             if ok {
                 continue;
             }
@@ -190,7 +212,7 @@ pub(super) fn spawn_recheck(bindings: &Arc<Bindings>, service: Arc<crate::servic
             };
             // Each round a task of its own: one that panics is logged, and the next runs.
             let service = service.clone();
-            let round = tokio::spawn(async move { b.end_lapsed(service.credentials()).await });
+            let round = tokio::spawn(async move { b.end_lapsed(&service).await });
             if let Err(e) = round.await {
                 tracing::error!(error = %e, "an MCP session recheck round failed");
             }
