@@ -125,11 +125,40 @@ pub struct TemplateRecord {
     pub boot_ms: u64,
 }
 
-/// A usable template.
+/// A usable template, pinned: while it (or a clone of it) lives, a collection leaves its
+/// files alone (`template_gc`).
 #[derive(Debug, Clone)]
 pub struct Template {
     pub dir: PathBuf,
     pub record: TemplateRecord,
+    /// The template directory held open with a shared `flock`.
+    _pin: std::sync::Arc<std::fs::File>,
+}
+
+impl Template {
+    /// Pins the template in `dir` and reads its record; `None` when it is gone or being
+    /// deleted (a collection holds the directory's exclusive lock while it deletes it).
+    pub(super) fn pin(dir: PathBuf) -> Result<Option<Template>, CoreError> {
+        let file = match std::fs::File::open(&dir) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(CoreError::io("open", &dir, e)),
+        };
+        match file.try_lock_shared() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => return Ok(None),
+            Err(std::fs::TryLockError::Error(e)) => return Err(CoreError::io("lock", &dir, e)),
+        }
+        // Deleted between the open and the lock: its record is gone with it.
+        if !dir.join(RECORD).exists() {
+            return Ok(None);
+        }
+        Ok(Some(Template {
+            record: read_record(&dir)?,
+            dir,
+            _pin: std::sync::Arc::new(file),
+        }))
+    }
 }
 
 /// What `warren template list` shows.
@@ -223,19 +252,23 @@ impl Warren {
             )));
         }
         let dir = self.templates_dir().join(&name);
-        let record = read_record(&dir)?;
+        let Some(t) = Template::pin(dir)? else {
+            return Ok(None);
+        };
         let now = RuntimeArtifacts::current(image, &super::probe_cache_dir(&self.cfg.state_dir))?;
-        if record.key != *key || record.artifacts != now {
+        if t.record.key != *key || t.record.artifacts != now {
             tracing::warn!(
-                template = %dir.display(),
+                template = %t.dir.display(),
                 "the template was made on another image, QEMU, firmware or kernel; retiring it"
             );
+            // Unpinned first: the collection below may then take its files.
+            drop(t);
             std::fs::remove_file(&current).map_err(io("remove", &current))?;
             self.collect_templates();
             return Ok(None);
         }
         super::template_gc::note_use(&current);
-        Ok(Some(Template { dir, record }))
+        Ok(Some(t))
     }
 
     /// The template for `key`, built now if there is none (at most one build per key at a
@@ -319,9 +352,11 @@ impl Warren {
             ms = t.elapsed().as_millis() as u64,
             "template built"
         );
-        Ok(Template {
-            record: read_record(&dir)?,
-            dir,
+        Template::pin(dir.clone())?.ok_or_else(|| {
+            CoreError::Conflict(format!(
+                "the template {} was deleted as it was built",
+                dir.display()
+            ))
         })
     }
 

@@ -8,9 +8,11 @@
 //!   before, every shape's template stayed for good.
 //! - **Retired files.** A template directory that is neither current nor backing any VM's
 //!   disk is first marked (`retired`, with the time it was first seen so), and deleted by a
-//!   later collection once the mark is `RETIRE_GRACE` old: a create that found the
-//!   template just before its pointer went still has its files while it starts its clone
-//!   (whose marker then keeps them).
+//!   later collection once the mark is `RETIRE_GRACE` old. A create holds the template it
+//!   found pinned (a shared `flock` on its directory, `Template::pin`) until it is done
+//!   with it, and its clone's marker keeps it after that: a collection deletes only an
+//!   unpinned directory, holding its exclusive lock while the files go, and a create that
+//!   finds a template being deleted builds another.
 
 use std::path::Path;
 use std::time::{Duration, SystemTime};
@@ -36,6 +38,33 @@ pub(super) fn note_use(pointer: &Path) {
         .and_then(|f| f.set_modified(SystemTime::now()));
     if let Err(e) = touched {
         tracing::debug!(error = %e, pointer = %pointer.display(), "noting a template's use");
+    }
+}
+
+/// Deletes the retired template `dir` unless a create holds it (`Template::pin`): the
+/// exclusive lock, held while the files go, makes a create that finds it now see it gone.
+fn remove_unpinned(dir: &Path) {
+    let name = dir.display();
+    let file = match std::fs::File::open(dir) {
+        Ok(f) => f,
+        Err(err) => {
+            tracing::warn!(error = %err, template = %name, "opening an unused template");
+            return;
+        }
+    };
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            tracing::debug!(template = %name, "an unused template is pinned by a create; kept");
+            return;
+        }
+        Err(std::fs::TryLockError::Error(err)) => {
+            tracing::warn!(error = %err, template = %name, "locking an unused template");
+            return;
+        }
+    }
+    if let Err(err) = std::fs::remove_dir_all(dir) {
+        tracing::warn!(error = %err, template = %name, "removing an unused template");
     }
 }
 
@@ -162,11 +191,7 @@ impl Warren {
                         tracing::warn!(error = %err, %name, "marking a retired template");
                     }
                 }
-                Some(age) if age >= RETIRE_GRACE => {
-                    if let Err(err) = std::fs::remove_dir_all(root.join(&name)) {
-                        tracing::warn!(error = %err, %name, "removing an unused template");
-                    }
-                }
+                Some(age) if age >= RETIRE_GRACE => remove_unpinned(&root.join(&name)),
                 Some(_) => {}
             }
         }
@@ -175,7 +200,7 @@ impl Warren {
 
 #[cfg(test)]
 mod tests {
-    use super::super::template::TemplateKey;
+    use super::super::template::{Template, TemplateKey};
     use super::*;
 
     /// An engine on a fresh state directory keeping at most `cap` templates.
@@ -292,5 +317,39 @@ mod tests {
         w.collect_templates();
         assert!(d1.exists(), "a VM's disk stands on it");
         assert!(!d1.join(RETIRED).exists(), "in use: the mark is dropped");
+    }
+
+    /// A create holds the template it found pinned: a retired template past its grace is
+    /// kept while it is pinned (before, only the grace kept it: a create slower than that
+    /// between finding it and writing its clone's marker lost its files), and goes once the
+    /// pin is dropped. A template being deleted (its exclusive lock held) is not found.
+    #[test]
+    fn test_a_pinned_template_outlives_its_grace_and_one_being_deleted_is_not_found() {
+        let (_state, w) = engine(1);
+        let hour = Duration::from_secs(3600);
+        let (d1, p1) = fake(&w, 256, 2 * hour);
+        let (_d2, p2) = fake(&w, 384, hour);
+        let pin = Template::pin(d1.clone())
+            .expect("pin")
+            .expect("the template is there");
+        w.evict_templates(&p2);
+        assert!(!p1.exists(), "retired");
+        w.collect_templates();
+        age_file(&d1.join(RETIRED), 2 * RETIRE_GRACE);
+        w.collect_templates();
+        assert!(d1.exists(), "a create holds it");
+        drop(pin);
+        w.collect_templates();
+        assert!(!d1.exists(), "unpinned and past its grace: deleted");
+
+        let (d3, _p3) = fake(&w, 512, hour);
+        let deleting = std::fs::File::open(&d3).expect("open");
+        deleting.try_lock().expect("exclusive");
+        assert!(
+            Template::pin(d3.clone()).expect("pin").is_none(),
+            "a template being deleted is found"
+        );
+        drop(deleting);
+        assert!(Template::pin(d3).expect("pin").is_some());
     }
 }
