@@ -12,7 +12,9 @@
 //!   may go on sending); data after it is a protocol error (1008);
 //! - **downstream** (guest -> client, this task): guest bytes as binary messages; the
 //!   guest's end closes with 1000 when it closed normally (1011 and its reason otherwise),
-//!   the service's lifecycle closes with 1001 `suspended`/`destroyed`, a credential that no
+//!   the service's lifecycle closes with 1001 `suspended`/`destroyed` (so does a VM
+//!   hibernated or destroyed by the CLI directly, seen when its channel goes down), a
+//!   credential that no
 //!   longer holds (rechecked every [`RECHECK`]) with 1008, and a client that answers no ping
 //!   for [`PING_TIMEOUT`] with 1001. A send to the client never blocks these: it waits on
 //!   them too (`Lifeline::send`), and a client that takes no message for [`SEND_STALL`] is
@@ -29,7 +31,7 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::response::Response;
 use futures_util::{SinkExt, StreamExt};
 use warren_protocol::stream::StreamTarget;
-use warren_supervisor::stream_frame::{StreamReader, StreamWriter};
+use warren_supervisor::stream_frame::{StreamReader, StreamWriter, CHANNEL_CLOSED};
 
 use crate::auth::Principal;
 use crate::error::ApiError;
@@ -173,6 +175,8 @@ async fn run(
     let mut limit = RateLimit::new(rate);
     // Set once the guest stopped taking input: what it still sends is passed on, then its end.
     let mut guest_gone = false;
+    // Set when the VM's channel went down under the stream (not the guest's own end).
+    let mut channel_lost = false;
     let (code, reason): (u16, String) = loop {
         tokio::select! {
             next = next_down(&mut reader) => match next {
@@ -184,7 +188,11 @@ async fn run(
                         break end;
                     }
                 }
-                Err(end) => break end,
+                Err(Down::End(code, reason)) => break (code, reason),
+                Err(Down::Lost(why)) => {
+                    channel_lost = true;
+                    break (INTERNAL, why);
+                }
             },
             up = &mut upstream, if !guest_gone => match up {
                 Ok(Upstream::ClientGone) => break (NORMAL, "client closed".into()),
@@ -209,6 +217,11 @@ async fn run(
         }
     };
     upstream.abort();
+    let (code, reason) = if channel_lost {
+        lifecycle_end(&service, &vm_id, (code, reason)).await
+    } else {
+        (code, reason)
+    };
     close(&service, &vm_id, &mut sink, code, &reason).await;
     tracing::info!(
         workspace = %p.workspace,
@@ -226,17 +239,60 @@ async fn run(
     drop(ticket);
 }
 
-/// The next guest chunk, or the close code and reason of the guest's end.
-async fn next_down(reader: &mut StreamReader) -> Result<Vec<u8>, (u16, String)> {
+/// How a stream's guest side ended.
+enum Down {
+    /// The guest's end: its close code and reason.
+    End(u16, String),
+    /// The VM's channel went down under the stream.
+    Lost(String),
+}
+
+/// The next guest chunk, or how the guest side ended.
+async fn next_down(reader: &mut StreamReader) -> Result<Vec<u8>, Down> {
     match reader.next().await {
         Ok(Ok(data)) => Ok(data),
-        Ok(Err(end)) if end.ok() => Err((NORMAL, "guest closed".into())),
-        Ok(Err(end)) => Err((
+        Ok(Err(end)) if end.ok() => Err(Down::End(NORMAL, "guest closed".into())),
+        // The supervisor's own end for a channel that went down (the VMM exited).
+        Ok(Err(end)) if end.code == -1 && end.error.as_deref() == Some(CHANNEL_CLOSED) => {
+            Err(Down::Lost(CHANNEL_CLOSED.into()))
+        }
+        Ok(Err(end)) => Err(Down::End(
             INTERNAL,
             end.error
                 .unwrap_or_else(|| format!("guest end failed ({})", end.code)),
         )),
-        Err(e) => Err((INTERNAL, format!("stream: {e}"))),
+        Err(e) => Err(Down::Lost(format!("stream: {e}"))),
+    }
+}
+
+/// How long a stream whose channel went down looks for its VM's suspension or destruction.
+const LIFECYCLE_LOOK: Duration = Duration::from_secs(3);
+
+/// The end of a stream whose VM's channel went down under it (`end`, 1011): a VM suspended
+/// (hibernated) or destroyed outside the service, by the CLI directly, ends it with 1001
+/// `suspended` or `destroyed`, as the service's own lifecycle does. The record changes
+/// just after the channel goes down (the VMM exits first), so it is looked at for up to
+/// [`LIFECYCLE_LOOK`].
+async fn lifecycle_end(service: &Service, vm_id: &str, end: (u16, String)) -> (u16, String) {
+    use crate::streams::CloseReason;
+    use warren_core::store::VmState;
+    let deadline = Instant::now() + LIFECYCLE_LOOK;
+    loop {
+        let seen = match service.engine().get_vm(vm_id) {
+            Err(warren_core::CoreError::VmNotFound(_)) => Some(CloseReason::Destroyed),
+            Ok(r) if matches!(r.state, VmState::Hibernating | VmState::Hibernated) => {
+                Some(CloseReason::Suspended)
+            }
+            Ok(_) => None,
+            Err(_) => return end,
+        };
+        if let Some(why) = seen {
+            return (GOING_AWAY, why.as_str().into());
+        }
+        if Instant::now() >= deadline {
+            return end;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -432,7 +432,20 @@ fn test_streams_attach_refusals_copy_forward_and_lifecycle_closes() {
         revoked.elapsed()
     );
     assert!(err.contains("1008"), "{err}");
-    d.ok(&t, "vm_destroy", json!({"vm_id": vm2}));
+
+    // A VM destroyed outside the service (the CLI on the same state directory) closes its
+    // streams with 1001 destroyed too, not 1011 (its channel went down under them).
+    let mut c = held_attach(&d, &tf, &vm2);
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(c.try_wait().expect("try_wait").is_none(), "attach ended");
+    let out = d.env.run(&["vm", "destroy", &vm2]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = closed(&mut c, "a destroy by the CLI closes the stream");
+    assert!(err.contains("1001 destroyed"), "{err}");
 }
 
 /// An attach to port 5000 held open after its (empty) stdin ends; stderr kept.

@@ -102,7 +102,7 @@ fn reset_end(e: &h2::Error) -> StreamEnd {
     StreamEnd {
         code: -1,
         error: Some(if e.is_io() || e.is_go_away() {
-            "the guest channel closed".into()
+            crate::stream_frame::CHANNEL_CLOSED.into()
         } else {
             format!("the guest reset the stream: {e}")
         }),

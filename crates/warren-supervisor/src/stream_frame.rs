@@ -27,6 +27,11 @@ const KIND_DATA: u8 = 1;
 const KIND_EOF: u8 = 2;
 const KIND_END: u8 = 3;
 
+/// The end's text when the channel itself went down under a stream (the VMM exited, the
+/// guest reset): the service then looks whether the VM was suspended or destroyed. A guest
+/// can send the same text as its own error; it only delays its own stream's close.
+pub const CHANNEL_CLOSED: &str = "the guest channel closed";
+
 /// How a stream ended, from the guest's side.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StreamEnd {
