@@ -63,8 +63,8 @@ pub(crate) struct CopyStats {
     pub skipped: Vec<Skipped>,
 }
 
-/// Runs `f` with the filesystem identity of `owner` (see the module docs); `None` runs it
-/// directly. `owner` must already be an effective owner ([`crate::git::effective_owner`]).
+/// Runs `f` with the filesystem identity of `owner` (its uid, its primary gid, no
+/// supplementary group; see the module docs); `None` runs it directly. `owner` must already be an effective owner ([`crate::git::effective_owner`]).
 ///
 /// As root it always runs on a thread of its own without `CAP_SYS_RESOURCE`: what it writes
 /// (a copy of the project, a fork's files) never spends a session volume's reserve, which
@@ -80,6 +80,13 @@ pub(crate) fn as_owner<T: Send>(
     on_thread(|| {
         drop_sys_resource()?;
         if let Some(o) = owner {
+            if nix::unistd::geteuid().is_root() {
+                // The owner's primary gid and no supplementary group, as host git has: the
+                // service's own groups (root's group 0 from a login shell, say) never open a
+                // file to the owner. Per thread, like fsuid, and gone with the thread.
+                crate::sys::set_thread_groups(&[])
+                    .map_err(SessionError::io("set the groups of", "a copy thread"))?;
+            }
             take_owner(o)?;
         }
         f()
@@ -465,5 +472,48 @@ mod tests {
             "the scratch thread's capabilities are the caller's"
         );
         assert_eq!(capabilities(None).expect("capget").effective, before);
+    }
+
+    /// Work done as an owner reads only what the owner can: a file readable through a group
+    /// the service process holds (root's group 0 from a login shell) but the owner does not
+    /// is refused. Control: the same read from a thread of the service.
+    #[test]
+    fn test_owner_work_never_uses_the_services_groups() {
+        if !nix::unistd::geteuid().is_root() {
+            panic!("this test needs root, as owners do");
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        fs::set_permissions(dir.path(), Permissions::from_mode(0o755)).expect("chmod");
+        let secret = dir.path().join("group-only");
+        fs::write(&secret, "for group 4343 only\n").expect("write");
+        std::os::unix::fs::chown(&secret, Some(0), Some(4343)).expect("chown");
+        fs::set_permissions(&secret, Permissions::from_mode(0o640)).expect("chmod");
+        let owner = Owner {
+            uid: 4242,
+            gid: 4242,
+        };
+        // The service's thread holds group 4343 (set per thread: the test's other threads
+        // keep theirs); a copy thread it starts inherits it.
+        let as_owner = on_thread(|| {
+            crate::sys::set_thread_groups(&[4343]).expect("setgroups");
+            as_owner(Some(owner), || {
+                Ok(fs::read_to_string(&secret).map_err(|e| e.kind()))
+            })
+        })
+        .expect("as owner");
+        assert_eq!(
+            as_owner,
+            Err(io::ErrorKind::PermissionDenied),
+            "{as_owner:?}"
+        );
+        // Control: the owner's fsuid and fsgid with the service's groups (what a copy thread
+        // had before) read it.
+        let control = on_thread(|| {
+            crate::sys::set_thread_groups(&[4343]).expect("setgroups");
+            take_owner(owner)?;
+            Ok(fs::read_to_string(&secret).map_err(|e| e.kind()))
+        })
+        .expect("control");
+        assert!(control.is_ok(), "{control:?}");
     }
 }
