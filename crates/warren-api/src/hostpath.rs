@@ -1,37 +1,57 @@
 //! Which host paths a caller may hand to Warren (repositories, mounts).
 //!
-//! A local caller (uid U on the UNIX socket) may name any path uid U itself can reach, checked
-//! as U with U's groups. A token holder may name only paths under an operator-configured
-//! `[[host_roots]]` entry, checked as that entry's uid. Paths are resolved (symlinks
-//! included) before any check, so a link cannot lead out of a root.
+//! A local caller (uid U on the UNIX socket) may name any path uid U itself can reach; a
+//! token holder may name only paths under an operator-configured `[[host_roots]]` entry,
+//! and acts as that entry's uid. Either way the path is resolved and opened as that uid (its
+//! primary group, no supplementary group: the identity every later use of the path has) and
+//! the kernel is asked for the access ([`warren_session::access`]): ACLs and real search
+//! permissions count, and a link cannot lead out of a root. The caller gets the identity
+//! (device, inode) of the object checked, to hold its later use to.
 
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use crate::auth::{Principal, Via};
 use crate::config::HostRoot;
 use crate::error::ApiError;
 
-/// The access a caller needs on the named path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Access {
-    Read,
-    ReadWrite,
-}
+pub use warren_session::access::Access;
 
-/// A host path the caller may use, and the uid Warren acts for on it.
+/// A host path the caller may use, the uid and primary gid Warren acts for on it, and the
+/// identity (device, inode) of what was checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostPath {
     pub path: PathBuf,
     pub uid: u32,
+    pub gid: u32,
+    pub identity: (u64, u64),
 }
 
-/// Decides whether `p` may use `path` with `access`.
+/// Decides whether `p` may use `path` with `access`. A uid the user database does not know
+/// has no primary group to act with and is refused.
 pub fn authorize(
     p: &Principal,
     roots: &[HostRoot],
     path: &str,
     access: Access,
+) -> Result<HostPath, ApiError> {
+    authorize_with(p, roots, path, access, primary_gid)
+}
+
+/// The primary group of `uid` in the user database.
+fn primary_gid(uid: u32) -> Option<u32> {
+    nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+        .ok()
+        .flatten()
+        .map(|u| u.gid.as_raw())
+}
+
+/// [`authorize`], with the primary group of a uid from `gid_of`.
+fn authorize_with(
+    p: &Principal,
+    roots: &[HostRoot],
+    path: &str,
+    access: Access,
+    gid_of: fn(u32) -> Option<u32>,
 ) -> Result<HostPath, ApiError> {
     let raw = Path::new(path);
     if !raw.is_absolute() {
@@ -41,78 +61,40 @@ pub fn authorize(
     }
     let denied = || ApiError::forbidden(format!("host path {path:?} is not available to you"));
     // Resolution failures look the same as refusals: no probing of what exists.
-    let real = std::fs::canonicalize(raw).map_err(|_| denied())?;
-    let uid = match &p.via {
-        Via::Local { uid } => *uid,
+    let (uid, root) = match &p.via {
+        Via::Local { uid } => (*uid, None),
         Via::Token { .. } => {
+            let real = std::fs::canonicalize(raw).map_err(|_| denied())?;
             let root = roots
                 .iter()
                 .filter_map(|r| std::fs::canonicalize(&r.path).ok().map(|c| (c, r.uid)))
                 .find(|(c, _)| real.starts_with(c))
                 .ok_or_else(denied)?;
-            root.1
+            (root.1, Some(root.0))
         }
     };
-    if !may_access(uid, &real, access) {
-        return Err(denied());
-    }
-    Ok(HostPath { path: real, uid })
-}
-
-/// The groups of `uid` (primary and supplementary), from the user database.
-fn groups_of(uid: u32) -> Vec<u32> {
-    let Ok(Some(user)) = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) else {
-        return vec![];
-    };
-    let mut g = vec![user.gid.as_raw()];
-    if let Ok(name) = std::ffi::CString::new(user.name) {
-        if let Ok(list) = nix::unistd::getgrouplist(&name, user.gid) {
-            g.extend(list.iter().map(|x| x.as_raw()));
+    // The account's primary group: what a session of it is owned by.
+    let gid = gid_of(uid).ok_or_else(denied)?;
+    let owner = warren_session::Owner { uid, gid };
+    let checked = warren_session::access::check_access(owner, raw, access).map_err(|_| denied())?;
+    // Resolved again as the uid: it must still be beneath the root it was admitted under.
+    if let Some(root) = root {
+        if !checked.path.starts_with(&root) {
+            return Err(denied());
         }
     }
-    g
-}
-
-/// Whether `uid` can search every ancestor of `path` and read (or read and write) `path`
-/// itself, from mode bits. Root may do anything; ACLs are not consulted.
-fn may_access(uid: u32, path: &Path, access: Access) -> bool {
-    if uid == 0 {
-        return true;
-    }
-    let groups = groups_of(uid);
-    let allowed = |m: &std::fs::Metadata, bit: u32| -> bool {
-        let mode = m.mode();
-        if m.uid() == uid {
-            mode & (bit << 6) != 0
-        } else if groups.contains(&m.gid()) {
-            mode & (bit << 3) != 0
-        } else {
-            mode & bit != 0
-        }
-    };
-    for anc in path.ancestors().skip(1) {
-        match std::fs::metadata(anc) {
-            Ok(m) if allowed(&m, 0o1) => {}
-            _ => return false,
-        }
-    }
-    let Ok(m) = std::fs::metadata(path) else {
-        return false;
-    };
-    let mut need = vec![0o4];
-    if m.is_dir() {
-        need.push(0o1);
-    }
-    if access == Access::ReadWrite {
-        need.push(0o2);
-    }
-    need.into_iter().all(|b| allowed(&m, b))
+    Ok(HostPath {
+        path: checked.path,
+        uid,
+        gid,
+        identity: checked.identity,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
     fn token_principal() -> Principal {
         Principal {
@@ -126,6 +108,16 @@ mod tests {
 
     fn chmod(p: &Path, m: u32) {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).expect("chmod");
+    }
+
+    /// [`authorize`] for test uids the user database may not know: each its own group.
+    fn authorize(
+        p: &Principal,
+        roots: &[HostRoot],
+        path: &str,
+        access: Access,
+    ) -> Result<HostPath, ApiError> {
+        authorize_with(p, roots, path, access, Some)
     }
 
     #[test]
@@ -194,5 +186,61 @@ mod tests {
         assert!(authorize(&p, &[], &s(&inner), Access::Read).is_err());
         // Root may name anything.
         assert!(authorize(&Principal::local(0), &[], &s(&inner), Access::ReadWrite).is_ok());
+    }
+
+    /// `setfacl -m u:4242:--- dir` on a 0755 directory: the mode bits let others read it, the
+    /// ACL denies uid 4242. The kernel's answer, not the mode bits', decides (before, the
+    /// mode bits let 4242 name it).
+    #[test]
+    fn test_an_acl_denying_the_caller_is_honoured() {
+        if !nix::unistd::geteuid().is_root() {
+            panic!("this test needs root (other owners, ACLs)");
+        }
+        let d = tempfile::tempdir().expect("tempdir");
+        chmod(d.path(), 0o755);
+        let dir = d.path().join("acl");
+        std::fs::create_dir(&dir).expect("mkdir");
+        chmod(&dir, 0o755);
+        let s = dir.to_str().expect("utf8").to_string();
+        let p = Principal::local(4242);
+        // Control: without the ACL, readable; the identity is the directory's.
+        let ok = authorize(&p, &[], &s, Access::Read).expect("readable by others");
+        let m = std::fs::metadata(&dir).expect("stat");
+        assert_eq!(ok.identity, (m.dev(), m.ino()));
+        assert_eq!((ok.uid, ok.gid), (4242, 4242));
+        let mut acl = 2u32.to_le_bytes().to_vec();
+        for (tag, perm, id) in [
+            (0x01u16, 7u16, u32::MAX), // owner rwx
+            (0x02, 0, 4242),           // user 4242 ---
+            (0x04, 5, u32::MAX),       // group r-x
+            (0x10, 5, u32::MAX),       // mask r-x
+            (0x20, 5, u32::MAX),       // others r-x
+        ] {
+            acl.extend_from_slice(&tag.to_le_bytes());
+            acl.extend_from_slice(&perm.to_le_bytes());
+            acl.extend_from_slice(&id.to_le_bytes());
+        }
+        rustix::fs::setxattr(
+            &dir,
+            "system.posix_acl_access",
+            &acl,
+            rustix::fs::XattrFlags::empty(),
+        )
+        .expect("set the ACL");
+        assert_eq!(m.mode() & 0o777, 0o755);
+        assert_eq!(
+            authorize(&p, &[], &s, Access::Read)
+                .expect_err("the ACL denies 4242")
+                .code,
+            "forbidden"
+        );
+        // Nor anything beneath it.
+        let inner = dir.join("inner");
+        std::fs::create_dir(&inner).expect("mkdir");
+        chmod(&inner, 0o777);
+        let inner = inner.to_str().expect("utf8").to_string();
+        assert!(authorize(&p, &[], &inner, Access::ReadWrite).is_err());
+        // Another uid the ACL does not name still may.
+        assert!(authorize(&Principal::local(4343), &[], &inner, Access::ReadWrite).is_ok());
     }
 }

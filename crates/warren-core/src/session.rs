@@ -185,7 +185,9 @@ pub(crate) fn session_error(e: warren_session::SessionError) -> CoreError {
         S::Unsaved { .. } | S::NotFastForward { .. } | S::BranchCheckedOut { .. } => {
             CoreError::Conflict(e.to_string())
         }
-        S::UnsafeGitDir { .. } | S::TooLarge { .. } => CoreError::Conflict(e.to_string()),
+        S::UnsafeGitDir { .. } | S::TooLarge { .. } | S::DirectoryChanged(_) => {
+            CoreError::Conflict(e.to_string())
+        }
         // The repository named leads outside itself: the request is refused as it stands.
         S::UnsafeSource { .. } => CoreError::InvalidArgument(e.to_string()),
         S::GitTimeout { .. } => CoreError::Session(e.to_string()),
@@ -293,11 +295,11 @@ impl Warren {
         let storage = session_storage(req.direct, req.devices.storage_mib, req.limits)?;
         let mut volume = None;
         let (source, source_git, dir) = if req.direct {
-            let d = warren_session::direct(&req.repo).map_err(session_error)?;
-            devices.source_identity = Some(
-                warren_vmm::qemu::virtiofs::identity_of(&d)
-                    .map_err(|e| CoreError::io("stat", &d, e))?,
-            );
+            // A caller's check (the service's, as the caller) names the directory it allowed:
+            // a path swapped since is refused, never served.
+            let (d, found) = warren_session::direct_checked(&req.repo, req.devices.source_identity)
+                .map_err(session_error)?;
+            devices.source_identity = Some(found);
             (d, None, PathBuf::new())
         } else {
             let parent = self.sessions_dir();

@@ -104,6 +104,10 @@ pub enum SessionError {
     /// Direct mode was given something that is not a directory.
     #[error("{0} is not a directory")]
     NotADirectory(PathBuf),
+    /// Direct mode's directory is no longer the one that was checked (a component swapped
+    /// for a symlink, another directory renamed into its place).
+    #[error("{0} is no longer the directory that was checked")]
+    DirectoryChanged(PathBuf),
     #[error(
         "no room is left in the session's storage (its limit, or the host's disk) for host \
          git's scratch directory: free space in its workspace and retry (a forced delete needs \

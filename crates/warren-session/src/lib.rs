@@ -33,6 +33,7 @@
 //! anything of it is read, copied, mounted or written: nothing in it may lead outside it.
 #![deny(unsafe_code)]
 
+pub mod access;
 mod beneath;
 mod copy;
 mod error;
@@ -55,7 +56,7 @@ pub use error::SessionError;
 pub use export::{export, Exported};
 pub use fork::{fork, Forked, MAX_FORK_ENTRIES};
 pub use git::Owner;
-pub use prepare::{direct, prepare, Head, Prepared};
+pub use prepare::{direct, direct_checked, prepare, Head, Prepared};
 pub use remove::remove_tree;
 pub use retention::{remove, status, Retention};
 

@@ -106,13 +106,43 @@ pub fn prepare(
 /// Direct mode: validates `dir` and returns its canonical path, which the caller mounts
 /// itself. No copy, no git requirement.
 pub fn direct(dir: &Path) -> Result<PathBuf, SessionError> {
+    direct_checked(dir, None).map(|(path, _)| path)
+}
+
+/// [`direct`], and the directory's identity (device, inode), read from the directory opened
+/// at its canonical path without following any symlink. With `want` (the identity a check of
+/// the caller's access found, [`crate::access::check_access`]) another directory is refused
+/// ([`SessionError::DirectoryChanged`]): a path swapped since the check is never shared.
+pub fn direct_checked(
+    dir: &Path,
+    want: Option<(u64, u64)>,
+) -> Result<(PathBuf, (u64, u64)), SessionError> {
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+    use std::os::unix::fs::MetadataExt;
     let canonical = dir
         .canonicalize()
         .map_err(SessionError::io("resolve", dir))?;
-    if !canonical.is_dir() {
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let fd = match nix::fcntl::openat2(nix::fcntl::AT_FDCWD, &canonical, how) {
+        Ok(fd) => fd,
+        Err(nix::errno::Errno::ELOOP | nix::errno::Errno::ENOENT) if want.is_some() => {
+            return Err(SessionError::DirectoryChanged(dir.to_path_buf()))
+        }
+        Err(e) => return Err(SessionError::io("open", &canonical)(e.into())),
+    };
+    let meta = std::fs::File::from(fd)
+        .metadata()
+        .map_err(SessionError::io("stat", &canonical))?;
+    if !meta.is_dir() {
         return Err(SessionError::NotADirectory(dir.to_path_buf()));
     }
-    Ok(canonical)
+    let found = (meta.dev(), meta.ino());
+    if want.is_some_and(|w| w != found) {
+        return Err(SessionError::DirectoryChanged(dir.to_path_buf()));
+    }
+    Ok((canonical, found))
 }
 
 /// Everything read from the source before anything is created.
@@ -438,4 +468,47 @@ fn copy_fd(from: OwnedFd, what: &Path, to: &Path) -> Result<(), SessionError> {
         .map_err(SessionError::io("create", to))?;
     std::io::copy(&mut input, &mut output).map_err(SessionError::io("copy", what))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A direct session's directory is the one a check allowed: swapped for a symlink (to a
+    /// directory the caller could not have named) or for another directory renamed into its
+    /// place after the check, it is refused; moved elsewhere and linked back, it is still
+    /// that directory.
+    #[test]
+    fn test_direct_refuses_a_directory_swapped_after_the_check() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let base = tmp.path().canonicalize().expect("canonical");
+        let dir = base.join("project");
+        std::fs::create_dir(&dir).expect("mkdir");
+        let (path, checked) = direct_checked(&dir, None).expect("direct");
+        assert_eq!(path, dir);
+        assert_eq!(
+            direct_checked(&dir, Some(checked)).expect("same").1,
+            checked
+        );
+        // Swapped for a symlink to another directory (say `/etc`).
+        let aside = base.join("aside");
+        std::fs::rename(&dir, &aside).expect("rename");
+        let other = base.join("other");
+        std::fs::create_dir(&other).expect("mkdir");
+        std::os::unix::fs::symlink(&other, &dir).expect("symlink");
+        let e = direct_checked(&dir, Some(checked)).expect_err("a link to another directory");
+        assert!(matches!(e, SessionError::DirectoryChanged(_)), "{e}");
+        // Control: unchecked, the link is followed (what the service's check closes).
+        assert_eq!(direct_checked(&dir, None).expect("unchecked").0, other);
+        // Another directory renamed into its place.
+        std::fs::remove_file(&dir).expect("unlink");
+        std::fs::rename(&other, &dir).expect("rename");
+        let e = direct_checked(&dir, Some(checked)).expect_err("another directory");
+        assert!(matches!(e, SessionError::DirectoryChanged(_)), "{e}");
+        // The checked directory itself, moved and linked back: still that directory.
+        std::fs::remove_dir(&dir).expect("rmdir");
+        std::os::unix::fs::symlink(&aside, &dir).expect("symlink");
+        let (path, id) = direct_checked(&dir, Some(checked)).expect("the same directory");
+        assert_eq!((path, id), (aside, checked));
+    }
 }

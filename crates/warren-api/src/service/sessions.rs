@@ -56,13 +56,6 @@ impl Service {
             crate::hostpath::Access::Read
         };
         let host = crate::hostpath::authorize(p, &self.cfg.host_roots, &a.repo, access)?;
-        let gid = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(host.uid))
-            .ok()
-            .flatten()
-            .map(|u| u.gid.as_raw())
-            .ok_or_else(|| {
-                ApiError::forbidden(format!("host path {:?} is not available to you", a.repo))
-            })?;
         let (name, img) = self.configured_image(p, a.image.as_deref())?;
         let memory = checked_size(&name, &img, a.memory_mib, a.vcpus)?;
         let network = self.network_for(p, a.network, a.egress)?;
@@ -76,12 +69,13 @@ impl Service {
                 vcpus: a.vcpus,
                 mounts: vec![],
                 network,
-                source_identity: None,
+                // A direct session serves the directory checked as the caller, or nothing.
+                source_identity: a.direct.then_some(host.identity),
                 objects_identity: None,
                 storage_mib: a.storage_mib,
                 template: img.template || img.pool > 0,
             },
-            owner: (host.uid, gid),
+            owner: (host.uid, host.gid),
             workspace: p.workspace.clone(),
             limits: (self.cfg.host_limits(), workspace_limits(p)),
         };
