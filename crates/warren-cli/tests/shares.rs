@@ -450,3 +450,135 @@ fn assert_fork_refused(vm: &TestVm, why: &str) {
     assert_eq!(vm.state(), "running");
     assert_eq!(vm.sh("echo up").stdout, "up\n");
 }
+
+/// `setfacl -m u:<uid>:--- path` over mode bits that let others in.
+fn deny_acl(path: &std::path::Path, uid: u32) {
+    let mut acl = 2u32.to_le_bytes().to_vec();
+    for (tag, perm, id) in [
+        (0x01u16, 6u16, u32::MAX), // owner rw-
+        (0x02, 0, uid),            // the user ---
+        (0x04, 6, u32::MAX),       // group rw-
+        (0x10, 6, u32::MAX),       // mask rw-
+        (0x20, 6, u32::MAX),       // others rw-
+    ] {
+        acl.extend_from_slice(&tag.to_le_bytes());
+        acl.extend_from_slice(&perm.to_le_bytes());
+        acl.extend_from_slice(&id.to_le_bytes());
+    }
+    rustix::fs::setxattr(
+        path,
+        "system.posix_acl_access",
+        &acl,
+        rustix::fs::XattrFlags::empty(),
+    )
+    .expect("set the ACL");
+}
+
+/// A user's share is served by a virtiofsd running as that user, so the host kernel checks
+/// every access the guest makes as the user: a file in the shared directory whose ACL denies
+/// the user (mode bits allowing everyone) is neither read nor written through the share,
+/// though the guest's own checks (mode bits only) let it try. Before, virtiofsd was root for
+/// every share: the guest read and wrote such files, and any file below the directory was one
+/// guest root away. Control: a plain file of the same modes is read; the guest's new file
+/// belongs to the user on the host.
+#[test]
+fn test_shares_of_a_user_are_served_as_that_user() {
+    use std::os::unix::fs::PermissionsExt;
+    common::ensure_image("minimal");
+    assert!(nix::unistd::geteuid().is_root(), "this test needs root");
+    let share = tempfile::tempdir().expect("tempdir");
+    let host = share.path();
+    std::os::unix::fs::chown(host, Some(4242), Some(4242)).expect("chown");
+    std::fs::set_permissions(host, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    for (name, acl) in [("open.txt", false), ("denied", true), ("denied-w", true)] {
+        let p = host.join(name);
+        std::fs::write(&p, format!("{name} of root\n")).expect("write");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)).expect("chmod");
+        if acl {
+            deny_acl(&p, 4242);
+        }
+    }
+    let env = TestEnv::new();
+    // The CLI takes a mount's owner from its real uid (what `sudo` leaves in SUDO_UID's
+    // place): Warren runs as root, the share is 4242's.
+    let arg = format!("{}:/workspace", host.display());
+    let image = common::pinned_image("minimal");
+    let out = std::process::Command::new("setpriv")
+        .args(["--ruid=4242", "--rgid=4242", "--keep-groups", "--"])
+        .arg(common::WARREN)
+        .arg("--state-dir")
+        .arg(env.state.path())
+        .arg("--image-dir")
+        .arg(&env.image_dir)
+        .args(["vm", "create", "--image", &image, "--json", "--mount", &arg])
+        .env(
+            "WARREN_ACCEL",
+            std::env::var("WARREN_ACCEL").unwrap_or_else(|_| "auto".into()),
+        )
+        .output()
+        .expect("vm create");
+    assert!(
+        out.status.success(),
+        "vm create: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let created: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let id = created["vm_id"].as_str().expect("vm_id").to_string();
+    let vm = TestVm::adopt(env, id);
+
+    let r = vm.sh(
+        "cd /workspace; cat open.txt; cat denied && echo read=denied; \
+         echo guest >> denied-w && echo wrote=denied-w; echo mine > mine; echo done",
+    );
+    assert!(
+        r.stdout.contains("open.txt of root\n") && r.stdout.contains("done"),
+        "control: {}{}",
+        r.stdout,
+        r.stderr
+    );
+    assert!(
+        !r.stdout.contains("read=") && !r.stdout.contains("wrote="),
+        "the ACL's denial did not hold through the share: {}",
+        r.stdout
+    );
+    assert_eq!(
+        std::fs::read_to_string(host.join("denied-w")).expect("read"),
+        "denied-w of root\n"
+    );
+    assert_eq!(
+        std::fs::metadata(host.join("mine")).expect("mine").uid(),
+        4242
+    );
+    // Every virtiofsd of the VM runs as the user.
+    let cg = vm.cgroup_dir().expect("the VM's cgroup");
+    let procs = std::fs::read_to_string(cg.join("cgroup.procs")).expect("cgroup.procs");
+    let mut daemons = 0;
+    for pid in procs.split_whitespace() {
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+        if exe.file_name().is_none_or(|n| n != "virtiofsd") {
+            continue;
+        }
+        daemons += 1;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+        let uids = status
+            .lines()
+            .find(|l| l.starts_with("Uid:"))
+            .expect("Uid line");
+        assert_eq!(
+            uids.split_whitespace().skip(1).collect::<Vec<_>>(),
+            ["4242"; 4],
+            "virtiofsd {pid}: {uids}"
+        );
+    }
+    assert!(daemons >= 1, "no virtiofsd in {procs}");
+    // A hibernation and resume restart it the same way, the guest's files intact.
+    ok(
+        vm.warren(&["vm", "suspend", &vm.id, "--mode", "hibernate", "--force"]),
+        "hibernate",
+    );
+    assert_eq!(vm.state(), "hibernated");
+    ok(vm.warren(&["vm", "resume", &vm.id]), "resume");
+    let r = vm.sh("cat /workspace/mine; cat /workspace/denied && echo read=denied");
+    assert_eq!(r.stdout, "mine\n", "{}", r.stderr);
+    vm.destroy();
+}

@@ -120,6 +120,42 @@ pub fn identity_of(dir: &Path) -> std::io::Result<(u64, u64)> {
     Ok((m.dev(), m.ino()))
 }
 
+/// The uid and gid a share's virtiofsd runs as: its owner's, unless that is root (or Warren
+/// is not root, and so cannot change users: its virtiofsd is already the user's). Running as
+/// root, virtiofsd opens whatever the guest names with root's rights (ACLs, other users'
+/// files below the directory, a directory swapped in after a check), which the guest's own
+/// permission checks, all a guest root can skip, were the only bound on.
+fn served_as(share: &Share) -> Option<(u32, u32)> {
+    share
+        .owner
+        .filter(|&(uid, _)| uid != 0 && nix::unistd::geteuid().is_root())
+}
+
+/// Whether every user may execute `bin` by its path: every directory on the way searchable
+/// and the file executable by others.
+fn reachable_by_anyone(bin: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(real) = std::fs::canonicalize(bin) else {
+        return false;
+    };
+    real.ancestors()
+        .all(|p| std::fs::metadata(p).is_ok_and(|m| m.permissions().mode() & 0o001 != 0))
+}
+
+/// `bin` opened for execution through `/proc/self/fd` (close-on-exec, numbered past every
+/// descriptor a spawn passes on purpose).
+fn program_fd(bin: &Path) -> Result<std::os::fd::OwnedFd, VmmError> {
+    use nix::fcntl::OFlag;
+    let f = nix::fcntl::open(
+        bin,
+        OFlag::O_PATH | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| VmmError::io("open", bin, e.into()))?;
+    rustix::io::fcntl_dupfd_cloexec(&f, 16)
+        .map_err(|e| VmmError::io("duplicate the descriptor of", bin, e.into()))
+}
+
 /// virtiofsd's arguments for `share`, listening on fd [`crate::sys::process::PASSED_FD`].
 pub fn virtiofsd_args(share: &Share) -> Vec<String> {
     let mut a: Vec<String> = vec![
@@ -199,10 +235,29 @@ pub fn spawn_all(spec: &LaunchSpec) -> Result<Started, VmmError> {
         })?;
         let mountpoint = dir.join("shares").join(&share.tag);
         std::fs::create_dir_all(&mountpoint).map_err(|e| VmmError::io("create", &mountpoint, e))?;
+        let owner = served_as(share);
         let mut served = share.clone();
-        served.host_dir = mountpoint.clone();
+        served.host_dir = match owner {
+            // Entered before the uid drop: the path to it leads through root's directories.
+            Some(_) => PathBuf::from("."),
+            None => mountpoint.clone(),
+        };
         let (stderr, stderr_write) = StderrPipe::new(log)?;
-        let mut cmd = std::process::Command::new(bin);
+        // A virtiofsd that runs as the owner but lives where only root can reach it
+        // (`/root/.cargo/bin`) is executed through a descriptor opened here.
+        let program = match owner {
+            Some(_) if !reachable_by_anyone(bin) => Some(program_fd(bin)?),
+            _ => None,
+        };
+        let mut cmd = match &program {
+            Some(fd) => {
+                use std::os::unix::process::CommandExt;
+                let mut c = std::process::Command::new(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+                c.arg0(bin);
+                c
+            }
+            None => std::process::Command::new(bin),
+        };
         cmd.args(virtiofsd_args(&served))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -212,11 +267,17 @@ pub fn spawn_all(spec: &LaunchSpec) -> Result<Started, VmmError> {
             // child (the one serving the guest) must be inside the VM's limits too.
             crate::sys::process::join_cgroups(&mut cmd, &crate::sys::cgroup::member_dirs(cg));
         }
-        // virtiofsd needs root for its namespace sandbox and to act as the owner; it is not
-        // run as the VMM's uid.
+        // virtiofsd is not run as the VMM's uid. A share of a user's runs as that user (its
+        // sandbox in a user namespace of its own, virtiofsd's unprivileged mode), so the
+        // kernel checks every access the guest makes as the user; only root's shares have a
+        // root virtiofsd.
         crate::sys::process::confine(&mut cmd, None, &[]);
         crate::sys::process::mount_held_dir(&mut cmd, tree.as_raw_fd(), &mountpoint)
             .map_err(|e| VmmError::io("prepare the mount of", &mountpoint, e))?;
+        if let Some((uid, gid)) = owner {
+            crate::sys::process::take_on(&mut cmd, uid, gid, &mountpoint)
+                .map_err(|e| VmmError::io("prepare the owner of", &mountpoint, e))?;
+        }
         // Files the guest creates in a share get the guest's modes under the usual 022, not
         // the supervisor's owner-only umask.
         crate::sys::process::set_umask(&mut cmd, 0o022);
@@ -231,7 +292,7 @@ pub fn spawn_all(spec: &LaunchSpec) -> Result<Started, VmmError> {
                 source,
             })?;
         // The command held the write end of the stderr pipe: virtiofsd's is the only one now.
-        drop((listener, held, tree, cmd));
+        drop((listener, held, tree, cmd, program));
         if let (Some(cg), Some(pid)) = (&spec.cgroup, child.id()) {
             crate::sys::cgroup::add_pid(cg, pid)?;
         }

@@ -192,6 +192,43 @@ pub fn mount_held_dir(
     Ok(())
 }
 
+/// Makes the child take on `uid` and `gid`, with no supplementary group, and work in `dir`
+/// (entered first, as root: its path may lead through directories only root can search).
+/// Registered after every step that needs root ([`confine`], [`mount_held_dir`]) and before
+/// any seccomp filter. What the program then does to the host's files the kernel checks as
+/// that uid: its ACLs, its permissions, never root's. The parent-death signal, which a
+/// credential change clears, is set again.
+pub fn take_on(
+    cmd: &mut std::process::Command,
+    uid: u32,
+    gid: u32,
+    dir: &std::path::Path,
+) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    // Formatted before the fork: the child may not allocate.
+    let dir = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::other("NUL in a path"))?;
+    // SAFETY: runs in the forked child before exec; chdir, setgroups, setresgid, setresuid,
+    // prctl and getppid are async-signal-safe syscalls on a buffer made before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            use nix::unistd::{Gid, Uid};
+            nix::unistd::chdir(dir.as_c_str())?;
+            nix::unistd::setgroups(&[])?;
+            let (g, u) = (Gid::from_raw(gid), Uid::from_raw(uid));
+            nix::unistd::setresgid(g, g, g)?;
+            nix::unistd::setresuid(u, u, u)?;
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+                .map_err(std::io::Error::from)?;
+            if nix::unistd::getppid().as_raw() == 1 {
+                return Err(std::io::Error::other("supervisor exited during spawn"));
+            }
+            Ok(())
+        });
+    }
+    Ok(())
+}
+
 /// Gives the child the file mode creation mask `mask`.
 pub fn set_umask(cmd: &mut std::process::Command, mask: u32) {
     // SAFETY: runs in the forked child before exec; umask is async-signal-safe.
