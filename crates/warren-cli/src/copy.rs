@@ -7,7 +7,12 @@
 //! private staging directory, so no entry can leave it or write through a symlink another
 //! entry made. Rules (that unpacker's, without whiteouts, owners or sticky bits):
 //! - names: absolute paths and `..` are refused (the copy fails); `.` components are skipped;
-//! - regular files and directories are made with the entry's permission bits, set-id and
+//!   every entry must be the name asked for or beneath it (the guest sends `tar -C parent
+//!   name`): any other is refused, so a guest cannot make the host write what it was not
+//!   asked for, even in staging;
+//! - regular files and directories are made with the entry's permission bits less the
+//!   caller's umask (the guest does not decide who else on the host may write the copy),
+//!   directories always `u+rwx` (the caller can move and remove its copy), set-id and
 //!   sticky bits dropped, owned by the caller; files keep their modification time;
 //! - symlinks are made as they are (their targets are never followed here);
 //! - hard links only to a file made earlier in the same archive (`..` or absolute refused);
@@ -16,7 +21,9 @@
 //!
 //! The caller moves the staged result into place only once the whole archive unpacked.
 
+use std::ffi::OsStr;
 use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use anyhow::{anyhow, Context, Result};
@@ -79,6 +86,19 @@ fn walk(dir: &Path) -> Result<Vec<(std::path::PathBuf, std::fs::Metadata)>> {
     Ok(out)
 }
 
+/// The process's umask, read without changing it (`umask(2)` can only set it, and other
+/// threads create files meanwhile); `022` if the kernel does not say.
+fn umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Umask:"))
+                .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        })
+        .map_or(0o022, |m| m & 0o777)
+}
+
 /// Bytes of regular-file content in `src`, for progress.
 pub fn content_size(src: &Path) -> u64 {
     match std::fs::symlink_metadata(src) {
@@ -90,16 +110,19 @@ pub fn content_size(src: &Path) -> u64 {
     }
 }
 
-/// Unpacks `input` into the directory `root` (see the module docs); at most `max_bytes` of
-/// file content. The unpacker is the image layers' ([`warren_image::unpack`]), without
-/// whiteouts, owners or sticky bits.
-pub fn unpack(input: impl Read, root: &Path, max_bytes: u64) -> Result<Unpacked> {
+/// Unpacks `input`, an archive of `name` alone, into the directory `root` (see the module
+/// docs); at most `max_bytes` of file content. The unpacker is the image layers'
+/// ([`warren_image::unpack`]), without whiteouts, owners or sticky bits.
+pub fn unpack(input: impl Read, root: &Path, name: &OsStr, max_bytes: u64) -> Result<Unpacked> {
     let opts = warren_image::unpack::Options {
         max_bytes,
         max_entries: MAX_ENTRIES,
         keep_owner: false,
         keep_sticky: false,
         whiteouts: false,
+        mode_mask: umask(),
+        dir_mode_set: 0o700,
+        only_in: Some(name.as_bytes().to_vec()),
     };
     let mut done = warren_image::unpack::Unpacked::default();
     warren_image::unpack::unpack(input, root, &opts, &mut done)
@@ -147,11 +170,14 @@ mod tests {
         let mut buf = Vec::new();
         pack(&tree, &mut buf).expect("pack");
         let dst = tempfile::tempdir().expect("dst");
-        let got = unpack(&buf[..], dst.path(), u64::MAX).expect("unpack");
+        let got = unpack(&buf[..], dst.path(), "tree".as_ref(), u64::MAX).expect("unpack");
         assert_eq!((got.files, got.links, got.skipped), (1, 1, 0));
         let run = dst.path().join("tree/sub/run.sh");
         assert_eq!(std::fs::read(&run).expect("read"), b"#!/bin/sh\n");
-        assert_eq!(std::fs::metadata(&run).expect("meta").mode() & 0o777, 0o751);
+        assert_eq!(
+            std::fs::metadata(&run).expect("meta").mode() & 0o777,
+            0o751 & !umask()
+        );
         assert_eq!(
             std::fs::read_link(dst.path().join("tree/link")).expect("link"),
             Path::new("sub/run.sh")
@@ -172,7 +198,7 @@ mod tests {
                 h.set_cksum();
                 b.append(&h, &b"x"[..]).expect("append");
             });
-            let e = unpack(&a[..], dst.path(), u64::MAX).expect_err(bad);
+            let e = unpack(&a[..], dst.path(), "x".as_ref(), u64::MAX).expect_err(bad);
             assert!(
                 e.to_string().contains("refused") || e.to_string().contains("leaves"),
                 "{e}"
@@ -185,25 +211,90 @@ mod tests {
             let mut h = header(tar::EntryType::Regular, 1, 0o644);
             b.append_data(&mut h, "out/pwned", &b"x"[..]).expect("file");
         });
-        assert!(unpack(&a[..], dst.path(), u64::MAX).is_err());
+        assert!(unpack(&a[..], dst.path(), "out".as_ref(), u64::MAX).is_err());
         assert!(!Path::new("/tmp/pwned").exists());
         let a = archive(|b| {
             let mut h = header(tar::EntryType::Char, 0, 0o666);
-            b.append_data(&mut h, "tty", &b""[..]).expect("dev");
+            b.append_data(&mut h, "top/tty", &b""[..]).expect("dev");
             let mut h = header(tar::EntryType::Regular, 2, 0o6755);
-            b.append_data(&mut h, "suid", &b"hi"[..]).expect("suid");
+            b.append_data(&mut h, "top/suid", &b"hi"[..]).expect("suid");
         });
-        let got = unpack(&a[..], dst.path(), u64::MAX).expect("unpack");
+        let got = unpack(&a[..], dst.path(), "top".as_ref(), u64::MAX).expect("unpack");
         assert_eq!(got.skipped, 1);
-        assert!(!dst.path().join("tty").exists());
-        let mode = std::fs::metadata(dst.path().join("suid"))
+        assert!(!dst.path().join("top/tty").exists());
+        let mode = std::fs::metadata(dst.path().join("top/suid"))
             .expect("meta")
             .mode();
-        assert_eq!(mode & 0o7777, 0o755);
+        assert_eq!(mode & 0o7777, 0o755 & !umask());
         let a = archive(|b| {
             let mut h = header(tar::EntryType::Regular, 3, 0o644);
             b.append_data(&mut h, "big", &b"abc"[..]).expect("big");
         });
-        assert!(unpack(&a[..], dst.path(), 2).is_err());
+        assert!(unpack(&a[..], dst.path(), "big".as_ref(), 2).is_err());
+    }
+
+    /// The guest answers a copy of `asked` with an archive that also makes other names (at
+    /// the top, or as a sibling the host would move nowhere but write all the same): refused
+    /// at the first such entry, before anything of it is written.
+    #[test]
+    fn test_unpack_refuses_entries_outside_the_name_asked_for() {
+        for other in ["other", "asked2/x", "./other/asked"] {
+            let dst = tempfile::tempdir().expect("dst");
+            let a = archive(|b| {
+                let mut h = header(tar::EntryType::Regular, 1, 0o644);
+                b.append_data(&mut h, "asked/ok", &b"1"[..]).expect("asked");
+                let mut h = header(tar::EntryType::Regular, 1, 0o644);
+                b.append_data(&mut h, other, &b"2"[..]).expect("other");
+            });
+            let e = unpack(&a[..], dst.path(), "asked".as_ref(), u64::MAX).expect_err(other);
+            assert!(e.to_string().contains("outside what was asked"), "{e}");
+            let top = other
+                .trim_start_matches("./")
+                .split('/')
+                .next()
+                .expect("top");
+            assert!(!dst.path().join(top).exists(), "{other} was written");
+        }
+        // Control: the name itself, `./`-prefixed names and the tree beneath it.
+        let dst = tempfile::tempdir().expect("dst");
+        let a = archive(|b| {
+            let mut h = header(tar::EntryType::Directory, 0, 0o755);
+            b.append_data(&mut h, "./asked/", &b""[..]).expect("dir");
+            let mut h = header(tar::EntryType::Regular, 1, 0o644);
+            b.append_data(&mut h, "asked/sub/f", &b"1"[..]).expect("f");
+        });
+        let got = unpack(&a[..], dst.path(), "asked".as_ref(), u64::MAX).expect("unpack");
+        assert_eq!((got.files, got.dirs), (1, 1));
+    }
+
+    /// Modes the guest chose are narrowed by the caller's umask, and directories stay the
+    /// caller's to move and remove (a read-only top directory made the move into place fail
+    /// for a non-root caller, and the staging copy could not be removed).
+    #[test]
+    fn test_unpack_modes_follow_the_umask_and_directories_stay_the_callers() {
+        let dst = tempfile::tempdir().expect("dst");
+        let a = archive(|b| {
+            let mut h = header(tar::EntryType::Directory, 0, 0o555);
+            b.append_data(&mut h, "top", &b""[..]).expect("top");
+            let mut h = header(tar::EntryType::Directory, 0, 0o000);
+            b.append_data(&mut h, "top/closed", &b""[..])
+                .expect("closed");
+            let mut h = header(tar::EntryType::Directory, 0, 0o777);
+            b.append_data(&mut h, "top/open", &b""[..]).expect("open");
+            let mut h = header(tar::EntryType::Regular, 1, 0o666);
+            b.append_data(&mut h, "top/open/f", &b"1"[..]).expect("f");
+        });
+        unpack(&a[..], dst.path(), "top".as_ref(), u64::MAX).expect("unpack");
+        let mode = |p: &str| std::fs::metadata(dst.path().join(p)).expect(p).mode() & 0o7777;
+        let mask = umask();
+        assert_eq!(mode("top"), 0o755 & !mask);
+        assert_eq!(mode("top/closed"), 0o700);
+        assert_eq!(mode("top/open"), 0o777 & !mask);
+        assert_eq!(mode("top/open/f"), 0o666 & !mask);
+        assert_ne!(
+            mask & 0o002,
+            0,
+            "the tests run with a umask that clears o+w"
+        );
     }
 }

@@ -269,7 +269,7 @@ pub(crate) async fn download(opener: &Opener, vm: &str, path: &str, to: &Path) -
         bail!("{} exists; remove it or copy elsewhere", dest.display());
     }
     let staging = tempdir_in(to)?;
-    let result = download_into(opener, vm, path, &staging).await;
+    let result = download_into(opener, vm, path, &name, &staging).await;
     let moved = result.and_then(|n| {
         nix::fcntl::renameat2(
             nix::fcntl::AT_FDCWD,
@@ -281,7 +281,13 @@ pub(crate) async fn download(opener: &Opener, vm: &str, path: &str, to: &Path) -
         .with_context(|| format!("moving the copy to {}", dest.display()))?;
         Ok(n)
     });
-    let _ = std::fs::remove_dir_all(&staging);
+    // Without recursion: the tree is the guest's shape (see `warren_session::remove_tree`).
+    if let Err(e) = warren_session::remove_tree(&staging) {
+        eprintln!(
+            "warren: the staging directory {} could not be removed: {e}",
+            staging.display()
+        );
+    }
     let done = moved?;
     if done.skipped > 0 {
         eprintln!(
@@ -296,6 +302,7 @@ async fn download_into(
     opener: &Opener,
     vm: &str,
     path: &str,
+    name: &std::ffi::OsStr,
     staging: &Path,
 ) -> Result<crate::copy::Unpacked> {
     let (mut tx, mut rx) = opener
@@ -304,13 +311,14 @@ async fn download_into(
     tx.eof().await?;
     let (chunks_tx, chunks) = std::sync::mpsc::sync_channel::<Vec<u8>>(8);
     let root = staging.to_path_buf();
+    let name = name.to_owned();
     let unpacker = tokio::task::spawn_blocking(move || {
         let mut r = ChannelReader {
             rx: chunks,
             cur: Vec::new(),
             pos: 0,
         };
-        let unpacked = crate::copy::unpack(&mut r, &root, u64::MAX)?;
+        let unpacked = crate::copy::unpack(&mut r, &root, &name, u64::MAX)?;
         // tar pads its output to whole records after the end-of-archive blocks, and that
         // padding may arrive after the unpacker saw the end: take it (bounded) so the
         // sender does not find the unpacker gone.

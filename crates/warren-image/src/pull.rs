@@ -327,6 +327,9 @@ async fn pull_into(
         keep_owner: true,
         keep_sticky: true,
         whiteouts: true,
+        mode_mask: 0,
+        dir_mode_set: 0,
+        only_in: None,
     };
     let mut done = crate::unpack::Unpacked::default();
     let n = doc.layers.len();
@@ -341,6 +344,7 @@ async fn pull_into(
             .await?;
         let compression = oci::layer_compression(&layer.media_type).unwrap_or(Compression::None);
         let (root2, file2, r2) = (root.clone(), file.clone(), r.whole());
+        let unpack_opts = unpack_opts.clone();
         let step = steps.start();
         let (result, d) = tokio::task::spawn_blocking(move || {
             let _step = step;
@@ -758,6 +762,9 @@ mod tests {
             keep_owner: false,
             keep_sticky: false,
             whiteouts: true,
+            mode_mask: 0,
+            dir_mode_set: 0,
+            only_in: None,
         };
         let mut done = crate::unpack::Unpacked::default();
         let started = Instant::now();
@@ -824,6 +831,9 @@ mod tests {
             keep_owner: false,
             keep_sticky: false,
             whiteouts: true,
+            mode_mask: 0,
+            dir_mode_set: 0,
+            only_in: None,
         };
         let mut done = crate::unpack::Unpacked::default();
         let deadline = Instant::now() + Duration::from_secs(600);

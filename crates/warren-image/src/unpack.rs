@@ -6,8 +6,10 @@
 //! RESOLVE_NO_XDEV`), so no entry can leave the directory or write through a symlink another
 //! entry (or an earlier layer) made. Rules:
 //! - names: absolute paths and `..` are **refused** (the whole unpack fails); `.` components
-//!   are skipped, and so is an entry for the root itself (`.`, `./` or `/`);
-//! - regular files and directories are made with the entry's permission bits; **set-id bits
+//!   are skipped, and so is an entry for the root itself (`.`, `./` or `/`); with
+//!   [`Options::only_in`], a name outside the one asked for is **refused**;
+//! - regular files and directories are made with the entry's permission bits, less
+//!   [`Options::mode_mask`] (directories plus [`Options::dir_mode_set`]); **set-id bits
 //!   are dropped** (counted), the sticky bit is kept only where [`Options::keep_sticky`]
 //!   says; owners come from the entry with [`Options::keep_owner`], else the caller's;
 //!   files keep their modification time;
@@ -19,11 +21,13 @@
 //! - with [`Options::whiteouts`] (OCI layers), `.wh.<name>` removes `<name>` of the layers
 //!   below and `.wh..wh..opq` empties its directory of them;
 //! - at most [`Options::max_entries`] entries and [`Options::max_bytes`] of file content;
+//!   the names kept until the end (directory modes, names for opaque whiteouts) are kept
+//!   once each and bounded with their bookkeeping ([`MAX_NAMES_KEPT`]);
 //!   GNU long names and links and PAX headers are read with limits of their own (the `tar`
 //!   crate would buffer them whole, whatever size a header claims); a PAX `size` that
 //!   disagrees with the header, and GNU sparse entries with an extended map, are **refused**.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::{AsFd, OwnedFd};
@@ -41,7 +45,7 @@ const WHITEOUT: &[u8] = b".wh.";
 const OPAQUE: &[u8] = b".wh..wh..opq";
 
 /// How to unpack.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Options {
     /// Most bytes of file content (over every call sharing the same [`Unpacked`]).
     pub max_bytes: u64,
@@ -53,6 +57,15 @@ pub struct Options {
     pub keep_sticky: bool,
     /// Apply OCI whiteouts.
     pub whiteouts: bool,
+    /// Permission bits cleared from every file and directory made (`vm cp`: the caller's
+    /// umask, so the guest does not decide who else on the host may write its copy).
+    pub mode_mask: u32,
+    /// Permission bits set on every directory made, after [`Options::mode_mask`] (`vm cp`:
+    /// `0o700`, so the caller can always move and remove its copy).
+    pub dir_mode_set: u32,
+    /// Every entry must be this name or beneath it (`vm cp`: the file or tree asked for);
+    /// any other entry is **refused**. `None`: any name in the tree.
+    pub only_in: Option<Vec<u8>>,
 }
 
 /// What an unpack made (cumulative when passed to several calls).
@@ -79,11 +92,11 @@ pub fn unpack(
     done: &mut Unpacked,
 ) -> Result<(), TreeError> {
     let tree = Tree::open(root)?;
-    let mut dir_modes: Vec<(Vec<Vec<u8>>, u32)> = Vec::new();
-    // Directories this archive made or named: an opaque whiteout keeps what this layer put
-    // in them (names of this archive) and removes the rest.
-    let mut made: HashSet<Vec<u8>> = HashSet::new();
-    let mut names_kept: u64 = 0;
+    // Names kept for the whole archive, each once and charged with its bookkeeping
+    // ([`Kept`]): directories' modes (set at the end), and with whiteouts every name this
+    // archive made (an opaque whiteout keeps what this layer put in a directory and removes
+    // the rest).
+    let mut kept = Kept::default();
     let mut archive = tar::Archive::new(input);
     // Raw entries: the crate would read a GNU long name or link, or a PAX header, into
     // memory whole, whatever size its header claims; [`Extensions`] reads them bounded.
@@ -114,7 +127,20 @@ pub fn unpack(
         let Some((last, parents)) = comps.split_last() else {
             continue;
         };
-        let parent = tree.dir_all(parents)?;
+        if let Some(top) = &opts.only_in {
+            if comps.first().copied() != Some(top.as_slice()) {
+                return Err(err(
+                    &name,
+                    "refused: the entry is outside what was asked for",
+                ));
+            }
+        }
+        // One lookup when the parents exist (the usual case), so a deep name repeated costs
+        // one path walk, not a mkdir and an open per component.
+        let parent = match tree.dir(parents) {
+            Ok(fd) => fd,
+            Err(_) => tree.dir_all(parents)?,
+        };
         if opts.whiteouts && last.starts_with(WHITEOUT) {
             if *last == OPAQUE {
                 // Listed through the descriptor: a name is bytes, not necessarily UTF-8.
@@ -125,7 +151,7 @@ pub fn unpack(
                         full.push(b'/');
                     }
                     full.extend_from_slice(&child);
-                    if !made.contains(&full) {
+                    if !kept.made.contains(&full) {
                         tree::remove_entry(&parent, &child, &full, true)?;
                     }
                 }
@@ -139,15 +165,10 @@ pub fn unpack(
             done.whiteouts += 1;
             continue;
         }
-        // Names kept for the whole archive (opaque whiteouts, directory modes): bounded.
-        names_kept += name.len() as u64;
-        if names_kept > MAX_NAMES_KEPT {
-            return Err(err(
-                b"archive",
-                format!("more than {MAX_NAMES_KEPT} bytes of names"),
-            ));
+        let joined = comps.join(&b'/');
+        if opts.whiteouts {
+            kept.mark_made(&joined)?;
         }
-        made.insert(comps.join(&b'/'));
         let header = entry.header();
         let raw_mode = header.mode().unwrap_or(0o644);
         let owner = if opts.keep_owner {
@@ -156,7 +177,7 @@ pub fn unpack(
             None
         };
         let keep = if opts.keep_sticky { 0o1777 } else { 0o777 };
-        let mode = raw_mode & keep;
+        let mode = raw_mode & keep & !opts.mode_mask;
         let setid = raw_mode & 0o6000 != 0;
         match header.entry_type() {
             tar::EntryType::Regular | tar::EntryType::Continuous => {
@@ -182,8 +203,12 @@ pub fn unpack(
                 }
                 nix::sys::stat::fchmod(file.as_fd(), Mode::from_bits_truncate(mode))
                     .map_err(|e| err(&name, format!("chmod: {e}")))?;
-                if let Some(mtime) = mtime {
-                    let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(mtime);
+                // A time the host's clock cannot hold (a header may say 2^64 - 1 seconds) is
+                // not kept: adding it unchecked panics.
+                let time = mtime.and_then(|m| {
+                    std::time::UNIX_EPOCH.checked_add(std::time::Duration::from_secs(m))
+                });
+                if let Some(t) = time {
                     let _ = file.set_modified(t);
                 }
                 done.files += 1;
@@ -221,7 +246,7 @@ pub fn unpack(
                     )
                     .map_err(|e| err(&name, format!("chown: {e}")))?;
                 }
-                dir_modes.push((comps.iter().map(|c| c.to_vec()).collect(), mode));
+                kept.dir_mode(joined, mode | opts.dir_mode_set)?;
                 done.dirs += 1;
                 done.setid_dropped += u64::from(setid);
             }
@@ -282,21 +307,70 @@ pub fn unpack(
         ));
     }
     // Deepest first, so a read-only directory is set after its children were made.
-    dir_modes.sort_by_key(|d| std::cmp::Reverse(d.0.len()));
-    for (comps, mode) in dir_modes {
-        let refs: Vec<&[u8]> = comps.iter().map(Vec::as_slice).collect();
-        let fd = tree.dir(&refs)?;
+    let mut dir_modes: Vec<(Vec<u8>, u32)> = kept.dir_modes.into_iter().collect();
+    dir_modes.sort_by_key(|d| std::cmp::Reverse(d.0.iter().filter(|b| **b == b'/').count()));
+    for (name, mode) in dir_modes {
+        let fd = tree.dir(&components(&name)?)?;
         nix::sys::stat::fchmod(fd.as_fd(), Mode::from_bits_truncate(mode))
-            .map_err(|e| err(&comps.join(&b'/'), format!("chmod: {e}")))?;
+            .map_err(|e| err(&name, format!("chmod: {e}")))?;
     }
     Ok(())
+}
+
+/// Bytes of bookkeeping charged for each name kept besides the name itself (its `Vec`, the
+/// table's slot and the allocator's rounding), so [`MAX_NAMES_KEPT`] bounds the memory kept,
+/// not only the names' bytes.
+const KEPT_OVERHEAD: u64 = 64;
+
+/// The names one archive keeps until its end, each once (an entry repeated, as a hostile
+/// archive may repeat a 4 KiB name a million times, keeps nothing more), within
+/// [`MAX_NAMES_KEPT`].
+#[derive(Default)]
+struct Kept {
+    /// Directories' modes by name (the last entry's wins, as with tar).
+    dir_modes: HashMap<Vec<u8>, u32>,
+    /// Every name made (for opaque whiteouts).
+    made: HashSet<Vec<u8>>,
+    bytes: u64,
+}
+
+impl Kept {
+    fn charge(&mut self, name: &[u8]) -> Result<(), TreeError> {
+        self.bytes += name.len() as u64 + KEPT_OVERHEAD;
+        if self.bytes > MAX_NAMES_KEPT {
+            return Err(err(
+                b"archive",
+                format!("more than {MAX_NAMES_KEPT} bytes of names"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn mark_made(&mut self, name: &[u8]) -> Result<(), TreeError> {
+        if !self.made.contains(name) {
+            self.charge(name)?;
+            self.made.insert(name.to_vec());
+        }
+        Ok(())
+    }
+
+    fn dir_mode(&mut self, name: Vec<u8>, mode: u32) -> Result<(), TreeError> {
+        if let Some(m) = self.dir_modes.get_mut(&name) {
+            *m = mode;
+            return Ok(());
+        }
+        self.charge(&name)?;
+        self.dir_modes.insert(name, mode);
+        Ok(())
+    }
 }
 
 /// Largest GNU long name or long link record read (a name is at most [`tree::MAX_NAME`]).
 const MAX_LONG_NAME: u64 = tree::MAX_NAME as u64 + 1;
 /// Largest PAX extended header read (names, owners, times, extended attributes).
 const MAX_PAX: u64 = 1 << 20;
-/// Most bytes of entry names one archive may make the unpacker keep in memory.
+/// Most bytes of entry names (with [`KEPT_OVERHEAD`] each) one archive may make the
+/// unpacker keep in memory.
 const MAX_NAMES_KEPT: u64 = 256 << 20;
 
 /// An entry's name, link target and owner after its extension records.
@@ -470,6 +544,9 @@ mod tests {
             keep_owner: true,
             keep_sticky: true,
             whiteouts: true,
+            mode_mask: 0,
+            dir_mode_set: 0,
+            only_in: None,
         }
     }
 
@@ -593,6 +670,39 @@ mod tests {
             self.taken.set(self.taken.get() + n as u64);
             Ok(n)
         }
+    }
+
+    /// A modification time past what the host's clock type holds (a GNU base-256 field can
+    /// say 2^64 - 1 seconds) is not kept; before, adding it to the epoch panicked on input.
+    #[test]
+    fn test_unpack_absurd_modification_time_is_dropped_not_a_panic() {
+        let dst = tempfile::tempdir().expect("dst");
+        let a = archive(|b| {
+            let mut h = header(tar::EntryType::Regular, 1, 0o644);
+            h.set_mtime(u64::MAX);
+            b.append_data(&mut h, "late", &b"x"[..]).expect("late");
+            let mut h = header(tar::EntryType::Regular, 1, 0o644);
+            h.set_mtime(1_000_000);
+            b.append_data(&mut h, "dated", &b"y"[..]).expect("dated");
+        });
+        assert_eq!(
+            tar::Archive::new(&a[..])
+                .entries()
+                .expect("entries")
+                .next()
+                .expect("first")
+                .expect("entry")
+                .header()
+                .mtime()
+                .expect("mtime"),
+            u64::MAX,
+            "the archive carries the absurd time"
+        );
+        let got = run(&a, dst.path()).expect("unpack");
+        assert_eq!(got.files, 2);
+        assert_eq!(std::fs::read(dst.path().join("late")).expect("late"), b"x");
+        let dated = std::fs::metadata(dst.path().join("dated")).expect("dated");
+        assert_eq!(dated.mtime(), 1_000_000);
     }
 
     #[test]
