@@ -196,7 +196,11 @@ impl Link<'_> {
         }
         .await;
         if let Err(e) = r {
-            eprintln!("warren: cancelling the job failed: {e:#}");
+            // The service's refusal may quote the guest: escaped (no `--raw` reaches here).
+            eprintln!(
+                "{}",
+                crate::term::Term::new(false).failure("cancelling the job failed", &e)
+            );
         }
     }
 

@@ -76,7 +76,10 @@ pub async fn attach(
     if ok {
         Ok(0)
     } else {
-        eprintln!("warren: stream closed: {reason}");
+        eprintln!(
+            "{}",
+            crate::term::Term::new(cli.raw).failure("stream closed", &reason)
+        );
         Ok(1)
     }
 }
@@ -105,6 +108,7 @@ pub async fn port_forward(cli: &Cli, service: &ServiceArgs, vm: &str, spec: &str
     println!("{addr}");
     let _ = std::io::stdout().flush();
     eprintln!("warren: forwarding {addr} to port {guest} of VM {vm}; Ctrl-C stops");
+    let term = crate::term::Term::new(cli.raw);
     loop {
         let (conn, peer) = tokio::select! {
             r = listener.accept() => r?,
@@ -114,7 +118,7 @@ pub async fn port_forward(cli: &Cli, service: &ServiceArgs, vm: &str, spec: &str
         let vm = vm.to_string();
         tokio::spawn(async move {
             if let Err(e) = forward_one(&opener, &vm, guest, conn).await {
-                eprintln!("warren: connection from {peer}: {e:#}");
+                eprintln!("{}", term.failure(&format!("connection from {peer}"), &e));
             }
         });
     }

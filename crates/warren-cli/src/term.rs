@@ -105,11 +105,37 @@ impl Term {
     pub fn warn(&self, m: &str) {
         eprintln!("warning: {}", self.text(m));
     }
+
+    /// The line `warren: <what>: <e>` for an error a command reports and goes on (a
+    /// port-forward connection that failed, a stream that closed badly): `e` may quote the
+    /// guest (its refusal of a stream, a failed guest end), so it is text like any error
+    /// `main` prints.
+    pub fn failure(&self, what: &str, e: &dyn std::fmt::Display) -> String {
+        format!("warren: {what}: {}", self.text(&format!("{e:#}")))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A failure a command reports and survives (`warren port-forward`'s per-connection
+    /// line, `warren attach`'s close reason) quotes the guest's refusal escaped; before, those
+    /// lines were printed raw, so a guest answering a stream with an error holding ESC and OSC
+    /// sequences drove the user's terminal. `--raw` prints it as it is.
+    #[test]
+    fn test_failure_lines_escape_the_guest_text_they_quote() {
+        let guest = "nothing listens\u{1b}]0;owned\u{7}\u{1b}[2J\u{9b}31m";
+        let e = anyhow::anyhow!("{guest}").context("opening the stream");
+        let line = Term::new(false).failure("connection from 127.0.0.1:5", &e);
+        assert!(!line.chars().any(char::is_control), "{line:?}");
+        assert!(
+            line.contains("opening the stream: nothing listens\\u{1b}]0;owned"),
+            "{line}"
+        );
+        let raw = Term::new(true).failure("connection from 127.0.0.1:5", &e);
+        assert!(raw.contains('\u{1b}'), "{raw:?}");
+    }
 
     /// Every control character, in each shape: C0, DEL and C1 escaped unless kept.
     #[test]

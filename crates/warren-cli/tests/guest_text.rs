@@ -261,3 +261,70 @@ fn test_output_into_a_closed_pipe_ends_quietly() {
         "{out:?}"
     );
 }
+
+/// A guest refuses a stream with an error message holding ESC, OSC and CSI (its agent
+/// answers the open with any `GuestError`; the service passes the message on as its
+/// refusal's JSON). `warren port-forward` reports each failed connection and goes on, and
+/// printed that line raw: the guest retitled and cleared the user's terminal. A stand-in
+/// service on a UNIX socket plays the refusal (no VM); control: `--raw` prints it raw.
+#[test]
+fn test_port_forward_connection_failures_reach_the_terminal_escaped() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let dir = tempfile::tempdir().expect("tmp");
+    let sock = dir.path().join("warrend.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind");
+    let message = "nothing listens\u{1b}]0;OWNED\u{7}\u{1b}[2J\u{9b}31mred";
+    let body = serde_json::json!({"error": {"code": "not_found", "message": message}}).to_string();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut c) = conn else { return };
+            let mut head = Vec::new();
+            let mut b = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && c.read(&mut b).map(|n| n == 1).unwrap_or(false) {
+                head.push(b[0]);
+            }
+            let _ = write!(
+                c,
+                "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    for raw in [false, true] {
+        let mut args = vec!["--socket", sock.to_str().expect("utf-8"), "port-forward"];
+        if raw {
+            args.insert(0, "--raw");
+        }
+        args.extend(["vm-x", "0:80"]);
+        let mut child = std::process::Command::new(common::WARREN)
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("warren port-forward");
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut addr = String::new();
+        out.read_line(&mut addr).expect("address");
+        let conn = std::net::TcpStream::connect(addr.trim()).expect("connect");
+        let mut err = BufReader::new(child.stderr.take().expect("stderr"));
+        let mut line = String::new();
+        while !line.contains("connection from") {
+            line.clear();
+            assert!(
+                err.read_line(&mut line).expect("stderr") > 0,
+                "no failure line"
+            );
+        }
+        drop(conn);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(line.contains("nothing listens"), "{line:?}");
+        if raw {
+            assert!(line.contains('\u{1b}'), "--raw: {line:?}");
+        } else {
+            assert_no_raw_controls(&line, false, "port-forward failure");
+            assert!(line.contains(r"\u{1b}]0;OWNED\u{7}"), "{line:?}");
+        }
+    }
+}
