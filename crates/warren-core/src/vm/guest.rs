@@ -101,13 +101,10 @@ impl Warren {
         id: &str,
         req: JobOutputRequest,
     ) -> Result<JobOutput, CoreError> {
-        match self
-            .awake_client(id)
-            .await?
-            .guest(HostRequest::JobOutput(req))
-            .await?
-        {
-            GuestResponse::JobOutput(o) => Ok(o),
+        let started = tokio::time::Instant::now();
+        let client = self.awake_client(id).await?;
+        match client.guest(HostRequest::JobOutput(req.clone())).await? {
+            GuestResponse::JobOutput(o) => Ok(paced(&req, o, started).await),
             _ => Err(unexpected()),
         }
     }
@@ -121,13 +118,15 @@ impl Warren {
         req: JobOutputRequest,
         release: (u64, u64),
     ) -> Result<JobOutput, CoreError> {
+        let started = tokio::time::Instant::now();
+        let read = req.clone();
         let req = HostRequest::JobOutputAcked(warren_protocol::JobOutputAcked {
             read: req,
             release_stdout: release.0,
             release_stderr: release.1,
         });
         match self.awake_client(id).await?.guest(req).await? {
-            GuestResponse::JobOutput(o) => Ok(o),
+            GuestResponse::JobOutput(o) => Ok(paced(&read, o, started).await),
             _ => Err(unexpected()),
         }
     }
@@ -260,6 +259,42 @@ pub(super) fn bounded_jobs(
     list
 }
 
+/// Least time an output read that asked to wait takes when the guest answers it early with
+/// nothing (see [`paced`]).
+const EMPTY_READ_HOLD: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Whether `o` is an answer a well-behaved agent gives to `req` only once its wait is over
+/// (or never): no bytes while the job runs and the reader is caught up (the agent waits for
+/// output or the end), or no bytes although the job retains some past a cursor that asked
+/// for bytes (the agent sends what lies past the cursor).
+fn nothing_for_the_wait(req: &JobOutputRequest, o: &JobOutput) -> bool {
+    if !o.stdout.is_empty() || !o.stderr.is_empty() {
+        return false;
+    }
+    let caught_up =
+        o.stdout_retained <= req.stdout_cursor && o.stderr_retained <= req.stderr_cursor;
+    let running = matches!(o.state, warren_protocol::JobState::Running);
+    if req.max_bytes == 0 {
+        running && caught_up
+    } else {
+        running || !caught_up
+    }
+}
+
+/// `o`, held until [`EMPTY_READ_HOLD`] (at most the read's wait) after `started` when the
+/// guest answered a waiting read early with nothing: every host loop that follows a job's
+/// output (the service's exec page and output streams, `vm exec` in the CLI) long-polls
+/// through here, and a guest answering such reads at once would make each of them spin,
+/// thousands of round trips a second through the supervisor. A well-behaved agent answers
+/// early only with news, so this costs it nothing.
+async fn paced(req: &JobOutputRequest, o: JobOutput, started: tokio::time::Instant) -> JobOutput {
+    if req.wait_ms > 0 && nothing_for_the_wait(req, &o) {
+        let wait = std::time::Duration::from_millis(u64::from(req.wait_ms));
+        tokio::time::sleep_until(started + EMPTY_READ_HOLD.min(wait)).await;
+    }
+    o
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -338,6 +373,96 @@ mod tests {
         let got = w.exec_broker(id, start()).await.expect("started");
         server.await.expect("server");
         assert_eq!(got, (JobId(7), None), "the job's boot is not the VM's now");
+    }
+
+    /// A stand-in supervisor for VM `id` answering every job output read at once with
+    /// `answer`; counts the reads.
+    async fn supervisor_answering_reads(
+        w: &crate::Warren,
+        id: &str,
+        answer: JobOutput,
+    ) -> std::sync::Arc<std::sync::atomic::AtomicU64> {
+        use warren_supervisor::proto::{read_frame, write_frame, Reply, SupervisorRequest};
+        let listener = tokio::net::UnixListener::bind(w.vm_dir(id).socket()).expect("bind");
+        let reads = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = reads.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let (answer, counted) = (answer.clone(), counted.clone());
+                tokio::spawn(async move {
+                    while let Ok(req) = read_frame::<_, SupervisorRequest>(&mut s).await {
+                        assert!(
+                            matches!(req, SupervisorRequest::Guest(HostRequest::JobOutput(_))),
+                            "{req:?}"
+                        );
+                        counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        let reply: Reply = Ok(warren_supervisor::SupervisorResponse::Guest(
+                            GuestResponse::JobOutput(answer.clone()),
+                        ));
+                        if write_frame(&mut s, &reply).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        reads
+    }
+
+    /// A guest that answers waiting output reads at once with nothing (the job "running",
+    /// nothing past the cursor; or bytes claimed past the cursor but none sent) made every
+    /// host loop that follows a job spin: the service's exec page, its output streams and
+    /// `vm exec` read thousands of times a second through the supervisor. Such an answer is
+    /// now held for 100 ms (at most the read's wait). Control: answers with bytes are not
+    /// held, and a read that does not wait is answered at once.
+    #[tokio::test]
+    async fn test_guest_answering_waiting_reads_at_once_with_nothing_is_paced() {
+        let id = "vm-0123456789ab";
+        let req = |cursor: u64, wait_ms: u32| JobOutputRequest {
+            job: JobId(3),
+            stdout_cursor: cursor,
+            stderr_cursor: 0,
+            max_bytes: 4096,
+            wait_ms,
+        };
+        let answer = |data: &[u8], retained: u64| JobOutput {
+            stdout: data.to_vec(),
+            stderr: Vec::new(),
+            stdout_retained: retained,
+            stderr_retained: 0,
+            state: JobState::Running,
+            truncated: false,
+            output_complete: false,
+            background_processes: 0,
+        };
+        async fn follow(w: &crate::Warren, id: &str, req: JobOutputRequest) {
+            let started = std::time::Instant::now();
+            while started.elapsed() < std::time::Duration::from_millis(500) {
+                w.job_output(id, req.clone()).await.expect("read");
+            }
+        }
+        let reads = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::SeqCst);
+        for (what, data, retained) in [
+            ("caught up", &b""[..], 10),
+            ("bytes claimed, none sent", &b""[..], u64::MAX),
+        ] {
+            let (_state, w, _supervisor) = engine_with_vm(id);
+            let n = supervisor_answering_reads(&w, id, answer(data, retained)).await;
+            follow(&w, id, req(10, 5000)).await;
+            assert!(reads(&n) <= 6, "{what}: {} reads in 0.5 s", reads(&n));
+            // Control: a read that does not wait is the caller's to pace.
+            let before = reads(&n);
+            follow(&w, id, req(10, 0)).await;
+            assert!(reads(&n) - before > 20, "{what}: no-wait reads were held");
+        }
+        let (_state, w, _supervisor) = engine_with_vm(id);
+        let n = supervisor_answering_reads(&w, id, answer(b"x", 11)).await;
+        follow(&w, id, req(10, 5000)).await;
+        assert!(
+            reads(&n) > 20,
+            "answers with bytes were held: {}",
+            reads(&n)
+        );
     }
 
     #[test]
