@@ -272,8 +272,11 @@ pub(crate) async fn download(opener: &Opener, vm: &str, path: &str, to: &Path) -
     if std::fs::symlink_metadata(&dest).is_ok() {
         bail!("{} exists; remove it or copy elsewhere", dest.display());
     }
+    // Installed before anything is written: a copy stopped by a signal (the guest may send
+    // without end) removes what it made instead of leaving it in `to`.
+    let stop = stopped()?;
     let staging = tempdir_in(to)?;
-    let result = download_into(opener, vm, path, &name, &staging).await;
+    let result = download_into(opener, vm, path, &name, &staging, stop).await;
     let moved = result.and_then(|n| {
         nix::fcntl::renameat2(
             nix::fcntl::AT_FDCWD,
@@ -308,6 +311,7 @@ async fn download_into(
     path: &str,
     name: &std::ffi::OsStr,
     staging: &Path,
+    stop: impl std::future::Future<Output = Stopped>,
 ) -> Result<crate::copy::Unpacked> {
     let (mut tx, mut rx) = opener
         .open(vm, &StreamTarget::TarCreate { path: path.into() })
@@ -336,8 +340,13 @@ async fn download_into(
     let received = async {
         let mut unpacker_done = false;
         let mut dropped = 0u64;
+        tokio::pin!(stop);
         loop {
-            match rx.next().await? {
+            let next = tokio::select! {
+                next = rx.next() => next?,
+                why = &mut stop => return Err(why.into()),
+            };
+            match next {
                 Chunk::Data(d) => {
                     progress.inc(d.len() as u64);
                     if unpacker_done {
@@ -364,12 +373,51 @@ async fn download_into(
     };
     let received = received.await;
     drop(chunks_tx);
+    // Waited for even when stopped, so nothing writes in the staging directory once it is
+    // removed.
     let unpacked = unpacker.await.map_err(|e| anyhow!("unpacking: {e}"))?;
-    // The unpacker's own error says why it stopped taking data; report that one first.
-    let unpacked = unpacked?;
-    received?;
-    progress.finish(None);
-    Ok(unpacked)
+    match received {
+        Err(e) if e.is::<Stopped>() => Err(e),
+        received => {
+            // The unpacker's own error says why it stopped taking data; report that one
+            // first.
+            let unpacked = unpacked?;
+            received?;
+            progress.finish(None);
+            Ok(unpacked)
+        }
+    }
+}
+
+/// A copy stopped by a signal.
+#[derive(Debug)]
+pub(crate) struct Stopped(&'static str);
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: the copy was stopped and nothing of it was kept",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for Stopped {}
+
+/// Resolves at the first SIGINT, SIGTERM or SIGHUP (their handlers installed now).
+fn stopped() -> Result<impl std::future::Future<Output = Stopped>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut int = signal(SignalKind::interrupt()).context("installing a signal handler")?;
+    let mut term = signal(SignalKind::terminate()).context("installing a signal handler")?;
+    let mut hup = signal(SignalKind::hangup()).context("installing a signal handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = int.recv() => Stopped("interrupted"),
+            _ = term.recv() => Stopped("terminated"),
+            _ = hup.recv() => Stopped("hung up"),
+        }
+    })
 }
 
 /// A private directory in `parent` for a copy being made.
