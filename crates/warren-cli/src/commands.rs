@@ -898,7 +898,7 @@ pub(crate) async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> 
                 return Ok(EXIT_TIMEOUT);
             }
             if let Some(sig) = x.signal {
-                return Ok(128 + sig);
+                return Ok(warren_core::interactive::signal_exit(i64::from(sig)));
             }
             return Ok(x.code.unwrap_or(EXIT_WARREN_ERROR));
         }

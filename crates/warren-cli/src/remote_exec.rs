@@ -391,7 +391,7 @@ fn exit_of(text: &str) -> Result<i32> {
         return Ok(EXIT_TIMEOUT);
     }
     if let Some(sig) = v["signal"].as_i64() {
-        return Ok(128 + sig as i32);
+        return Ok(warren_core::interactive::signal_exit(sig));
     }
     Ok(v["exit_code"]
         .as_i64()
@@ -419,6 +419,10 @@ mod tests {
             exit_of(&ev(r#""exit_code":null"#)).expect("none"),
             EXIT_WARREN_ERROR
         );
+        for hostile in ["2147483647", "1099511627776", "128", "-1"] {
+            let e = ev(&format!(r#""exit_code":null,"signal":{hostile}"#));
+            assert_eq!(exit_of(&e).expect("sig"), EXIT_WARREN_ERROR, "{hostile}");
+        }
         assert!(exit_of(r#"{"event":"other"}"#).is_err());
         assert!(exit_of("not json").is_err());
     }

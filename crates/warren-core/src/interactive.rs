@@ -74,9 +74,20 @@ pub fn exit_code(x: &JobExit) -> i32 {
         return EXIT_TIMEOUT;
     }
     if let Some(sig) = x.signal {
-        return 128 + sig;
+        return signal_exit(i64::from(sig));
     }
     x.code.unwrap_or(EXIT_UNKNOWN)
+}
+
+/// 128+N for a job killed by signal N, as a shell says it. The guest names the signal: a
+/// number no signal has (Linux's are 1..=64) is [`EXIT_UNKNOWN`] rather than an overflow
+/// (a panic in a debug build) or a sum that wraps to another exit status (128 + 128 is
+/// status 0).
+pub fn signal_exit(sig: i64) -> i32 {
+    match sig {
+        1..=64 => 128 + sig as i32,
+        _ => EXIT_UNKNOWN,
+    }
 }
 
 /// Whether this process's stdin is a terminal (`warren run` picks `tty` from it).
@@ -447,6 +458,12 @@ mod tests {
         assert_eq!(exit_code(&x(None, Some(2), false)), 130);
         assert_eq!(exit_code(&x(None, Some(9), true)), EXIT_TIMEOUT);
         assert_eq!(exit_code(&x(None, None, false)), EXIT_UNKNOWN);
+        assert_eq!(exit_code(&x(None, Some(64), false)), 192);
+        // The guest names the signal: no number it sends overflows (a debug build panicked
+        // at i32::MAX) or wraps to another status (128 + 128 is exit status 0).
+        for hostile in [i32::MAX, i32::MIN, 128, 0, -130] {
+            assert_eq!(exit_code(&x(None, Some(hostile), false)), EXIT_UNKNOWN);
+        }
     }
 
     #[test]
