@@ -849,7 +849,7 @@ pub(crate) async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> 
     // The retained sizes when the job was first seen finished: where the stream ends.
     let mut end: Option<Cursor> = None;
     let mut interrupted = false;
-    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+    let mut ctrl_c = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     loop {
         let req = JobOutputRequest {
             job,
@@ -860,7 +860,13 @@ pub(crate) async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> 
         };
         let out = tokio::select! {
             r = w.job_output(vm, req) => r?,
-            _ = &mut ctrl_c, if !interrupted => {
+            // The first Ctrl-C cancels the job and waits for its end; a second leaves at
+            // once (a guest that never reports the end holds nobody).
+            Some(()) = ctrl_c.recv() => {
+                if interrupted {
+                    eprintln!("warren: left without waiting for the cancelled job to end");
+                    return Ok(128 + nix::libc::SIGINT);
+                }
                 interrupted = true;
                 w.job_cancel(vm, job).await?;
                 continue;

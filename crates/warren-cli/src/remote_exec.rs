@@ -168,6 +168,8 @@ enum Ended {
     Exit(i32),
     /// The connection broke; worth reconnecting.
     Broken(String),
+    /// A second signal: leave without waiting for the cancelled job's end (this exit code).
+    Left(i32),
 }
 
 impl Link<'_> {
@@ -311,15 +313,26 @@ impl Link<'_> {
                         let msg = json!({"resize": {"rows": size.rows, "cols": size.cols}});
                         let _ = ws.send(Message::Text(msg.to_string().into())).await;
                     }
-                    Some(()) = term.recv(), if ended_by.is_none() => {
+                    // The first signal cancels the job and waits for its end; a second
+                    // leaves at once (a guest that never reports the end holds nobody).
+                    Some(()) = term.recv() => {
+                        if ended_by.is_some() {
+                            break Ok(Ended::Left(128 + nix::libc::SIGTERM));
+                        }
                         ended_by = Some(nix::libc::SIGTERM);
                         self.cancel().await;
                     }
-                    Some(()) = hup.recv(), if ended_by.is_none() => {
+                    Some(()) = hup.recv() => {
+                        if ended_by.is_some() {
+                            break Ok(Ended::Left(128 + nix::libc::SIGHUP));
+                        }
                         ended_by = Some(nix::libc::SIGHUP);
                         self.cancel().await;
                     }
-                    Some(()) = int.recv(), if ended_by.is_none() && !local_tty => {
+                    Some(()) = int.recv(), if !local_tty => {
+                        if ended_by.is_some() {
+                            break Ok(Ended::Left(128 + nix::libc::SIGINT));
+                        }
                         ended_by = Some(nix::libc::SIGINT);
                         self.cancel().await;
                     }
@@ -332,6 +345,11 @@ impl Link<'_> {
                         (Some(s), Mode::Pipe | Mode::Tty) => 128 + s,
                         _ => code,
                     });
+                }
+                Ok(Ended::Left(code)) => {
+                    let _ = ws.close(None).await;
+                    eprintln!("warren: left without waiting for the cancelled job to end");
+                    break Ok(code);
                 }
                 Ok(Ended::Broken(why)) => {
                     tracing::debug!(reason = %why, "job stream broke; reconnecting");

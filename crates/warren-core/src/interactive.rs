@@ -32,7 +32,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 use warren_protocol::limits::{MAX_INPUT_CHUNK, MAX_READ_PER_STREAM};
 use warren_protocol::{
-    ExecInteractive, ExecStart, GuestResponse, HostRequest, JobExit, JobId, JobInput,
+    ExecInteractive, ExecStart, GuestResponse, HostRequest, JobExit, JobId, JobInput, JobOutput,
     JobOutputRequest, JobResize, JobState, WindowSize,
 };
 use warren_supervisor::SupervisorClient;
@@ -379,20 +379,26 @@ impl Warren {
                 max_bytes: MAX_READ_PER_STREAM,
                 wait_ms: OUTPUT_WAIT_MS,
             };
-            let out = tokio::select! {
-                r = self.job_output(id, req) => r?,
-                Some(()) = term.recv(), if ended_by.is_none() => {
-                    ended_by = Some(Signal::SIGTERM as i32);
-                    self.job_cancel(id, job).await?;
-                    continue;
+            // The first signal cancels the job and waits for its end; a second leaves at
+            // once (a guest that never reports the end holds nobody).
+            enum Next {
+                Read(JobOutput),
+                Signalled(Signal),
+            }
+            let next = tokio::select! {
+                r = self.job_output(id, req) => Next::Read(r?),
+                Some(()) = term.recv() => Next::Signalled(Signal::SIGTERM),
+                Some(()) = hup.recv() => Next::Signalled(Signal::SIGHUP),
+                Some(()) = int.recv() => Next::Signalled(Signal::SIGINT),
+            };
+            let out = match next {
+                Next::Read(out) => out,
+                Next::Signalled(sig) if ended_by.is_some() => {
+                    tracing::warn!("left without waiting for the cancelled job to end");
+                    return Ok(128 + sig as i32);
                 }
-                Some(()) = hup.recv(), if ended_by.is_none() => {
-                    ended_by = Some(Signal::SIGHUP as i32);
-                    self.job_cancel(id, job).await?;
-                    continue;
-                }
-                Some(()) = int.recv(), if ended_by.is_none() => {
-                    ended_by = Some(Signal::SIGINT as i32);
+                Next::Signalled(sig) => {
+                    ended_by = Some(sig as i32);
                     self.job_cancel(id, job).await?;
                     continue;
                 }

@@ -1,0 +1,282 @@
+//! CLI commands against a stand-in service on a UNIX socket (`--socket`) that plays what a
+//! hostile guest makes the service answer, without a VM: `vm cp VM:path DIR` receiving a
+//! copy without end, `vm exec` following a job whose end never comes. The unpacker's own
+//! rules are tested beside them (`warren-cli` `copy::tests`, `warren-image`
+//! `unpack::tests`).
+
+mod common;
+
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::SinkExt;
+use tokio_tungstenite::tungstenite::Message;
+
+/// Serves every connection on `sock` as a copy out of the guest: a tar header of one file
+/// `big/f` claiming `claimed` bytes, then zeros in 256 KiB messages for as long as the
+/// client takes them (a guest sends without end). Returns how many bytes were sent.
+fn endless_copy(sock: &Path, claimed: u64) -> std::sync::Arc<std::sync::atomic::AtomicU64> {
+    let listener = std::os::unix::net::UnixListener::bind(sock).expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counted = sent.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::UnixListener::from_std(listener).expect("listener");
+            while let Ok((conn, _)) = listener.accept().await {
+                let counted = counted.clone();
+                tokio::spawn(async move {
+                    let Ok(mut ws) = tokio_tungstenite::accept_async(conn).await else {
+                        return;
+                    };
+                    let mut h = tar::Header::new_gnu();
+                    h.set_entry_type(tar::EntryType::Regular);
+                    h.set_size(claimed);
+                    h.set_mode(0o644);
+                    h.set_path("big/f").expect("path");
+                    h.set_cksum();
+                    if ws
+                        .send(Message::Binary(h.as_bytes().to_vec().into()))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    let zeros = vec![0u8; 256 << 10];
+                    while ws.send(Message::Binary(zeros.clone().into())).await.is_ok() {
+                        counted.fetch_add(zeros.len() as u64, std::sync::atomic::Ordering::SeqCst);
+                    }
+                });
+            }
+        });
+    });
+    sent
+}
+
+/// Everything in `dir`, recursively, as relative paths.
+fn listing(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).expect("read_dir").flatten() {
+            let p = e.path();
+            out.push(p.strip_prefix(dir).expect("inside").display().to_string());
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                todo.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A guest that sends a copy without end: the user stops it with Ctrl-C (or the session
+/// ends: SIGTERM, SIGHUP). Before, the process died at the signal and left what it had
+/// received in a hidden `.warren-cp-*` directory of the destination, however large; now
+/// the copy stops, the staging directory is removed and the exit says so. Control: the
+/// copy was receiving (and writing) when it was stopped.
+#[test]
+fn test_a_copy_out_stopped_by_a_signal_leaves_nothing() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let sock = dir.path().join("warrend.sock");
+    let sent = endless_copy(&sock, 8 << 30);
+    let dst = dir.path().join("dst");
+    for signal in [nix::sys::signal::SIGINT, nix::sys::signal::SIGTERM] {
+        let before = sent.load(std::sync::atomic::Ordering::SeqCst);
+        let child = std::process::Command::new(common::WARREN)
+            .args(["--socket", sock.to_str().expect("utf-8"), "vm", "cp"])
+            .args(["vm-x:/data/big", dst.to_str().expect("utf-8")])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("warren vm cp");
+        // Receiving: several MiB written into the staging directory.
+        let started = Instant::now();
+        while sent.load(std::sync::atomic::Ordering::SeqCst) - before < 16 << 20 {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the copy never ran"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let staged = listing(&dst);
+        assert!(
+            staged
+                .iter()
+                .any(|p| p.starts_with(".warren-cp-") && p.ends_with("big/f")),
+            "{signal}: the copy was not being written: {staged:?}"
+        );
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        nix::sys::signal::kill(pid, signal).expect("signal");
+        let out = child.wait_with_output().expect("wait");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(listing(&dst), Vec::<String>::new(), "{signal}: left behind");
+        assert!(!out.status.success(), "{signal}: {err}");
+        assert!(err.contains("nothing of it was kept"), "{signal}: {err}");
+    }
+}
+
+/// Serves `sock` as a service whose guest starts a job and never reports its end: `vm_exec`
+/// answers job 7, `vm_job_cancel` answers ok (and is counted), the job's output WebSocket
+/// stays open and silent. Returns the counts of output streams opened and cancels.
+fn endless_job(sock: &Path) -> (Arc<AtomicU64>, Arc<AtomicU64>) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::os::unix::net::UnixListener::bind(sock).expect("bind");
+    std::fs::set_permissions(sock, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let (streams, cancels) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let (s, c) = (streams.clone(), cancels.clone());
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { return };
+            let (s, c) = (s.clone(), c.clone());
+            std::thread::spawn(move || {
+                let mut first = [0u8; 4];
+                let peeked = nix::sys::socket::recv(
+                    conn.as_raw_fd(),
+                    &mut first,
+                    nix::sys::socket::MsgFlags::MSG_PEEK,
+                );
+                if peeked.is_ok_and(|n| n == 4) && &first == b"GET " {
+                    // The job's output stream: open, and nothing ever comes.
+                    s.fetch_add(1, Ordering::SeqCst);
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("runtime");
+                    rt.block_on(async move {
+                        conn.set_nonblocking(true).expect("nonblocking");
+                        let conn = tokio::net::UnixStream::from_std(conn).expect("conn");
+                        let Ok(mut ws) = tokio_tungstenite::accept_async(conn).await else {
+                            return;
+                        };
+                        while let Some(Ok(_)) = futures_util::StreamExt::next(&mut ws).await {}
+                    });
+                    return;
+                }
+                // Tool calls, one after another on a kept-alive connection.
+                let mut r = BufReader::new(conn);
+                loop {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let tool = line.split(' ').nth(1).unwrap_or("").to_string();
+                    let mut len = 0usize;
+                    loop {
+                        let mut h = String::new();
+                        if r.read_line(&mut h).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let h = h.trim_end().to_ascii_lowercase();
+                        if h.is_empty() {
+                            break;
+                        }
+                        if let Some(v) = h.strip_prefix("content-length:") {
+                            len = v.trim().parse().unwrap_or(0);
+                        }
+                    }
+                    let mut body = vec![0u8; len];
+                    if r.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let answer = if tool.ends_with("/vm_exec") {
+                        r#"{"job_id":"7"}"#
+                    } else {
+                        c.fetch_add(1, Ordering::SeqCst);
+                        r#"{"job_id":"7","cancelled":true}"#
+                    };
+                    let reply = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                         content-length: {}\r\n\r\n{answer}",
+                        answer.len()
+                    );
+                    if r.get_mut().write_all(reply.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (streams, cancels)
+}
+
+/// Waits until `f` holds, at most 30 s.
+fn wait_for(what: &str, f: impl Fn() -> bool) {
+    let started = Instant::now();
+    while !f() {
+        assert!(started.elapsed() < Duration::from_secs(30), "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A guest that never reports the end of a job it was told to cancel held `vm exec`
+/// forever: the first Ctrl-C (or SIGTERM, SIGHUP) cancels the job and waits for its end,
+/// which is right, but every later signal was swallowed, so only SIGKILL (or SIGQUIT) got
+/// the user's terminal back. Now a second signal leaves at once with 128+N. Control: after
+/// the first signal the CLI cancelled the job and is still waiting for its end. The CLI
+/// runs as `nobody` (a non-root caller of the service, as the CLI is for its users).
+#[test]
+fn test_vm_exec_leaves_at_a_second_signal_when_the_job_never_ends() {
+    let dir = tempfile::tempdir().expect("tmp");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let sock = dir.path().join("warrend.sock");
+    let (streams, cancels) = endless_job(&sock);
+    for signal in [nix::sys::signal::SIGINT, nix::sys::signal::SIGTERM] {
+        let (s0, c0) = (
+            streams.load(Ordering::SeqCst),
+            cancels.load(Ordering::SeqCst),
+        );
+        let mut child = std::process::Command::new(common::WARREN)
+            .args(["--socket", sock.to_str().expect("utf-8")])
+            .args(["vm", "exec", "vm-x", "--", "sleep", "infinity"])
+            .uid(65534)
+            .gid(65534)
+            .env("HOME", "/nonexistent")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("warren vm exec");
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        wait_for("the output stream opened", || {
+            streams.load(Ordering::SeqCst) > s0
+        });
+        nix::sys::signal::kill(pid, signal).expect("first signal");
+        wait_for("the job cancelled", || cancels.load(Ordering::SeqCst) > c0);
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            child.try_wait().expect("wait").is_none(),
+            "{signal}: the first signal waits for the job's end"
+        );
+        nix::sys::signal::kill(pid, signal).expect("second signal");
+        let started = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().expect("wait") {
+                break Some(s);
+            }
+            if started.elapsed() > Duration::from_secs(10) {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        if let Some(mut e) = child.stderr.take() {
+            let _ = e.read_to_string(&mut err);
+        }
+        let status = status
+            .unwrap_or_else(|| panic!("{signal}: still waiting after a second signal: {err}"));
+        assert_eq!(status.code(), Some(128 + signal as i32), "{signal}: {err}");
+    }
+}
