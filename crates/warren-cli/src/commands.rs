@@ -848,7 +848,8 @@ pub(crate) async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> 
     let mut cursor = Cursor::default();
     // The retained sizes when the job was first seen finished: where the stream ends.
     let mut end: Option<Cursor> = None;
-    let mut interrupted = false;
+    // Set by the first Ctrl-C (which cancels the job): how long its end is waited for.
+    let mut grace: Option<tokio::time::Instant> = None;
     let mut ctrl_c = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     loop {
         let req = JobOutputRequest {
@@ -863,13 +864,17 @@ pub(crate) async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> 
             // The first Ctrl-C cancels the job and waits for its end; a second leaves at
             // once (a guest that never reports the end holds nobody).
             Some(()) = ctrl_c.recv() => {
-                if interrupted {
+                if grace.is_some() {
                     eprintln!("warren: left without waiting for the cancelled job to end");
                     return Ok(128 + nix::libc::SIGINT);
                 }
-                interrupted = true;
+                grace = Some(tokio::time::Instant::now() + warren_core::interactive::CANCEL_GRACE);
                 w.job_cancel(vm, job).await?;
                 continue;
+            }
+            () = warren_core::interactive::grace_over(grace) => {
+                eprintln!("warren: the cancelled job did not end in time; left it");
+                return Ok(128 + nix::libc::SIGINT);
             }
         };
         if matches!(out.state, JobState::Finished(_)) && end.is_none() {

@@ -26,7 +26,9 @@ use serde_json::{json, Value};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::Message;
-use warren_core::interactive::{local_window_size, spawn_stdin_reader, stdin_is_terminal, RawMode};
+use warren_core::interactive::{
+    grace_over, local_window_size, spawn_stdin_reader, stdin_is_terminal, RawMode, CANCEL_GRACE,
+};
 use warren_protocol::limits::MAX_STDIN_BYTES;
 
 use crate::commands::{EXIT_TIMEOUT, EXIT_WARREN_ERROR};
@@ -168,7 +170,8 @@ enum Ended {
     Exit(i32),
     /// The connection broke; worth reconnecting.
     Broken(String),
-    /// A second signal: leave without waiting for the cancelled job's end (this exit code).
+    /// A second signal, or the cancelled job's end did not come within [`CANCEL_GRACE`]:
+    /// leave without waiting for it (this exit code).
     Left(i32),
 }
 
@@ -231,6 +234,8 @@ impl Link<'_> {
         let mut winch = sig(SignalKind::window_change())?;
         let mut at = Cursors::default();
         let mut ended_by: Option<i32> = None;
+        // Set by the first signal (which cancels the job): how long its end is waited for.
+        let mut grace: Option<tokio::time::Instant> = None;
         let mut broken_since: Option<Instant> = None;
         let mut pause = Duration::from_millis(100);
         let result = loop {
@@ -320,6 +325,7 @@ impl Link<'_> {
                             break Ok(Ended::Left(128 + nix::libc::SIGTERM));
                         }
                         ended_by = Some(nix::libc::SIGTERM);
+                        grace = Some(tokio::time::Instant::now() + CANCEL_GRACE);
                         self.cancel().await;
                     }
                     Some(()) = hup.recv() => {
@@ -327,13 +333,18 @@ impl Link<'_> {
                             break Ok(Ended::Left(128 + nix::libc::SIGHUP));
                         }
                         ended_by = Some(nix::libc::SIGHUP);
+                        grace = Some(tokio::time::Instant::now() + CANCEL_GRACE);
                         self.cancel().await;
+                    }
+                    () = grace_over(grace) => {
+                        break Ok(Ended::Left(128 + ended_by.unwrap_or(nix::libc::SIGTERM)));
                     }
                     Some(()) = int.recv(), if !local_tty => {
                         if ended_by.is_some() {
                             break Ok(Ended::Left(128 + nix::libc::SIGINT));
                         }
                         ended_by = Some(nix::libc::SIGINT);
+                        grace = Some(tokio::time::Instant::now() + CANCEL_GRACE);
                         self.cancel().await;
                     }
                 }

@@ -222,11 +222,13 @@ fn wait_for(what: &str, f: impl Fn() -> bool) {
 /// A guest that never reports the end of a job it was told to cancel held `vm exec`
 /// forever: the first Ctrl-C (or SIGTERM, SIGHUP) cancels the job and waits for its end,
 /// which is right, but every later signal was swallowed, so only SIGKILL (or SIGQUIT) got
-/// the user's terminal back. Now a second signal leaves at once with 128+N. Control: after
-/// the first signal the CLI cancelled the job and is still waiting for its end. The CLI
-/// runs as `nobody` (a non-root caller of the service, as the CLI is for its users).
+/// the user's terminal back, and after a closed terminal's one SIGHUP the CLI waited for
+/// ever. Now a second signal leaves at once with 128+N, and the end is waited for 10 s at
+/// most. Control: after the first signal the CLI cancelled the job and is still waiting
+/// for its end. The CLI runs as `nobody` (a non-root caller of the service, as the CLI is
+/// for its users).
 #[test]
-fn test_vm_exec_leaves_at_a_second_signal_when_the_job_never_ends() {
+fn test_vm_exec_leaves_a_cancelled_job_whose_end_never_comes() {
     let dir = tempfile::tempdir().expect("tmp");
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let sock = dir.path().join("warrend.sock");
@@ -279,4 +281,39 @@ fn test_vm_exec_leaves_at_a_second_signal_when_the_job_never_ends() {
             .unwrap_or_else(|| panic!("{signal}: still waiting after a second signal: {err}"));
         assert_eq!(status.code(), Some(128 + signal as i32), "{signal}: {err}");
     }
+    // One signal only (a closed terminal's SIGHUP comes once): the cancelled job's end is
+    // waited for 10 s, then the CLI leaves.
+    let c0 = cancels.load(Ordering::SeqCst);
+    let mut child = std::process::Command::new(common::WARREN)
+        .args(["--socket", sock.to_str().expect("utf-8")])
+        .args(["vm", "exec", "vm-x", "--", "sleep", "infinity"])
+        .uid(65534)
+        .gid(65534)
+        .env("HOME", "/nonexistent")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("warren vm exec");
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let s0 = streams.load(Ordering::SeqCst);
+    wait_for("the output stream opened", || {
+        streams.load(Ordering::SeqCst) > s0
+    });
+    nix::sys::signal::kill(pid, nix::sys::signal::SIGHUP).expect("hang up");
+    wait_for("the job cancelled", || cancels.load(Ordering::SeqCst) > c0);
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("still waiting 20 s after a hang-up");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let waited = started.elapsed();
+    assert_eq!(status.code(), Some(129));
+    assert!(waited >= Duration::from_secs(9), "left after {waited:?}");
 }

@@ -40,6 +40,19 @@ use warren_supervisor::SupervisorClient;
 use crate::error::CoreError;
 use crate::vm::{unexpected, Warren};
 
+/// How long a job cancelled by a signal is waited for (its last output drained) before the
+/// CLI leaves anyway: the guest reports the end, and a guest that never does must not hold
+/// the CLI (a closed terminal's SIGHUP comes once).
+pub const CANCEL_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Resolves at `deadline`, never without one.
+pub async fn grace_over(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Exit code when the job's timeout killed it (as coreutils' `timeout`).
 pub const EXIT_TIMEOUT: i32 = 124;
 /// Exit code when the job ended without an exit code or signal (should not happen).
@@ -367,6 +380,7 @@ impl Warren {
         let mut hup = sig(SignalKind::hangup())?;
         let mut int = sig(SignalKind::interrupt())?;
         let mut ended_by: Option<i32> = None;
+        let mut grace: Option<tokio::time::Instant> = None;
         let (mut out_cursor, mut err_cursor) = (0u64, 0u64);
         // The retained sizes when the job was first seen finished: the session ends there
         // (background processes it left may write on; that output stays readable).
@@ -384,12 +398,14 @@ impl Warren {
             enum Next {
                 Read(JobOutput),
                 Signalled(Signal),
+                GraceOver,
             }
             let next = tokio::select! {
                 r = self.job_output(id, req) => Next::Read(r?),
                 Some(()) = term.recv() => Next::Signalled(Signal::SIGTERM),
                 Some(()) = hup.recv() => Next::Signalled(Signal::SIGHUP),
                 Some(()) = int.recv() => Next::Signalled(Signal::SIGINT),
+                () = grace_over(grace) => Next::GraceOver,
             };
             let out = match next {
                 Next::Read(out) => out,
@@ -397,8 +413,13 @@ impl Warren {
                     tracing::warn!("left without waiting for the cancelled job to end");
                     return Ok(128 + sig as i32);
                 }
+                Next::GraceOver => {
+                    tracing::warn!("the cancelled job did not end in time; left it");
+                    return Ok(128 + ended_by.unwrap_or(Signal::SIGTERM as i32));
+                }
                 Next::Signalled(sig) => {
                     ended_by = Some(sig as i32);
+                    grace = Some(tokio::time::Instant::now() + CANCEL_GRACE);
                     self.job_cancel(id, job).await?;
                     continue;
                 }
