@@ -22,7 +22,7 @@
 //!   below and `.wh..wh..opq` empties its directory of them;
 //! - at most [`Options::max_entries`] entries and [`Options::max_bytes`] of file content;
 //!   the names kept until the end (directory modes, names for opaque whiteouts) are kept
-//!   once each and bounded with their bookkeeping ([`MAX_NAMES_KEPT`]);
+//!   once each and bounded with their bookkeeping (`MAX_NAMES_KEPT`);
 //!   GNU long names and links and PAX headers are read with limits of their own (the `tar`
 //!   crate would buffer them whole, whatever size a header claims); a PAX `size` that
 //!   disagrees with the header, and GNU sparse entries with an extended map, are **refused**.

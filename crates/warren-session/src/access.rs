@@ -1,7 +1,7 @@
 //! Whether an owner may use a host path, decided by the kernel as that owner.
 //!
 //! The path is resolved and opened on a thread with the owner's filesystem identity (its uid,
-//! its primary gid, no supplementary group: [`crate::copy`]'s `as_owner`, the identity every
+//! its primary gid, no supplementary group: `crate::copy`'s `as_owner`, the identity every
 //! later use of the path has), and the access is asked of the kernel on the opened
 //! descriptor (`faccessat2` with `AT_EACCESS | AT_EMPTY_PATH`). So ACLs, the owner's real
 //! search permission on every directory on the way and its groups are what the kernel says,
