@@ -24,6 +24,9 @@ pub struct HostPath {
     pub uid: u32,
     pub gid: u32,
     pub identity: (u64, u64),
+    /// The canonical `[[host_roots]]` entry a token holder's path was admitted under (what
+    /// everything later derived from the path must stay beneath); `None` for a local caller.
+    pub root: Option<PathBuf>,
 }
 
 /// Decides whether `p` may use `path` with `access`. A uid the user database does not know
@@ -78,8 +81,8 @@ fn authorize_with(
     let owner = warren_session::Owner { uid, gid };
     let checked = warren_session::access::check_access(owner, raw, access).map_err(|_| denied())?;
     // Resolved again as the uid: it must still be beneath the root it was admitted under.
-    if let Some(root) = root {
-        if !checked.path.starts_with(&root) {
+    if let Some(root) = &root {
+        if !checked.path.starts_with(root) {
             return Err(denied());
         }
     }
@@ -88,6 +91,7 @@ fn authorize_with(
         uid,
         gid,
         identity: checked.identity,
+        root,
     })
 }
 

@@ -73,6 +73,7 @@ pub async fn measure(w: &Warren, image: &str, n: usize) -> Result<SessionFigures
         owner: (uid, gid),
         workspace: warren_core::local_workspace(nix::unistd::geteuid().as_raw()),
         limits: Default::default(),
+        within: None,
     };
     let mut made = vec![];
     let result = async {

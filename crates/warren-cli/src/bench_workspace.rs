@@ -130,6 +130,7 @@ async fn measure(w: &Warren, args: &BenchArgs, repo: &Path) -> Result<Report> {
         owner: (uid, gid),
         workspace: warren_core::local_workspace(nix::unistd::geteuid().as_raw()),
         limits: Default::default(),
+        within: None,
     };
     let (session, vm) = w.create_session(&req, &mut |_| {}).await?;
     let id = vm.id.clone();

@@ -238,6 +238,7 @@ pub async fn session(cli: &Cli, cmd: &SessionCmd) -> Result<i32> {
                 owner: caller(),
                 workspace: ws,
                 limits: Default::default(),
+                within: None,
             };
             let (s, vm) = w.create_session(&req, &mut |m| t.warn(m)).await?;
             if *json {
@@ -450,6 +451,7 @@ pub async fn run(cli: &Cli, args: &RunArgs) -> Result<i32> {
                 owner: caller(),
                 workspace: ws,
                 limits: Default::default(),
+                within: None,
             };
             let (s, vm) = w.create_session(&req, &mut |m| t.warn(m)).await?;
             eprintln!(

@@ -18,6 +18,9 @@ pub enum CoreError {
     },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The caller may not use what it named (a repository outside its host root).
+    #[error("forbidden: {0}")]
+    Forbidden(String),
     #[error("image {0} is in use by VM {1}")]
     ImageInUse(String, String),
     #[error("quota exceeded: {0}")]
@@ -97,6 +100,7 @@ impl CoreError {
             CoreError::VmNotFound(_) => "not_found",
             CoreError::VmNotRunning { .. } => "conflict",
             CoreError::InvalidArgument(_) => "invalid_argument",
+            CoreError::Forbidden(_) => "forbidden",
             CoreError::ImageInUse(..) => "conflict",
             CoreError::BootFailed(_) => "unavailable",
             CoreError::StorageUnavailable(_) => "unavailable",

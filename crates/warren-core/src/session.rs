@@ -168,6 +168,12 @@ pub struct CreateSession {
     pub workspace: String,
     /// Admission limits for the session's VM: (host, workspace).
     pub limits: (crate::vm::Limits, crate::vm::Limits),
+    /// The canonical host root the caller named `repo` under (a token holder's
+    /// `[[host_roots]]` entry), if any: a copy's repository (its working tree's top, its git
+    /// and object directories, as the copy opened them) must lie beneath it. Git's search
+    /// for a repository walks up from `repo`, and a path component swapped after the
+    /// caller's check leads anywhere the owner can read: neither may take a copy out of it.
+    pub within: Option<PathBuf>,
 }
 
 fn owner_of(uid: u32, gid: u32) -> Option<Owner> {
@@ -334,6 +340,22 @@ impl Warren {
                     return Err(e);
                 }
             };
+            // Every directory the copy read the repository from, as opened (canonical, no
+            // symlink followed), must be beneath the caller's root.
+            if let Some(root) = &req.within {
+                let outside = [&p.source_toplevel, &p.source_git_dir, &p.source_objects]
+                    .into_iter()
+                    .any(|d| !d.starts_with(root));
+                if outside {
+                    self.discard_copy(&id, &dir, false, volume.take());
+                    // Worded as the host path check words a refusal: nothing is told about
+                    // what lies above the root.
+                    return Err(CoreError::Forbidden(format!(
+                        "host path {:?} is not available to you",
+                        req.repo.display().to_string()
+                    )));
+                }
+            }
             // The identity of the object directory prepare checked (opened beneath the source's
             // git directory, no symlink): every VM of the session must still mount that one.
             devices.objects_identity = Some(p.source_objects_identity);

@@ -78,6 +78,7 @@ impl Service {
             owner: (host.uid, host.gid),
             workspace: p.workspace.clone(),
             limits: (self.cfg.host_limits(), workspace_limits(p)),
+            within: host.root,
         };
         let (s, _vm) = self
             .warren
