@@ -41,9 +41,33 @@ pub(super) fn note_use(pointer: &Path) {
     }
 }
 
-/// Deletes the retired template `dir` unless a create holds it (`Template::pin`): the
-/// exclusive lock, held while the files go, makes a create that finds it now see it gone.
-fn remove_unpinned(dir: &Path) {
+/// The template directory names VMs' markers name (the templates their disks stand on);
+/// `None` when the VMs' directory cannot be listed (nothing may then be taken for unused).
+fn templates_in_use(state_dir: &Path) -> Option<Vec<String>> {
+    let vms = state_dir.join("vms");
+    let entries = match std::fs::read_dir(&vms) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Some(Vec::new()),
+        Err(e) => {
+            tracing::warn!(error = %e, dir = %vms.display(), "listing the VMs for templates in use");
+            return None;
+        }
+    };
+    Some(
+        entries
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join(TEMPLATE_MARKER)).ok())
+            .map(|s| s.trim().to_string())
+            .collect(),
+    )
+}
+
+/// Deletes the retired template `dir` unless a create holds it (`Template::pin`) or, once
+/// its exclusive lock is held, a VM's marker names it: the lock makes a create that finds it
+/// now see it gone, and the markers are read again under the lock because a create that held
+/// the pin while the collection first read them has written its clone's marker before
+/// letting go.
+fn remove_unpinned(state_dir: &Path, dir: &Path) {
     let name = dir.display();
     let file = match std::fs::File::open(dir) {
         Ok(f) => f,
@@ -60,6 +84,17 @@ fn remove_unpinned(dir: &Path) {
         }
         Err(std::fs::TryLockError::Error(err)) => {
             tracing::warn!(error = %err, template = %name, "locking an unused template");
+            return;
+        }
+    }
+    let dir_name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    match templates_in_use(state_dir) {
+        Some(used) if !used.contains(&dir_name) => {}
+        _ => {
+            tracing::debug!(template = %name, "a VM took the template on while it was collected; kept");
             return;
         }
     }
@@ -129,13 +164,10 @@ impl Warren {
         let Ok(entries) = std::fs::read_dir(&root) else {
             return;
         };
-        let mut used: Vec<String> = std::fs::read_dir(self.cfg.state_dir.join("vms"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| std::fs::read_to_string(e.path().join(TEMPLATE_MARKER)).ok())
-            .map(|s| s.trim().to_string())
-            .collect();
+        // Unreadable VMs: no template is known to be unused.
+        let Some(mut used) = templates_in_use(&self.cfg.state_dir) else {
+            return;
+        };
         let mut dirs = Vec::new();
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
@@ -191,7 +223,9 @@ impl Warren {
                         tracing::warn!(error = %err, %name, "marking a retired template");
                     }
                 }
-                Some(age) if age >= RETIRE_GRACE => remove_unpinned(&root.join(&name)),
+                Some(age) if age >= RETIRE_GRACE => {
+                    remove_unpinned(&self.cfg.state_dir, &root.join(&name))
+                }
                 Some(_) => {}
             }
         }
@@ -351,5 +385,26 @@ mod tests {
         );
         drop(deleting);
         assert!(Template::pin(d3).expect("pin").is_some());
+    }
+
+    /// The last step of a collection, once it holds a retired template's exclusive lock: a
+    /// VM whose marker names the template keeps it. Found by a hostile review: the markers
+    /// were read once, before the loop; a create that held the pin then (no marker yet) and
+    /// wrote its clone's marker and let go before the collection took the lock lost its
+    /// disk's backing file. Control: with no marker the template goes.
+    #[test]
+    fn test_a_template_a_vm_took_on_during_a_collection_is_kept() {
+        let (_state, w) = engine(1);
+        let hour = Duration::from_secs(3600);
+        let (d1, _p1) = fake(&w, 256, 2 * hour);
+        let (d2, _p2) = fake(&w, 384, hour);
+        let vm = w.cfg.state_dir.join("vms/vm-000000000001");
+        std::fs::create_dir_all(&vm).expect("vm dir");
+        let name = d1.file_name().expect("name").to_string_lossy().into_owned();
+        std::fs::write(vm.join(TEMPLATE_MARKER), format!("{name}\n")).expect("marker");
+        remove_unpinned(&w.cfg.state_dir, &d1);
+        assert!(d1.exists(), "a VM's disk stands on it");
+        remove_unpinned(&w.cfg.state_dir, &d2);
+        assert!(!d2.exists(), "control: an unused one goes");
     }
 }
