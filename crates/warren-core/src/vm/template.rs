@@ -59,9 +59,6 @@ use super::{write_private, CreateVm, SuspendMode, Warren};
 use crate::error::CoreError;
 use crate::store::{MountSpec, VmRecord};
 
-/// The `nobody` user and group: owner of a template build's stand-in share directories.
-const NOBODY: u32 = 65534;
-
 /// The workspace template builds run in (their VMs exist only while the template is made).
 pub const TEMPLATE_WORKSPACE: &str = "warren-templates";
 /// File in a clone's VM directory naming the template its disk backs onto.
@@ -680,8 +677,11 @@ impl Warren {
 }
 
 /// The empty host directories a template's build VM shares (one per share of the shape),
-/// under `STATE/templates/shares-<key digest>-<random>/`, owned by `nobody` when Warren runs
-/// as root: the guest sees them as its user's, as it will see a clone's own.
+/// under `STATE/templates/shares-<key digest>-<random>/`, owned by the user Warren runs as
+/// (root's when it runs as root, served by a root virtiofsd): the guest sees them as its
+/// user's, as it will see a clone's own. Never `nobody`: a share is served by a virtiofsd
+/// running as its owner, and every other process of a uid may trace that one, which maps all
+/// of the build VM's RAM (the memory every clone of the template starts from).
 struct BuildShares {
     root: Option<PathBuf>,
     mounts: Vec<MountSpec>,
@@ -703,14 +703,10 @@ impl BuildShares {
             root: Some(root.clone()),
             mounts: vec![],
         };
-        let owner = if nix::unistd::geteuid().is_root() {
-            (NOBODY, NOBODY)
-        } else {
-            (
-                nix::unistd::geteuid().as_raw(),
-                nix::unistd::getegid().as_raw(),
-            )
-        };
+        let owner = (
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+        );
         for (i, share) in key.shares.iter().enumerate() {
             let dir = root.join(format!("fs{i}"));
             let made_dir = std::fs::create_dir(&dir)
@@ -926,5 +922,31 @@ pub(super) mod tests {
             assert_ne!(v.digest(), base, "{v:?}");
         }
         assert_eq!(key().digest(), base);
+    }
+
+    /// A root Warren's template build shares its stand-in directories as root's, so their
+    /// virtiofsd runs as root: found by a hostile review, they were `nobody`'s and, with
+    /// shares served as their owner, so was their virtiofsd, which any process running as
+    /// `nobody` could trace or signal, and through it (the build VM's vhost-user backend,
+    /// mapping all its RAM) write into the memory every clone of the template starts from.
+    #[test]
+    fn test_template_build_shares_are_served_as_no_shared_uid() {
+        use std::os::unix::fs::MetadataExt;
+        assert!(nix::unistd::geteuid().is_root(), "this test needs root");
+        let d = tempfile::tempdir().expect("tempdir");
+        let key = TemplateKey {
+            shares: vec![TemplateShare {
+                guest: "/workspace".into(),
+                read_only: false,
+            }],
+            ..key()
+        };
+        let made = BuildShares::make(d.path(), &key).expect("make");
+        assert_eq!(made.mounts.len(), 1);
+        for m in &made.mounts {
+            assert_eq!(m.owner, Some((0, 0)), "{m:?}");
+            assert_eq!(std::fs::metadata(&m.host).expect("stat").uid(), 0);
+        }
+        made.remove();
     }
 }
