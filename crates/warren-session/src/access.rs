@@ -41,13 +41,7 @@ pub struct Checked {
 pub fn check_access(owner: Owner, path: &Path, access: Access) -> Result<Checked, SessionError> {
     as_owner(Some(owner), || {
         let real = std::fs::canonicalize(path).map_err(SessionError::io("resolve", path))?;
-        // The canonical path has no symlink left: one swapped in since is refused, not
-        // followed.
-        let how = OpenHow::new()
-            .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
-            .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
-        let fd = nix::fcntl::openat2(nix::fcntl::AT_FDCWD, &real, how)
-            .map_err(|e| SessionError::io("open", &real)(e.into()))?;
+        let fd = open_resolved(&real)?;
         let meta = std::fs::File::from(
             fd.try_clone()
                 .map_err(SessionError::io("duplicate the descriptor of", &real))?,
@@ -75,6 +69,18 @@ pub fn check_access(owner: Owner, path: &Path, access: Access) -> Result<Checked
             is_dir: meta.is_dir(),
         })
     })
+}
+
+/// Opens the canonical path `real` (`O_PATH`) following no symlink at all: one swapped in
+/// for any component since it was resolved, the last included, is refused (`ELOOP`), never
+/// followed and never opened itself. With `O_NOFOLLOW` a trailing symlink would be opened as
+/// the link, whose permission bits (`rwxrwxrwx`) pass every access check.
+fn open_resolved(real: &Path) -> Result<std::os::fd::OwnedFd, SessionError> {
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    nix::fcntl::openat2(nix::fcntl::AT_FDCWD, real, how)
+        .map_err(|e| SessionError::io("open", real)(e.into()))
 }
 
 #[cfg(test)]
@@ -114,6 +120,21 @@ mod tests {
         .expect("set the ACL");
         let mode = std::fs::metadata(p).expect("stat").permissions().mode() & 0o7777;
         assert_eq!(mode, 0o755, "the ACL leaves the mode bits allowing others");
+    }
+
+    /// A symlink swapped in for the last component between the resolution and the open is
+    /// refused, not opened as a link (whose `rwxrwxrwx` would pass the access check and whose
+    /// identity would be handed on). Found by a hostile review. Control: the directory itself
+    /// opens.
+    #[test]
+    fn test_a_trailing_symlink_swapped_in_after_resolution_is_refused() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let dir = d.path().canonicalize().expect("canonical").join("dir");
+        std::fs::create_dir(&dir).expect("mkdir");
+        open_resolved(&dir).expect("control: the directory");
+        let link = dir.with_file_name("link");
+        std::os::unix::fs::symlink("/", &link).expect("symlink");
+        assert!(open_resolved(&link).is_err(), "the link was opened");
     }
 
     #[test]

@@ -122,8 +122,10 @@ pub fn direct_checked(
     let canonical = dir
         .canonicalize()
         .map_err(SessionError::io("resolve", dir))?;
+    // No O_NOFOLLOW: a symlink swapped in for the last component is refused (ELOOP) like
+    // one anywhere else, never opened as the link.
     let how = OpenHow::new()
-        .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+        .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
         .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
     let fd = match nix::fcntl::openat2(nix::fcntl::AT_FDCWD, &canonical, how) {
         Ok(fd) => fd,
