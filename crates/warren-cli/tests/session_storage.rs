@@ -371,15 +371,29 @@ fn test_hibernated_session_vm_resumes_after_its_volume_was_unmounted() {
     // The loop device the volume had is taken meanwhile (by another volume, after a real
     // restart), so it comes back on another device number: its shares are the same
     // directories all the same.
+    // That very device, not the first free one: other tests free loop devices meanwhile,
+    // and the first free one may then be another, leaving the volume's own for it again.
     let holder = tempfile::NamedTempFile::new().expect("temp file");
     holder.as_file().set_len(1 << 20).expect("size");
-    let held = Command::new("losetup")
-        .args(["--find", "--show"])
-        .arg(holder.path())
-        .output()
-        .expect("losetup");
-    assert!(held.status.success(), "{held:?}");
-    let held = String::from_utf8_lossy(&held.stdout).trim().to_string();
+    let minor = (before & 0xff) | ((before >> 12) & 0xfff00);
+    let held = format!("/dev/loop{minor}");
+    let t0 = std::time::Instant::now();
+    loop {
+        // Until the unmount's autoclear has released it, the device is busy.
+        let out = Command::new("losetup")
+            .arg(&held)
+            .arg(holder.path())
+            .output()
+            .expect("losetup");
+        if out.status.success() {
+            break;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(20),
+            "{held} stays busy: {out:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     let resumed = env.run(&["vm", "resume", &vm]);
     let _ = Command::new("losetup").args(["-d", &held]).status();
     ok(resumed, "resume");
