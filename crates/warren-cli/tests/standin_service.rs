@@ -238,17 +238,7 @@ fn test_vm_exec_leaves_a_cancelled_job_whose_end_never_comes() {
             streams.load(Ordering::SeqCst),
             cancels.load(Ordering::SeqCst),
         );
-        let mut child = std::process::Command::new(common::WARREN)
-            .args(["--socket", sock.to_str().expect("utf-8")])
-            .args(["vm", "exec", "vm-x", "--", "sleep", "infinity"])
-            .uid(65534)
-            .gid(65534)
-            .env("HOME", "/nonexistent")
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("warren vm exec");
+        let mut child = exec_as_nobody(&sock, std::process::Stdio::piped());
         let pid = nix::unistd::Pid::from_raw(child.id() as i32);
         wait_for("the output stream opened", || {
             streams.load(Ordering::SeqCst) > s0
@@ -284,17 +274,7 @@ fn test_vm_exec_leaves_a_cancelled_job_whose_end_never_comes() {
     // One signal only (a closed terminal's SIGHUP comes once): the cancelled job's end is
     // waited for 10 s, then the CLI leaves.
     let c0 = cancels.load(Ordering::SeqCst);
-    let mut child = std::process::Command::new(common::WARREN)
-        .args(["--socket", sock.to_str().expect("utf-8")])
-        .args(["vm", "exec", "vm-x", "--", "sleep", "infinity"])
-        .uid(65534)
-        .gid(65534)
-        .env("HOME", "/nonexistent")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("warren vm exec");
+    let mut child = exec_as_nobody(&sock, std::process::Stdio::null());
     let pid = nix::unistd::Pid::from_raw(child.id() as i32);
     let s0 = streams.load(Ordering::SeqCst);
     wait_for("the output stream opened", || {
@@ -316,4 +296,20 @@ fn test_vm_exec_leaves_a_cancelled_job_whose_end_never_comes() {
     let waited = started.elapsed();
     assert_eq!(status.code(), Some(129));
     assert!(waited >= Duration::from_secs(9), "left after {waited:?}");
+}
+
+/// `warren vm exec vm-x -- sleep infinity` through the stand-in service at `sock`, run as
+/// `nobody`, its stderr as `stderr`.
+fn exec_as_nobody(sock: &std::path::Path, stderr: std::process::Stdio) -> std::process::Child {
+    std::process::Command::new(common::WARREN)
+        .args(["--socket", sock.to_str().expect("utf-8")])
+        .args(["vm", "exec", "vm-x", "--", "sleep", "infinity"])
+        .uid(65534)
+        .gid(65534)
+        .env("HOME", "/nonexistent")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .expect("warren vm exec")
 }
