@@ -199,6 +199,7 @@ pub(crate) fn session_error(e: warren_session::SessionError) -> CoreError {
         S::GitTimeout { .. } => CoreError::Session(e.to_string()),
         // Host git's scratch directory found no room on the session's own file system.
         S::StorageFull => CoreError::QuotaExceeded(e.to_string()),
+        S::Unreadable { .. } => CoreError::Forbidden(e.to_string()),
         S::Io { .. } | S::GitSpawn(_) | S::Git { .. } => CoreError::Session(e.to_string()),
         S::Volume { .. } => CoreError::StorageUnavailable(e.to_string()),
         other => CoreError::InvalidArgument(other.to_string()),

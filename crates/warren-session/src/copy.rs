@@ -180,7 +180,7 @@ pub(crate) fn copy_entries(
         OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
         Mode::empty(),
     )
-    .map_err(|e| SessionError::io("open", src)(e.into()))?;
+    .map_err(SessionError::source("open", src))?;
     let mut copier = Copier {
         src,
         src_fd,
@@ -245,7 +245,7 @@ impl Copier<'_> {
         let st = match nix::sys::stat::fstatat(&dir, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
             Ok(st) => st,
             Err(Errno::ENOENT) => return Ok(()), // deleted
-            Err(err) => return Err(SessionError::io("stat", &from)(err.into())),
+            Err(err) => return Err(SessionError::source("stat", &from)(err)),
         };
         let kind = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT;
         if e.gitlink {
@@ -259,7 +259,7 @@ impl Copier<'_> {
         if kind == SFlag::S_IFLNK {
             self.make_parent(&e.path)?;
             let target = nix::fcntl::readlinkat(&dir, name)
-                .map_err(|err| SessionError::io("read link", &from)(err.into()))?;
+                .map_err(SessionError::source("read link", &from))?;
             std::os::unix::fs::symlink(&target, &to).map_err(SessionError::io("symlink", &to))?;
             self.stats.symlinks += 1;
         } else if kind == SFlag::S_IFREG {
@@ -275,7 +275,7 @@ impl Copier<'_> {
             }
             let input =
                 nix::fcntl::openat2(&dir, name, beneath(OFlag::O_RDONLY | OFlag::O_NONBLOCK))
-                    .map_err(|err| SessionError::io("open", &from)(err.into()))?;
+                    .map_err(SessionError::source("open", &from))?;
             self.stats.bytes += copy_file(input, &from, &to, st.st_mode, self.tree.is_some())?;
             self.stats.files += 1;
         } else if kind == SFlag::S_IFDIR {
@@ -314,7 +314,7 @@ impl Copier<'_> {
         ) {
             Ok(fd) => Ok(Some(fd)),
             Err(Errno::ENOENT | Errno::ENOTDIR | Errno::ELOOP) => Ok(None),
-            Err(e) => Err(SessionError::io("open", self.src.join(rel))(e.into())),
+            Err(e) => Err(SessionError::source("open", self.src.join(rel))(e)),
         }
     }
 

@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use nix::errno::Errno;
+
 /// Everything that can go wrong while preparing, inspecting, exporting or removing a session.
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -108,6 +110,10 @@ pub enum SessionError {
     /// for a symlink, another directory renamed into its place).
     #[error("{0} is no longer the directory that was checked")]
     DirectoryChanged(PathBuf),
+    /// The session's owner may not read a path of the source that the copy needs (a
+    /// tracked file or a directory leading to one): the kernel refused the owner.
+    #[error("{op} {path}: the session's owner may not read it")]
+    Unreadable { op: &'static str, path: PathBuf },
     #[error(
         "no room is left in the session's storage (its limit, or the host's disk) for host \
          git's scratch directory: free space in its workspace and retry (a forced delete needs \
@@ -146,6 +152,20 @@ fn unsaved_message(uncommitted: &[String], unexported: usize) -> String {
 }
 
 impl SessionError {
+    /// [`SessionError::io`] for reading the source as its owner: a refusal of the owner
+    /// (`EACCES`, `EPERM`) is [`SessionError::Unreadable`].
+    pub(crate) fn source(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(Errno) -> Self {
+        let path = path.into();
+        move |e| match e {
+            Errno::EACCES | Errno::EPERM => SessionError::Unreadable { op, path },
+            e => SessionError::Io {
+                op,
+                path,
+                source: e.into(),
+            },
+        }
+    }
+
     pub(crate) fn io(
         op: &'static str,
         path: impl Into<PathBuf>,

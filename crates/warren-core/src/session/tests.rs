@@ -70,6 +70,25 @@ fn test_session_error_source_refusals_are_invalid_argument() {
     assert_eq!(alternates.code(), "invalid_argument");
 }
 
+/// A source path the owner may not read is the caller's refusal (`forbidden`), naming the
+/// path; any other copy failure stays the host's (`internal`).
+#[test]
+fn test_session_error_unreadable_source_is_forbidden() {
+    use warren_session::SessionError as S;
+    let e = session_error(S::Unreadable {
+        op: "open",
+        path: "/r/secret.txt".into(),
+    });
+    assert_eq!(e.code(), "forbidden");
+    assert!(e.to_string().contains("open /r/secret.txt"), "{e}");
+    let io = session_error(S::Io {
+        op: "create",
+        path: "/state/s/x".into(),
+        source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+    });
+    assert_eq!(io.code(), "internal");
+}
+
 fn limit(mib: Option<u64>) -> Limits {
     Limits {
         max_storage_mib: mib,

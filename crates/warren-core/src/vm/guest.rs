@@ -12,16 +12,42 @@ use super::{now_unix, unexpected, Warren};
 use crate::error::CoreError;
 use crate::store::VmState;
 
+tokio::task_local! {
+    /// The generation the caller of the work running in this task expects its VM to be at
+    /// (a tool's `expected_generation`), set by [`expecting_generation`].
+    static EXPECTED_GENERATION: u64;
+}
+
+/// Runs `work` with the caller's `expected_generation`: every wake of a VM inside it
+/// ([`Warren::awake_client`], which all guest work goes through) checks the VM's generation
+/// after the wake and refuses with `conflict` before any request reaches the guest. A check
+/// before the work alone would miss an idle suspension and a failed restore (a fresh boot,
+/// the next generation) between that check and the work's own wake.
+pub async fn expecting_generation<F: std::future::Future>(
+    expected: Option<u64>,
+    work: F,
+) -> F::Output {
+    match expected {
+        Some(g) => EXPECTED_GENERATION.scope(g, work).await,
+        None => work.await,
+    }
+}
+
 impl Warren {
-    /// A client for the VM, resuming it first if it is suspended (work wakes a VM).
+    /// A client for the VM, resuming it first if it is suspended (work wakes a VM). Inside
+    /// [`expecting_generation`], a VM at another generation after the wake is `conflict`.
     pub async fn awake_client(&self, id: &str) -> Result<SupervisorClient, CoreError> {
         self.store.touch(id, now_unix())?;
-        let rec = self.get_vm(id)?;
+        let mut rec = self.get_vm(id)?;
         if matches!(
             rec.state,
             VmState::Paused | VmState::Hibernated | VmState::Resuming
         ) {
             self.resume_vm(id).await?;
+            rec = self.get_vm(id)?;
+        }
+        if let Ok(expected) = EXPECTED_GENERATION.try_with(|g| *g) {
+            super::check_generation(&format!("VM {id}"), rec.generation, Some(expected))?;
         }
         self.client(id)
     }
@@ -373,6 +399,43 @@ mod tests {
         let got = w.exec_broker(id, start()).await.expect("started");
         server.await.expect("server");
         assert_eq!(got, (JobId(7), None), "the job's boot is not the VM's now");
+    }
+
+    /// Work run for a caller's `expected_generation` is refused with `conflict` when the VM
+    /// is at another generation by the time the work wakes it (a fresh boot after the
+    /// service's own check), before anything reaches the supervisor (here: no socket to
+    /// connect to). Control: at the expected generation the job starts.
+    #[tokio::test]
+    async fn test_work_for_another_generation_is_refused_at_the_wake() {
+        let id = "vm-0123456789ab";
+        let start = || ExecStart {
+            argv: vec!["true".into()],
+            env: Default::default(),
+            cwd: None,
+            stdin: None,
+            timeout_ms: None,
+            request_key: None,
+        };
+        let (_state, w, _supervisor) = engine_with_vm(id);
+        let server = supervisor_starting_job(&w, id, || {}).await;
+        let got = super::expecting_generation(Some(1), w.exec_broker(id, start()))
+            .await
+            .expect("control: started at the expected generation");
+        server.await.expect("server");
+        assert_eq!(got, (JobId(7), Some(1)));
+        std::fs::remove_file(w.vm_dir(id).socket()).expect("socket");
+
+        assert_eq!(w.store.bump_generation(id), Ok(2));
+        let e = super::expecting_generation(Some(1), w.exec_broker(id, start()))
+            .await
+            .expect_err("refused");
+        assert!(
+            matches!(&e, CoreError::Conflict(m) if m.contains("at generation 2, not 1")),
+            "{e:?}"
+        );
+        // Without an expectation the same work goes on (here: to the missing socket).
+        let e = w.exec_broker(id, start()).await.expect_err("no supervisor");
+        assert!(!matches!(e, CoreError::Conflict(_)), "{e:?}");
     }
 
     /// A stand-in supervisor for VM `id` answering every job output read at once with

@@ -33,6 +33,7 @@ pub mod template_gc;
 pub mod uid_blocks;
 
 pub use mounts::{parse_mount, validate_mounts, MAX_MOUNTS};
+pub use guest::expecting_generation;
 
 /// Default guest memory: enough for compilers in the `dev` image, cheap under TCG (only
 /// touched pages cost host memory).
