@@ -620,5 +620,40 @@ pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError> 
     Ok(postcard::from_bytes(bytes)?)
 }
 
+/// The start of an error answer ([`Response`]'s `Err`) whose message is longer than `max`
+/// bytes, told from the answer's first bytes, so a receiver can stop reading it there: the
+/// error's code, the message's first `max` bytes (cut back to a character boundary) and the
+/// message's whole length. `None` while those bytes are not all there, and for any other
+/// answer (read whole, as before). A message whose first `max` bytes are not UTF-8 is
+/// malformed, as its whole decode would be. The head is decoded with postcard itself: the
+/// `Result`'s variant index, the code's and the string's length are its varints.
+pub fn long_error_head(
+    bytes: &[u8],
+    max: usize,
+) -> Option<Result<(ErrorCode, &str, usize), CodecError>> {
+    let (variant, rest) = postcard::take_from_bytes::<u32>(bytes).ok()?;
+    if variant != 1 {
+        return None;
+    }
+    let (code, rest) = match postcard::take_from_bytes::<ErrorCode>(rest) {
+        Ok(v) => v,
+        Err(postcard::Error::DeserializeUnexpectedEnd) => return None,
+        Err(e) => return Some(Err(e.into())),
+    };
+    let (len, rest) = postcard::take_from_bytes::<usize>(rest).ok()?;
+    if len <= max || rest.len() < max {
+        return None;
+    }
+    let text = match std::str::from_utf8(&rest[..max]) {
+        Ok(t) => t,
+        // Only a character cut at the end: keep what precedes it.
+        Err(e) if e.error_len().is_none() => {
+            std::str::from_utf8(&rest[..e.valid_up_to()]).unwrap_or_default()
+        }
+        Err(_) => return Some(Err(postcard::Error::DeserializeBadUtf8.into())),
+    };
+    Some(Ok((code, text, len)))
+}
+
 #[cfg(test)]
 mod tests;

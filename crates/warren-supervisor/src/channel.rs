@@ -389,6 +389,15 @@ impl GuestChannel {
                 return Err(warren_protocol::CodecError::TooLarge(buf.len() + chunk.len()).into());
             }
             buf.extend_from_slice(&chunk);
+            // An error whose message is past the limit is cut as soon as the part kept is
+            // here; returning drops `body`, which resets the stream: the rest is never
+            // asked for, held or decoded.
+            if let Some(head) = warren_protocol::long_error_head(&buf, MAX_GUEST_ERROR_MESSAGE) {
+                let (code, text, len) = head?;
+                let mut message = text.to_string();
+                message.push_str(&format!("…[+{} bytes]", len - text.len()));
+                return Ok(Err(GuestError { code, message }));
+            }
         }
         let mut response = decode::<Response>(&buf)?;
         if let Err(e) = &mut response {

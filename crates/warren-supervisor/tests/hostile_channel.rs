@@ -306,3 +306,57 @@ async fn test_fifteen_mib_response_headers_refused() {
     let r = ch.call(&HostRequest::Ping).await;
     assert!(r.is_err(), "a 15 MiB header block was accepted: {r:?}");
 }
+
+/// An error answer announcing a 1 MiB message: the host keeps its first
+/// `MAX_GUEST_ERROR_MESSAGE` bytes and resets the stream there, without waiting for (or
+/// holding, or decoding) the rest. The guest sends only the first 64 KiB and waits: the
+/// old host read on until the call's deadline.
+#[tokio::test(flavor = "current_thread")]
+async fn test_long_error_message_is_cut_before_the_rest_is_read() {
+    use warren_supervisor::channel::MAX_GUEST_ERROR_MESSAGE;
+    const RST_STREAM: u8 = 3;
+    let (reset_tx, reset_rx) = std::sync::mpsc::channel();
+    let (ch, _t) = connected(move |g, stream, _req| {
+        let wire = encode(&Err::<GuestResponse, _>(warren_protocol::GuestError::new(
+            warren_protocol::ErrorCode::Io,
+            "\u{1b}".repeat(512 << 10),
+        )))
+        .expect("encode");
+        g.raw(&frame(HEADERS, END_HEADERS, stream, &[0x88]));
+        g.raw(&frame(DATA, 0, stream, &wire[..64 << 10]));
+        // What the host sends next for this stream.
+        while let Some((kind, _, s, _)) = g.next_frame() {
+            if s == stream && kind != DATA {
+                let _ = reset_tx.send(kind);
+                return;
+            }
+        }
+    })
+    .await;
+    let answer = tokio::time::timeout(Duration::from_secs(5), ch.call(&HostRequest::Ping))
+        .await
+        .expect("answered without the rest of the message")
+        .expect("the channel stays up");
+    let e = answer.expect_err("the guest's error");
+    assert_eq!(e.code, warren_protocol::ErrorCode::Io);
+    assert!(
+        e.message.len() < MAX_GUEST_ERROR_MESSAGE + 32,
+        "{}",
+        e.message.len()
+    );
+    assert!(
+        e.message.ends_with(&format!(
+            "[+{} bytes]",
+            (512 << 10) - MAX_GUEST_ERROR_MESSAGE
+        )),
+        "{}",
+        &e.message[e.message.len() - 40..]
+    );
+    let kind = tokio::task::spawn_blocking(move || reset_rx.recv_timeout(Duration::from_secs(5)))
+        .await
+        .expect("join")
+        .expect("the host reset the stream");
+    assert_eq!(kind, RST_STREAM);
+    // The connection still answers.
+    assert!(ch.ping().await.is_ok());
+}

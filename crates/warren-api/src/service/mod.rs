@@ -425,8 +425,7 @@ impl Service {
                 let _slot = slot;
                 // Every wake of the VM inside the work checks the caller's generation too.
                 let expected = args.get("expected_generation").and_then(Value::as_u64);
-                warren_core::vm::expecting_generation(expected, self.dispatch(p, tool, args))
-                    .await
+                warren_core::vm::expecting_generation(expected, self.dispatch(p, tool, args)).await
             }
         };
         let ms = t.elapsed().as_millis() as u64;

@@ -32,8 +32,8 @@ pub mod template;
 pub mod template_gc;
 pub mod uid_blocks;
 
-pub use mounts::{parse_mount, validate_mounts, MAX_MOUNTS};
 pub use guest::expecting_generation;
+pub use mounts::{parse_mount, validate_mounts, MAX_MOUNTS};
 
 /// Default guest memory: enough for compilers in the `dev` image, cheap under TCG (only
 /// touched pages cost host memory).

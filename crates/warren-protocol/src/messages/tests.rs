@@ -414,3 +414,47 @@ fn test_decode_garbage_is_malformed() {
         Err(CodecError::Malformed(_))
     ));
 }
+
+/// A long error answer is told from its first bytes: the code, the message's first bytes
+/// (never a cut character) and its length; nothing while too few bytes are there, and
+/// nothing for short errors or other answers, however long.
+#[test]
+fn test_long_error_head_from_the_first_bytes() {
+    let message = format!("{}é{}", "E".repeat(99), "x".repeat(512 << 10));
+    let wire = encode(&Err::<GuestResponse, _>(GuestError::new(
+        ErrorCode::NotFound,
+        message.clone(),
+    )))
+    .expect("encode");
+    for short in [0, 1, 2, 3, 4, 5, 50, 100] {
+        assert!(long_error_head(&wire[..short], 100).is_none(), "{short}");
+    }
+    let (code, text, len) = long_error_head(&wire[..200], 100)
+        .expect("told")
+        .expect("well formed");
+    assert_eq!((code, len), (ErrorCode::NotFound, message.len()));
+    assert_eq!(text, "E".repeat(99), "the cut 'é' is left out");
+    let (_, text, _) = long_error_head(&wire, 101).expect("told").expect("ok");
+    assert_eq!(text, format!("{}é", "E".repeat(99)));
+
+    let short = encode(&Err::<GuestResponse, _>(GuestError::new(
+        ErrorCode::Io,
+        "x".repeat(100),
+    )))
+    .expect("encode");
+    assert!(long_error_head(&short, 100).is_none());
+    let ok = encode(&Ok::<_, GuestError>(GuestResponse::Source(vec![
+        1;
+        512 << 10
+    ])))
+    .expect("enc");
+    assert!(long_error_head(&ok, 100).is_none());
+
+    let mut bad = wire.clone();
+    let at = wire.len() - message.len();
+    bad[at] = 0xff;
+    assert!(matches!(
+        long_error_head(&bad, 100),
+        Some(Err(CodecError::Malformed(_)))
+    ));
+}
