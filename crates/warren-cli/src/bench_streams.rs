@@ -405,7 +405,8 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
         let back = state.join(format!("cp-back-{i}"));
         let t = Instant::now();
         let code =
-            crate::stream_cmd::download(&opener, &vm, &format!("/tmp/cp{i}/tree"), &back).await?;
+            crate::stream_cmd::download(&opener, &vm, &format!("/tmp/cp{i}/tree"), &back, None)
+                .await?;
         if code != 0 {
             bail!("vm cp down failed ({code})");
         }

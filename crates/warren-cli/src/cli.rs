@@ -463,6 +463,11 @@ pub enum VmCmd {
     Cp {
         src: String,
         dst: String,
+        /// Copying out of the VM: at most this many MiB of file content (the guest decides
+        /// what it sends). Default: the destination's free space less 5% of its file
+        /// system (at least 1 GiB stays free).
+        #[arg(long)]
+        max_mib: Option<u64>,
         #[command(flatten)]
         service: crate::stream_link::ServiceArgs,
     },

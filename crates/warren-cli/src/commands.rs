@@ -434,7 +434,12 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             }
             Ok(0)
         }
-        VmCmd::Cp { src, dst, service } => crate::stream_cmd::cp(cli, service, src, dst).await,
+        VmCmd::Cp {
+            src,
+            dst,
+            max_mib,
+            service,
+        } => crate::stream_cmd::cp(cli, service, src, dst, *max_mib).await,
         VmCmd::List { json } => {
             let w = open(cli, None)?;
             print_vms(&w, t, &w.list_vms()?, *json)?;

@@ -193,7 +193,13 @@ pub fn parse_place(s: &str) -> Place {
 /// `warren vm cp SRC DST`: a host file or tree into a guest directory, or a guest file or
 /// tree into a host directory (both created when missing). The copy lands under its own
 /// name; an existing one is never replaced.
-pub async fn cp(cli: &Cli, service: &ServiceArgs, src: &str, dst: &str) -> Result<i32> {
+pub async fn cp(
+    cli: &Cli,
+    service: &ServiceArgs,
+    src: &str,
+    dst: &str,
+    max_mib: Option<u64>,
+) -> Result<i32> {
     match (parse_place(src), parse_place(dst)) {
         (Place::Host(from), Place::Guest { vm, path }) => {
             let opener = Opener::new(cli, service).await?;
@@ -201,10 +207,37 @@ pub async fn cp(cli: &Cli, service: &ServiceArgs, src: &str, dst: &str) -> Resul
         }
         (Place::Guest { vm, path }, Place::Host(to)) => {
             let opener = Opener::new(cli, service).await?;
-            download(&opener, &vm, &path, &to).await
+            download(&opener, &vm, &path, &to, max_mib).await
         }
         _ => bail!("one side of vm cp is VM:/absolute/path, the other a host path"),
     }
+}
+
+/// Free space kept on the destination of a copy out of a VM without `--max-mib`: 5% of its
+/// file system, at least this much.
+const MIN_KEPT_FREE: u64 = 1 << 30;
+
+/// How much file content a copy out of a VM into `to` may hold: `max_mib` when given,
+/// else what `to`'s file system has free less 5% of its size (at least [`MIN_KEPT_FREE`]);
+/// and the words that say so.
+fn download_limit(to: &Path, max_mib: Option<u64>) -> Result<(u64, String)> {
+    if let Some(mib) = max_mib {
+        return Ok((mib.saturating_mul(1 << 20), format!("--max-mib {mib}")));
+    }
+    let fs = nix::sys::statvfs::statvfs(to)
+        .with_context(|| format!("free space of {}", to.display()))?;
+    let unit = fs.fragment_size();
+    let size = u64::from(fs.blocks()).saturating_mul(unit);
+    let free = u64::from(fs.blocks_available()).saturating_mul(unit);
+    let keep = (size / 20).max(MIN_KEPT_FREE);
+    Ok((
+        free.saturating_sub(keep),
+        format!(
+            "the free space of {} less {} MiB; --max-mib sets it",
+            to.display(),
+            keep >> 20
+        ),
+    ))
 }
 
 pub(crate) async fn upload(opener: &Opener, from: &Path, vm: &str, dir: &str) -> Result<i32> {
@@ -262,7 +295,13 @@ async fn wait_end(rx: &mut Rx) -> Result<()> {
     }
 }
 
-pub(crate) async fn download(opener: &Opener, vm: &str, path: &str, to: &Path) -> Result<i32> {
+pub(crate) async fn download(
+    opener: &Opener,
+    vm: &str,
+    path: &str,
+    to: &Path,
+    max_mib: Option<u64>,
+) -> Result<i32> {
     let name = Path::new(path)
         .file_name()
         .ok_or_else(|| anyhow!("{path}: name a guest file or directory"))?
@@ -275,8 +314,11 @@ pub(crate) async fn download(opener: &Opener, vm: &str, path: &str, to: &Path) -
     // Installed before anything is written: a copy stopped by a signal (the guest may send
     // without end) removes what it made instead of leaving it in `to`.
     let stop = stopped()?;
+    let (limit, how) = download_limit(to, max_mib)?;
     let staging = tempdir_in(to)?;
-    let result = download_into(opener, vm, path, &name, &staging, stop).await;
+    let result = download_into(opener, vm, path, &name, &staging, limit, stop)
+        .await
+        .with_context(|| format!("copying {vm}:{path} (at most {limit} bytes of content: {how})"));
     let moved = result.and_then(|n| {
         nix::fcntl::renameat2(
             nix::fcntl::AT_FDCWD,
@@ -311,6 +353,7 @@ async fn download_into(
     path: &str,
     name: &std::ffi::OsStr,
     staging: &Path,
+    max_bytes: u64,
     stop: impl std::future::Future<Output = Stopped>,
 ) -> Result<crate::copy::Unpacked> {
     let (mut tx, mut rx) = opener
@@ -326,7 +369,7 @@ async fn download_into(
             cur: Vec::new(),
             pos: 0,
         };
-        let unpacked = crate::copy::unpack(&mut r, &root, &name, u64::MAX)?;
+        let unpacked = crate::copy::unpack(&mut r, &root, &name, max_bytes)?;
         // tar pads its output to whole records after the end-of-archive blocks, and that
         // padding may arrive after the unpacker saw the end: take it (bounded) so the
         // sender does not find the unpacker gone.

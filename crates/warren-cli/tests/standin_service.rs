@@ -96,6 +96,8 @@ fn test_a_copy_out_stopped_by_a_signal_leaves_nothing() {
         let child = std::process::Command::new(common::WARREN)
             .args(["--socket", sock.to_str().expect("utf-8"), "vm", "cp"])
             .args(["vm-x:/data/big", dst.to_str().expect("utf-8")])
+            // Not bounded by this host's free space (the default limit).
+            .args(["--max-mib", "65536"])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -123,6 +125,37 @@ fn test_a_copy_out_stopped_by_a_signal_leaves_nothing() {
         assert_eq!(listing(&dst), Vec::<String>::new(), "{signal}: left behind");
         assert!(!out.status.success(), "{signal}: {err}");
         assert!(err.contains("nothing of it was kept"), "{signal}: {err}");
+    }
+}
+
+/// A copy out of the guest holds at most `--max-mib` of file content, and by default what
+/// the destination's file system has free less 5% of its size: a file claiming more is
+/// refused before any of it is written, the error says which limit, and nothing is left.
+/// (Before, a copy had no limit of its own: the guest could fill the host's disk.) Control:
+/// `test_a_copy_out_stopped_by_a_signal_leaves_nothing`, where a copy under its limit
+/// writes.
+#[test]
+fn test_a_copy_out_past_its_limit_is_refused_and_leaves_nothing() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let sock = dir.path().join("warrend.sock");
+    // 1 EiB claimed: more than any disk has free.
+    endless_copy(&sock, 1 << 60);
+    let dst = dir.path().join("dst");
+    for (args, says) in [
+        (&["--max-mib", "1"][..], "--max-mib 1"),
+        (&[][..], "the free space of"),
+    ] {
+        let out = std::process::Command::new(common::WARREN)
+            .args(["--socket", sock.to_str().expect("utf-8"), "vm", "cp"])
+            .args(["vm-x:/data/big", dst.to_str().expect("utf-8")])
+            .args(args)
+            .output()
+            .expect("warren vm cp");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(err.contains("byte limit"), "{args:?}: {err}");
+        assert_eq!(listing(&dst), Vec::<String>::new(), "{args:?}: left behind");
     }
 }
 
