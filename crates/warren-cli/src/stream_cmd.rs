@@ -227,8 +227,8 @@ fn download_limit(to: &Path, max_mib: Option<u64>) -> Result<(u64, String)> {
     let fs = nix::sys::statvfs::statvfs(to)
         .with_context(|| format!("free space of {}", to.display()))?;
     let unit = fs.fragment_size();
-    let size = u64::from(fs.blocks()).saturating_mul(unit);
-    let free = u64::from(fs.blocks_available()).saturating_mul(unit);
+    let size = fs.blocks().saturating_mul(unit);
+    let free = fs.blocks_available().saturating_mul(unit);
     let keep = (size / 20).max(MIN_KEPT_FREE);
     Ok((
         free.saturating_sub(keep),
