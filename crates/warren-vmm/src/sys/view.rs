@@ -71,6 +71,20 @@ const MASKED_PROC: &[&str] = &[
     "kpagecount",
     "kpageflags",
     "kpagecgroup",
+    // Host-wide activity another tenant's work shows in (side channels across VMs): every
+    // disk's and partition's I/O, load, interrupt and soft-interrupt counts, memory-zone and
+    // paging counters, scheduler statistics, swap and RAID devices.
+    "diskstats",
+    "partitions",
+    "loadavg",
+    "interrupts",
+    "softirqs",
+    "vmstat",
+    "zoneinfo",
+    "buddyinfo",
+    "schedstat",
+    "swaps",
+    "mdstat",
 ];
 
 /// The top-level links of a merged-`/usr` system (or directories on an older one).
@@ -792,6 +806,8 @@ mod tests {
              [ -n \"$(ls -A /sys/fs/cgroup)\" ] && echo CGROUPS\n\
              [ -n \"$(cat /proc/locks)\" ] && echo LOCKS\n\
              [ -n \"$(cat /proc/key-users)\" ] && echo KEYUSERS\n\
+             [ -n \"$(cat /proc/diskstats)\" ] && echo DISKSTATS\n\
+             [ -n \"$(cat /proc/interrupts)\" ] && echo INTERRUPTS\n\
              [ -n \"$(cat /proc/cpuinfo)\" ] && echo CPUINFO\n\
              [ -d /sys/devices/system/cpu ] && echo SYS\n"
         );
@@ -827,7 +843,10 @@ mod tests {
         );
         assert!(viewed.contains("SYS"), "the rest of /sys is: {viewed}");
         assert!(
-            !viewed.contains("LOCKS") && !viewed.contains("KEYUSERS"),
+            !viewed.contains("LOCKS")
+                && !viewed.contains("KEYUSERS")
+                && !viewed.contains("DISKSTATS")
+                && !viewed.contains("INTERRUPTS"),
             "host-wide proc files are readable: {viewed}"
         );
         assert!(viewed.contains("CPUINFO"), "the rest of /proc is: {viewed}");
@@ -837,7 +856,9 @@ mod tests {
                 && plain.contains("TEST")
                 && plain.contains("CGROUPS")
                 && plain.contains("LOCKS")
-                && plain.contains("KEYUSERS"),
+                && plain.contains("KEYUSERS")
+                && plain.contains("DISKSTATS")
+                && plain.contains("INTERRUPTS"),
             "control: {plain}"
         );
     }
