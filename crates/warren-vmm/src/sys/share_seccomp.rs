@@ -8,6 +8,14 @@
 //!   (`mknod`, `mknodat`), and for every extended attribute write (`setxattr`, `lsetxattr`,
 //!   `fsetxattr`: file capabilities live in `security.capability`; Warren never turns on
 //!   virtiofsd's `--xattr` anyway).
+//! - **EPERM** for `open_by_handle_at`. A file handle names an inode of the whole file system,
+//!   not of the share: a virtiofsd with `CAP_DAC_READ_SEARCH` (a root share's) opens it past
+//!   its sandbox's root. Warren never turns on `--inode-file-handles` or
+//!   `--migration-mode=file-handles`, yet a restoring virtiofsd takes whatever inode
+//!   locations the incoming state names, file handles included, whatever its own mode: a
+//!   checkpoint (written by the VMM, in its `run/` directory) that named the handle of `/`
+//!   for a directory the guest held gave the guest the host's whole root file system on
+//!   resume. Refused, the inode becomes an error in the guest (`--migration-on-error`).
 //! - **ENOSYS** for `openat2` (its mode sits in a struct seccomp cannot read; virtiofsd probes
 //!   for it and falls back to `openat`, whose mode argument the first filter checks) and for
 //!   `io_uring_setup` (operations submitted through a ring never pass the filter).
@@ -81,7 +89,12 @@ pub fn share_filters() -> Result<ShareFilters, VmmError> {
             rules.push(masked(arg, S_IFMT, S_IFBLK)?);
         }
     }
-    for sys in [libc::SYS_setxattr, libc::SYS_lsetxattr, libc::SYS_fsetxattr] {
+    for sys in [
+        libc::SYS_setxattr,
+        libc::SYS_lsetxattr,
+        libc::SYS_fsetxattr,
+        libc::SYS_open_by_handle_at,
+    ] {
         // No rule: the action applies whatever the arguments.
         deny.insert(sys, Vec::new());
     }
@@ -166,5 +179,68 @@ mod tests {
             true
         )
         .success());
+    }
+
+    /// A file handle opens its inode wherever it lies on the file system, past any mount
+    /// namespace root: a root virtiofsd restoring a state that names one (a checkpoint its
+    /// VMM wrote) served a file outside its share, the host's `/` included, to the guest.
+    /// Found by a hostile review. Control: unfiltered, root opens the same handle.
+    #[test]
+    fn test_filters_refuse_opening_file_handles() {
+        assert!(nix::unistd::geteuid().is_root(), "this test needs root");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let outside = dir.path().join("outside");
+        std::fs::write(&outside, "secret").expect("write");
+        // struct file_handle: handle_bytes, handle_type, then the handle itself.
+        let mut fh = [0u8; 8 + 128];
+        fh[..4].copy_from_slice(&128u32.to_ne_bytes());
+        let name = std::ffi::CString::new(outside.as_os_str().as_encoded_bytes()).expect("name");
+        let mut mount_id: libc::c_int = 0;
+        // SAFETY: `name` is NUL-terminated and `fh` is a file_handle with room for 128 bytes.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_name_to_handle_at,
+                libc::AT_FDCWD,
+                name.as_ptr(),
+                fh.as_mut_ptr(),
+                &mut mount_id as *mut libc::c_int,
+                0,
+            )
+        };
+        assert_eq!(
+            rc,
+            0,
+            "name_to_handle_at: {}",
+            std::io::Error::last_os_error()
+        );
+        let mount = std::fs::File::open(dir.path()).expect("mount fd");
+        let mount_fd = std::os::fd::AsRawFd::as_raw_fd(&mount);
+        let open_handle = |filtered: bool| -> std::io::Result<()> {
+            use std::os::unix::process::CommandExt;
+            let mut cmd = std::process::Command::new("true");
+            if filtered {
+                install_in_child(&mut cmd, share_filters().expect("filters"));
+            }
+            // SAFETY: runs in the child before exec (after the filters): one syscall on a
+            // descriptor and a buffer made before the fork; its error fails the spawn.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let fd = libc::syscall(
+                        libc::SYS_open_by_handle_at,
+                        mount_fd,
+                        fh.as_ptr(),
+                        libc::O_RDONLY | libc::O_CLOEXEC,
+                    );
+                    if fd < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            cmd.status().map(drop)
+        };
+        open_handle(false).expect("control: root opens the handle unfiltered");
+        let refused = open_handle(true).expect_err("the filtered child opened a file handle");
+        assert_eq!(refused.raw_os_error(), Some(libc::EPERM), "{refused}");
     }
 }
