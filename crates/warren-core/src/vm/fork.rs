@@ -239,7 +239,7 @@ impl Warren {
         }
         if let Some(plan) = sessions {
             if let Err(e) = self.make_session_fork_volumes(plan).await {
-                let _ = std::fs::remove_dir_all(&fdir);
+                let _ = warren_session::remove_tree(&fdir);
                 return all(e);
             }
         }
@@ -497,7 +497,9 @@ struct Leftovers {
 impl Drop for Leftovers {
     fn drop(&mut self) {
         // A VMM still writing keeps its unlinked file until it closes it; the space goes then.
-        let _ = std::fs::remove_dir_all(&self.dir);
+        // What the parent's VMM left at its state file's name (a directory tree of any depth)
+        // may have been moved in: removed without recursion.
+        let _ = warren_session::remove_tree(&self.dir);
         let _ = std::fs::remove_file(&self.written);
     }
 }
@@ -525,7 +527,7 @@ fn sweep_fork_leftovers(forks: &Path, parent_run: &Path) {
                 .unwrap_or(true);
             if stale(&p) && newest_inside {
                 tracing::info!(path = %p.display(), "removing a fork's leftover files");
-                let _ = std::fs::remove_dir_all(&p);
+                let _ = warren_session::remove_tree(&p);
             }
         }
     }

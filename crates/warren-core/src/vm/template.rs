@@ -425,7 +425,9 @@ impl Warren {
             Ok(root.join(name))
         })();
         if result.is_err() {
-            let _ = std::fs::remove_dir_all(&staging);
+            // What the build VM's VMM left at a file's name in `run/` (a directory tree of any
+            // depth) may have been moved in: removed without recursion.
+            let _ = warren_session::remove_tree(&staging);
         }
         if let Ok(dir) = &result {
             let ram = dir.join("ram");
@@ -732,7 +734,9 @@ impl BuildShares {
 
     fn remove(&self) {
         if let Some(root) = &self.root {
-            if let Err(e) = std::fs::remove_dir_all(root) {
+            // The build's guest wrote into them (as root, through a root virtiofsd): a tree of
+            // any depth, removed without recursion.
+            if let Err(e) = warren_session::remove_tree(root) {
                 tracing::warn!(dir = %root.display(), error = %e, "removing a template build's shares");
             }
         }
