@@ -98,7 +98,9 @@ fn remove_unpinned(state_dir: &Path, dir: &Path) {
             return;
         }
     }
-    if let Err(err) = std::fs::remove_dir_all(dir) {
+    // Without recursion: a template holds what its build VM's VMM left in `run/`, a tree
+    // of any depth (see `warren_session::remove_tree`).
+    if let Err(err) = warren_session::remove_tree(dir) {
         tracing::warn!(error = %err, template = %name, "removing an unused template");
     }
 }
@@ -181,7 +183,8 @@ impl Warren {
                     .and_then(|t| t.elapsed().ok())
                     .is_some_and(|age| age > STALE_BUILD);
                 if stale {
-                    if let Err(err) = std::fs::remove_dir_all(e.path()) {
+                    // The build's guest and VMM shaped them: removed without recursion.
+                    if let Err(err) = warren_session::remove_tree(&e.path()) {
                         tracing::warn!(error = %err, %name, "removing a crashed template build's files");
                     }
                 }
