@@ -326,6 +326,7 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
             &CreateVm {
                 image: Some(args.image.clone()),
                 raw_bench_port: true,
+                vcpus: Some(args.vcpus),
                 ..Default::default()
             },
             &mut |m| eprintln!("warning: {m}"),

@@ -650,6 +650,9 @@ pub struct BenchArgs {
     /// Image suite: recipe builds from scratch (each several minutes).
     #[arg(long, default_value_t = 1)]
     pub builds: usize,
+    /// Streams suite: the VM's vCPUs (the stream, its raw port and every figure share it).
+    #[arg(long, default_value_t = 1)]
+    pub vcpus: u32,
     #[command(flatten)]
     pub accel: AccelArg,
     #[arg(long)]
