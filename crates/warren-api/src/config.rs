@@ -225,6 +225,10 @@ pub struct HttpConfig {
     /// accepted and closed at once (`crate::conn`).
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// Connections one local uid may hold on the local socket; root also gets up to this
+    /// many past `max_connections` (`crate::conn`).
+    #[serde(default = "default_max_connections_per_uid")]
+    pub max_connections_per_uid: usize,
     /// Seconds a client may take to send a complete request head (for HTTP/1 also the wait
     /// for the next request on a kept-alive connection).
     #[serde(default = "default_header_read_timeout")]
@@ -255,6 +259,7 @@ impl Default for HttpConfig {
             allowed_hosts: vec![],
             max_body_bytes: default_max_body(),
             max_connections: default_max_connections(),
+            max_connections_per_uid: default_max_connections_per_uid(),
             header_read_timeout_secs: default_header_read_timeout(),
             idle_timeout_secs: default_idle_timeout(),
             max_requests_per_token: default_max_requests_per_token(),
@@ -324,6 +329,11 @@ fn default_max_body() -> usize {
 /// our hosts; at least 1,024 anywhere), so the cap bites first; ample for agents.
 fn default_max_connections() -> usize {
     512
+}
+/// An eighth of the connection cap: room for a caller's requests and long-polls in flight
+/// (32 + 8 by default), each on a connection of its own over HTTP/1.
+fn default_max_connections_per_uid() -> usize {
+    64
 }
 /// A real client sends its head in one write; 10 s tolerates a slow network.
 fn default_header_read_timeout() -> u64 {
@@ -517,6 +527,11 @@ impl ServiceConfig {
         let h = &self.http;
         for (key, n, max) in [
             ("max_connections", h.max_connections, 1 << 16),
+            (
+                "max_connections_per_uid",
+                h.max_connections_per_uid,
+                1 << 16,
+            ),
             ("max_requests_per_token", h.max_requests_per_token, 1 << 16),
             (
                 "max_long_polls_per_token",
@@ -620,6 +635,7 @@ mod tests {
         assert!(c.allowed_hosts().contains(&"localhost:8090".to_string()));
         assert_eq!(c.socket_path(), Path::new("/s/warrend.sock"));
         assert_eq!(c.http.max_connections, 512);
+        assert_eq!(c.http.max_connections_per_uid, 64);
         assert_eq!(c.http.header_read_timeout_secs, 10);
         assert_eq!(c.http.max_requests_per_token, 32);
     }
@@ -643,6 +659,7 @@ mod tests {
         );
         for bad in [
             "max_connections = 0",
+            "max_connections_per_uid = 0",
             "idle_timeout_secs = 0",
             "max_long_polls_per_token = 0",
             "header_read_timeout_secs = 7200",

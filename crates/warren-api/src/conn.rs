@@ -6,6 +6,13 @@
 //!   descriptor limit: [`raise_nofile_limit`] lifts the service's soft limit to its hard one at
 //!   start, and accept errors (`EMFILE` included) are retried after a pause by axum's
 //!   [`Listener`]. Each connection holds a semaphore permit for its whole life.
+//! - **Per uid on the local socket.** The kernel names each local connection's uid, so one
+//!   local user may hold at most `max_connections_per_uid` of the socket's connections (more
+//!   are closed at accept like the excess over the cap), and root, the operator, is never
+//!   refused for the others' connections: at the cap it still gets up to that many of its own
+//!   ([`PerUid`]). Before, one unprivileged user of a `0o666` socket could hold every
+//!   connection (re-opening idle ones as the timeouts closed them) and lock root and every
+//!   other local user out.
 //! - **Header-read timeout.** hyper's `header_read_timeout` (HTTP/1): a request head not
 //!   complete in time closes the connection. hyper also runs it while a kept-alive HTTP/1
 //!   connection waits for its next request. Before the first request, hyper-util reads up to
@@ -61,6 +68,8 @@ const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ConnLimits {
     pub max_connections: usize,
+    /// Connections one peer uid may hold on the local socket ([`PerUid`]).
+    pub max_connections_per_uid: usize,
     pub header_read_timeout: Duration,
     pub idle_timeout: Duration,
 }
@@ -69,6 +78,7 @@ impl ConnLimits {
     pub(crate) fn from_config(h: &HttpConfig) -> ConnLimits {
         ConnLimits {
             max_connections: h.max_connections,
+            max_connections_per_uid: h.max_connections_per_uid,
             header_read_timeout: Duration::from_secs(h.header_read_timeout_secs),
             idle_timeout: Duration::from_secs(h.idle_timeout_secs),
         }
@@ -99,6 +109,9 @@ pub(crate) async fn serve<L, T>(
     T: Fn(&L::Io) -> Option<ConnectInfo<PeerUid>>,
 {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    // Root's connections past the listener's cap (the local socket only).
+    let reserve = Arc::new(Semaphore::new(limits.max_connections_per_uid));
+    let per_uid = Arc::new(PerUid::default());
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -116,26 +129,101 @@ pub(crate) async fn serve<L, T>(
             (io, _addr) = listener.accept() => io,
             _ = stop.wait_for(|s| *s) => break,
         };
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            // At the cap: closed at accept, before it costs anything but this descriptor.
-            drop(io);
-            refused.note(door, limits.max_connections);
-            continue;
+        let info = tag(&io);
+        let uid = info.and_then(|i| i.0 .0);
+        // A local uid's own share first: one user never holds the socket alone.
+        let place = match uid {
+            Some(u) => match per_uid.claim(u, limits.max_connections_per_uid) {
+                Some(p) => Some(p),
+                None => {
+                    drop(io);
+                    refused.note(door, limits.max_connections);
+                    continue;
+                }
+            },
+            None => None,
+        };
+        let permit = match slots.clone().try_acquire_owned() {
+            Ok(p) => p,
+            // At the cap, root (the operator) still gets in on a reserve of its own.
+            Err(_) if uid == Some(0) => match reserve.clone().try_acquire_owned() {
+                Ok(p) => p,
+                Err(_) => {
+                    drop(io);
+                    refused.note(door, limits.max_connections);
+                    continue;
+                }
+            },
+            Err(_) => {
+                // At the cap: closed at accept, before it costs anything but this descriptor.
+                drop(io);
+                refused.note(door, limits.max_connections);
+                continue;
+            }
         };
         tracing::trace!(door, "connection accepted");
-        let info = tag(&io);
         let conn = Connection {
             app: app.clone(),
             builder: builder.clone(),
             limits,
             stop: stop.clone(),
             _permit: permit,
+            _place: place,
         };
         tokio::spawn(conn.run(io, info));
     }
     // Every permit back means every connection has ended.
     let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
     let _ = slots.acquire_many(all).await;
+    let all = u32::try_from(limits.max_connections_per_uid).unwrap_or(u32::MAX);
+    let _ = reserve.acquire_many(all).await;
+}
+
+/// Connections each peer uid holds on the local socket.
+#[derive(Debug, Default)]
+struct PerUid {
+    /// Uid -> its open connections; entries at zero are removed.
+    held: std::sync::Mutex<std::collections::HashMap<u32, usize>>,
+}
+
+impl PerUid {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u32, usize>> {
+        // Every update is one statement: the map stays consistent even after a panic.
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A place for one more connection of `uid`, or `None` when it holds `max` already.
+    fn claim(self: &Arc<Self>, uid: u32, max: usize) -> Option<UidPlace> {
+        let mut held = self.lock();
+        let n = held.entry(uid).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(UidPlace {
+            of: self.clone(),
+            uid,
+        })
+    }
+}
+
+/// One local connection's place under its uid's share, released when the connection ends.
+#[derive(Debug)]
+struct UidPlace {
+    of: Arc<PerUid>,
+    uid: u32,
+}
+
+impl Drop for UidPlace {
+    fn drop(&mut self) {
+        let mut held = self.of.lock();
+        if let Some(n) = held.get_mut(&self.uid) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                held.remove(&self.uid);
+            }
+        }
+    }
 }
 
 /// Counts refused connections between log lines.
@@ -169,6 +257,8 @@ struct Connection {
     stop: watch::Receiver<bool>,
     /// This connection's place under the listener's cap.
     _permit: OwnedSemaphorePermit,
+    /// A local connection's place under its uid's share.
+    _place: Option<UidPlace>,
 }
 
 impl Connection {
@@ -334,6 +424,7 @@ mod tests {
     fn limits() -> ConnLimits {
         ConnLimits {
             max_connections: 4,
+            max_connections_per_uid: 2,
             header_read_timeout: Duration::from_millis(200),
             idle_timeout: Duration::from_millis(2000),
         }
@@ -367,6 +458,79 @@ mod tests {
             waited >= Duration::from_millis(200) && waited < Duration::from_millis(2000),
             "{waited:?}"
         );
+    }
+
+    /// Whether a new connection to `path` is served (an answer) or closed at accept (EOF).
+    async fn served(path: &std::path::Path) -> (bool, tokio::net::UnixStream) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut c = tokio::net::UnixStream::connect(path)
+            .await
+            .expect("connect");
+        let _ = c.write_all(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
+            .await
+            .expect("an answer or EOF")
+            .unwrap_or(0);
+        (n > 0 && buf.starts_with(b"HTTP/1.1 200"), c)
+    }
+
+    /// One local uid holds at most its share of the socket's connections, other uids still
+    /// get in, and root gets in even at the listener's cap. (Before, a local user could take
+    /// every connection of the socket and lock root and the other users out.)
+    #[tokio::test]
+    async fn test_one_local_uid_cannot_take_the_socket_from_the_others() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("s.sock");
+        let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+        let app = Router::new().route("/x", axum::routing::get(|| async { "ok" }));
+        // The uid the next accepted connection is taken for (set before each connect).
+        let uid = Arc::new(std::sync::Mutex::new(1000u32));
+        let tag_uid = uid.clone();
+        let (_stop_tx, stop) = watch::channel(false);
+        tokio::spawn(serve(
+            listener,
+            app,
+            ConnLimits {
+                header_read_timeout: Duration::from_secs(30),
+                idle_timeout: Duration::from_secs(30),
+                ..limits()
+            },
+            move |_: &tokio::net::UnixStream| {
+                let u = *tag_uid.lock().expect("uid");
+                Some(ConnectInfo(PeerUid(Some(u))))
+            },
+            stop,
+            "local socket",
+        ));
+        let mut held = Vec::new();
+        let connect_as = |u: u32| {
+            *uid.lock().expect("uid") = u;
+            served(&path)
+        };
+        for _ in 0..2 {
+            let (ok, c) = connect_as(1000).await;
+            assert!(ok, "uid 1000's share");
+            held.push(c);
+        }
+        let (ok, _c) = connect_as(1000).await;
+        assert!(!ok, "a third connection of uid 1000 is past its share");
+        // Control: another uid is served meanwhile.
+        for _ in 0..2 {
+            let (ok, c) = connect_as(1001).await;
+            assert!(ok, "uid 1001 gets in");
+            held.push(c);
+        }
+        // The listener's cap (4) is reached: another user waits, root does not.
+        let (ok, _c) = connect_as(1002).await;
+        assert!(!ok, "the listener's cap holds for other users");
+        let (ok, _root) = connect_as(0).await;
+        assert!(ok, "root gets in at the cap");
+        // A connection that ends gives its place back.
+        drop(held.remove(0));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (ok, _c) = connect_as(1000).await;
+        assert!(ok, "uid 1000's place came back");
     }
 
     #[test]
