@@ -525,3 +525,62 @@ fn test_service_pool_status_handout_and_vm_fork() {
     let listed = d.ok(&t, "vm_list", json!({}));
     assert_eq!(listed["vms"].as_array().expect("vms").len(), 3, "{listed}");
 }
+
+/// The template files of `state` (pointers and directories), by name.
+fn template_files(state: &std::path::Path) -> Vec<String> {
+    match std::fs::read_dir(state.join("templates")) {
+        Ok(rd) => rd
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".current") || n.starts_with("t-"))
+            .collect(),
+        Err(_) => vec![],
+    }
+}
+
+/// A `vm_create` its workspace's limits refuse has no template built for it: nothing boots
+/// and no template is kept (before, the template of the shape was built first, a VM of the
+/// shape counted in no workspace, and only then was the create refused, so a workspace past
+/// its limits could keep having templates built, each booting a VM under the host's limits
+/// only and retiring another shape's template past `max_templates`). Control: within its
+/// limits the same create builds the template and clones it.
+#[test]
+fn test_service_no_template_is_built_for_a_create_its_limits_refuse() {
+    use common::daemon::Daemon;
+    use serde_json::json;
+    let d = Daemon::start_minimal("[images.tpl]\nid = \"{minimal}\"\ntemplate = true\n");
+    let t = d.token("small", &["--max-memory-mib", "512"]);
+    let state = d.env.state.path().to_path_buf();
+    let r = d.call(
+        &t,
+        "vm_create",
+        json!({"request_id": "big", "image": "tpl", "memory_mib": 1024}),
+    );
+    assert_eq!(r.code(), "quota_exceeded", "{}", r.text);
+    assert_eq!(
+        template_files(&state),
+        Vec::<String>::new(),
+        "no template for a refused create"
+    );
+    assert!(d.all_vms().is_empty(), "nothing booted: {:?}", d.all_vms());
+
+    // Control: within the limits, the template is built and the VM is its clone.
+    let vm = d.ok(
+        &t,
+        "vm_create",
+        json!({"request_id": "fits", "image": "tpl", "memory_mib": 512}),
+    );
+    let id = vm["vm_id"].as_str().expect("vm_id").to_string();
+    assert!(
+        template_files(&state)
+            .iter()
+            .any(|n| n.ends_with(".current")),
+        "the template of the shape: {:?}",
+        template_files(&state)
+    );
+    assert!(
+        d.env.vm_dir(&id).join("template").exists(),
+        "a clone records its template"
+    );
+    d.ok(&t, "vm_destroy", json!({"vm_id": id}));
+}

@@ -116,25 +116,30 @@ impl Warren {
             memory_mib: u64::from(memory),
             disk_mib: rec.disk_mib,
         };
+        let ws = rec.workspace.clone();
+        let admit = |tx: &rusqlite::Transaction<'_>| -> Result<(), CoreError> {
+            req.workspace_limits.check(
+                &format!("workspace {ws}"),
+                vmstore::usage(tx, Some(&ws))?,
+                add,
+            )?;
+            req.host_limits
+                .check("host", vmstore::usage(tx, None)?, add)
+        };
         // A template of this shape (built now if there is none) instead of a cold boot.
         let template = match (req.template, self.template_key(req, &image, accel)) {
-            (true, Some(key)) => Some(self.template_for(&key, req, &image).await?),
+            (true, Some(key)) => {
+                // A build boots a VM of the shape, counted in no workspace: only for a VM the
+                // limits would admit now (the admission that counts is the insert's, below).
+                // Before, a workspace at or past its limits still had templates built (host
+                // memory and CPU for a boot, a RAM file and disk layer kept, another shape's
+                // template retired) by requests refused afterwards.
+                self.store.immediate(admit)?;
+                Some(self.template_for(&key, req, &image).await?)
+            }
             _ => None,
         };
-        let ws = rec.workspace.clone();
-        self.store.insert(
-            &mut rec,
-            self.first_vm_uid(),
-            |tx| -> Result<(), CoreError> {
-                req.workspace_limits.check(
-                    &format!("workspace {ws}"),
-                    vmstore::usage(tx, Some(&ws))?,
-                    add,
-                )?;
-                req.host_limits
-                    .check("host", vmstore::usage(tx, None)?, add)
-            },
-        )?;
+        self.store.insert(&mut rec, self.first_vm_uid(), admit)?;
         let bench_port = req.raw_bench_port;
         let started = match &template {
             Some(tpl) => {
