@@ -305,6 +305,18 @@ pub struct ImageConfig {
 pub struct HostRoot {
     pub path: PathBuf,
     pub uid: u32,
+    /// The workspaces whose token holders may name paths beneath it (`"*"`: every
+    /// workspace). Required: a root is one workspace's files unless the operator says
+    /// otherwise, never every token holder's by default.
+    #[serde(default)]
+    pub workspaces: Vec<String>,
+}
+
+impl HostRoot {
+    /// Whether token holders of `workspace` may name paths beneath this root.
+    pub fn admits(&self, workspace: &str) -> bool {
+        self.workspaces.iter().any(|w| w == "*" || w == workspace)
+    }
 }
 
 fn default_accel() -> String {
@@ -465,6 +477,21 @@ impl ServiceConfig {
                     "host_roots path {} is not absolute",
                     r.path.display()
                 ));
+            }
+            if r.workspaces.is_empty() {
+                return Err(format!(
+                    "host_roots path {}: name the workspaces whose token holders may use it \
+                     (workspaces = [\"alice\"], or [\"*\"] for every workspace)",
+                    r.path.display()
+                ));
+            }
+            for w in &r.workspaces {
+                if w != "*" && crate::auth::validate_workspace(w).is_err() {
+                    return Err(format!(
+                        "host_roots path {}: {w:?} is not a workspace name",
+                        r.path.display()
+                    ));
+                }
             }
         }
         for (i, r) in self.intercepts.iter().enumerate() {
@@ -670,6 +697,22 @@ mod tests {
         }
         let e = parse(&format!("{base}[http]\nmax_conections = 5\n")).expect_err("typo");
         assert!(e.to_string().contains("max_conections"), "{e}");
+    }
+
+    /// A host root names the workspaces it is for; none named (the old form) or a name
+    /// that is no workspace's is refused at startup, saying what to write.
+    #[test]
+    fn test_host_roots_name_their_workspaces() {
+        let base = format!("state_dir = \"/s\"\n[images.dev]\nid = \"{ID}\"\n");
+        let root = "[[host_roots]]\npath = \"/srv/repos\"\nuid = 1000\n";
+        let e = parse(&format!("{base}{root}")).expect_err("no workspaces");
+        assert!(e.to_string().contains("workspaces = [\"alice\"]"), "{e}");
+        let e = parse(&format!("{base}{root}workspaces = [\"Not A Name\"]\n")).expect_err("bad");
+        assert!(e.to_string().contains("is not a workspace name"), "{e}");
+        let c = parse(&format!("{base}{root}workspaces = [\"alice\", \"bob\"]\n")).expect("ok");
+        assert!(c.host_roots[0].admits("bob") && !c.host_roots[0].admits("carol"));
+        let c = parse(&format!("{base}{root}workspaces = [\"*\"]\n")).expect("every");
+        assert!(c.host_roots[0].admits("carol"));
     }
 
     #[test]

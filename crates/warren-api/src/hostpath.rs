@@ -68,8 +68,11 @@ fn authorize_with(
         Via::Local { uid } => (*uid, None),
         Via::Token { .. } => {
             let real = std::fs::canonicalize(raw).map_err(|_| denied())?;
+            // Only the roots the operator gave the caller's workspace: another workspace's
+            // files are refused as any path outside every root is.
             let root = roots
                 .iter()
+                .filter(|r| r.admits(&p.workspace))
                 .filter_map(|r| std::fs::canonicalize(&r.path).ok().map(|c| (c, r.uid)))
                 .find(|(c, _)| real.starts_with(c))
                 .ok_or_else(denied)?;
@@ -133,6 +136,7 @@ mod tests {
         let roots = vec![HostRoot {
             path: root.clone(),
             uid: 0,
+            workspaces: vec!["w".into()],
         }];
         let p = token_principal();
         let ok = authorize(&p, &roots, repo.to_str().expect("utf8"), Access::Read).expect("ok");
@@ -158,6 +162,39 @@ mod tests {
                 .code,
             "invalid_argument"
         );
+    }
+
+    /// A root belongs to the workspaces the operator names: a token holder of another
+    /// workspace is refused beneath it as outside every root (before, every root was every
+    /// token holder's: one workspace's token reached another's repositories, `direct`
+    /// read-write sessions included). `"*"` gives it to every workspace.
+    #[test]
+    fn test_a_root_is_only_its_workspaces() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let repo = d.path().join("repo");
+        std::fs::create_dir_all(&repo).expect("mkdir");
+        let repo = repo.to_str().expect("utf8").to_string();
+        let root = |workspaces: &[&str]| {
+            vec![HostRoot {
+                path: d.path().to_path_buf(),
+                uid: 0,
+                workspaces: workspaces.iter().map(|w| w.to_string()).collect(),
+            }]
+        };
+        let p = token_principal(); // workspace "w"
+        for (names, admitted) in [
+            (&["w"][..], true),
+            (&["other", "w"][..], true),
+            (&["*"][..], true),
+            (&["other"][..], false),
+            (&[][..], false),
+        ] {
+            let r = authorize(&p, &root(names), &repo, Access::Read);
+            assert_eq!(r.is_ok(), admitted, "{names:?}: {r:?}");
+            if let Err(e) = r {
+                assert_eq!(e.code, "forbidden", "{names:?}");
+            }
+        }
     }
 
     #[test]

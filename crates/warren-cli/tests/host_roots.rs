@@ -1,5 +1,6 @@
 //! A token holder's session is a copy of a repository beneath its `[[host_roots]]` entry,
-//! never of one that git's upward search finds above it.
+//! never of one that git's upward search finds above it, and only for the workspaces the
+//! entry names.
 
 mod common;
 
@@ -39,7 +40,7 @@ fn test_token_session_never_copies_a_repository_above_its_host_root() {
     std::fs::write(proj.join("notes.txt"), "in the root\n").expect("write");
 
     let d = Daemon::start_minimal(&format!(
-        "[[host_roots]]\npath = {:?}\nuid = 0\n",
+        "[[host_roots]]\npath = {:?}\nuid = 0\nworkspaces = [\"roots\"]\n",
         root.display().to_string()
     ));
     let token = d.token("roots", &[]);
@@ -51,6 +52,21 @@ fn test_token_session_never_copies_a_repository_above_its_host_root() {
         json!({"repo": repo, "image": "no-such-image"}),
     );
     assert_ne!(control.code(), "forbidden", "control: {}", control.text);
+
+    // The root is workspace `roots`'s: another workspace's token is refused beneath it,
+    // before anything is looked up (no VM, no session).
+    let other = d.token("elsewhere", &[]);
+    let r = d.call(
+        &other,
+        "session_create",
+        json!({"repo": repo, "image": "no-such-image"}),
+    );
+    assert_eq!(
+        (r.status, r.code()),
+        (403, "forbidden"),
+        "another workspace's token beneath the root: {}",
+        r.text
+    );
 
     let r = d.call(&token, "session_create", json!({"repo": repo}));
     assert_eq!(
