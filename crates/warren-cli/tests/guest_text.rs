@@ -283,12 +283,15 @@ fn test_port_forward_connection_failures_reach_the_terminal_escaped() {
             while !head.ends_with(b"\r\n\r\n") && c.read(&mut b).map(|n| n == 1).unwrap_or(false) {
                 head.push(b[0]);
             }
-            let _ = write!(
-                c,
+            // In one write, as the service's HTTP server sends a refusal: `write!` would
+            // send the pieces one by one, and the client reads a refusal's body only as far
+            // as it came with the head (a loaded run read the head alone).
+            let response = format!(
                 "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n\
                  content-length: {}\r\nconnection: close\r\n\r\n{body}",
                 body.len()
             );
+            let _ = c.write_all(response.as_bytes());
         }
     });
     for raw in [false, true] {

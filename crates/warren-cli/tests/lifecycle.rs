@@ -162,7 +162,10 @@ fn test_lifecycle_disturbed_timer_calibration_boots_again() {
     assert!(failed < ready, "{logs}");
     assert!(logs.contains("3000000 kHz"), "{logs}");
     let sup = std::fs::read_to_string(env.vm_dir(&id).join("supervisor.log")).expect("log");
-    assert_eq!(sup.matches("VMM launched").count(), 2, "{sup}");
+    // Two launches; three when a loaded host also upset the next boot's own calibration
+    // (the engine boots again for that too: a loaded run saw it).
+    let launched = sup.matches("VMM launched").count();
+    assert!((2..=3).contains(&launched), "{launched} launches: {sup}");
     let r = env.run(&["vm", "exec", &id, "--", "echo", "alive"]);
     assert_eq!(String::from_utf8_lossy(&r.stdout).trim(), "alive");
     let r = env.run(&["vm", "destroy", &id]);
