@@ -219,21 +219,25 @@ fn test_guest_core_programs_and_hooks_path_never_run_on_host() {
         guest_config(&s, key, &value);
     }
     write(&ws(&s), "a.txt", "changed\n");
-    // The attack is real: a plain `git status` refreshes the index and runs the hook.
+    // The attack is real: a plain git that writes the index runs the hook. `status` writes
+    // it only when it refreshed a racily clean entry (a timing a loaded run did not give),
+    // so the control also stages the change, which always writes it.
     let w = ws(&s);
-    let mut plain = std::process::Command::new("git");
-    plain
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("HOME", "/nonexistent")
-        .env("GIT_CONFIG_NOSYSTEM", "1")
-        .env("GIT_CONFIG_GLOBAL", "/dev/null")
-        .arg("--git-dir")
-        .arg(w.join(".git"))
-        .arg("--work-tree")
-        .arg(&w)
-        .arg("status");
-    let _ = plain.output().unwrap();
+    for args in [&["status"][..], &["add", "a.txt"][..]] {
+        let mut plain = std::process::Command::new("git");
+        plain
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", "/nonexistent")
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .env("GIT_CONFIG_GLOBAL", "/dev/null")
+            .arg("--git-dir")
+            .arg(w.join(".git"))
+            .arg("--work-tree")
+            .arg(&w)
+            .args(args);
+        let _ = plain.output().unwrap();
+    }
     real_attack_ignored_by_host_git(
         &f,
         &s,
