@@ -369,6 +369,18 @@ mod tests {
         (state, w, lock)
     }
 
+    /// A start of `true`, as the broker tests send it.
+    fn start_true() -> ExecStart {
+        ExecStart {
+            argv: vec!["true".into()],
+            env: Default::default(),
+            cwd: None,
+            stdin: None,
+            timeout_ms: None,
+            request_key: None,
+        }
+    }
+
     /// A broker job reports the generation it was started in; when a fresh boot of the VM
     /// (a new generation) begins while the job starts, no generation is reported, so its
     /// pipe is not registered under the new boot's (whose job ids start again). Control:
@@ -376,17 +388,9 @@ mod tests {
     #[tokio::test]
     async fn test_exec_broker_reports_no_generation_across_a_fresh_boot() {
         let id = "vm-0123456789ab";
-        let start = || ExecStart {
-            argv: vec!["true".into()],
-            env: Default::default(),
-            cwd: None,
-            stdin: None,
-            timeout_ms: None,
-            request_key: None,
-        };
         let (_state, w, _supervisor) = engine_with_vm(id);
         let server = supervisor_starting_job(&w, id, || {}).await;
-        let got = w.exec_broker(id, start()).await.expect("started");
+        let got = w.exec_broker(id, start_true()).await.expect("started");
         server.await.expect("server");
         assert_eq!(got, (JobId(7), Some(1)), "control");
         std::fs::remove_file(w.vm_dir(id).socket()).expect("socket");
@@ -396,7 +400,7 @@ mod tests {
             assert_eq!(store.bump_generation(id), Ok(2));
         })
         .await;
-        let got = w.exec_broker(id, start()).await.expect("started");
+        let got = w.exec_broker(id, start_true()).await.expect("started");
         server.await.expect("server");
         assert_eq!(got, (JobId(7), None), "the job's boot is not the VM's now");
     }
@@ -408,17 +412,9 @@ mod tests {
     #[tokio::test]
     async fn test_work_for_another_generation_is_refused_at_the_wake() {
         let id = "vm-0123456789ab";
-        let start = || ExecStart {
-            argv: vec!["true".into()],
-            env: Default::default(),
-            cwd: None,
-            stdin: None,
-            timeout_ms: None,
-            request_key: None,
-        };
         let (_state, w, _supervisor) = engine_with_vm(id);
         let server = supervisor_starting_job(&w, id, || {}).await;
-        let got = super::expecting_generation(Some(1), w.exec_broker(id, start()))
+        let got = super::expecting_generation(Some(1), w.exec_broker(id, start_true()))
             .await
             .expect("control: started at the expected generation");
         server.await.expect("server");
@@ -426,7 +422,7 @@ mod tests {
         std::fs::remove_file(w.vm_dir(id).socket()).expect("socket");
 
         assert_eq!(w.store.bump_generation(id), Ok(2));
-        let e = super::expecting_generation(Some(1), w.exec_broker(id, start()))
+        let e = super::expecting_generation(Some(1), w.exec_broker(id, start_true()))
             .await
             .expect_err("refused");
         assert!(
@@ -434,7 +430,10 @@ mod tests {
             "{e:?}"
         );
         // Without an expectation the same work goes on (here: to the missing socket).
-        let e = w.exec_broker(id, start()).await.expect_err("no supervisor");
+        let e = w
+            .exec_broker(id, start_true())
+            .await
+            .expect_err("no supervisor");
         assert!(!matches!(e, CoreError::Conflict(_)), "{e:?}");
     }
 
