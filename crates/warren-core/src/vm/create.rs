@@ -19,7 +19,7 @@ use super::{
     DEFAULT_VCPUS, MEMORY_MIB_RANGE, VCPUS_RANGE,
 };
 use crate::error::CoreError;
-use crate::store::{self as vmstore, Usage, VmRecord, VmState};
+use crate::store::{Usage, VmRecord, VmState};
 
 impl Warren {
     /// Creates and boots a VM; returns its record once the guest answered.
@@ -117,14 +117,8 @@ impl Warren {
             disk_mib: rec.disk_mib,
         };
         let ws = rec.workspace.clone();
-        let admit = |tx: &rusqlite::Transaction<'_>| -> Result<(), CoreError> {
-            req.workspace_limits.check(
-                &format!("workspace {ws}"),
-                vmstore::usage(tx, Some(&ws))?,
-                add,
-            )?;
-            req.host_limits
-                .check("host", vmstore::usage(tx, None)?, add)
+        let admit = |tx: &rusqlite::Transaction<'_>| {
+            super::admit(tx, &ws, &req.workspace_limits, &req.host_limits, add)
         };
         // A template of this shape (built now if there is none) instead of a cold boot.
         let template = match (req.template, self.template_key(req, &image, accel)) {

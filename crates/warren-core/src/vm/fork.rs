@@ -138,13 +138,7 @@ impl Warren {
             disk_mib: parent.disk_mib * u64::from(req.count),
         };
         self.store.immediate(|tx| -> Result<(), CoreError> {
-            req.workspace_limits.check(
-                &format!("workspace {ws}"),
-                vmstore::usage(tx, Some(&ws))?,
-                add,
-            )?;
-            req.host_limits
-                .check("host", vmstore::usage(tx, None)?, add)?;
+            super::admit(tx, &ws, &req.workspace_limits, &req.host_limits, add)?;
             for r in recs.iter_mut() {
                 vmstore::insert_in(tx, r, self.first_vm_uid())?;
             }

@@ -240,6 +240,23 @@ impl Limits {
     }
 }
 
+/// Admits `add` more of workspace `ws` under its limits and the host's, as they stand in
+/// `tx` (`quota_exceeded` otherwise).
+pub(crate) fn admit(
+    tx: &rusqlite::Transaction<'_>,
+    ws: &str,
+    workspace_limits: &Limits,
+    host_limits: &Limits,
+    add: crate::store::Usage,
+) -> Result<(), CoreError> {
+    workspace_limits.check(
+        &format!("workspace {ws}"),
+        crate::store::usage(tx, Some(ws))?,
+        add,
+    )?;
+    host_limits.check("host", crate::store::usage(tx, None)?, add)
+}
+
 /// Refuses with `conflict`, naming the current generation, unless `expected` is absent or
 /// is `current`: an older (or any other) generation means the caller's view of `what`'s
 /// memory is not this one's.
