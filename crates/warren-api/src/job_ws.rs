@@ -369,8 +369,8 @@ async fn read_output(spec: ReadSpec, mut at: Cursor, tx: mpsc::Sender<Read>) {
                 return;
             }
         }
-        at.stdout += out.len() as u64;
-        at.stderr += err.len() as u64;
+        at.stdout = at.stdout.saturating_add(out.len() as u64);
+        at.stderr = at.stderr.saturating_add(err.len() as u64);
         if let Some(p) = &progress {
             p.sent_stdout.store(at.stdout, Ordering::Relaxed);
             p.sent_stderr.store(at.stderr, Ordering::Relaxed);

@@ -383,6 +383,7 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
     let mut local = Rates::default();
     // vm cp's own path: an opener on the same engine.
     let opener = crate::stream_link::Opener::Local(Box::new(w.share()));
+    let idle = std::time::Duration::from_secs(crate::cp_cmd::DEFAULT_IDLE_SECS);
     let tree = state.join("cp-src").join("tree");
     std::fs::create_dir_all(&tree)?;
     std::fs::write(tree.join("big"), &data)?;
@@ -398,7 +399,7 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
         file_r.push(rd);
         let mib = args.mib as f64;
         let t = Instant::now();
-        let code = crate::stream_cmd::upload(&opener, &tree, &vm, &format!("/tmp/cp{i}")).await?;
+        let code = crate::cp_cmd::upload(&opener, &tree, &vm, &format!("/tmp/cp{i}"), idle).await?;
         if code != 0 {
             bail!("vm cp up failed ({code})");
         }
@@ -406,7 +407,7 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
         let back = state.join(format!("cp-back-{i}"));
         let t = Instant::now();
         let code =
-            crate::stream_cmd::download(&opener, &vm, &format!("/tmp/cp{i}/tree"), &back, None)
+            crate::cp_cmd::download(&opener, &vm, &format!("/tmp/cp{i}/tree"), &back, None, idle)
                 .await?;
         if code != 0 {
             bail!("vm cp down failed ({code})");
@@ -455,7 +456,8 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
     let mut cp_small = Vec::with_capacity(args.iterations);
     for i in 0..args.iterations.min(20) {
         let t = Instant::now();
-        let code = crate::stream_cmd::upload(&opener, &tiny, &vm, &format!("/tmp/tiny{i}")).await?;
+        let code =
+            crate::cp_cmd::upload(&opener, &tiny, &vm, &format!("/tmp/tiny{i}"), idle).await?;
         if code != 0 {
             bail!("vm cp up of a small file failed ({code})");
         }

@@ -106,11 +106,16 @@ pub enum Command {
         service: crate::stream_link::ServiceArgs,
     },
     /// Forwards connections to a host loopback port to a guest port: `[LOCAL:]GUEST`
-    /// (LOCAL 0 picks a free port; the address is printed first). Runs until Ctrl-C.
+    /// (LOCAL 0 picks a free port; the address is printed first). Runs until Ctrl-C. Only
+    /// connections from the caller's own uid (and root) are forwarded: loopback is open
+    /// to every local user, and each connection acts with the caller's credential.
     PortForward {
         vm: String,
         #[arg(value_name = "[LOCAL:]GUEST")]
         ports: String,
+        /// Forwards connections from any local user too (they reach the guest port as you).
+        #[arg(long)]
+        allow_other_users: bool,
         #[command(flatten)]
         service: crate::stream_link::ServiceArgs,
     },
@@ -463,11 +468,16 @@ pub enum VmCmd {
     Cp {
         src: String,
         dst: String,
-        /// Copying out of the VM: at most this many MiB of file content (the guest decides
-        /// what it sends). Default: the destination's free space less 5% of its file
-        /// system (at least 1 GiB stays free).
+        /// Copying out of the VM: at most this many MiB on disk, each file counted in whole
+        /// 4 KiB blocks and every entry as at least one (the guest decides what it sends).
+        /// Default: the destination's free space less 5% of its file system or 1 GiB,
+        /// whichever is more.
         #[arg(long)]
         max_mib: Option<u64>,
+        /// Gives up when the guest sends nothing (copying out) or takes nothing (copying
+        /// in) for this many seconds.
+        #[arg(long, default_value_t = crate::cp_cmd::DEFAULT_IDLE_SECS)]
+        idle_timeout: u64,
         #[command(flatten)]
         service: crate::stream_link::ServiceArgs,
     },

@@ -139,9 +139,12 @@ async fn run_async(cli: Cli) -> Result<i32> {
             ignore_stdin_eof,
             service,
         } => crate::stream_cmd::attach(&cli, service, vm, *port, *ignore_stdin_eof).await,
-        Command::PortForward { vm, ports, service } => {
-            crate::stream_cmd::port_forward(&cli, service, vm, ports).await
-        }
+        Command::PortForward {
+            vm,
+            ports,
+            allow_other_users,
+            service,
+        } => crate::stream_cmd::port_forward(&cli, service, vm, ports, *allow_other_users).await,
         Command::Supervise { .. }
         | Command::InterceptRefresh { .. }
         | Command::Completions { .. }
@@ -438,8 +441,9 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             src,
             dst,
             max_mib,
+            idle_timeout,
             service,
-        } => crate::stream_cmd::cp(cli, service, src, dst, *max_mib).await,
+        } => crate::cp_cmd::cp(cli, service, src, dst, *max_mib, *idle_timeout).await,
         VmCmd::List { json } => {
             let w = open(cli, None)?;
             print_vms(&w, t, &w.list_vms()?, *json)?;

@@ -1,6 +1,8 @@
 //! `vm cp`'s archives: packing a host file or tree, and unpacking an archive the guest wrote.
 //!
-//! Packing uses the `tar` crate over the caller's own files (symlinks stored as links).
+//! Packing walks the caller's tree relative to directory descriptors (see [`pack`]) and
+//! writes it with the `tar` crate (symlinks stored as links; sockets, FIFOs and devices left
+//! out and counted).
 //! Unpacking goes through the image layers' unpacker ([`warren_image::unpack`]), because the
 //! archive is untrusted input: every entry is created relative to a directory descriptor
 //! opened with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV)` beneath a
@@ -23,10 +25,12 @@
 
 use std::ffi::OsStr;
 use std::io::{Read, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 
 /// Most entries one archive may have.
 pub const MAX_ENTRIES: u64 = 1_000_000;
@@ -42,31 +46,161 @@ pub struct Unpacked {
     pub skipped: u64,
 }
 
+/// Directory levels a packed tree may have (each open while its subtree is packed).
+const MAX_DEPTH: usize = 256;
+
+/// What a pack sent.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Packed {
+    /// Bytes of file content.
+    pub bytes: u64,
+    /// Entries left out (sockets, FIFOs, devices).
+    pub skipped: u64,
+}
+
 /// Writes a tar archive of `src` (a file, a directory tree or a symlink), named by its last
-/// component, to `out`. Returns the bytes of file content packed.
-pub fn pack(src: &Path, out: impl Write) -> Result<u64> {
+/// component, to `out`.
+///
+/// The path `src` is resolved once, to its parent directory; from there every entry is
+/// reached relative to the descriptor of the directory holding it, opened `O_NOFOLLOW`,
+/// and its header made from the descriptor that is read (never from a path): a tree a
+/// guest can write while it is packed (a share) cannot redirect the packer through a
+/// symlink swapped in for a directory or a file, so nothing outside `src` is read.
+pub fn pack(src: &Path, out: impl Write) -> Result<Packed> {
     let name = src
         .file_name()
         .ok_or_else(|| anyhow!("{}: name a file or directory", src.display()))?;
-    let meta = std::fs::symlink_metadata(src).with_context(|| src.display().to_string())?;
+    let parent = src
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let parent_fd = rustix::fs::open(
+        parent,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .with_context(|| parent.display().to_string())?;
     let mut b = tar::Builder::new(out);
-    b.follow_symlinks(false);
-    let mut bytes = 0;
-    if meta.is_dir() {
-        for entry in walk(src)? {
-            if entry.1.is_file() {
-                bytes += entry.1.len();
-            }
+    let mut packed = Packed::default();
+    // Open directories being listed, each with its name in the archive.
+    let mut stack: Vec<(rustix::fs::Dir, Vec<u8>)> = Vec::new();
+    let top = name.as_bytes().to_vec();
+    if let Some(dir) = add_entry(&mut b, parent_fd.as_fd(), name, &top, &mut packed)
+        .with_context(|| format!("packing {}", src.display()))?
+    {
+        stack.push((dir, top));
+    }
+    while let Some((dir, prefix)) = stack.last_mut() {
+        let Some(entry) = dir.read() else {
+            stack.pop();
+            continue;
+        };
+        let entry = entry?;
+        let child = entry.file_name();
+        if child == c"." || child == c".." {
+            continue;
         }
-        b.append_dir_all(name, src)
-            .with_context(|| format!("packing {}", src.display()))?;
-    } else {
-        bytes = meta.len();
-        b.append_path_with_name(src, name)
-            .with_context(|| format!("packing {}", src.display()))?;
+        let child = OsStr::from_bytes(child.to_bytes()).to_owned();
+        let mut path = prefix.clone();
+        path.push(b'/');
+        path.extend_from_slice(child.as_bytes());
+        let at = dir.fd()?;
+        let sub = add_entry(&mut b, at, &child, &path, &mut packed).with_context(|| {
+            format!(
+                "packing {}",
+                parent.join(OsStr::from_bytes(&path)).display()
+            )
+        })?;
+        if let Some(sub) = sub {
+            if stack.len() >= MAX_DEPTH {
+                bail!(
+                    "{}: deeper than {MAX_DEPTH} directory levels",
+                    src.display()
+                );
+            }
+            stack.push((sub, path));
+        }
     }
     b.into_inner()?.flush()?;
-    Ok(bytes)
+    Ok(packed)
+}
+
+/// Appends the entry `name` of the directory `at` as `path`; a directory is returned open
+/// for its entries to follow.
+fn add_entry(
+    b: &mut tar::Builder<impl Write>,
+    at: BorrowedFd<'_>,
+    name: &OsStr,
+    path: &[u8],
+    packed: &mut Packed,
+) -> Result<Option<rustix::fs::Dir>> {
+    let path = Path::new(OsStr::from_bytes(path));
+    let st = rustix::fs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW)?;
+    match FileType::from_raw_mode(st.st_mode) {
+        FileType::Directory => {
+            let fd = rustix::fs::openat(
+                at,
+                name,
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            )?;
+            let st = rustix::fs::fstat(&fd)?;
+            let mut h = header(tar::EntryType::Directory, &st, 0);
+            b.append_data(&mut h, path, std::io::empty())?;
+            Ok(Some(rustix::fs::Dir::new(fd)?))
+        }
+        FileType::RegularFile => {
+            // `O_NONBLOCK`: a FIFO swapped in after the look does not hang the open.
+            let fd = rustix::fs::openat(
+                at,
+                name,
+                OFlags::RDONLY
+                    | OFlags::NOFOLLOW
+                    | OFlags::NONBLOCK
+                    | OFlags::NOCTTY
+                    | OFlags::CLOEXEC,
+                Mode::empty(),
+            )?;
+            let st = rustix::fs::fstat(&fd)?;
+            if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+                packed.skipped += 1;
+                return Ok(None);
+            }
+            let size = u64::try_from(st.st_size).unwrap_or(0);
+            let mut h = header(tar::EntryType::Regular, &st, size);
+            // Exactly `size` bytes whatever the file does meanwhile: cut when it grew,
+            // zeros when it shrank (the archive stays well formed).
+            let data = std::fs::File::from(fd)
+                .take(size)
+                .chain(std::io::repeat(0))
+                .take(size);
+            b.append_data(&mut h, path, data)?;
+            packed.bytes += size;
+            Ok(None)
+        }
+        FileType::Symlink => {
+            let target = rustix::fs::readlinkat(at, name, Vec::new())?;
+            let mut h = header(tar::EntryType::Symlink, &st, 0);
+            b.append_link(&mut h, path, OsStr::from_bytes(target.as_bytes()))?;
+            Ok(None)
+        }
+        _ => {
+            packed.skipped += 1;
+            Ok(None)
+        }
+    }
+}
+
+/// A header of `kind` with `st`'s mode, owner and modification time.
+fn header(kind: tar::EntryType, st: &rustix::fs::Stat, size: u64) -> tar::Header {
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(kind);
+    h.set_size(size);
+    h.set_mode(st.st_mode & 0o7777);
+    h.set_uid(u64::from(st.st_uid));
+    h.set_gid(u64::from(st.st_gid));
+    h.set_mtime(u64::try_from(st.st_mtime).unwrap_or(0));
+    h
 }
 
 /// Every path below `dir` with its metadata (not following symlinks).
@@ -110,12 +244,14 @@ pub fn content_size(src: &Path) -> u64 {
     }
 }
 
-/// Unpacks `input`, an archive of `name` alone, into the directory `root` (see the module
-/// docs); at most `max_bytes` of file content. The unpacker is the image layers'
+/// Unpacks `input`, an archive of `name` alone, into the open directory `root` (see the
+/// module docs); at most `max_bytes` of disk, each entry charged its content rounded up to
+/// whole 4 KiB blocks, at least one. The unpacker is the image layers'
 /// ([`warren_image::unpack`]), without whiteouts, owners or sticky bits.
-pub fn unpack(input: impl Read, root: &Path, name: &OsStr, max_bytes: u64) -> Result<Unpacked> {
+pub fn unpack(input: impl Read, root: OwnedFd, name: &OsStr, max_bytes: u64) -> Result<Unpacked> {
     let opts = warren_image::unpack::Options {
         max_bytes,
+        block: 4096,
         max_entries: MAX_ENTRIES,
         keep_owner: false,
         keep_sticky: false,
@@ -125,7 +261,7 @@ pub fn unpack(input: impl Read, root: &Path, name: &OsStr, max_bytes: u64) -> Re
         only_in: Some(name.as_bytes().to_vec()),
     };
     let mut done = warren_image::unpack::Unpacked::default();
-    warren_image::unpack::unpack(input, root, &opts, &mut done)
+    warren_image::unpack::unpack_fd(input, root, &opts, &mut done)
         .map_err(|e| anyhow!("unpacking the copy: {e}"))?;
     Ok(Unpacked {
         files: done.files,
@@ -140,6 +276,10 @@ pub fn unpack(input: impl Read, root: &Path, name: &OsStr, max_bytes: u64) -> Re
 mod tests {
     use super::*;
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    fn root(p: &Path) -> OwnedFd {
+        rustix::fs::open(p, OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty()).expect("root")
+    }
 
     fn archive(build: impl FnOnce(&mut tar::Builder<Vec<u8>>)) -> Vec<u8> {
         let mut b = tar::Builder::new(Vec::new());
@@ -170,7 +310,7 @@ mod tests {
         let mut buf = Vec::new();
         pack(&tree, &mut buf).expect("pack");
         let dst = tempfile::tempdir().expect("dst");
-        let got = unpack(&buf[..], dst.path(), "tree".as_ref(), u64::MAX).expect("unpack");
+        let got = unpack(&buf[..], root(dst.path()), "tree".as_ref(), u64::MAX).expect("unpack");
         assert_eq!((got.files, got.links, got.skipped), (1, 1, 0));
         let run = dst.path().join("tree/sub/run.sh");
         assert_eq!(std::fs::read(&run).expect("read"), b"#!/bin/sh\n");
@@ -181,6 +321,98 @@ mod tests {
         assert_eq!(
             std::fs::read_link(dst.path().join("tree/link")).expect("link"),
             Path::new("sub/run.sh")
+        );
+    }
+
+    /// A directory the packer took is swapped for a symlink to a secret tree before its
+    /// entries are read (a guest writing a shared source): the packer goes on reading the
+    /// directory it opened, never the secret one.
+    #[test]
+    fn test_pack_reads_the_directories_it_opened_not_a_symlink_swapped_in() {
+        struct Swapper {
+            out: Vec<u8>,
+            tree: std::path::PathBuf,
+            secret: std::path::PathBuf,
+            swapped: bool,
+        }
+        impl Write for Swapper {
+            fn write(&mut self, d: &[u8]) -> std::io::Result<usize> {
+                self.out.extend_from_slice(d);
+                if !self.swapped && self.out.windows(6).any(|w| w == b"tree/b") {
+                    self.swapped = true;
+                    std::fs::rename(self.tree.join("b"), self.tree.join("held"))?;
+                    std::os::unix::fs::symlink(&self.secret, self.tree.join("b"))?;
+                }
+                Ok(d.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let src = tempfile::tempdir().expect("src");
+        let tree = src.path().join("tree");
+        let secret = src.path().join("secret");
+        std::fs::create_dir_all(tree.join("b")).expect("b");
+        std::fs::create_dir_all(&secret).expect("secret");
+        std::fs::write(tree.join("b/f"), "guest-owned").expect("f");
+        std::fs::write(secret.join("f"), "host-secret").expect("secret f");
+        let mut w = Swapper {
+            out: Vec::new(),
+            tree: tree.clone(),
+            secret,
+            swapped: false,
+        };
+        pack(&tree, &mut w).expect("pack");
+        assert!(w.swapped, "the swap never ran");
+        let has = |needle: &[u8]| w.out.windows(needle.len()).any(|x| x == needle);
+        assert!(has(b"guest-owned"));
+        assert!(
+            !has(b"host-secret"),
+            "the packer followed the swapped-in symlink"
+        );
+    }
+
+    /// Entries without content still take disk: a guest's thousands of empty files were
+    /// free against the limit (it counted content alone) and could fill the destination.
+    /// Now each is charged a 4 KiB block. Control: the same archive within a limit that
+    /// holds its blocks unpacks.
+    #[test]
+    fn test_unpack_charges_every_entry_a_block() {
+        let a = archive(|b| {
+            for i in 0..300 {
+                let mut h = header(tar::EntryType::Regular, 0, 0o644);
+                b.append_data(&mut h, format!("many/{i}"), &b""[..])
+                    .expect("empty");
+            }
+        });
+        let dst = tempfile::tempdir().expect("dst");
+        let e = unpack(&a[..], root(dst.path()), "many".as_ref(), 1 << 20).expect_err("256 blocks");
+        assert!(e.to_string().contains("on disk larger than"), "{e}");
+        let dst = tempfile::tempdir().expect("dst");
+        let got = unpack(&a[..], root(dst.path()), "many".as_ref(), 300 * 4096).expect("fits");
+        assert_eq!((got.files, got.bytes), (300, 0));
+    }
+
+    /// Sockets, FIFOs and devices are left out and counted (a FIFO would hang the read).
+    #[test]
+    fn test_pack_leaves_out_fifos() {
+        let src = tempfile::tempdir().expect("src");
+        let tree = src.path().join("tree");
+        std::fs::create_dir_all(&tree).expect("tree");
+        nix::unistd::mkfifo(
+            &tree.join("pipe"),
+            nix::sys::stat::Mode::from_bits_truncate(0o644),
+        )
+        .expect("fifo");
+        std::fs::write(tree.join("f"), "x").expect("f");
+        let mut buf = Vec::new();
+        let packed = pack(&tree, &mut buf).expect("pack");
+        assert_eq!(
+            packed,
+            Packed {
+                bytes: 1,
+                skipped: 1
+            }
         );
     }
 
@@ -198,7 +430,7 @@ mod tests {
                 h.set_cksum();
                 b.append(&h, &b"x"[..]).expect("append");
             });
-            let e = unpack(&a[..], dst.path(), "x".as_ref(), u64::MAX).expect_err(bad);
+            let e = unpack(&a[..], root(dst.path()), "x".as_ref(), u64::MAX).expect_err(bad);
             assert!(
                 e.to_string().contains("refused") || e.to_string().contains("leaves"),
                 "{e}"
@@ -211,7 +443,7 @@ mod tests {
             let mut h = header(tar::EntryType::Regular, 1, 0o644);
             b.append_data(&mut h, "out/pwned", &b"x"[..]).expect("file");
         });
-        assert!(unpack(&a[..], dst.path(), "out".as_ref(), u64::MAX).is_err());
+        assert!(unpack(&a[..], root(dst.path()), "out".as_ref(), u64::MAX).is_err());
         assert!(!Path::new("/tmp/pwned").exists());
         let a = archive(|b| {
             let mut h = header(tar::EntryType::Char, 0, 0o666);
@@ -219,7 +451,7 @@ mod tests {
             let mut h = header(tar::EntryType::Regular, 2, 0o6755);
             b.append_data(&mut h, "top/suid", &b"hi"[..]).expect("suid");
         });
-        let got = unpack(&a[..], dst.path(), "top".as_ref(), u64::MAX).expect("unpack");
+        let got = unpack(&a[..], root(dst.path()), "top".as_ref(), u64::MAX).expect("unpack");
         assert_eq!(got.skipped, 1);
         assert!(!dst.path().join("top/tty").exists());
         let mode = std::fs::metadata(dst.path().join("top/suid"))
@@ -230,7 +462,7 @@ mod tests {
             let mut h = header(tar::EntryType::Regular, 3, 0o644);
             b.append_data(&mut h, "big", &b"abc"[..]).expect("big");
         });
-        assert!(unpack(&a[..], dst.path(), "big".as_ref(), 2).is_err());
+        assert!(unpack(&a[..], root(dst.path()), "big".as_ref(), 2).is_err());
     }
 
     /// The guest answers a copy of `asked` with an archive that also makes other names (at
@@ -246,7 +478,7 @@ mod tests {
                 let mut h = header(tar::EntryType::Regular, 1, 0o644);
                 b.append_data(&mut h, other, &b"2"[..]).expect("other");
             });
-            let e = unpack(&a[..], dst.path(), "asked".as_ref(), u64::MAX).expect_err(other);
+            let e = unpack(&a[..], root(dst.path()), "asked".as_ref(), u64::MAX).expect_err(other);
             assert!(e.to_string().contains("outside what was asked"), "{e}");
             let top = other
                 .trim_start_matches("./")
@@ -263,7 +495,7 @@ mod tests {
             let mut h = header(tar::EntryType::Regular, 1, 0o644);
             b.append_data(&mut h, "asked/sub/f", &b"1"[..]).expect("f");
         });
-        let got = unpack(&a[..], dst.path(), "asked".as_ref(), u64::MAX).expect("unpack");
+        let got = unpack(&a[..], root(dst.path()), "asked".as_ref(), u64::MAX).expect("unpack");
         assert_eq!((got.files, got.dirs), (1, 1));
     }
 
@@ -284,7 +516,7 @@ mod tests {
             let mut h = header(tar::EntryType::Regular, 1, 0o666);
             b.append_data(&mut h, "top/open/f", &b"1"[..]).expect("f");
         });
-        unpack(&a[..], dst.path(), "top".as_ref(), u64::MAX).expect("unpack");
+        unpack(&a[..], root(dst.path()), "top".as_ref(), u64::MAX).expect("unpack");
         let mode = |p: &str| std::fs::metadata(dst.path().join(p)).expect(p).mode() & 0o7777;
         let mask = umask();
         assert_eq!(mode("top"), 0o755 & !mask);

@@ -11,7 +11,6 @@ use clap::Args;
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
@@ -20,6 +19,7 @@ use warren_supervisor::stream_frame::{StreamReader, StreamWriter};
 
 use crate::cli::Cli;
 use crate::client::Conn;
+use crate::ws_connect;
 
 /// How to reach the service (flattened into the stream commands).
 #[derive(Args, Debug, Clone, Default)]
@@ -204,23 +204,19 @@ impl Opener {
                 (Box::new(s), "localhost".into(), None)
             }
         };
-        let mut req = format!("ws://{host}{path}").into_client_request()?;
-        if let Some(a) = auth {
-            req.headers_mut().insert("authorization", a.parse()?);
+        let mut headers: Vec<(&str, &str)> = Vec::new();
+        if let Some(a) = &auth {
+            headers.push(("Authorization", a));
         }
         if let Some(w) = workspace {
-            req.headers_mut()
-                .insert(warren_api::http::WORKSPACE_HEADER, w.parse()?);
+            headers.push((warren_api::http::WORKSPACE_HEADER, w));
         }
         let mut config = WebSocketConfig::default();
         config.max_message_size = Some(16 << 20);
         config.max_frame_size = Some(16 << 20);
-        match tokio_tungstenite::client_async_with_config(req, io, Some(config)).await {
-            Ok((ws, _)) => Ok(ws),
-            Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {
-                Err(refusal(resp.status().as_u16(), resp.body().as_deref()))
-            }
-            Err(e) => Err(e.into()),
+        match ws_connect::upgrade(io, &host, path, &headers, config).await? {
+            ws_connect::Upgrade::Open(ws) => Ok(*ws),
+            ws_connect::Upgrade::Refused { status, body } => Err(refusal(status, &body)),
         }
     }
 
@@ -267,9 +263,9 @@ impl Tools {
 }
 
 /// The service's refusal as the CLI's error (its code and message).
-fn refusal(status: u16, body: Option<&[u8]>) -> anyhow::Error {
-    let parsed = body
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(b).ok())
+fn refusal(status: u16, body: &[u8]) -> anyhow::Error {
+    let parsed = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
         .and_then(|v| {
             let code = v.pointer("/error/code")?.as_str()?.to_string();
             let message = v.pointer("/error/message")?.as_str()?.to_string();

@@ -1,6 +1,8 @@
 //! CLI commands against a stand-in service on a UNIX socket (`--socket`) that plays what a
-//! hostile guest makes the service answer, without a VM: `vm cp VM:path DIR` receiving a
-//! copy without end, `vm exec` following a job whose end never comes. The unpacker's own
+//! hostile guest (or another local user) makes the service answer, without a VM: `vm cp
+//! VM:path DIR` receiving a copy without end, swapping its staging directory or going
+//! silent, `vm exec` following a job whose end never comes, `port-forward` reached by
+//! another user. The unpacker's own
 //! rules are tested beside them (`warren-cli` `copy::tests`, `warren-image`
 //! `unpack::tests`).
 
@@ -11,11 +13,13 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::SinkExt;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::Message;
 
 /// Serves every connection on `sock` as a copy out of the guest: a tar header of one file
@@ -345,4 +349,273 @@ fn exec_as_nobody(sock: &std::path::Path, stderr: std::process::Stdio) -> std::p
         .stderr(stderr)
         .spawn()
         .expect("warren vm exec")
+}
+
+/// Serves every connection on `sock` as a copy out of the guest of `archive`: its first
+/// `before` bytes, then, once `gate` is set, the rest and a normal end. Until then it reads
+/// nothing from the client (a guest that neither sends nor takes).
+fn gated_copy(sock: &Path, archive: Vec<u8>, before: usize, gate: Arc<AtomicBool>) {
+    let listener = std::os::unix::net::UnixListener::bind(sock).expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::UnixListener::from_std(listener).expect("listener");
+            while let Ok((conn, _)) = listener.accept().await {
+                let (archive, gate) = (archive.clone(), gate.clone());
+                tokio::spawn(async move {
+                    let Ok(mut ws) = tokio_tungstenite::accept_async(conn).await else {
+                        return;
+                    };
+                    let first = archive[..before].to_vec();
+                    if ws.send(Message::Binary(first.into())).await.is_err() {
+                        return;
+                    }
+                    while !gate.load(Ordering::SeqCst) {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    let rest = archive[before..].to_vec();
+                    if ws.send(Message::Binary(rest.into())).await.is_err() {
+                        return;
+                    }
+                    let _ = ws
+                        .close(Some(CloseFrame {
+                            code: CloseCode::Normal,
+                            reason: "guest closed".into(),
+                        }))
+                        .await;
+                    while let Some(Ok(_)) = futures_util::StreamExt::next(&mut ws).await {}
+                });
+            }
+        });
+    });
+}
+
+/// A directory `cfg` holding the file `x` ("guest"), as a guest's `tar` sends it.
+fn cfg_archive() -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Directory);
+    h.set_mode(0o755);
+    h.set_size(0);
+    b.append_data(&mut h, "cfg", &b""[..]).expect("dir");
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_mode(0o644);
+    h.set_size(5);
+    b.append_data(&mut h, "cfg/x", &b"guest"[..]).expect("file");
+    b.into_inner().expect("archive")
+}
+
+/// A copy out of a guest into a directory the guest can write (a share): while the archive
+/// is open, the guest renames the copy's staging directory away and puts a symlink to a
+/// host directory holding `cfg` in its place. The copy was moved into place by path, through
+/// that symlink: the host's own `cfg` was taken out of its directory and handed to the
+/// guest. Now the staging directory is held open from its making and the move is made from
+/// it: the guest's `cfg` lands, the host's stays. Control: the staging directory was
+/// being written when the swap was made.
+#[test]
+fn test_a_copy_out_is_moved_from_its_own_staging_directory_not_through_a_swapped_in_symlink() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let sock = dir.path().join("warrend.sock");
+    let gate = Arc::new(AtomicBool::new(false));
+    // The directory's header alone: the unpacker makes `cfg` in the staging directory.
+    gated_copy(&sock, cfg_archive(), 512, gate.clone());
+    let dst = dir.path().join("dst");
+    std::fs::create_dir_all(&dst).expect("dst");
+    let victim = dir.path().join("victim");
+    std::fs::create_dir_all(victim.join("cfg")).expect("victim");
+    std::fs::write(victim.join("cfg/secret"), "host").expect("secret");
+    let child = std::process::Command::new(common::WARREN)
+        .args(["--socket", sock.to_str().expect("utf-8"), "vm", "cp"])
+        .args([
+            "vm-x:/data/cfg",
+            dst.to_str().expect("utf-8"),
+            "--max-mib",
+            "16",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("warren vm cp");
+    let staging = || {
+        std::fs::read_dir(&dst)
+            .expect("dst")
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(".warren-cp-"))
+                    && p.join("cfg").is_dir()
+            })
+    };
+    wait_for("the copy staged cfg", || staging().is_some());
+    let staged = staging().expect("staging");
+    std::fs::rename(&staged, dst.join(".hold")).expect("rename");
+    std::os::unix::fs::symlink(&victim, &staged).expect("symlink");
+    gate.store(true, Ordering::SeqCst);
+    let out = child.wait_with_output().expect("wait");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(victim.join("cfg/secret"))
+            .ok()
+            .as_deref(),
+        Some("host"),
+        "the host's cfg was moved: {:?}",
+        listing(&dst)
+    );
+    assert_eq!(
+        std::fs::read_to_string(dst.join("cfg/x")).expect("the copy"),
+        "guest"
+    );
+}
+
+/// A guest that goes silent in the middle of a copy (out: it sends no more; in: it takes
+/// no more) held `vm cp` for ever (the service keeps the WebSocket alive with pings). Now
+/// the copy gives up after `--idle-timeout` seconds without progress, says so, and leaves
+/// nothing. Control: the copy out had begun (the guest's first bytes came).
+#[test]
+fn test_a_copy_the_guest_stalls_gives_up_at_the_idle_timeout() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let sock = dir.path().join("warrend.sock");
+    gated_copy(&sock, cfg_archive(), 512, Arc::new(AtomicBool::new(false)));
+    let dst = dir.path().join("dst");
+    let big = dir.path().join("big");
+    std::fs::File::create(&big)
+        .and_then(|f| f.set_len(256 << 20))
+        .expect("big");
+    let cp = |src: &Path, to: &str| {
+        let started = Instant::now();
+        let out = std::process::Command::new(common::WARREN)
+            .args(["--socket", sock.to_str().expect("utf-8"), "vm", "cp"])
+            .arg(src)
+            .arg(to)
+            .args(["--max-mib", "16", "--idle-timeout", "2"])
+            .output()
+            .expect("warren vm cp");
+        (out, started.elapsed())
+    };
+    let (out, took) = cp(Path::new("vm-x:/data/cfg"), dst.to_str().expect("utf-8"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "out: {err}");
+    assert!(err.contains("--idle-timeout"), "out: {err}");
+    assert!(
+        took < Duration::from_secs(30),
+        "out: gave up after {took:?}"
+    );
+    assert_eq!(listing(&dst), Vec::<String>::new(), "out: left behind");
+    let (out, took) = cp(&big, "vm-x:/data");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "in: {err}");
+    assert!(err.contains("--idle-timeout"), "in: {err}");
+    assert!(took < Duration::from_secs(30), "in: gave up after {took:?}");
+}
+
+/// Serves every connection on `sock` as a service refusing a stream with `not_found` and
+/// `message`, its head and body in two writes 100 ms apart. Counts the connections.
+fn refusing_streams(sock: &Path, message: &'static str) -> Arc<AtomicU64> {
+    use std::io::Write;
+    let listener = std::os::unix::net::UnixListener::bind(sock).expect("bind");
+    let seen = Arc::new(AtomicU64::new(0));
+    let counted = seen.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut c) = conn else { return };
+            counted.fetch_add(1, Ordering::SeqCst);
+            let mut head = Vec::new();
+            let mut b = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && c.read(&mut b).map(|n| n == 1).unwrap_or(false) {
+                head.push(b[0]);
+            }
+            let body =
+                serde_json::json!({"error": {"code": "not_found", "message": message}}).to_string();
+            let head = format!(
+                "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = c.write_all(head.as_bytes()).and_then(|()| c.flush());
+            std::thread::sleep(Duration::from_millis(100));
+            let _ = c.write_all(body.as_bytes());
+        }
+    });
+    seen
+}
+
+/// `warren port-forward` listens on loopback, which every local user can reach, and each
+/// connection acts with the forwarder's credential: another user's connection reached the
+/// forwarder's workspace. Now a connection from another uid (here `nobody`) is closed
+/// before anything is opened, and says so; with `--allow-other-users` it is forwarded.
+/// Control: the forwarder's own connection is forwarded (the stand-in service refuses the
+/// stream, with its body sent after its head: the refusal is read whole, code and message).
+#[test]
+fn test_port_forward_forwards_only_connections_of_its_own_user() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().expect("tmp");
+    let sock = dir.path().join("warrend.sock");
+    let seen = refusing_streams(&sock, "stand-in refused the stream");
+    for allow in [false, true] {
+        let mut args = vec!["--socket", sock.to_str().expect("utf-8"), "port-forward"];
+        args.extend(["vm-x", "0:80"]);
+        if allow {
+            args.push("--allow-other-users");
+        }
+        let mut child = std::process::Command::new(common::WARREN)
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("warren port-forward");
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut addr = String::new();
+        out.read_line(&mut addr).expect("address");
+        let port = addr.trim().rsplit(':').next().expect("port").to_string();
+        let mut err = BufReader::new(child.stderr.take().expect("stderr"));
+        let mut next_line = |want: &str| {
+            let mut line = String::new();
+            while !line.contains(want) {
+                line.clear();
+                assert!(
+                    err.read_line(&mut line).expect("stderr") > 0,
+                    "no {want:?} line"
+                );
+            }
+            line
+        };
+        let before = seen.load(Ordering::SeqCst);
+        let mut nobody = std::process::Command::new("python3")
+            .args([
+                "-c",
+                "import socket,sys,time\n\
+                 s=socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n\
+                 time.sleep(3)",
+                &port,
+            ])
+            .uid(65534)
+            .gid(65534)
+            .spawn()
+            .expect("python3 as nobody");
+        if allow {
+            let line = next_line("connection from");
+            assert!(line.contains("stand-in refused the stream"), "{line:?}");
+            assert_eq!(seen.load(Ordering::SeqCst), before + 1);
+        } else {
+            let line = next_line("refused a connection");
+            assert!(line.contains("uid 65534"), "{line:?}");
+            // Nothing was opened for it; the forwarder's own connection is forwarded, and
+            // the refusal's body, sent after its head, is read whole.
+            let _own = std::net::TcpStream::connect(addr.trim()).expect("connect");
+            let line = next_line("connection from");
+            assert!(line.contains("stand-in refused the stream"), "{line:?}");
+            assert_eq!(seen.load(Ordering::SeqCst), before + 1);
+        }
+        let _ = nobody.kill();
+        let _ = nobody.wait();
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 }

@@ -126,13 +126,15 @@ pub fn page(job_id: &str, cursor: Cursor, out: &JobOutput, encoding: Encoding) -
             b_stdout = Some(e.encode(&out.stdout));
             b_stderr = Some(e.encode(&out.stderr));
             Cursor {
-                stdout: cursor.stdout + out.stdout.len() as u64,
-                stderr: cursor.stderr + out.stderr.len() as u64,
+                stdout: cursor.stdout.saturating_add(out.stdout.len() as u64),
+                stderr: cursor.stderr.saturating_add(out.stderr.len() as u64),
             }
         }
         Encoding::Utf8 => {
-            let so_final = ended && cursor.stdout + out.stdout.len() as u64 >= out.stdout_retained;
-            let se_final = ended && cursor.stderr + out.stderr.len() as u64 >= out.stderr_retained;
+            let so_final = ended
+                && cursor.stdout.saturating_add(out.stdout.len() as u64) >= out.stdout_retained;
+            let se_final = ended
+                && cursor.stderr.saturating_add(out.stderr.len() as u64) >= out.stderr_retained;
             let (so, so_n, so_err) = decode_utf8(&out.stdout, so_final);
             let (se, se_n, se_err) = decode_utf8(&out.stderr, se_final);
             p_stdout = Some(so);
@@ -142,8 +144,8 @@ pub fn page(job_id: &str, cursor: Cursor, out: &JobOutput, encoding: Encoding) -
                 stderr: se_err,
             });
             Cursor {
-                stdout: cursor.stdout + so_n as u64,
-                stderr: cursor.stderr + se_n as u64,
+                stdout: cursor.stdout.saturating_add(so_n as u64),
+                stderr: cursor.stderr.saturating_add(se_n as u64),
             }
         }
     };

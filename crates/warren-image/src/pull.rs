@@ -323,6 +323,7 @@ async fn pull_into(
     set_mode(&root, 0o755)?;
     let unpack_opts = crate::unpack::Options {
         max_bytes: opts.max_unpacked,
+        block: 0,
         max_entries: opts.max_entries,
         keep_owner: true,
         keep_sticky: true,
@@ -758,6 +759,7 @@ mod tests {
         std::fs::create_dir(&root).expect("mkdir");
         let opts = crate::unpack::Options {
             max_bytes: u64::MAX,
+            block: 0,
             max_entries: 10,
             keep_owner: false,
             keep_sticky: false,
@@ -827,6 +829,7 @@ mod tests {
         std::fs::create_dir(&root).expect("mkdir");
         let opts = crate::unpack::Options {
             max_bytes: u64::MAX,
+            block: 0,
             max_entries: 100,
             keep_owner: false,
             keep_sticky: false,

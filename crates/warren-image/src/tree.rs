@@ -106,6 +106,12 @@ impl Tree {
         Ok(Tree { fd })
     }
 
+    /// The tree of a directory already open (the caller opened it without following a
+    /// symlink; every step below it is made relative to it).
+    pub fn from_fd(fd: OwnedFd) -> Tree {
+        Tree { fd }
+    }
+
     /// Opens the directory at `comps` (the root for none).
     pub fn dir(&self, comps: &[&[u8]]) -> Result<OwnedFd, TreeError> {
         let rel = if comps.is_empty() {

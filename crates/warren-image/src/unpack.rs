@@ -20,7 +20,9 @@
 //! - device nodes, FIFOs, sparse and unknown entries are **dropped** (counted);
 //! - with [`Options::whiteouts`] (OCI layers), `.wh.<name>` removes `<name>` of the layers
 //!   below and `.wh..wh..opq` empties its directory of them;
-//! - at most [`Options::max_entries`] entries and [`Options::max_bytes`] of file content;
+//! - at most [`Options::max_entries`] entries and [`Options::max_bytes`] of file content
+//!   (with [`Options::block`], of disk: each entry charged its content rounded up to whole
+//!   blocks, at least one block, so a million tiny entries count as what they take);
 //!   the names kept until the end (directory modes, names for opaque whiteouts) are kept
 //!   once each and bounded with their bookkeeping (`MAX_NAMES_KEPT`);
 //!   GNU long names and links and PAX headers are read with limits of their own (the `tar`
@@ -47,8 +49,14 @@ const OPAQUE: &[u8] = b".wh..wh..opq";
 /// How to unpack.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// Most bytes of file content (over every call sharing the same [`Unpacked`]).
+    /// Most bytes of file content (over every call sharing the same [`Unpacked`]), or with
+    /// [`Options::block`] of disk.
     pub max_bytes: u64,
+    /// When not 0, [`Options::max_bytes`] counts disk blocks of this size: every entry
+    /// made is charged its content rounded up to whole blocks, at least one (`vm cp`: a
+    /// guest's million one-byte files or empty directories fill a disk the content sum
+    /// never sees). 0: file content alone (image layers).
+    pub block: u64,
     /// Most entries (likewise).
     pub max_entries: u64,
     /// Owners from the entries (an image's root tree) instead of the caller's.
@@ -76,12 +84,37 @@ pub struct Unpacked {
     pub dirs: u64,
     pub links: u64,
     pub bytes: u64,
+    /// What was charged against [`Options::max_bytes`].
+    pub charged: u64,
     /// Entries left out (devices, FIFOs, sparse files, unknown kinds).
     pub skipped: u64,
     /// Files and directories whose set-id bits were dropped.
     pub setid_dropped: u64,
     /// Whiteouts applied.
     pub whiteouts: u64,
+}
+
+/// Charges an entry of `size` content bytes against [`Options::max_bytes`] (see
+/// [`Options::block`]); refuses it past the limit.
+fn charge(opts: &Options, done: &mut Unpacked, size: u64, name: &[u8]) -> Result<(), TreeError> {
+    let cost = match opts.block {
+        0 => size,
+        b => size.div_ceil(b).max(1).saturating_mul(b),
+    };
+    let total = done.charged.saturating_add(cost);
+    if total > opts.max_bytes {
+        let what = if opts.block == 0 {
+            "content"
+        } else {
+            "the copy on disk"
+        };
+        return Err(err(
+            name,
+            format!("{what} larger than the {}-byte limit", opts.max_bytes),
+        ));
+    }
+    done.charged = total;
+    Ok(())
 }
 
 /// Unpacks the tar stream `input` into the directory `root`, adding to `done`.
@@ -91,7 +124,26 @@ pub fn unpack(
     opts: &Options,
     done: &mut Unpacked,
 ) -> Result<(), TreeError> {
-    let tree = Tree::open(root)?;
+    unpack_into(input, Tree::open(root)?, opts, done)
+}
+
+/// [`unpack`] into a directory the caller holds open (`root`), so nothing is resolved
+/// by path from where the caller found it.
+pub fn unpack_fd(
+    input: impl Read,
+    root: std::os::fd::OwnedFd,
+    opts: &Options,
+    done: &mut Unpacked,
+) -> Result<(), TreeError> {
+    unpack_into(input, Tree::from_fd(root), opts, done)
+}
+
+fn unpack_into(
+    input: impl Read,
+    tree: Tree,
+    opts: &Options,
+    done: &mut Unpacked,
+) -> Result<(), TreeError> {
     // Names kept for the whole archive, each once and charged with its bookkeeping
     // ([`Kept`]): directories' modes (set at the end), and with whiteouts every name this
     // archive made (an opaque whiteout keeps what this layer put in a directory and removes
@@ -179,15 +231,21 @@ pub fn unpack(
         let keep = if opts.keep_sticky { 0o1777 } else { 0o777 };
         let mode = raw_mode & keep & !opts.mode_mask;
         let setid = raw_mode & 0o6000 != 0;
-        match header.entry_type() {
+        let kind = header.entry_type();
+        let makes = matches!(
+            kind,
+            tar::EntryType::Regular
+                | tar::EntryType::Continuous
+                | tar::EntryType::Directory
+                | tar::EntryType::Symlink
+                | tar::EntryType::Link
+        );
+        if makes {
+            charge(opts, done, entry.size(), &name)?;
+        }
+        match kind {
             tar::EntryType::Regular | tar::EntryType::Continuous => {
                 let size = entry.size();
-                if done.bytes.saturating_add(size) > opts.max_bytes {
-                    return Err(err(
-                        &name,
-                        format!("content larger than the {}-byte limit", opts.max_bytes),
-                    ));
-                }
                 let mtime = header.mtime().ok();
                 let fd = create_file(&parent, last, &name)?;
                 let mut file = File::from(fd);
@@ -540,6 +598,7 @@ mod tests {
     fn oci() -> Options {
         Options {
             max_bytes: u64::MAX,
+            block: 0,
             max_entries: 1000,
             keep_owner: true,
             keep_sticky: true,
@@ -653,6 +712,7 @@ mod tests {
         let mut done = Unpacked::default();
         let opts = Options {
             max_bytes: 2,
+            block: 0,
             ..oci()
         };
         assert!(unpack(&a[..], &root, &opts, &mut done).is_err());

@@ -54,6 +54,7 @@ fn test_unpack_memory_bounded_by_the_names_it_keeps() {
     let dst = tempfile::tempdir().expect("dst");
     let opts = Options {
         max_bytes: u64::MAX,
+        block: 0,
         max_entries: 1_000_000,
         keep_owner: false,
         keep_sticky: false,

@@ -57,7 +57,7 @@ pub use export::{export, Exported};
 pub use fork::{fork, Forked, MAX_FORK_ENTRIES};
 pub use git::Owner;
 pub use prepare::{direct, direct_checked, prepare, Head, Prepared};
-pub use remove::remove_tree;
+pub use remove::{remove_tree, remove_tree_at};
 pub use retention::{remove, status, Retention};
 
 /// The working tree inside a session directory, shared into the guest at [`GUEST_WORKSPACE`].

@@ -27,18 +27,32 @@ const MAX_SEEN: u64 = 100_000_000;
 
 /// Removes `path` and everything below it; a missing `path` is no error.
 pub fn remove_tree(path: &Path) -> io::Result<()> {
-    let meta = match std::fs::symlink_metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
+    remove_tree_at(CWD, path)
+}
+
+/// Removes `name` in the directory `at` and everything below it, without resolving
+/// anything by path from elsewhere (a caller holding `at` open is not redirected by a
+/// rename or symlink above it); a missing `name` is no error.
+pub fn remove_tree_at(at: impl AsFd, name: &Path) -> io::Result<()> {
+    let at = at.as_fd();
+    let st = match rustix::fs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(st) => st,
+        Err(Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(e.into()),
     };
-    if !meta.is_dir() {
-        return std::fs::remove_file(path);
+    if FileType::from_raw_mode(st.st_mode) != FileType::Directory {
+        return ignore(
+            rustix::fs::unlinkat(at, name, AtFlags::empty()),
+            &[Errno::NOENT],
+        );
     }
-    let top = open_dir(CWD, path)?;
+    let top = open_dir(at, name)?;
     empty(&top)?;
     drop(top);
-    std::fs::remove_dir(path)
+    ignore(
+        rustix::fs::unlinkat(at, name, AtFlags::REMOVEDIR),
+        &[Errno::NOENT],
+    )
 }
 
 fn open_dir<P: rustix::path::Arg>(at: impl AsFd, name: P) -> Result<OwnedFd, Errno> {

@@ -130,7 +130,7 @@ impl Warren {
         let started = tokio::time::Instant::now();
         let client = self.awake_client(id).await?;
         match client.guest(HostRequest::JobOutput(req.clone())).await? {
-            GuestResponse::JobOutput(o) => Ok(paced(&req, o, started).await),
+            GuestResponse::JobOutput(o) => Ok(paced(&req, bounded(&req, o)?, started).await),
             _ => Err(unexpected()),
         }
     }
@@ -152,7 +152,7 @@ impl Warren {
             release_stderr: release.1,
         });
         match self.awake_client(id).await?.guest(req).await? {
-            GuestResponse::JobOutput(o) => Ok(paced(&read, o, started).await),
+            GuestResponse::JobOutput(o) => Ok(paced(&read, bounded(&read, o)?, started).await),
             _ => Err(unexpected()),
         }
     }
@@ -313,6 +313,21 @@ fn nothing_for_the_wait(req: &JobOutputRequest, o: &JobOutput) -> bool {
 /// through here, and a guest answering such reads at once would make each of them spin,
 /// thousands of round trips a second through the supervisor. A well-behaved agent answers
 /// early only with news, so this costs it nothing.
+/// The guest's page, refused when a stream holds more than was asked for (at most
+/// `MAX_READ_PER_STREAM`): the readers size their buffers and pages by the request.
+fn bounded(req: &JobOutputRequest, o: JobOutput) -> Result<JobOutput, CoreError> {
+    let max = req
+        .max_bytes
+        .min(warren_protocol::limits::MAX_READ_PER_STREAM) as usize;
+    let longest = o.stdout.len().max(o.stderr.len());
+    if longest > max {
+        return Err(CoreError::GuestProtocol(format!(
+            "job output of {longest} bytes where at most {max} were asked for"
+        )));
+    }
+    Ok(o)
+}
+
 async fn paced(req: &JobOutputRequest, o: JobOutput, started: tokio::time::Instant) -> JobOutput {
     if req.wait_ms > 0 && nothing_for_the_wait(req, &o) {
         let wait = std::time::Duration::from_millis(u64::from(req.wait_ms));
@@ -525,6 +540,39 @@ mod tests {
             "answers with bytes were held: {}",
             reads(&n)
         );
+    }
+
+    /// A guest answering a page of job output with more than was asked for (up to the
+    /// message limit) is refused as a protocol error: readers size pages by the request.
+    /// Control: a page of exactly what was asked for is taken.
+    #[tokio::test]
+    async fn test_job_output_longer_than_asked_for_is_refused() {
+        let id = "vm-0123456789ab";
+        let req = JobOutputRequest {
+            job: JobId(3),
+            stdout_cursor: 0,
+            stderr_cursor: 0,
+            max_bytes: 16,
+            wait_ms: 0,
+        };
+        let answer = |n: usize| JobOutput {
+            stdout: vec![b'x'; n],
+            stderr: Vec::new(),
+            stdout_retained: n as u64,
+            stderr_retained: 0,
+            state: JobState::Running,
+            truncated: false,
+            output_complete: false,
+            background_processes: 0,
+        };
+        let (_state, w, _supervisor) = engine_with_vm(id);
+        supervisor_answering_reads(&w, id, answer(17)).await;
+        let e = w.job_output(id, req.clone()).await.expect_err("too long");
+        assert!(matches!(e, CoreError::GuestProtocol(_)), "{e:?}");
+        let (_state, w, _supervisor) = engine_with_vm(id);
+        supervisor_answering_reads(&w, id, answer(16)).await;
+        let page = w.job_output(id, req).await.expect("exactly as asked");
+        assert_eq!(page.stdout.len(), 16);
     }
 
     #[test]

@@ -1,0 +1,97 @@
+//! Who is on the other end of a TCP connection over loopback: the uid owning the peer's
+//! socket, read from the kernel's socket table (`/proc/net/tcp`, and `/proc/net/tcp6` for a
+//! dual-stack socket). `port-forward` uses it so another local user cannot reach the
+//! forwarder's workspace through its listener. A TCP socket has no `SO_PEERCRED`, and no
+//! kept crate answers this one question, so it is a bounded parse of two table files: the
+//! peer's row is the one whose local address is the connection's remote address and whose
+//! remote address is the listener's.
+
+use std::io::{BufRead, BufReader};
+use std::net::{IpAddr, SocketAddr};
+
+/// Most rows read from one table (a busy host has many sockets; past this it is refused).
+const MAX_ROWS: usize = 1 << 20;
+
+/// The uid owning the socket at `peer` that is connected to `ours` (both on this host), or
+/// `None` when no such socket is listed (it closed meanwhile, or is not local).
+pub fn peer_uid(ours: SocketAddr, peer: SocketAddr) -> std::io::Result<Option<u32>> {
+    let (IpAddr::V4(p), IpAddr::V4(o)) = (peer.ip(), ours.ip()) else {
+        return Ok(None);
+    };
+    let v4 = |ip: std::net::Ipv4Addr, port: u16| {
+        format!("{:08X}:{port:04X}", u32::from_ne_bytes(ip.octets()))
+    };
+    // An IPv6 socket connected to an IPv4 listener: the mapped address, as four words.
+    let v6 = |ip: std::net::Ipv4Addr, port: u16| {
+        let m = ip.to_ipv6_mapped().octets();
+        let mut s = String::with_capacity(40);
+        for w in m.chunks_exact(4) {
+            let word = [w[0], w[1], w[2], w[3]];
+            s.push_str(&format!("{:08X}", u32::from_ne_bytes(word)));
+        }
+        format!("{s}:{port:04X}")
+    };
+    if let Some(uid) = find("/proc/net/tcp", &v4(p, peer.port()), &v4(o, ours.port()))? {
+        return Ok(Some(uid));
+    }
+    find("/proc/net/tcp6", &v6(p, peer.port()), &v6(o, ours.port()))
+}
+
+/// The uid of the row of `table` with local address `local` and remote address `remote`.
+fn find(table: &str, local: &str, remote: &str) -> std::io::Result<Option<u32>> {
+    let file = match std::fs::File::open(table) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    for (n, line) in BufReader::new(file).lines().enumerate() {
+        if n > MAX_ROWS {
+            return Err(std::io::Error::other(format!(
+                "{table} has more than {MAX_ROWS} rows"
+            )));
+        }
+        let line = line?;
+        // sl local rem st queues timer retransmits uid ...
+        let cols: Vec<&str> = line.split_ascii_whitespace().take(8).collect();
+        if cols.len() == 8
+            && cols[1].eq_ignore_ascii_case(local)
+            && cols[2].eq_ignore_ascii_case(remote)
+        {
+            return Ok(cols[7].parse().ok());
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_a_loopback_peer_is_this_process_uid() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let ours = l.local_addr().expect("addr");
+        let c = std::net::TcpStream::connect(ours).expect("connect");
+        let (_s, peer) = l.accept().expect("accept");
+        assert_eq!(c.local_addr().expect("local"), peer);
+        let uid = rustix::process::geteuid().as_raw();
+        assert_eq!(peer_uid(ours, peer).expect("table"), Some(uid));
+        // Another port at the same address is nobody's.
+        let other = SocketAddr::new(peer.ip(), peer.port().wrapping_add(1));
+        assert_eq!(peer_uid(ours, other).expect("table"), None);
+    }
+
+    #[test]
+    fn test_a_dual_stack_peer_is_found_in_the_v6_table() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let ours = l.local_addr().expect("addr");
+        let v6: SocketAddr = format!("[::ffff:127.0.0.1]:{}", ours.port())
+            .parse()
+            .expect("v6");
+        // A v6 socket reaching the v4 listener.
+        let _c = std::net::TcpStream::connect(v6).expect("a dual-stack connect");
+        let (_s, peer) = l.accept().expect("accept");
+        let uid = rustix::process::geteuid().as_raw();
+        assert_eq!(peer_uid(ours, peer).expect("table"), Some(uid));
+    }
+}
