@@ -62,15 +62,66 @@ pub async fn cp(
     let idle = Duration::from_secs(idle_secs);
     match (parse_place(src), parse_place(dst)) {
         (Place::Host(from), Place::Guest { vm, path }) => {
+            refuse_shared(&from, &writable_shares(cli))?;
             let opener = Opener::new(cli, service).await?;
             upload(&opener, &from, &vm, &path, idle).await
         }
         (Place::Guest { vm, path }, Place::Host(to)) => {
+            refuse_shared(&to, &writable_shares(cli))?;
             let opener = Opener::new(cli, service).await?;
             download(&opener, &vm, &path, &to, max_mib, idle).await
         }
         _ => bail!("one side of vm cp is VM:/absolute/path, the other a host path"),
     }
+}
+
+/// The host directories VMs of the caller's state directory share read-write, with the
+/// VM: empty when that directory holds no database the caller can open (another user's
+/// service: its VMs' shares are not the caller's to read).
+fn writable_shares(cli: &Cli) -> Vec<(PathBuf, String)> {
+    let state = cli
+        .state_dir
+        .clone()
+        .unwrap_or_else(crate::commands::default_state_dir);
+    let db = state.join("warren.db");
+    if !db.is_file() {
+        return Vec::new();
+    }
+    let Ok(vms) = warren_core::store::Store::open(&db).and_then(|s| s.list()) else {
+        return Vec::new();
+    };
+    vms.into_iter()
+        .flat_map(|vm| {
+            vm.mounts
+                .into_iter()
+                .filter(|m| !m.read_only)
+                .map(move |m| (m.host, vm.id.clone()))
+        })
+        .collect()
+}
+
+/// Refuses a host side of a copy inside a share the guest can write, by the path as given
+/// or as it resolves: the guest changes it while the copy runs (a symlink it planted in the
+/// path leads the copy where it chose), and it reaches those files through the share
+/// already.
+fn refuse_shared(path: &Path, shares: &[(PathBuf, String)]) -> Result<()> {
+    let given = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    // The deepest existing ancestor, resolved (the destination may not exist yet).
+    let resolved = given
+        .ancestors()
+        .find_map(|a| std::fs::canonicalize(a).ok())
+        .unwrap_or_else(|| given.clone());
+    for (share, vm) in shares {
+        if given.starts_with(share) || resolved.starts_with(share) {
+            bail!(
+                "{} is inside {}, which VM {vm} can write: copy through the share itself \
+                 (`warren vm exec`), or to or from a directory outside it",
+                path.display(),
+                share.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Free space kept on the destination of a copy out of a VM without `--max-mib`: 5% of its

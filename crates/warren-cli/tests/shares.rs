@@ -69,6 +69,41 @@ fn test_shares_edit_both_ways_ownership_readonly_and_hibernate() {
     assert!(r.stderr.contains("Read-only file system"), "{}", r.stderr);
     assert_eq!(std::fs::read_dir(ro.path()).expect("ls").count(), 1);
 
+    // `vm cp` refuses a host side inside a share the guest writes, by the path given or
+    // as it resolves (a symlink planted there leads where the guest chose); the read-only
+    // share is no such place. Control: the same copy to a directory outside the shares.
+    std::os::unix::fs::symlink(rw.path(), ro.path().join("into-rw")).expect("symlink");
+    let outside = tempfile::tempdir().expect("tempdir");
+    for (dst, refused) in [
+        (rw.path().join("out"), true),
+        (ro.path().join("into-rw"), true),
+        (ro.path().join("copies"), false),
+        (outside.path().to_path_buf(), false),
+    ] {
+        let out = vm.warren(&[
+            "vm",
+            "cp",
+            &format!("{}:/etc/hostname", vm.id),
+            dst.to_str().expect("utf-8"),
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(!out.status.success(), refused, "{}: {err}", dst.display());
+        if refused {
+            assert!(err.contains("which VM"), "{}: {err}", dst.display());
+        } else {
+            assert!(dst.join("hostname").is_file(), "{}", dst.display());
+        }
+    }
+    let out = vm.warren(&[
+        "vm",
+        "cp",
+        rw.path().join("host.txt").to_str().expect("utf-8"),
+        &format!("{}:/tmp", vm.id),
+    ]);
+    assert!(!out.status.success(), "a shared source was packed");
+    std::fs::remove_file(ro.path().join("into-rw")).expect("rm");
+    std::fs::remove_dir_all(ro.path().join("copies")).expect("rm");
+
     // No host path is visible: the shares' host names appear nowhere in the guest.
     let r = vm.sh("cat /proc/mounts; ls /");
     assert!(
