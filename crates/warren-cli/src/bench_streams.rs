@@ -384,6 +384,8 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
     // vm cp's own path: an opener on the same engine.
     let opener = crate::stream_link::Opener::Local(Box::new(w.share()));
     let idle = std::time::Duration::from_secs(crate::cp_cmd::DEFAULT_IDLE_SECS);
+    // The bench's own temporary directories: no VM shares them.
+    let shares = crate::host_side::Shares::default();
     let tree = state.join("cp-src").join("tree");
     std::fs::create_dir_all(&tree)?;
     std::fs::write(tree.join("big"), &data)?;
@@ -399,16 +401,25 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
         file_r.push(rd);
         let mib = args.mib as f64;
         let t = Instant::now();
-        let code = crate::cp_cmd::upload(&opener, &tree, &vm, &format!("/tmp/cp{i}"), idle).await?;
+        let code =
+            crate::cp_cmd::upload(&opener, &tree, &vm, &format!("/tmp/cp{i}"), idle, &shares)
+                .await?;
         if code != 0 {
             bail!("vm cp up failed ({code})");
         }
         cp_up.push(mib / t.elapsed().as_secs_f64());
         let back = state.join(format!("cp-back-{i}"));
         let t = Instant::now();
-        let code =
-            crate::cp_cmd::download(&opener, &vm, &format!("/tmp/cp{i}/tree"), &back, None, idle)
-                .await?;
+        let code = crate::cp_cmd::download(
+            &opener,
+            &vm,
+            &format!("/tmp/cp{i}/tree"),
+            &back,
+            None,
+            idle,
+            &shares,
+        )
+        .await?;
         if code != 0 {
             bail!("vm cp down failed ({code})");
         }
@@ -457,7 +468,8 @@ async fn measure(args: &BenchArgs, w: &Warren, state: &Path) -> Result<Report> {
     for i in 0..args.iterations.min(20) {
         let t = Instant::now();
         let code =
-            crate::cp_cmd::upload(&opener, &tiny, &vm, &format!("/tmp/tiny{i}"), idle).await?;
+            crate::cp_cmd::upload(&opener, &tiny, &vm, &format!("/tmp/tiny{i}"), idle, &shares)
+                .await?;
         if code != 0 {
             bail!("vm cp up of a small file failed ({code})");
         }

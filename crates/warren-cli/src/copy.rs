@@ -58,37 +58,24 @@ pub struct Packed {
     pub skipped: u64,
 }
 
-/// Writes a tar archive of `src` (a file, a directory tree or a symlink), named by its last
-/// component, to `out`.
+/// Writes a tar archive of `name` in the directory `parent` (a file, a directory tree or a
+/// symlink; `shown` is its path for messages) to `out`.
 ///
-/// The path `src` is resolved once, to its parent directory; from there every entry is
-/// reached relative to the descriptor of the directory holding it, opened `O_NOFOLLOW`,
-/// and its header made from the descriptor that is read (never from a path): a tree a
-/// guest can write while it is packed (a share) cannot redirect the packer through a
-/// symlink swapped in for a directory or a file, so nothing outside `src` is read.
-pub fn pack(src: &Path, out: impl Write) -> Result<Packed> {
-    let name = src
-        .file_name()
-        .ok_or_else(|| anyhow!("{}: name a file or directory", src.display()))?;
-    let parent = src
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let parent_fd = rustix::fs::open(
-        parent,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .with_context(|| parent.display().to_string())?;
+/// Every entry is reached relative to the descriptor of the directory holding it, opened
+/// `O_NOFOLLOW`, and its header made from the descriptor that is read (never from a path):
+/// a tree a guest could write while it is packed cannot redirect the packer through a
+/// symlink swapped in for a directory or a file, so nothing outside it is read. (The caller
+/// resolves `parent`: `crate::host_side`.)
+pub fn pack(parent: &OwnedFd, name: &OsStr, shown: &Path, out: impl Write) -> Result<Packed> {
     let mut b = tar::Builder::new(out);
     let mut packed = Packed::default();
     // Open directories being listed, each with its name in the archive.
     let mut stack: Vec<(rustix::fs::Dir, Vec<u8>)> = Vec::new();
     let top = name.as_bytes().to_vec();
-    if let Some(dir) = add_entry(&mut b, parent_fd.as_fd(), name, &top, &mut packed)
-        .with_context(|| format!("packing {}", src.display()))?
+    if let Some(dir) = add_entry(&mut b, parent.as_fd(), name, &top, &mut packed)
+        .with_context(|| format!("packing {}", shown.display()))?
     {
-        stack.push((dir, top));
+        stack.push((dir, top.clone()));
     }
     while let Some((dir, prefix)) = stack.last_mut() {
         let Some(entry) = dir.read() else {
@@ -105,17 +92,15 @@ pub fn pack(src: &Path, out: impl Write) -> Result<Packed> {
         path.push(b'/');
         path.extend_from_slice(child.as_bytes());
         let at = dir.fd()?;
-        let sub = add_entry(&mut b, at, &child, &path, &mut packed).with_context(|| {
-            format!(
-                "packing {}",
-                parent.join(OsStr::from_bytes(&path)).display()
-            )
-        })?;
+        // `shown` with the entry's path below the top.
+        let here = || shown.join(OsStr::from_bytes(&path[top.len() + 1..]));
+        let sub = add_entry(&mut b, at, &child, &path, &mut packed)
+            .with_context(|| format!("packing {}", here().display()))?;
         if let Some(sub) = sub {
             if stack.len() >= MAX_DEPTH {
                 bail!(
                     "{}: deeper than {MAX_DEPTH} directory levels",
-                    src.display()
+                    shown.display()
                 );
             }
             stack.push((sub, path));
@@ -277,6 +262,11 @@ mod tests {
     use super::*;
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
+    fn pack_path(src: &Path, out: impl Write) -> Result<Packed> {
+        let parent = root(src.parent().expect("parent"));
+        pack(&parent, src.file_name().expect("name"), src, out)
+    }
+
     fn root(p: &Path) -> OwnedFd {
         rustix::fs::open(p, OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty()).expect("root")
     }
@@ -308,7 +298,7 @@ mod tests {
         .expect("chmod");
         std::os::unix::fs::symlink("sub/run.sh", tree.join("link")).expect("symlink");
         let mut buf = Vec::new();
-        pack(&tree, &mut buf).expect("pack");
+        pack_path(&tree, &mut buf).expect("pack");
         let dst = tempfile::tempdir().expect("dst");
         let got = unpack(&buf[..], root(dst.path()), "tree".as_ref(), u64::MAX).expect("unpack");
         assert_eq!((got.files, got.links, got.skipped), (1, 1, 0));
@@ -362,7 +352,7 @@ mod tests {
             secret,
             swapped: false,
         };
-        pack(&tree, &mut w).expect("pack");
+        pack_path(&tree, &mut w).expect("pack");
         assert!(w.swapped, "the swap never ran");
         let has = |needle: &[u8]| w.out.windows(needle.len()).any(|x| x == needle);
         assert!(has(b"guest-owned"));
@@ -406,7 +396,7 @@ mod tests {
         .expect("fifo");
         std::fs::write(tree.join("f"), "x").expect("f");
         let mut buf = Vec::new();
-        let packed = pack(&tree, &mut buf).expect("pack");
+        let packed = pack_path(&tree, &mut buf).expect("pack");
         assert_eq!(
             packed,
             Packed {

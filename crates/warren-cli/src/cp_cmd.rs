@@ -16,6 +16,7 @@ use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
 use warren_protocol::stream::StreamTarget;
 
 use crate::cli::Cli;
+use crate::host_side::{open_dir, Shares};
 use crate::progress::Progress;
 use crate::stream_link::{Chunk, Opener, Rx, ServiceArgs};
 
@@ -62,66 +63,17 @@ pub async fn cp(
     let idle = Duration::from_secs(idle_secs);
     match (parse_place(src), parse_place(dst)) {
         (Place::Host(from), Place::Guest { vm, path }) => {
-            refuse_shared(&from, &writable_shares(cli))?;
+            let shares = Shares::of(cli);
             let opener = Opener::new(cli, service).await?;
-            upload(&opener, &from, &vm, &path, idle).await
+            upload(&opener, &from, &vm, &path, idle, &shares).await
         }
         (Place::Guest { vm, path }, Place::Host(to)) => {
-            refuse_shared(&to, &writable_shares(cli))?;
+            let shares = Shares::of(cli);
             let opener = Opener::new(cli, service).await?;
-            download(&opener, &vm, &path, &to, max_mib, idle).await
+            download(&opener, &vm, &path, &to, max_mib, idle, &shares).await
         }
         _ => bail!("one side of vm cp is VM:/absolute/path, the other a host path"),
     }
-}
-
-/// The host directories VMs of the caller's state directory share read-write, with the
-/// VM: empty when that directory holds no database the caller can open (another user's
-/// service: its VMs' shares are not the caller's to read).
-fn writable_shares(cli: &Cli) -> Vec<(PathBuf, String)> {
-    let state = cli
-        .state_dir
-        .clone()
-        .unwrap_or_else(crate::commands::default_state_dir);
-    let db = state.join("warren.db");
-    if !db.is_file() {
-        return Vec::new();
-    }
-    let Ok(vms) = warren_core::store::Store::open(&db).and_then(|s| s.list()) else {
-        return Vec::new();
-    };
-    vms.into_iter()
-        .flat_map(|vm| {
-            vm.mounts
-                .into_iter()
-                .filter(|m| !m.read_only)
-                .map(move |m| (m.host, vm.id.clone()))
-        })
-        .collect()
-}
-
-/// Refuses a host side of a copy inside a share the guest can write, by the path as given
-/// or as it resolves: the guest changes it while the copy runs (a symlink it planted in the
-/// path leads the copy where it chose), and it reaches those files through the share
-/// already.
-fn refuse_shared(path: &Path, shares: &[(PathBuf, String)]) -> Result<()> {
-    let given = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    // The deepest existing ancestor, resolved (the destination may not exist yet).
-    let resolved = given
-        .ancestors()
-        .find_map(|a| std::fs::canonicalize(a).ok())
-        .unwrap_or_else(|| given.clone());
-    for (share, vm) in shares {
-        if given.starts_with(share) || resolved.starts_with(share) {
-            bail!(
-                "{} is inside {}, which VM {vm} can write: copy through the share itself \
-                 (`warren vm exec`), or to or from a directory outside it",
-                path.display(),
-                share.display()
-            );
-        }
-    }
-    Ok(())
 }
 
 /// Free space kept on the destination of a copy out of a VM without `--max-mib`: 5% of its
@@ -186,11 +138,30 @@ pub(crate) async fn upload(
     vm: &str,
     dir: &str,
     idle: Duration,
+    shares: &Shares,
 ) -> Result<i32> {
-    if from.file_name().is_none() {
+    let Some(name) = from.file_name().map(|n| n.to_owned()) else {
         bail!("{}: name a file or directory", from.display());
+    };
+    // The source's directory by Warren's own walk (refused through a share), the source
+    // itself by name in it: a share as the source is refused too.
+    let parent = from
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let parent_fd = open_dir(parent, false, shares)?;
+    let top = rustix::fs::statat(&parent_fd, &name, AtFlags::SYMLINK_NOFOLLOW)
+        .with_context(|| from.display().to_string())?;
+    if rustix::fs::FileType::from_raw_mode(top.st_mode) == rustix::fs::FileType::Directory {
+        let fd = rustix::fs::openat(
+            &parent_fd,
+            &name,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .with_context(|| from.display().to_string())?;
+        shares.check(&fd, from)?;
     }
-    std::fs::symlink_metadata(from).with_context(|| from.display().to_string())?;
     let total = crate::copy::content_size(from);
     let (mut tx, mut rx) = within(
         idle,
@@ -198,13 +169,13 @@ pub(crate) async fn upload(
     )
     .await?;
     let (chunks_tx, mut chunks) = tokio::sync::mpsc::channel::<Vec<u8>>(8);
-    let src = from.to_path_buf();
+    let shown = from.to_path_buf();
     let packer = tokio::task::spawn_blocking(move || {
         let w = ChannelWriter {
             tx: chunks_tx,
             buf: Vec::with_capacity(CHUNK),
         };
-        crate::copy::pack(&src, w)
+        crate::copy::pack(&parent_fd, &name, &shown, w)
     });
     let progress = Progress::bytes(format!("{} -> {vm}:{dir}", from.display()), Some(total));
     let send = async {
@@ -256,20 +227,16 @@ pub(crate) async fn download(
     to: &Path,
     max_mib: Option<u64>,
     idle: Duration,
+    shares: &Shares,
 ) -> Result<i32> {
     let name = Path::new(path)
         .file_name()
         .ok_or_else(|| anyhow!("{path}: name a guest file or directory"))?
         .to_owned();
-    std::fs::create_dir_all(to).with_context(|| to.display().to_string())?;
-    // The one time `to` is resolved by path: the staging directory, the check, the move
-    // into place and the clean-up are all relative to this descriptor.
-    let to_fd = rustix::fs::open(
-        to,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .with_context(|| to.display().to_string())?;
+    // The one time `to` is resolved, by Warren's own walk (refused through a share): the
+    // staging directory, the check, the move into place and the clean-up are all relative
+    // to this descriptor.
+    let to_fd = open_dir(to, true, shares)?;
     let dest = to.join(&name);
     if rustix::fs::statat(&to_fd, &name, AtFlags::SYMLINK_NOFOLLOW).is_ok() {
         bail!("{} exists; remove it or copy elsewhere", dest.display());

@@ -13,7 +13,7 @@ use std::net::{IpAddr, SocketAddr};
 const MAX_ROWS: usize = 1 << 20;
 
 /// The uid owning the socket at `peer` that is connected to `ours` (both on this host), or
-/// `None` when no such socket is listed (it closed meanwhile, or is not local).
+/// `None` when no process holds such a socket (it closed meanwhile, or is not local).
 pub fn peer_uid(ours: SocketAddr, peer: SocketAddr) -> std::io::Result<Option<u32>> {
     let (IpAddr::V4(p), IpAddr::V4(o)) = (peer.ip(), ours.ip()) else {
         return Ok(None);
@@ -44,19 +44,34 @@ fn find(table: &str, local: &str, remote: &str) -> std::io::Result<Option<u32>> 
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e),
     };
-    for (n, line) in BufReader::new(file).lines().enumerate() {
+    find_in(BufReader::new(file), table, local, remote)
+}
+
+/// [`find`] over the table's text. Only a socket still held by a process counts: a row
+/// with inode 0 (a socket its owner closed: in `TIME_WAIT` the kernel lists it as uid 0)
+/// is no one's, so a client that sends and closes at once is not taken for root.
+fn find_in(
+    table: impl BufRead,
+    name: &str,
+    local: &str,
+    remote: &str,
+) -> std::io::Result<Option<u32>> {
+    for (n, line) in table.lines().enumerate() {
         if n > MAX_ROWS {
             return Err(std::io::Error::other(format!(
-                "{table} has more than {MAX_ROWS} rows"
+                "{name} has more than {MAX_ROWS} rows"
             )));
         }
         let line = line?;
-        // sl local rem st queues timer retransmits uid ...
-        let cols: Vec<&str> = line.split_ascii_whitespace().take(8).collect();
-        if cols.len() == 8
+        // sl local rem st queues timer retransmits uid timeout inode ...
+        let cols: Vec<&str> = line.split_ascii_whitespace().take(10).collect();
+        if cols.len() == 10
             && cols[1].eq_ignore_ascii_case(local)
             && cols[2].eq_ignore_ascii_case(remote)
         {
+            if cols[9] == "0" {
+                return Ok(None);
+            }
             return Ok(cols[7].parse().ok());
         }
     }
@@ -79,6 +94,22 @@ mod tests {
         // Another port at the same address is nobody's.
         let other = SocketAddr::new(peer.ip(), peer.port().wrapping_add(1));
         assert_eq!(peer_uid(ours, other).expect("table"), None);
+    }
+
+    /// A client that sent and closed at once lingers in `TIME_WAIT`, listed as uid 0 with
+    /// inode 0: it was taken for root and forwarded. Control: a live row gives its uid.
+    #[test]
+    fn test_a_closed_socket_is_no_ones() {
+        let head = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n";
+        let row = |st: &str, uid: u32, inode: u64| {
+            format!("   0: 0100007F:A000 0100007F:1F90 {st} 00000000:00000000 00:00000000 00000000 {uid:>5}        0 {inode} 1 0000000000000000 20 4 0 10 -1\n")
+        };
+        let table = format!("{head}{}", row("06", 0, 0));
+        let got = find_in(table.as_bytes(), "t", "0100007F:A000", "0100007F:1F90").expect("parse");
+        assert_eq!(got, None);
+        let table = format!("{head}{}", row("01", 65534, 123456));
+        let got = find_in(table.as_bytes(), "t", "0100007F:A000", "0100007F:1F90").expect("parse");
+        assert_eq!(got, Some(65534));
     }
 
     #[test]

@@ -24,6 +24,7 @@ mod cp_cmd;
 mod docs_gen;
 mod egress_file;
 mod host_keys;
+mod host_side;
 mod image_cmd;
 mod jobs_cmd;
 mod logging;

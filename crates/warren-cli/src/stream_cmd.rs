@@ -22,7 +22,15 @@ pub async fn attach(
     ignore_stdin_eof: bool,
 ) -> Result<i32> {
     let opener = Opener::new(cli, service).await?;
-    let (mut tx, mut rx) = opener.open(vm, &StreamTarget::Tcp { port }).await?;
+    let (mut tx, mut rx) =
+        tokio::time::timeout(OPEN_TIMEOUT, opener.open(vm, &StreamTarget::Tcp { port }))
+            .await
+            .map_err(|_| {
+                anyhow!(
+                    "the stream did not open within {} s",
+                    OPEN_TIMEOUT.as_secs()
+                )
+            })??;
     // A thread of its own: a blocking stdin read must not hold the process at exit.
     let (in_tx, mut in_rx) = tokio::sync::mpsc::channel::<Option<Vec<u8>>>(4);
     std::thread::Builder::new()
@@ -93,6 +101,10 @@ pub fn parse_forward(spec: &str) -> Result<(u16, u16)> {
     }
 }
 
+/// How long a forwarded connection waits for its stream to open (a hibernated VM wakes
+/// first).
+const OPEN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// Connections one `port-forward` carries at once; more wait in the listen queue.
 const MAX_FORWARDED: usize = 64;
 
@@ -127,26 +139,28 @@ pub async fn port_forward(
             r = listener.accept() => r?,
             _ = tokio::signal::ctrl_c() => return Ok(0),
         };
-        if !allow_other_users {
-            match crate::loopback_peer::peer_uid(addr, peer) {
-                Ok(Some(uid)) if uid == me || uid == 0 => {}
-                found => {
-                    let who = match found {
-                        Ok(Some(uid)) => format!("uid {uid}"),
-                        Ok(None) => "an unknown socket".to_string(),
-                        Err(e) => format!("an unknown socket ({e})"),
-                    };
-                    eprintln!(
-                        "warren: refused a connection from {peer}: {who}, not yours \
-                         (--allow-other-users forwards those)"
-                    );
-                    continue;
-                }
-            }
-        }
         let opener = opener.clone();
         let vm = vm.to_string();
         tokio::spawn(async move {
+            // Off the runtime: the socket table of a busy host is long.
+            let owner =
+                tokio::task::spawn_blocking(move || crate::loopback_peer::peer_uid(addr, peer))
+                    .await;
+            let refused = match owner {
+                _ if allow_other_users => None,
+                Ok(Ok(Some(uid))) if uid == me || uid == 0 => None,
+                Ok(Ok(Some(uid))) => Some(format!("uid {uid}")),
+                Ok(Ok(None)) => Some("a socket no process holds".to_string()),
+                Ok(Err(e)) => Some(format!("an unknown socket ({e})")),
+                Err(e) => Some(format!("an unknown socket ({e})")),
+            };
+            if let Some(who) = refused {
+                eprintln!(
+                    "warren: refused a connection from {peer}: {who}, not yours \
+                     (--allow-other-users forwards those)"
+                );
+                return;
+            }
             if let Err(e) = forward_one(&opener, &vm, guest, conn).await {
                 eprintln!("{}", term.failure(&format!("connection from {peer}"), &e));
             }
@@ -162,7 +176,15 @@ async fn forward_one(
     conn: tokio::net::TcpStream,
 ) -> Result<()> {
     let _ = conn.set_nodelay(true);
-    let (mut tx, mut rx) = opener.open(vm, &StreamTarget::Tcp { port }).await?;
+    let (mut tx, mut rx) =
+        tokio::time::timeout(OPEN_TIMEOUT, opener.open(vm, &StreamTarget::Tcp { port }))
+            .await
+            .map_err(|_| {
+                anyhow!(
+                    "the stream did not open within {} s",
+                    OPEN_TIMEOUT.as_secs()
+                )
+            })??;
     let (mut rd, mut wr) = conn.into_split();
     let up = async {
         let mut buf = vec![0u8; CHUNK];

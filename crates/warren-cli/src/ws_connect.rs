@@ -102,13 +102,18 @@ pub async fn upgrade<S: AsyncRead + AsyncWrite + Unpin>(
 }
 
 /// The refusal's body: `have` and then the rest up to `len` (at most [`MAX_REFUSAL_BODY`]),
-/// or, without a length, what comes before the connection closes (as bounded).
+/// or, without a length, what came with the head (a connection kept open would never end
+/// a read to its close).
 async fn read_body<S: AsyncRead + Unpin>(
     io: S,
     mut have: Vec<u8>,
     len: Option<usize>,
 ) -> Result<Vec<u8>> {
-    let want = len.unwrap_or(MAX_REFUSAL_BODY).min(MAX_REFUSAL_BODY);
+    let Some(len) = len else {
+        have.truncate(MAX_REFUSAL_BODY);
+        return Ok(have);
+    };
+    let want = len.min(MAX_REFUSAL_BODY);
     if have.len() >= want {
         have.truncate(want);
         return Ok(have);

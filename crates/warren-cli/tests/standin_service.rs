@@ -549,7 +549,8 @@ fn refusing_streams(sock: &Path, message: &'static str) -> Arc<AtomicU64> {
 /// `warren port-forward` listens on loopback, which every local user can reach, and each
 /// connection acts with the forwarder's credential: another user's connection reached the
 /// forwarder's workspace. Now a connection from another uid (here `nobody`) is closed
-/// before anything is opened, and says so; with `--allow-other-users` it is forwarded.
+/// before anything is opened, and says so, also when it sent and closed before the
+/// forwarder looked; with `--allow-other-users` it is forwarded.
 /// Control: the forwarder's own connection is forwarded (the stand-in service refuses the
 /// stream, with its body sent after its head: the refusal is read whole, code and message).
 #[test]
@@ -574,17 +575,23 @@ fn test_port_forward_forwards_only_connections_of_its_own_user() {
         let mut addr = String::new();
         out.read_line(&mut addr).expect("address");
         let port = addr.trim().rsplit(':').next().expect("port").to_string();
-        let mut err = BufReader::new(child.stderr.take().expect("stderr"));
-        let mut next_line = |want: &str| {
-            let mut line = String::new();
-            while !line.contains(want) {
-                line.clear();
-                assert!(
-                    err.read_line(&mut line).expect("stderr") > 0,
-                    "no {want:?} line"
-                );
+        // Lines through a channel, so a line that never comes fails the test in 30 s.
+        let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+        let err = BufReader::new(child.stderr.take().expect("stderr"));
+        std::thread::spawn(move || {
+            for line in err.lines().map_while(Result::ok) {
+                if lines_tx.send(line).is_err() {
+                    return;
+                }
             }
-            line
+        });
+        let next_line = |want: &str| loop {
+            let line = lines
+                .recv_timeout(Duration::from_secs(30))
+                .unwrap_or_else(|_| panic!("no {want:?} line"));
+            if line.contains(want) {
+                break line;
+            }
         };
         let before = seen.load(Ordering::SeqCst);
         let mut nobody = std::process::Command::new("python3")
@@ -606,6 +613,22 @@ fn test_port_forward_forwards_only_connections_of_its_own_user() {
         } else {
             let line = next_line("refused a connection");
             assert!(line.contains("uid 65534"), "{line:?}");
+            // A client that sends and closes at once: its socket, closed, was listed as
+            // root's (`TIME_WAIT`) when the forwarder looked late. Refused either way.
+            let quick = std::process::Command::new("python3")
+                .args([
+                    "-c",
+                    "import socket,sys\n\
+                     s=socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n\
+                     s.sendall(b'FLUSHALL\\r\\n'); s.close()",
+                    &port,
+                ])
+                .uid(65534)
+                .gid(65534)
+                .status()
+                .expect("python3 as nobody");
+            assert!(quick.success());
+            next_line("refused a connection");
             // Nothing was opened for it; the forwarder's own connection is forwarded, and
             // the refusal's body, sent after its head, is read whole.
             let _own = std::net::TcpStream::connect(addr.trim()).expect("connect");
