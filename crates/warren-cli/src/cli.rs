@@ -107,7 +107,7 @@ pub enum Command {
     },
     /// Forwards connections to a host loopback port to a guest port: `[LOCAL:]GUEST`
     /// (LOCAL 0 picks a free port; the address is printed first). Runs until Ctrl-C. Only
-    /// connections from the caller's own uid (and root) are forwarded: loopback is open
+    /// connections from the caller's own uid are forwarded: loopback is open
     /// to every local user, and each connection acts with the caller's credential.
     PortForward {
         vm: String,

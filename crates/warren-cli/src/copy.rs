@@ -188,23 +188,6 @@ fn header(kind: tar::EntryType, st: &rustix::fs::Stat, size: u64) -> tar::Header
     h
 }
 
-/// Every path below `dir` with its metadata (not following symlinks).
-fn walk(dir: &Path) -> Result<Vec<(std::path::PathBuf, std::fs::Metadata)>> {
-    let mut out = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        for e in std::fs::read_dir(&d).with_context(|| d.display().to_string())? {
-            let e = e?;
-            let m = std::fs::symlink_metadata(e.path())?;
-            if m.is_dir() {
-                todo.push(e.path());
-            }
-            out.push((e.path(), m));
-        }
-    }
-    Ok(out)
-}
-
 /// The process's umask, read without changing it (`umask(2)` can only set it, and other
 /// threads create files meanwhile); `022` if the kernel does not say.
 fn umask() -> u32 {
@@ -218,15 +201,35 @@ fn umask() -> u32 {
         .map_or(0o022, |m| m & 0o777)
 }
 
-/// Bytes of regular-file content in `src`, for progress.
-pub fn content_size(src: &Path) -> u64 {
-    match std::fs::symlink_metadata(src) {
-        Ok(m) if m.is_dir() => walk(src)
-            .map(|v| v.iter().filter(|e| e.1.is_file()).map(|e| e.1.len()).sum())
-            .unwrap_or(0),
-        Ok(m) => m.len(),
-        Err(_) => 0,
+/// Most entries the progress count looks at before it gives up (it only sizes a bar).
+const MAX_SIZED: u64 = 200_000;
+
+/// Bytes of regular-file content in `src`, for progress: `None` past [`MAX_SIZED`] entries
+/// or deeper than [`MAX_DEPTH`] (the walk is by path, and never follows a symlink it lists;
+/// the copy itself is [`pack`]'s).
+pub fn content_size(src: &Path) -> Option<u64> {
+    let meta = std::fs::symlink_metadata(src).ok()?;
+    if !meta.is_dir() {
+        return Some(meta.len());
     }
+    let (mut bytes, mut seen) = (0u64, 0u64);
+    let mut todo = vec![(src.to_path_buf(), 0usize)];
+    while let Some((d, depth)) = todo.pop() {
+        for e in std::fs::read_dir(&d).ok()? {
+            seen += 1;
+            if seen > MAX_SIZED || depth > MAX_DEPTH {
+                return None;
+            }
+            let e = e.ok()?;
+            let m = std::fs::symlink_metadata(e.path()).ok()?;
+            if m.is_dir() {
+                todo.push((e.path(), depth + 1));
+            } else if m.is_file() {
+                bytes = bytes.saturating_add(m.len());
+            }
+        }
+    }
+    Some(bytes)
 }
 
 /// Unpacks `input`, an archive of `name` alone, into the open directory `root` (see the

@@ -63,13 +63,13 @@ pub async fn cp(
     let idle = Duration::from_secs(idle_secs);
     match (parse_place(src), parse_place(dst)) {
         (Place::Host(from), Place::Guest { vm, path }) => {
-            let shares = Shares::of(cli);
             let opener = Opener::new(cli, service).await?;
+            let shares = Shares::of(cli, &opener).await?;
             upload(&opener, &from, &vm, &path, idle, &shares).await
         }
         (Place::Guest { vm, path }, Place::Host(to)) => {
-            let shares = Shares::of(cli);
             let opener = Opener::new(cli, service).await?;
+            let shares = Shares::of(cli, &opener).await?;
             download(&opener, &vm, &path, &to, max_mib, idle, &shares).await
         }
         _ => bail!("one side of vm cp is VM:/absolute/path, the other a host path"),
@@ -162,7 +162,11 @@ pub(crate) async fn upload(
         .with_context(|| from.display().to_string())?;
         shares.check(&fd, from)?;
     }
-    let total = crate::copy::content_size(from);
+    let sized = from.to_path_buf();
+    let total = tokio::task::spawn_blocking(move || crate::copy::content_size(&sized))
+        .await
+        .ok()
+        .flatten();
     let (mut tx, mut rx) = within(
         idle,
         opener.open(vm, &StreamTarget::TarExtract { dir: dir.into() }),
@@ -177,7 +181,7 @@ pub(crate) async fn upload(
         };
         crate::copy::pack(&parent_fd, &name, &shown, w)
     });
-    let progress = Progress::bytes(format!("{} -> {vm}:{dir}", from.display()), Some(total));
+    let progress = Progress::bytes(format!("{} -> {vm}:{dir}", from.display()), total);
     let send = async {
         while let Some(c) = chunks.recv().await {
             progress.inc(c.len() as u64);

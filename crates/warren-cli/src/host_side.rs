@@ -22,6 +22,7 @@ use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
 
 use crate::cli::Cli;
+use crate::stream_link::Opener;
 
 /// Symlinks one walk follows (the kernel's own limit).
 const MAX_LINKS: usize = 40;
@@ -34,44 +35,77 @@ struct Share {
     vm: String,
 }
 
-/// The directories VMs of the caller's state directory share read-write.
+/// The directories VMs can write.
 #[derive(Default)]
 pub struct Shares(Vec<Share>);
 
 impl Shares {
-    /// The read-write shares of the VMs in the caller's state directory: none when that
-    /// directory holds no database the caller can open (another user's service: its VMs'
-    /// shares are not the caller's to read).
-    pub fn of(cli: &Cli) -> Shares {
-        let state = cli
-            .state_dir
-            .clone()
-            .unwrap_or_else(crate::commands::default_state_dir);
-        let db = state.join("warren.db");
-        if !db.is_file() {
-            return Shares::default();
-        }
-        let Ok(vms) = warren_core::store::Store::open(&db).and_then(|s| s.list()) else {
-            return Shares::default();
-        };
-        let mut out = Vec::new();
-        for vm in vms {
-            for m in vm.mounts.into_iter().filter(|m| !m.read_only) {
-                // The identity recorded at creation, and what the path names now.
-                let now = rustix::fs::stat(&m.host)
-                    .ok()
-                    .map(|st| (st.st_dev, st.st_ino));
-                for (dev, ino) in m.identity.into_iter().chain(now) {
-                    out.push(Share {
-                        dev,
-                        ino,
-                        path: m.host.clone(),
-                        vm: vm.id.clone(),
-                    });
+    /// The host directories the VMs `opener` reaches can write: in process, every
+    /// read-write share of the state directory's VMs; through a service, the directories
+    /// of the caller's sessions there (the only host directories its VMs write) and the
+    /// shares of this state directory's VMs when its database is there to read. An error
+    /// when they cannot be learned: a copy never goes ahead unchecked.
+    pub async fn of(cli: &Cli, opener: &Opener) -> Result<Shares> {
+        let mut out = Shares::default();
+        match opener {
+            Opener::Local(w) => {
+                let vms = w
+                    .list_vms()
+                    .context("listing the VMs whose shares a copy must stay out of")?;
+                out.add_vms(vms);
+            }
+            Opener::Http { .. } | Opener::Socket(_) => {
+                let mut tools = opener.tools(None).await?;
+                let listed = tools
+                    .post("session_list", &serde_json::json!({}))
+                    .await
+                    .context("listing the sessions whose directories a copy must stay out of")?;
+                for s in listed["sessions"].as_array().into_iter().flatten() {
+                    if let Some(dir) = s["workspace_dir"].as_str() {
+                        let name = s["name"].as_str().unwrap_or("?");
+                        out.add(Path::new(dir), None, &format!("of session {name}"));
+                    }
+                }
+                let state = cli
+                    .state_dir
+                    .clone()
+                    .unwrap_or_else(crate::commands::default_state_dir);
+                let db = state.join("warren.db");
+                // Another user's (the service's own, 0600): its VMs are the service's,
+                // asked above.
+                if let Ok(store) = warren_core::store::Store::open_read_only(&db) {
+                    if let Ok(vms) = store.list() {
+                        out.add_vms(vms);
+                    }
                 }
             }
         }
-        Shares(out)
+        Ok(out)
+    }
+
+    fn add_vms(&mut self, vms: Vec<warren_core::store::VmRecord>) {
+        for vm in vms {
+            for m in vm.mounts.iter().filter(|m| !m.read_only) {
+                self.add(&m.host, m.identity, &vm.id);
+            }
+        }
+    }
+
+    /// Adds the share at `path`: its recorded identity, and what the path names now when it
+    /// is a directory itself (`lstat`: a symlink put in its place adds nothing).
+    fn add(&mut self, path: &Path, recorded: Option<(u64, u64)>, vm: &str) {
+        let now = rustix::fs::lstat(path)
+            .ok()
+            .filter(|st| FileType::from_raw_mode(st.st_mode) == FileType::Directory)
+            .map(|st| (st.st_dev, st.st_ino));
+        for (dev, ino) in recorded.into_iter().chain(now) {
+            self.0.push(Share {
+                dev,
+                ino,
+                path: path.to_path_buf(),
+                vm: vm.to_string(),
+            });
+        }
     }
 
     /// Refuses the directory `fd` (reached as `shown`) when it is a share's root.
@@ -85,7 +119,7 @@ impl Shares {
             bail!(
                 "{} leads into {}, which VM {} can write: the guest could change it while \
                  the copy runs (and reaches it through the share already); copy within the \
-                 VM (`warren vm exec`), or to or from a directory outside the share",
+                 VM (`warren vm exec`), or to or from a directory outside it",
                 shown.display(),
                 s.path.display(),
                 s.vm
@@ -95,36 +129,43 @@ impl Shares {
     }
 }
 
-/// Opens the directory `path` (missing directories made when `create`), refusing a walk
-/// that enters a directory of `shares` (see the module docs).
+/// Opens the directory `path` (missing directories made when `create`, never as the
+/// target of a symlink), refusing a walk that enters a directory of `shares` (see the
+/// module docs). Directories are opened `O_PATH` (a directory the caller may only search
+/// is passed as the kernel passes it); symlinks in a sticky world-writable directory are
+/// followed only as the kernel's `protected_symlinks` allows (the caller's own, or the
+/// directory owner's).
 pub fn open_dir(path: &Path, create: bool, shares: &Shares) -> Result<OwnedFd> {
     let abs = std::path::absolute(path).with_context(|| path.display().to_string())?;
+    let shown = || path.display().to_string();
     let open_at = |at: &OwnedFd, name: &OsStr| {
         rustix::fs::openat(
             at,
             name,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
             Mode::empty(),
         )
     };
     let root = || {
         rustix::fs::open(
             "/",
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
         )
     };
+    let me = rustix::process::geteuid().as_raw();
     let mut cur = root()?;
     shares.check(&cur, path)?;
-    let mut todo: VecDeque<OsString> = VecDeque::new();
-    push_front(&mut todo, &abs);
+    // Names still to walk, each with whether it came from a symlink's target.
+    let mut todo: VecDeque<(OsString, bool)> = VecDeque::new();
+    push_front(&mut todo, &abs, false);
     let mut links = 0;
-    while let Some(name) = todo.pop_front() {
+    while let Some((name, from_link)) = todo.pop_front() {
         if name.is_empty() {
             // A symlink's absolute target: from the root again.
             cur = root()?;
         } else if name == ".." {
-            cur = open_at(&cur, &name).with_context(|| path.display().to_string())?;
+            cur = open_at(&cur, &name).with_context(shown)?;
         } else {
             match rustix::fs::statat(&cur, &name, AtFlags::SYMLINK_NOFOLLOW) {
                 Ok(st) if FileType::from_raw_mode(st.st_mode) == FileType::Symlink => {
@@ -132,32 +173,49 @@ pub fn open_dir(path: &Path, create: bool, shares: &Shares) -> Result<OwnedFd> {
                     if links > MAX_LINKS {
                         bail!("{}: more than {MAX_LINKS} symlinks", path.display());
                     }
-                    let target = rustix::fs::readlinkat(&cur, &name, Vec::new())
-                        .with_context(|| path.display().to_string())?;
-                    push_front(&mut todo, Path::new(OsStr::from_bytes(target.as_bytes())));
+                    let dir = rustix::fs::fstat(&cur).with_context(shown)?;
+                    let open_sticky = dir.st_mode & 0o1002 == 0o1002;
+                    if open_sticky && st.st_uid != me && st.st_uid != dir.st_uid {
+                        bail!(
+                            "{}: passes through {:?}, a symlink uid {} owns in a sticky \
+                             directory anyone can write (not followed, as the kernel's \
+                             protected_symlinks)",
+                            path.display(),
+                            name,
+                            st.st_uid
+                        );
+                    }
+                    let target =
+                        rustix::fs::readlinkat(&cur, &name, Vec::new()).with_context(shown)?;
+                    let target = Path::new(OsStr::from_bytes(target.as_bytes()));
+                    push_front(&mut todo, target, true);
                     continue;
                 }
                 Ok(_) => {}
-                Err(Errno::NOENT) if create => {
+                Err(Errno::NOENT) if create && !from_link => {
                     match rustix::fs::mkdirat(&cur, &name, Mode::from_raw_mode(0o777)) {
                         Ok(()) | Err(Errno::EXIST) => {}
-                        Err(e) => {
-                            return Err(e).with_context(|| path.display().to_string());
-                        }
+                        Err(e) => return Err(e).with_context(shown),
                     }
                 }
-                Err(e) => return Err(e).with_context(|| path.display().to_string()),
+                Err(Errno::NOENT) if create => bail!(
+                    "{}: a symlink on the way names {:?}, which does not exist (nothing is \
+                     made where a symlink points)",
+                    path.display(),
+                    name
+                ),
+                Err(e) => return Err(e).with_context(shown),
             }
-            cur = open_at(&cur, &name).with_context(|| path.display().to_string())?;
+            cur = open_at(&cur, &name).with_context(shown)?;
         }
         shares.check(&cur, path)?;
     }
     Ok(cur)
 }
 
-/// Puts the components of `p` in front of `todo`, in order: an absolute `p` starts with an
-/// empty name (back to the root); `.` is dropped.
-fn push_front(todo: &mut VecDeque<OsString>, p: &Path) {
+/// Puts the components of `p` in front of `todo`, in order, marked `from_link`: an
+/// absolute `p` starts with an empty name (back to the root); `.` is dropped.
+fn push_front(todo: &mut VecDeque<(OsString, bool)>, p: &Path, from_link: bool) {
     let names: Vec<OsString> = p
         .components()
         .filter_map(|c| match c {
@@ -168,7 +226,7 @@ fn push_front(todo: &mut VecDeque<OsString>, p: &Path) {
         })
         .collect();
     for n in names.into_iter().rev() {
-        todo.push_front(n);
+        todo.push_front((n, from_link));
     }
 }
 
@@ -225,5 +283,51 @@ mod tests {
         let want = rustix::fs::stat(elsewhere.join("made/here")).expect("made");
         assert_eq!((st.st_dev, st.st_ino), (want.st_dev, want.st_ino));
         assert!(open_dir(&t.path().join("absent"), false, &shares).is_err());
+    }
+
+    /// Nothing is made where a symlink points (`mkdir -p` refuses a dangling one too):
+    /// another user's link in `/tmp` to a missing directory of the caller's made it.
+    /// Control: missing directories below an existing link target are made.
+    #[test]
+    fn test_nothing_is_made_where_a_dangling_symlink_points() {
+        let t = tempfile::tempdir().expect("tmp");
+        let gone = t.path().join("victim/newdir");
+        std::fs::create_dir_all(t.path().join("victim")).expect("victim");
+        std::os::unix::fs::symlink(&gone, t.path().join("out")).expect("link");
+        let e = open_dir(&t.path().join("out"), true, &Shares::default()).expect_err("dangling");
+        assert!(e.to_string().contains("does not exist"), "{e}");
+        assert!(!gone.exists());
+        open_dir(&t.path().join("out/../made"), true, &Shares::default()).expect_err("still");
+        std::fs::create_dir_all(&gone).expect("now there");
+        open_dir(&t.path().join("out/below"), true, &Shares::default()).expect("below");
+        assert!(gone.join("below").is_dir());
+    }
+
+    /// In a sticky directory anyone can write (`/tmp`), another user's symlink is not
+    /// followed, as the kernel's `protected_symlinks` would not (the walk reads links
+    /// itself, so the kernel's rule no longer applied). Control: the caller's own is.
+    #[test]
+    fn test_another_users_symlink_in_a_sticky_directory_is_not_followed() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = tempfile::tempdir().expect("tmp");
+        let tmp = t.path().join("tmp");
+        std::fs::create_dir(&tmp).expect("tmp");
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+        let target = t.path().join("target");
+        std::fs::create_dir(&target).expect("target");
+        std::os::unix::fs::symlink(&target, tmp.join("theirs")).expect("theirs");
+        std::os::unix::fs::symlink(&target, tmp.join("mine")).expect("mine");
+        let other = 65534;
+        rustix::fs::chownat(
+            rustix::fs::CWD,
+            tmp.join("theirs"),
+            Some(rustix::fs::Uid::from_raw(other)),
+            None,
+            AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .expect("chown (the tests run as root)");
+        let e = open_dir(&tmp.join("theirs"), false, &Shares::default()).expect_err("theirs");
+        assert!(e.to_string().contains("protected_symlinks"), "{e}");
+        open_dir(&tmp.join("mine"), false, &Shares::default()).expect("mine");
     }
 }

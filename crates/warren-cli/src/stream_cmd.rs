@@ -110,7 +110,8 @@ const MAX_FORWARDED: usize = 64;
 
 /// `warren port-forward`: each connection to host loopback's LOCAL goes to the guest's
 /// GUEST port, until interrupted. Prints the listening address first. A connection from
-/// another uid than the caller's (or root) is closed unless `allow_other_users`.
+/// another uid than the caller's is closed unless `allow_other_users` (root's too: a root
+/// daemon relaying a user's bytes would pass them on).
 pub async fn port_forward(
     cli: &Cli,
     service: &ServiceArgs,
@@ -148,7 +149,7 @@ pub async fn port_forward(
                     .await;
             let refused = match owner {
                 _ if allow_other_users => None,
-                Ok(Ok(Some(uid))) if uid == me || uid == 0 => None,
+                Ok(Ok(Some(uid))) if uid == me => None,
                 Ok(Ok(Some(uid))) => Some(format!("uid {uid}")),
                 Ok(Ok(None)) => Some("a socket no process holds".to_string()),
                 Ok(Err(e)) => Some(format!("an unknown socket ({e})")),

@@ -40,7 +40,7 @@ fn endless_copy(sock: &Path, claimed: u64) -> std::sync::Arc<std::sync::atomic::
             while let Ok((conn, _)) = listener.accept().await {
                 let counted = counted.clone();
                 tokio::spawn(async move {
-                    let Ok(mut ws) = tokio_tungstenite::accept_async(conn).await else {
+                    let Some(mut ws) = ws_or_sessions(conn, &[]).await else {
                         return;
                     };
                     let mut h = tar::Header::new_gnu();
@@ -65,6 +65,64 @@ fn endless_copy(sock: &Path, claimed: u64) -> std::sync::Arc<std::sync::atomic::
         });
     });
     sent
+}
+
+/// A stand-in service's connection: the WebSocket a stream opens, or, for a tool call (the
+/// copy asking which directories the service's VMs write), `session_list` answered with
+/// sessions whose directories are `sessions`, and `None`.
+async fn ws_or_sessions(
+    conn: tokio::net::UnixStream,
+    sessions: &[String],
+) -> Option<tokio_tungstenite::WebSocketStream<tokio::net::UnixStream>> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    let mut first = [0u8; 4];
+    loop {
+        conn.readable().await.ok()?;
+        let flags = nix::sys::socket::MsgFlags::MSG_PEEK;
+        match nix::sys::socket::recv(conn.as_raw_fd(), &mut first, flags) {
+            Ok(4) => break,
+            Ok(0) => return None,
+            Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            Err(nix::errno::Errno::EAGAIN) => {}
+            Err(_) => return None,
+        }
+    }
+    if &first != b"POST" {
+        return tokio_tungstenite::accept_async(conn).await.ok();
+    }
+    let mut r = tokio::io::BufReader::new(conn);
+    loop {
+        let mut len = 0usize;
+        let mut line = String::new();
+        if r.read_line(&mut line).await.ok()? == 0 {
+            return None;
+        }
+        loop {
+            let mut h = String::new();
+            if r.read_line(&mut h).await.ok()? == 0 {
+                return None;
+            }
+            let h = h.trim_end().to_ascii_lowercase();
+            if h.is_empty() {
+                break;
+            }
+            if let Some(v) = h.strip_prefix("content-length:") {
+                len = v.trim().parse().unwrap_or(0);
+            }
+        }
+        let mut body = vec![0u8; len];
+        r.read_exact(&mut body).await.ok()?;
+        let listed: Vec<serde_json::Value> = sessions
+            .iter()
+            .map(|d| serde_json::json!({"name": "s", "workspace_dir": d}))
+            .collect();
+        let answer = serde_json::json!({ "sessions": listed }).to_string();
+        let reply = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
+            answer.len()
+        );
+        r.get_mut().write_all(reply.as_bytes()).await.ok()?;
+    }
 }
 
 /// Everything in `dir`, recursively, as relative paths.
@@ -354,7 +412,13 @@ fn exec_as_nobody(sock: &std::path::Path, stderr: std::process::Stdio) -> std::p
 /// Serves every connection on `sock` as a copy out of the guest of `archive`: its first
 /// `before` bytes, then, once `gate` is set, the rest and a normal end. Until then it reads
 /// nothing from the client (a guest that neither sends nor takes).
-fn gated_copy(sock: &Path, archive: Vec<u8>, before: usize, gate: Arc<AtomicBool>) {
+fn gated_copy(
+    sock: &Path,
+    archive: Vec<u8>,
+    before: usize,
+    gate: Arc<AtomicBool>,
+    sessions: Vec<String>,
+) {
     let listener = std::os::unix::net::UnixListener::bind(sock).expect("bind");
     listener.set_nonblocking(true).expect("nonblocking");
     std::thread::spawn(move || {
@@ -365,9 +429,9 @@ fn gated_copy(sock: &Path, archive: Vec<u8>, before: usize, gate: Arc<AtomicBool
         rt.block_on(async move {
             let listener = tokio::net::UnixListener::from_std(listener).expect("listener");
             while let Ok((conn, _)) = listener.accept().await {
-                let (archive, gate) = (archive.clone(), gate.clone());
+                let (archive, gate, sessions) = (archive.clone(), gate.clone(), sessions.clone());
                 tokio::spawn(async move {
-                    let Ok(mut ws) = tokio_tungstenite::accept_async(conn).await else {
+                    let Some(mut ws) = ws_or_sessions(conn, &sessions).await else {
                         return;
                     };
                     let first = archive[..before].to_vec();
@@ -423,7 +487,7 @@ fn test_a_copy_out_is_moved_from_its_own_staging_directory_not_through_a_swapped
     let sock = dir.path().join("warrend.sock");
     let gate = Arc::new(AtomicBool::new(false));
     // The directory's header alone: the unpacker makes `cfg` in the staging directory.
-    gated_copy(&sock, cfg_archive(), 512, gate.clone());
+    gated_copy(&sock, cfg_archive(), 512, gate.clone(), Vec::new());
     let dst = dir.path().join("dst");
     std::fs::create_dir_all(&dst).expect("dst");
     let victim = dir.path().join("victim");
@@ -474,6 +538,56 @@ fn test_a_copy_out_is_moved_from_its_own_staging_directory_not_through_a_swapped
     );
 }
 
+/// Through a service, the directories its VMs write are its sessions' (the caller's own
+/// state directory, whose shares the first check read, is not the service's): a copy into
+/// or out of one is refused, before the stream opens. Control: a directory beside it copies.
+#[test]
+fn test_a_copy_through_a_service_stays_out_of_its_session_directories() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let sock = dir.path().join("warrend.sock");
+    let session = dir.path().join("session");
+    std::fs::create_dir_all(&session).expect("session");
+    let gate = Arc::new(AtomicBool::new(true));
+    let listed = vec![session.to_str().expect("utf-8").to_string()];
+    gated_copy(&sock, cfg_archive(), 512, gate, listed);
+    let cp = |src: &str, dst: &str| {
+        std::process::Command::new(common::WARREN)
+            .args([
+                "--socket",
+                sock.to_str().expect("utf-8"),
+                "vm",
+                "cp",
+                src,
+                dst,
+            ])
+            .args(["--max-mib", "16"])
+            .output()
+            .expect("warren vm cp")
+    };
+    let out = cp(
+        "vm-x:/data/cfg",
+        session.join("out").to_str().expect("utf-8"),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("which VM of session s can write"), "{err}");
+    assert!(!session.join("out").exists());
+    std::fs::write(session.join("notes"), "x").expect("notes");
+    let out = cp(session.join("notes").to_str().expect("utf-8"), "vm-x:/data");
+    assert!(!out.status.success(), "a session's file was sent");
+    let beside = dir.path().join("beside");
+    let out = cp("vm-x:/data/cfg", beside.to_str().expect("utf-8"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(beside.join("cfg/x")).expect("copied"),
+        "guest"
+    );
+}
+
 /// A guest that goes silent in the middle of a copy (out: it sends no more; in: it takes
 /// no more) held `vm cp` for ever (the service keeps the WebSocket alive with pings). Now
 /// the copy gives up after `--idle-timeout` seconds without progress, says so, and leaves
@@ -482,7 +596,13 @@ fn test_a_copy_out_is_moved_from_its_own_staging_directory_not_through_a_swapped
 fn test_a_copy_the_guest_stalls_gives_up_at_the_idle_timeout() {
     let dir = tempfile::tempdir().expect("tmp");
     let sock = dir.path().join("warrend.sock");
-    gated_copy(&sock, cfg_archive(), 512, Arc::new(AtomicBool::new(false)));
+    gated_copy(
+        &sock,
+        cfg_archive(),
+        512,
+        Arc::new(AtomicBool::new(false)),
+        Vec::new(),
+    );
     let dst = dir.path().join("dst");
     let big = dir.path().join("big");
     std::fs::File::create(&big)

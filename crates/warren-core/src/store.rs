@@ -202,6 +202,20 @@ const ADDED_SESSION_COLUMNS: &[(&str, &str)] = &[
 ];
 
 impl Store {
+    /// Opens the existing database at `path` for reading only: no schema, no migration,
+    /// nothing written (a reader beside the service, such as `vm cp` learning which
+    /// directories VMs write).
+    pub fn open_read_only(path: &Path) -> Result<Store, rusqlite::Error> {
+        let conn = Connection::open_with_flags(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        conn.busy_timeout(std::time::Duration::from_secs(10))?;
+        Ok(Store {
+            conn: std::sync::Arc::new(Mutex::new(conn)),
+        })
+    }
+
     /// Opens (or creates) the database at `path`, readable by its owner only: the file is
     /// made 0600 before SQLite opens it, and SQLite gives its WAL and shared-memory files the
     /// database file's mode.
