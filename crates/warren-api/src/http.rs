@@ -89,6 +89,7 @@ fn routes(st: AppState) -> Router {
     Router::new()
         .route("/v1/tools/{tool}", post(call_tool))
         .route("/v1/openapi.json", get(openapi))
+        .route("/v1/host/shares", get(host_shares))
         .route("/v1/vms/{vm_id}/streams/{port}", get(stream_port))
         .route("/v1/vms/{vm_id}/copy/{direction}", get(stream_copy))
         .route("/v1/vms/{vm_id}/jobs/{job_id}/{what}", get(job_stream))
@@ -285,6 +286,26 @@ async fn call_tool(
     }
     match st.service.call(&p, &tool, args).await {
         Ok(v) => (StatusCode::OK, Json(v)).into_response(),
+        Err(e) => error_response(&e),
+    }
+}
+
+/// `GET /v1/host/shares`: the (device, inode) of every host directory a VM of this service
+/// can write, for `vm cp` to keep its host side out of them (no paths: the identities tell
+/// another workspace nothing it could use).
+async fn host_shares(State(st): State<AppState>) -> Response {
+    match st.service.writable_shares() {
+        Ok(ids) => {
+            let shares: Vec<serde_json::Value> = ids
+                .into_iter()
+                .map(|(dev, ino)| serde_json::json!({"dev": dev, "ino": ino}))
+                .collect();
+            (
+                StatusCode::OK,
+                Json(serde_json::json!({ "shares": shares })),
+            )
+                .into_response()
+        }
         Err(e) => error_response(&e),
     }
 }

@@ -61,16 +61,29 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
     /// code and message), so the CLI reports it like its own errors.
     pub async fn post(&mut self, tool: &str, body: &Value) -> Result<Value> {
         let body = body.to_string();
+        let head = format!(
+            "POST /v1/tools/{tool} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        );
+        self.request(head, &body).await
+    }
+
+    /// `GET path` (an endpoint answering JSON, as `/v1/host/shares`).
+    pub async fn get(&mut self, path: &str) -> Result<Value> {
+        self.request(format!("GET {path} HTTP/1.1\r\n"), "").await
+    }
+
+    /// Sends `head` (request line and headers of its own) with the connection's headers
+    /// and `body`; reads the JSON answer, a refusal as the service's error.
+    async fn request(&mut self, head: String, body: &str) -> Result<Value> {
         let auth = self
             .auth
             .as_ref()
             .map(|a| format!("Authorization: {a}\r\n"))
             .unwrap_or_default();
         let req = format!(
-            "POST /v1/tools/{tool} HTTP/1.1\r\nHost: {}\r\n{auth}{}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            self.host,
-            self.extra,
-            body.len()
+            "{head}Host: {}\r\n{auth}{}\r\n{body}",
+            self.host, self.extra
         );
         self.r.get_mut().write_all(req.as_bytes()).await?;
         let mut status = String::new();

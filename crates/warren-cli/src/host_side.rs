@@ -41,10 +41,10 @@ pub struct Shares(Vec<Share>);
 
 impl Shares {
     /// The host directories the VMs `opener` reaches can write: in process, every
-    /// read-write share of the state directory's VMs; through a service, the directories
-    /// of the caller's sessions there (the only host directories its VMs write) and the
-    /// shares of this state directory's VMs when its database is there to read. An error
-    /// when they cannot be learned: a copy never goes ahead unchecked.
+    /// read-write share of the state directory's VMs; through a service, every VM's there
+    /// as the service reports them (`GET /v1/host/shares`, identities only), and the shares
+    /// of this state directory's VMs when its database is there to read. An error when they
+    /// cannot be learned: a copy never goes ahead unchecked.
     pub async fn of(cli: &Cli, opener: &Opener) -> Result<Shares> {
         let mut out = Shares::default();
         match opener {
@@ -55,16 +55,26 @@ impl Shares {
                 out.add_vms(vms);
             }
             Opener::Http { .. } | Opener::Socket(_) => {
+                // Every VM of the service, whatever its workspace (a direct session of
+                // another workspace may write where the caller's path goes).
                 let mut tools = opener.tools(None).await?;
-                let listed = tools
-                    .post("session_list", &serde_json::json!({}))
-                    .await
-                    .context("listing the sessions whose directories a copy must stay out of")?;
-                for s in listed["sessions"].as_array().into_iter().flatten() {
-                    if let Some(dir) = s["workspace_dir"].as_str() {
-                        let name = s["name"].as_str().unwrap_or("?");
-                        out.add(Path::new(dir), None, &format!("of session {name}"));
-                    }
+                let listed = tools.get("/v1/host/shares").await.context(
+                    "asking the service which host directories its VMs write (a copy is \
+                     not made unchecked)",
+                )?;
+                let ids = listed["shares"]
+                    .as_array()
+                    .context("the service's answer about its shares holds no list")?;
+                for id in ids {
+                    let (Some(dev), Some(ino)) = (id["dev"].as_u64(), id["ino"].as_u64()) else {
+                        bail!("the service's answer about its shares is malformed");
+                    };
+                    out.0.push(Share {
+                        dev,
+                        ino,
+                        path: PathBuf::from("a directory"),
+                        vm: "of the service".into(),
+                    });
                 }
                 let state = cli
                     .state_dir

@@ -249,6 +249,14 @@ pub enum Tools {
 }
 
 impl Tools {
+    /// `GET path` (see [`Conn::get`]).
+    pub async fn get(&mut self, path: &str) -> Result<serde_json::Value> {
+        match self {
+            Tools::Tcp(c) => c.get(path).await,
+            Tools::Unix(c) => c.get(path).await,
+        }
+    }
+
     /// Calls `tool` (see [`Conn::post`]).
     pub async fn post(
         &mut self,

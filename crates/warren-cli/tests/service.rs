@@ -953,6 +953,23 @@ fn test_service_sessions_over_local_socket_checked_as_caller() {
         &[],
     );
     assert_eq!(r.body["stdout"], "from the host\ndone\n", "{}", r.text);
+    // `vm cp` through the service stays out of the directories its VMs write (it asks the
+    // service, which knows them for every workspace): the session's copy is one. Control:
+    // a directory outside it copies.
+    let copy_dir = s["workspace_dir"].as_str().expect("workspace_dir");
+    let from = format!("{vm}:/etc/hostname");
+    let out = warren(&[], &["vm", "cp", &from, &format!("{copy_dir}/into")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("which VM of the service can write"), "{err}");
+    let outside = tempfile::tempdir().expect("outside");
+    let out = warren(
+        &[],
+        &["vm", "cp", &from, outside.path().to_str().expect("utf-8")],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(outside.path().join("hostname").is_file());
     let out = warren(&[], &["session", "status", "svc", "--json"]);
     let st: Value = serde_json::from_slice(&out.stdout).expect("status JSON");
     assert_eq!(st["unexported"].as_array().map(Vec::len), Some(1), "{st}");

@@ -40,7 +40,7 @@ fn endless_copy(sock: &Path, claimed: u64) -> std::sync::Arc<std::sync::atomic::
             while let Ok((conn, _)) = listener.accept().await {
                 let counted = counted.clone();
                 tokio::spawn(async move {
-                    let Some(mut ws) = ws_or_sessions(conn, &[]).await else {
+                    let Some(mut ws) = ws_or_shares(conn, &[]).await else {
                         return;
                     };
                     let mut h = tar::Header::new_gnu();
@@ -67,56 +67,51 @@ fn endless_copy(sock: &Path, claimed: u64) -> std::sync::Arc<std::sync::atomic::
     sent
 }
 
-/// A stand-in service's connection: the WebSocket a stream opens, or, for a tool call (the
-/// copy asking which directories the service's VMs write), `session_list` answered with
-/// sessions whose directories are `sessions`, and `None`.
-async fn ws_or_sessions(
+/// A stand-in service's connection: the WebSocket a stream opens, or, for the copy asking
+/// which host directories the service's VMs write (`GET /v1/host/shares`), the identities
+/// of `shared`, and `None`.
+async fn ws_or_shares(
     conn: tokio::net::UnixStream,
-    sessions: &[String],
+    shared: &[String],
 ) -> Option<tokio_tungstenite::WebSocketStream<tokio::net::UnixStream>> {
-    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
-    let mut first = [0u8; 4];
+    use std::os::unix::fs::MetadataExt;
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    const ASK: &[u8] = b"GET /v1/host/shares ";
+    let mut first = [0u8; ASK.len()];
     loop {
         conn.readable().await.ok()?;
         let flags = nix::sys::socket::MsgFlags::MSG_PEEK;
         match nix::sys::socket::recv(conn.as_raw_fd(), &mut first, flags) {
-            Ok(4) => break,
+            Ok(n) if n == ASK.len() => break,
             Ok(0) => return None,
             Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
             Err(nix::errno::Errno::EAGAIN) => {}
             Err(_) => return None,
         }
     }
-    if &first != b"POST" {
+    if first != ASK {
         return tokio_tungstenite::accept_async(conn).await.ok();
     }
     let mut r = tokio::io::BufReader::new(conn);
     loop {
-        let mut len = 0usize;
-        let mut line = String::new();
-        if r.read_line(&mut line).await.ok()? == 0 {
-            return None;
-        }
+        // A GET: the request line and headers, no body.
         loop {
             let mut h = String::new();
             if r.read_line(&mut h).await.ok()? == 0 {
                 return None;
             }
-            let h = h.trim_end().to_ascii_lowercase();
-            if h.is_empty() {
+            if h.trim_end().is_empty() {
                 break;
             }
-            if let Some(v) = h.strip_prefix("content-length:") {
-                len = v.trim().parse().unwrap_or(0);
-            }
         }
-        let mut body = vec![0u8; len];
-        r.read_exact(&mut body).await.ok()?;
-        let listed: Vec<serde_json::Value> = sessions
+        let listed: Vec<serde_json::Value> = shared
             .iter()
-            .map(|d| serde_json::json!({"name": "s", "workspace_dir": d}))
+            .map(|d| {
+                let m = std::fs::metadata(d).expect("shared directory");
+                serde_json::json!({"dev": m.dev(), "ino": m.ino()})
+            })
             .collect();
-        let answer = serde_json::json!({ "sessions": listed }).to_string();
+        let answer = serde_json::json!({ "shares": listed }).to_string();
         let reply = format!(
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
             answer.len()
@@ -431,7 +426,7 @@ fn gated_copy(
             while let Ok((conn, _)) = listener.accept().await {
                 let (archive, gate, sessions) = (archive.clone(), gate.clone(), sessions.clone());
                 tokio::spawn(async move {
-                    let Some(mut ws) = ws_or_sessions(conn, &sessions).await else {
+                    let Some(mut ws) = ws_or_shares(conn, &sessions).await else {
                         return;
                     };
                     let first = archive[..before].to_vec();
@@ -538,9 +533,10 @@ fn test_a_copy_out_is_moved_from_its_own_staging_directory_not_through_a_swapped
     );
 }
 
-/// Through a service, the directories its VMs write are its sessions' (the caller's own
-/// state directory, whose shares the first check read, is not the service's): a copy into
-/// or out of one is refused, before the stream opens. Control: a directory beside it copies.
+/// Through a service, the directories its VMs write are the service's to say, for every
+/// workspace (the caller's own state directory, whose shares the first check read, is not
+/// the service's): a copy into or out of one is refused before the stream opens, also
+/// through a symlink planted in it. Control: a directory beside it copies.
 #[test]
 fn test_a_copy_through_a_service_stays_out_of_its_session_directories() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -570,8 +566,17 @@ fn test_a_copy_through_a_service_stays_out_of_its_session_directories() {
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
-    assert!(err.contains("which VM of session s can write"), "{err}");
+    assert!(err.contains("which VM of the service can write"), "{err}");
     assert!(!session.join("out").exists());
+    let away = dir.path().join("away");
+    std::fs::create_dir_all(&away).expect("away");
+    std::os::unix::fs::symlink(&away, session.join("planted")).expect("planted");
+    let out = cp(
+        "vm-x:/data/cfg",
+        session.join("planted").to_str().expect("utf-8"),
+    );
+    assert!(!out.status.success(), "followed the planted link");
+    assert!(!away.join("cfg").exists());
     std::fs::write(session.join("notes"), "x").expect("notes");
     let out = cp(session.join("notes").to_str().expect("utf-8"), "vm-x:/data");
     assert!(!out.status.success(), "a session's file was sent");

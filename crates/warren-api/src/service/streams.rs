@@ -19,6 +19,28 @@ pub struct Opened {
 }
 
 impl Service {
+    /// The (device, inode) of every host directory a VM of this service can write (its
+    /// read-write shares, sessions' directories and agent state included, whatever the
+    /// workspace): the recorded identity, and what the path names now when it is a
+    /// directory (`lstat`).
+    pub fn writable_shares(&self) -> Result<Vec<(u64, u64)>, ApiError> {
+        let mut out = Vec::new();
+        for vm in self.engine().list_vms()? {
+            for m in vm.mounts.iter().filter(|m| !m.read_only) {
+                out.extend(m.identity);
+                if let Ok(md) = std::fs::symlink_metadata(&m.host) {
+                    if md.is_dir() {
+                        use std::os::unix::fs::MetadataExt;
+                        out.push((md.dev(), md.ino()));
+                    }
+                }
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        Ok(out)
+    }
+
     /// The service's open streams.
     pub fn streams(&self) -> &Streams {
         &self.streams
