@@ -50,7 +50,7 @@ impl Conn<tokio::net::UnixStream> {
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
     /// Sends `name: value` with every request (a header value must be printable ASCII).
     pub fn with_header(mut self, name: &str, value: &str) -> Result<Self> {
-        if !value.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        if !crate::ws_connect::printable(value) {
             return Err(anyhow!("header {name} must be printable ASCII"));
         }
         self.extra.push_str(&format!("{name}: {value}\r\n"));

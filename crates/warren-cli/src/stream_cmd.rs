@@ -22,15 +22,7 @@ pub async fn attach(
     ignore_stdin_eof: bool,
 ) -> Result<i32> {
     let opener = Opener::new(cli, service).await?;
-    let (mut tx, mut rx) =
-        tokio::time::timeout(OPEN_TIMEOUT, opener.open(vm, &StreamTarget::Tcp { port }))
-            .await
-            .map_err(|_| {
-                anyhow!(
-                    "the stream did not open within {} s",
-                    OPEN_TIMEOUT.as_secs()
-                )
-            })??;
+    let (mut tx, mut rx) = open_port(&opener, vm, port).await?;
     // A thread of its own: a blocking stdin read must not hold the process at exit.
     let (in_tx, mut in_rx) = tokio::sync::mpsc::channel::<Option<Vec<u8>>>(4);
     std::thread::Builder::new()
@@ -87,6 +79,22 @@ pub async fn attach(
         );
         Ok(1)
     }
+}
+
+/// Opens a stream to the guest's `port`, giving up after [`OPEN_TIMEOUT`].
+async fn open_port(
+    opener: &Opener,
+    vm: &str,
+    port: u16,
+) -> Result<(crate::stream_link::Tx, crate::stream_link::Rx)> {
+    tokio::time::timeout(OPEN_TIMEOUT, opener.open(vm, &StreamTarget::Tcp { port }))
+        .await
+        .map_err(|_| {
+            anyhow!(
+                "the stream did not open within {} s",
+                OPEN_TIMEOUT.as_secs()
+            )
+        })?
 }
 
 /// Parses `[LOCAL:]GUEST`.
@@ -177,15 +185,7 @@ async fn forward_one(
     conn: tokio::net::TcpStream,
 ) -> Result<()> {
     let _ = conn.set_nodelay(true);
-    let (mut tx, mut rx) =
-        tokio::time::timeout(OPEN_TIMEOUT, opener.open(vm, &StreamTarget::Tcp { port }))
-            .await
-            .map_err(|_| {
-                anyhow!(
-                    "the stream did not open within {} s",
-                    OPEN_TIMEOUT.as_secs()
-                )
-            })??;
+    let (mut tx, mut rx) = open_port(opener, vm, port).await?;
     let (mut rd, mut wr) = conn.into_split();
     let up = async {
         let mut buf = vec![0u8; CHUNK];

@@ -127,7 +127,7 @@ async fn read_body<S: AsyncRead + Unpin>(
 }
 
 /// Printable ASCII (what a request line or header may hold here).
-fn printable(s: &str) -> bool {
+pub(crate) fn printable(s: &str) -> bool {
     s.bytes().all(|b| (0x20..0x7f).contains(&b))
 }
 

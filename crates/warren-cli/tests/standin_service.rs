@@ -120,6 +120,24 @@ async fn ws_or_shares(
     }
 }
 
+/// `warren --socket SOCK vm cp SRC DST EXTRA...`, run to its end.
+fn vm_cp(
+    sock: &Path,
+    src: impl AsRef<std::ffi::OsStr>,
+    dst: impl AsRef<std::ffi::OsStr>,
+    extra: &[&str],
+) -> std::process::Output {
+    std::process::Command::new(common::WARREN)
+        .arg("--socket")
+        .arg(sock)
+        .args(["vm", "cp"])
+        .arg(src)
+        .arg(dst)
+        .args(extra)
+        .output()
+        .expect("warren vm cp")
+}
+
 /// Everything in `dir`, recursively, as relative paths.
 fn listing(dir: &Path) -> Vec<String> {
     let mut out = Vec::new();
@@ -202,12 +220,7 @@ fn test_a_copy_out_past_its_limit_is_refused_and_leaves_nothing() {
         (&["--max-mib", "1"][..], "--max-mib 1"),
         (&[][..], "the free space of"),
     ] {
-        let out = std::process::Command::new(common::WARREN)
-            .args(["--socket", sock.to_str().expect("utf-8"), "vm", "cp"])
-            .args(["vm-x:/data/big", dst.to_str().expect("utf-8")])
-            .args(args)
-            .output()
-            .expect("warren vm cp");
+        let out = vm_cp(&sock, "vm-x:/data/big", &dst, args);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?}: {err}");
         assert!(err.contains(says), "{args:?}: {err}");
@@ -546,20 +559,7 @@ fn test_a_copy_through_a_service_stays_out_of_its_session_directories() {
     let gate = Arc::new(AtomicBool::new(true));
     let listed = vec![session.to_str().expect("utf-8").to_string()];
     gated_copy(&sock, cfg_archive(), 512, gate, listed);
-    let cp = |src: &str, dst: &str| {
-        std::process::Command::new(common::WARREN)
-            .args([
-                "--socket",
-                sock.to_str().expect("utf-8"),
-                "vm",
-                "cp",
-                src,
-                dst,
-            ])
-            .args(["--max-mib", "16"])
-            .output()
-            .expect("warren vm cp")
-    };
+    let cp = |src: &str, dst: &str| vm_cp(&sock, src, dst, &["--max-mib", "16"]);
     let out = cp(
         "vm-x:/data/cfg",
         session.join("out").to_str().expect("utf-8"),
@@ -615,13 +615,7 @@ fn test_a_copy_the_guest_stalls_gives_up_at_the_idle_timeout() {
         .expect("big");
     let cp = |src: &Path, to: &str| {
         let started = Instant::now();
-        let out = std::process::Command::new(common::WARREN)
-            .args(["--socket", sock.to_str().expect("utf-8"), "vm", "cp"])
-            .arg(src)
-            .arg(to)
-            .args(["--max-mib", "16", "--idle-timeout", "2"])
-            .output()
-            .expect("warren vm cp");
+        let out = vm_cp(&sock, src, to, &["--max-mib", "16", "--idle-timeout", "2"]);
         (out, started.elapsed())
     };
     let (out, took) = cp(Path::new("vm-x:/data/cfg"), dst.to_str().expect("utf-8"));
