@@ -17,7 +17,10 @@
 //!   of a session's VM into 2 new sessions (`bench_instant_sessions.rs`);
 //! (breakdown) where a template restore and a standby resume spend their time: the
 //!     supervisor's own steps (socket up, VMM spawned, state restored, channel
-//!     authenticated, rekeyed, thawed, ready) and the engine's wait, medians.
+//!     authenticated, rekeyed, thawed, ready) and the engine's wait, medians; under TCG also
+//!     how many translation blocks the fresh VMM translated until the resumed VM was ready
+//!     and for its first exec (QEMU's `info jit`): translation starts empty in every new VMM,
+//!     and those counts are what the restore's time scales with.
 //!
 //! p50 and p99 over `--boots` samples (use 20); ratios against the cold create.
 
@@ -58,6 +61,13 @@ struct Report {
     standby_vs_cold: f64,
     template_breakdown_ms: BTreeMap<String, f64>,
     standby_breakdown_ms: BTreeMap<String, f64>,
+    /// Translation blocks in the resumed VMM once it is ready (TCG only; medians).
+    standby_tbs_at_ready: Option<f64>,
+    /// Translation blocks the first exec after a standby resume added (TCG only; medians).
+    standby_tbs_first_exec: Option<f64>,
+    /// The same for a second exec right after (TCG only; medians): what stays once the first
+    /// exec's code is translated.
+    standby_tbs_second_exec: Option<f64>,
     /// A fork's copies' start steps (medians over the 4), from each supervisor's start.
     fork_copy_breakdown_ms: BTreeMap<String, f64>,
     sessions: crate::bench_instant_sessions::SessionFigures,
@@ -85,6 +95,34 @@ async fn guest_fork_exec(w: &Warren, vm: &str) -> Result<Vec<f64>> {
         GuestResponse::Bench(b) => Ok(b.samples_ns.iter().map(|n| *n as f64 / 1e6).collect()),
         _ => bail!("unexpected bench reply"),
     }
+}
+
+/// How many translation blocks `vm`'s VMM holds (QEMU's `info jit` over the VM's QMP
+/// socket; `None` where it has none, as under KVM). The supervisor connects to QMP only for
+/// a lifecycle step, none of which runs while the bench asks.
+async fn tb_count(w: &Warren, vm: &str) -> Option<f64> {
+    let path = w.vm_dir_path(vm).join("vmm-qmp.sock");
+    let mut q = warren_vmm::qemu::qmp::Qmp::connect(&path).await.ok()?;
+    let out = q
+        .execute(
+            "human-monitor-command",
+            Some(serde_json::json!({ "command-line": "info jit" })),
+        )
+        .await
+        .ok()?;
+    parse_tb_count(out.as_str()?)
+}
+
+/// The `TB count` line of `info jit`.
+fn parse_tb_count(info: &str) -> Option<f64> {
+    info.lines()
+        .find_map(|l| l.strip_prefix("TB count"))
+        .and_then(|n| n.trim().parse().ok())
+}
+
+/// The median of `v`, or `None` when it is empty.
+fn median_of(mut v: Vec<f64>) -> Option<f64> {
+    (!v.is_empty()).then(|| median(&mut v))
 }
 
 /// The supervisor's start steps of `vm`, plus the engine's total (`engine`) and the first
@@ -157,6 +195,15 @@ pub async fn run(cli: &Cli, args: &BenchArgs) -> Result<i32> {
         "(standby)    resume to first exec {:.0} / {:.0} ms   ratio {:.3} (target <= 0.1)",
         r.standby_resume_to_exec_ms_p50, r.standby_resume_to_exec_ms_p99, r.standby_vs_cold
     );
+    if let (Some(ready), Some(first), Some(second)) = (
+        r.standby_tbs_at_ready,
+        r.standby_tbs_first_exec,
+        r.standby_tbs_second_exec,
+    ) {
+        println!(
+            "(translation) standby resume: {ready:.0} blocks translated until ready, +{first:.0} for the first exec, +{second:.0} for the second"
+        );
+    }
     let s = &r.sessions;
     println!(
         "(sessions)   create to first exec: cold {:.0} ms, template {:.0} ms   ratio {:.3}; fork of 2 to 2 first execs {:.0} ms   ratio vs one cold session {:.3}  ({} samples)",
@@ -334,6 +381,7 @@ async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
         .await?;
     first_exec(w, &sb.id).await?;
     let (mut standby, mut ssteps) = (vec![], BTreeMap::new());
+    let (mut at_ready, mut first_tbs, mut second_tbs) = (vec![], vec![], vec![]);
     for i in 0..n {
         eprintln!("standby {}/{n}", i + 1);
         w.suspend_vm(&sb.id, SuspendMode::Hibernate, true).await?;
@@ -347,6 +395,26 @@ async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
         s.push(("first exec done".into(), ms(t)));
         add_steps(&mut ssteps, s);
     }
+    // Translation counts, apart from the timed samples (asking QMP takes the VMM's time).
+    for _ in 0..n.min(3) {
+        w.suspend_vm(&sb.id, SuspendMode::Hibernate, true).await?;
+        w.resume_vm(&sb.id).await?;
+        let Some(ready) = tb_count(w, &sb.id).await else {
+            break;
+        };
+        first_exec(w, &sb.id).await?;
+        let first = tb_count(w, &sb.id).await;
+        first_exec(w, &sb.id).await?;
+        let second = tb_count(w, &sb.id).await;
+        if let (Some(first), Some(second)) = (first, second) {
+            at_ready.push(ready);
+            first_tbs.push(first - ready);
+            second_tbs.push(second - first);
+        }
+    }
+    r.standby_tbs_at_ready = median_of(at_ready);
+    r.standby_tbs_first_exec = median_of(first_tbs);
+    r.standby_tbs_second_exec = median_of(second_tbs);
     // The floor: the guest's own fork+exec+wait as the first request after a resume.
     let (mut cold_fe, mut warm_fe) = (vec![], vec![]);
     for _ in 0..n.min(5) {
@@ -373,4 +441,17 @@ async fn measure(w: &Warren, args: &BenchArgs) -> Result<Report> {
     // Session VMs (three shares): cold against their template, and a fork of a session.
     r.sessions = crate::bench_instant_sessions::measure(w, &args.image, n.min(5)).await?;
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_tb_count_is_read_from_info_jit() {
+        let info = "Translation buffer state:\ngen code size       7271267/67103744\nTB count            11619\nTB avg target size  20 max=514 bytes\n";
+        assert_eq!(parse_tb_count(info), Some(11619.0));
+        assert_eq!(parse_tb_count("kvm: no translation\n"), None);
+        assert_eq!(parse_tb_count("TB count  many\n"), None);
+    }
 }
