@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use nix::fcntl::{Flock, FlockArg};
-use tokio::net::{TcpListener, UnixListener};
+use tokio::net::UnixListener;
 
 use axum::extract::connect_info::ConnectInfo;
 
@@ -21,6 +21,11 @@ use crate::service::Service;
 pub enum ServeError {
     #[error("another warrend serves {0}")]
     AlreadyRunning(PathBuf),
+    #[error(
+        "another process listens on {0}, where clients saying `localhost` may connect and \
+         send it their tokens; stop it, or listen on an address `localhost` does not name"
+    )]
+    LoopbackTaken(SocketAddr),
     #[error("preflight failed: {0}")]
     Preflight(String),
     #[error("{0}")]
@@ -42,7 +47,7 @@ impl ServeError {
     /// The stable code the CLI prints.
     pub fn code(&self) -> &'static str {
         match self {
-            ServeError::AlreadyRunning(_) => "conflict",
+            ServeError::AlreadyRunning(_) | ServeError::LoopbackTaken(_) => "conflict",
             ServeError::Preflight(_) => "unavailable",
             ServeError::Service(e) => e.code,
             ServeError::Io { .. } => "internal",
@@ -99,13 +104,16 @@ pub async fn serve(
         Ok(n) => tracing::debug!(open_files = n, "open-file limit raised to the hard limit"),
         Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
     }
+    // Bound before the slow preflight: the ports are ours from the start (`loopback.rs`).
+    let mut tcp = crate::loopback::bind(cfg.http.listen).await?;
+    let siblings = tcp.split_off(1);
+    let tcp = tcp
+        .pop()
+        .expect("invariant: loopback::bind returns listen's listener first");
     let service = Arc::new(Service::open(cfg.clone(), supervisor_exe)?);
     for w in service.preflight().await.map_err(ServeError::Preflight)? {
         tracing::warn!("{w}");
     }
-    let tcp = TcpListener::bind(cfg.http.listen)
-        .await
-        .map_err(io("listen on", cfg.http.listen))?;
     let addr = tcp
         .local_addr()
         .map_err(io("address of", cfg.http.listen))?;
@@ -140,6 +148,19 @@ pub async fn serve(
     let tcp_app = http::tcp_router(service.clone(), hosts);
     let unix_app = http::unix_router(service.clone());
     let limits = ConnLimits::from_config(&cfg.http);
+    let siblings: Vec<_> = siblings
+        .into_iter()
+        .map(|l| {
+            tokio::spawn(conn::serve(
+                l,
+                tcp_app.clone(),
+                limits,
+                |_| None,
+                stop_rx.clone(),
+                "tcp",
+            ))
+        })
+        .collect();
     let t = tokio::spawn(conn::serve(
         tcp,
         tcp_app,
@@ -165,6 +186,9 @@ pub async fn serve(
     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
         let _ = t.await;
         let _ = u.await;
+        for s in siblings {
+            let _ = s.await;
+        }
     })
     .await;
     idle.abort();

@@ -310,7 +310,16 @@ async fn download_into(
         opener.open(vm, &StreamTarget::TarCreate { path: path.into() }),
     )
     .await?;
-    within(idle, tx.eof()).await?;
+    // A copy out sends the guest nothing but the end of its input. A service that already
+    // sent the whole archive (a small file) and its close may have closed the connection
+    // before this is sent: that send then fails, and what arrived is still read below,
+    // which decides how the copy went.
+    if let Err(e) = within(idle, tx.eof()).await {
+        if e.is::<Idle>() {
+            return Err(e);
+        }
+        tracing::debug!(error = %e, "the end of a copy out's input was not sent");
+    }
     let (chunks_tx, chunks) = std::sync::mpsc::sync_channel::<Vec<u8>>(8);
     let unpacker = tokio::task::spawn_blocking(move || {
         let mut r = ChannelReader {

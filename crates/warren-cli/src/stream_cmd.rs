@@ -45,14 +45,22 @@ pub async fn attach(
             }
         })?;
     let up = async {
-        while let Some(Some(data)) = in_rx.recv().await {
-            tx.send(&data).await?;
+        let sent = async {
+            while let Some(Some(data)) = in_rx.recv().await {
+                tx.send(&data).await?;
+            }
+            if !ignore_stdin_eof {
+                tx.eof().await?;
+            }
+            Ok::<(), anyhow::Error>(())
+        };
+        // A send fails when the connection is gone, which a guest that answered and closed
+        // (and a service that passed that on and closed) leaves behind: the receiving half
+        // reads what arrived and says how the stream ended.
+        if let Err(e) = sent.await {
+            tracing::debug!(error = %e, "sending to the guest stopped");
         }
-        if !ignore_stdin_eof {
-            tx.eof().await?;
-        }
-        std::future::pending::<()>().await;
-        Ok::<(), anyhow::Error>(())
+        std::future::pending::<()>().await
     };
     let down = async {
         let mut out = tokio::io::stdout();
@@ -68,7 +76,7 @@ pub async fn attach(
     };
     let (ok, reason) = tokio::select! {
         r = down => r?,
-        r = up => { r?; unreachable!("the input side never ends on its own") }
+        () = up => unreachable!("the input side never ends on its own"),
     };
     if ok {
         Ok(0)
@@ -190,12 +198,20 @@ async fn forward_one(
     let up = async {
         let mut buf = vec![0u8; CHUNK];
         loop {
+            // The local client gone (an error) ends the forwarding.
             let n = rd.read(&mut buf).await?;
-            if n == 0 {
-                tx.eof().await?;
+            let sent = if n == 0 {
+                tx.eof().await
+            } else {
+                tx.send(&buf[..n]).await
+            };
+            // As in `attach`: a failed send leaves the ending to the receiving half.
+            if let Err(e) = &sent {
+                tracing::debug!(error = %e, "forwarding to the guest stopped");
+            }
+            if n == 0 || sent.is_err() {
                 std::future::pending::<()>().await;
             }
-            tx.send(&buf[..n]).await?;
         }
         #[allow(unreachable_code)]
         Ok::<(), anyhow::Error>(())

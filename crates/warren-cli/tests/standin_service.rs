@@ -546,6 +546,103 @@ fn test_a_copy_out_is_moved_from_its_own_staging_directory_not_through_a_swapped
     );
 }
 
+/// A stand-in service on `sock` that answers the shares question (none) and then one stream:
+/// the upgrade, `payload` and a normal close in one write, the socket closed at once, before
+/// the client has read any of it (a guest that answered and closed, passed on at once).
+fn hasty_stream(sock: &Path, payload: Vec<u8>) -> std::thread::JoinHandle<()> {
+    use std::io::{BufRead, Write};
+    let listener = std::os::unix::net::UnixListener::bind(sock).expect("bind");
+    std::thread::spawn(move || loop {
+        let (conn, _) = listener.accept().expect("accept");
+        let mut r = std::io::BufReader::new(conn);
+        let (mut first, mut key) = (String::new(), String::new());
+        r.read_line(&mut first).expect("request line");
+        loop {
+            let mut h = String::new();
+            r.read_line(&mut h).expect("request");
+            if h.trim_end().is_empty() {
+                break;
+            }
+            if let Some(v) = h
+                .split_once(':')
+                .filter(|(k, _)| k.eq_ignore_ascii_case("sec-websocket-key"))
+                .map(|(_, v)| v.trim().to_string())
+            {
+                key = v;
+            }
+        }
+        if first.starts_with("GET /v1/host/shares ") {
+            let answer = r#"{"shares":[]}"#;
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
+                answer.len()
+            );
+            r.into_inner().write_all(reply.as_bytes()).expect("shares");
+            continue;
+        }
+        let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
+        let mut out = format!(
+            "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\
+             sec-websocket-accept: {accept}\r\n\r\n"
+        )
+        .into_bytes();
+        out.push(0x82);
+        out.push(126);
+        out.extend_from_slice(&u16::try_from(payload.len()).expect("small").to_be_bytes());
+        out.extend_from_slice(&payload);
+        let reason = b"guest closed";
+        out.push(0x88);
+        out.push(u8::try_from(2 + reason.len()).expect("small"));
+        out.extend_from_slice(&1000u16.to_be_bytes());
+        out.extend_from_slice(reason);
+        let mut conn = r.into_inner();
+        conn.write_all(&out).expect("answer");
+        drop(conn);
+        break;
+    })
+}
+
+/// A copy out of a small file: the service sent the whole archive and its close, and closed
+/// the connection, before the client told the guest its input ended (a copy out sends only
+/// that). The send failed with a broken pipe and the copy failed with it, although
+/// everything had arrived (seen in a full run through a real service). Now the end of input
+/// of a copy out may find the connection gone: the archive is read and the copy lands.
+#[test]
+fn test_a_copy_out_lands_when_the_service_closed_before_the_end_of_input() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let sock = dir.path().join("warrend.sock");
+    let served = hasty_stream(&sock, cfg_archive());
+    let dst = dir.path().join("dst");
+    let out = vm_cp(&sock, "vm-x:/data/cfg", &dst, &["--max-mib", "16"]);
+    served.join().expect("stand-in");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(dst.join("cfg/x")).expect("the copy"),
+        "guest"
+    );
+}
+
+/// The same for `attach`: a guest that answers and closes before the (empty) input's end
+/// is sent is a normal close, its answer printed, exit 0.
+#[test]
+fn test_attach_ends_normally_when_the_guest_closed_before_the_end_of_input() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let sock = dir.path().join("warrend.sock");
+    let served = hasty_stream(&sock, b"answer\n".to_vec());
+    let out = std::process::Command::new(common::WARREN)
+        .arg("--socket")
+        .arg(&sock)
+        .args(["attach", "vm-x", "--port", "7000"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("warren attach");
+    served.join().expect("stand-in");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "answer\n");
+}
+
 /// Through a service, the directories its VMs write are the service's to say, for every
 /// workspace (the caller's own state directory, whose shares the first check read, is not
 /// the service's): a copy into or out of one is refused before the stream opens, also

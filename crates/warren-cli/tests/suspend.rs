@@ -153,7 +153,27 @@ fn test_suspend_pause_and_hibernate_keep_processes_files_timeouts_and_clock() {
 
     // A checkpoint written by another QEMU is refused, loudly, and stays resumable.
     ok(suspend(&vm, &["--force"]), "hibernate");
-    let rec = vm.env.vm_dir(&vm.id).join("checkpoint.json");
+    // A hibernated VM's directory (0711: its QEMU reaches `run/`) holds only owner-only
+    // files: records, logs, sockets (its checkpoint, exit and job records among them).
+    let dir = vm.env.vm_dir(&vm.id);
+    let mut seen = Vec::new();
+    for e in std::fs::read_dir(&dir).expect("vm dir").flatten() {
+        let m = std::fs::symlink_metadata(e.path()).expect("stat");
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !m.is_dir() {
+            use std::os::unix::fs::PermissionsExt;
+            assert_eq!(
+                m.permissions().mode() & 0o077,
+                0,
+                "{name} is readable by others"
+            );
+            seen.push(name);
+        }
+    }
+    for record in ["checkpoint.json", "exit.json", "jobs-seen.json"] {
+        assert!(seen.iter().any(|n| n == record), "no {record} in {seen:?}");
+    }
+    let rec = dir.join("checkpoint.json");
     let original = std::fs::read_to_string(&rec).expect("checkpoint record");
     let v: serde_json::Value = serde_json::from_str(&original).expect("json");
     let digest = v["qemu_sha256"].as_str().expect("digest").to_string();

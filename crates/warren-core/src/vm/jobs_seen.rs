@@ -97,7 +97,11 @@ pub fn read(dir: &VmDir) -> Option<SeenJobs> {
 fn write(dir: &VmDir, seen: &SeenJobs) -> std::io::Result<()> {
     let tmp = dir.path().join("jobs-seen.json.tmp");
     let body = serde_json::to_vec(seen).expect("invariant: the record serialises");
-    std::fs::write(&tmp, body)?;
+    // Owner-only: job ids and commands are the workspace's business.
+    std::io::Write::write_all(
+        &mut warren_vmm::sys::private_file::create(&tmp, false)?,
+        &body,
+    )?;
     std::fs::rename(&tmp, path(dir))
 }
 

@@ -88,7 +88,9 @@ pub(super) fn record_exit(dir: &VmDir, requested: bool, reason: String, boot_aga
     };
     let tmp = dir.path().join("exit.json.tmp");
     let body = serde_json::to_vec_pretty(&rec).expect("invariant: record serialises");
-    if std::fs::write(&tmp, body)
+    // Owner-only: the reason quotes QEMU's stderr and the guest's console.
+    if warren_vmm::sys::private_file::create(&tmp, false)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, &body))
         .and_then(|_| std::fs::rename(&tmp, dir.exit_record()))
         .is_err()
     {

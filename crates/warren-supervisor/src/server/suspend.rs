@@ -214,7 +214,7 @@ pub(super) async fn hibernate(shared: &Shared) -> Reply {
     let rec = shared.dir.checkpoint_record();
     let tmp = rec.with_extension("json.tmp");
     let body = serde_json::to_vec_pretty(&info).expect("invariant: record serialises");
-    let written = std::fs::File::create(&tmp)
+    let written = warren_vmm::sys::private_file::create(&tmp, false)
         .and_then(|mut f| {
             use std::io::Write;
             f.write_all(&body)?;

@@ -1,0 +1,143 @@
+//! The HTTP listeners, holding both loopback addresses `localhost` names.
+//!
+//! A client told `http://localhost:8090` may connect to 127.0.0.1 or to ::1 (resolvers
+//! commonly try ::1 first), and any local user may bind a port above 1023. A service that
+//! listens on one of the two and leaves the other free hands the other to whoever binds it
+//! first, and a client saying `localhost` sends its bearer token there. So when `listen`
+//! covers one loopback address, the service binds the other on the same port too, and does
+//! not start (`conflict`) when another process already holds it. An address this host does
+//! not have (no IPv6) cannot be bound by anyone, and is left out.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use tokio::net::TcpListener;
+
+use crate::serve::ServeError;
+
+/// Ephemeral ports tried (`listen` with port 0) before giving up on finding one free on both
+/// loopback addresses.
+const EPHEMERAL_ATTEMPTS: usize = 16;
+
+/// Binds `listen` and the loopback address it leaves free (see the module docs); the first
+/// listener is `listen`'s.
+pub(crate) async fn bind(listen: SocketAddr) -> Result<Vec<TcpListener>, ServeError> {
+    let io = |addr: SocketAddr| {
+        move |source| ServeError::Io {
+            op: "listen on",
+            path: addr.to_string(),
+            source,
+        }
+    };
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let primary = TcpListener::bind(listen).await.map_err(io(listen))?;
+        let port = primary.local_addr().map_err(io(listen))?.port();
+        let mut listeners = vec![primary];
+        let mut taken = None;
+        for addr in siblings(listen, port, dual_stack()) {
+            match TcpListener::bind(addr).await {
+                Ok(l) => listeners.push(l),
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                    taken = Some(addr);
+                    break;
+                }
+                Err(e) if absent(&e) => {
+                    tracing::debug!(%addr, error = %e, "no such loopback address here");
+                }
+                Err(e) => return Err(io(addr)(e)),
+            }
+        }
+        match taken {
+            None => return Ok(listeners),
+            // An ephemeral port another process happens to hold on the other address.
+            Some(_) if listen.port() == 0 && attempts < EPHEMERAL_ATTEMPTS => continue,
+            Some(addr) => return Err(ServeError::LoopbackTaken(addr)),
+        }
+    }
+}
+
+/// The loopback addresses on `port` that `listen` leaves free: ::1 for 127.0.0.1 or
+/// 0.0.0.0, 127.0.0.1 for ::1 (and for `::` when it is IPv6 only); none for an address
+/// `localhost` does not name.
+fn siblings(listen: SocketAddr, port: u16, dual_stack: bool) -> Vec<SocketAddr> {
+    let v4 = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
+    let v6 = SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), port);
+    match listen.ip() {
+        IpAddr::V4(ip) if ip == Ipv4Addr::LOCALHOST || ip.is_unspecified() => vec![v6],
+        IpAddr::V6(ip) if ip == Ipv6Addr::LOCALHOST => vec![v4],
+        IpAddr::V6(ip) if ip.is_unspecified() && !dual_stack => vec![v4],
+        _ => vec![],
+    }
+}
+
+/// Whether `::` also takes IPv4 connections here (Rust's sockets keep the host's default,
+/// `net.ipv6.bindv6only`).
+fn dual_stack() -> bool {
+    std::fs::read_to_string("/proc/sys/net/ipv6/bindv6only").map_or(true, |s| s.trim() == "0")
+}
+
+/// An address family or address this host does not have.
+fn absent(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(code) if code == nix::libc::EADDRNOTAVAIL || code == nix::libc::EAFNOSUPPORT
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().expect("address")
+    }
+
+    #[test]
+    fn test_siblings_are_the_loopback_address_listen_leaves_free() {
+        assert_eq!(siblings(a("127.0.0.1:8090"), 8090, true), [a("[::1]:8090")]);
+        assert_eq!(siblings(a("0.0.0.0:8090"), 8090, true), [a("[::1]:8090")]);
+        assert_eq!(siblings(a("[::1]:8090"), 8090, true), [a("127.0.0.1:8090")]);
+        assert_eq!(siblings(a("[::]:8090"), 8090, false), [a("127.0.0.1:8090")]);
+        assert!(siblings(a("[::]:8090"), 8090, true).is_empty());
+        assert!(siblings(a("10.1.2.3:8090"), 8090, true).is_empty());
+        assert!(siblings(a("127.0.0.2:8090"), 8090, true).is_empty());
+        // Port 0 takes the port actually bound.
+        assert_eq!(siblings(a("127.0.0.1:0"), 41000, true), [a("[::1]:41000")]);
+    }
+
+    /// Another process on [::1] at the service's port: the service does not start. Positive
+    /// control: with the squatter gone it binds both.
+    #[tokio::test]
+    async fn test_a_squatted_loopback_sibling_stops_the_service_from_starting() {
+        // The test hosts have an IPv6 loopback (without one there is nothing to squat).
+        let probe = std::net::TcpListener::bind("[::1]:0").expect("bind [::1]");
+        let port = probe.local_addr().expect("addr").port();
+        let listen = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
+        match bind(listen).await {
+            Err(ServeError::LoopbackTaken(addr)) => {
+                assert_eq!(addr, a(&format!("[::1]:{port}")));
+            }
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(_) => panic!("served beside a squatter on [::1]:{port}"),
+        }
+        drop(probe);
+        let held = bind(listen).await.expect("bind both");
+        let addrs: Vec<SocketAddr> = held.iter().map(|l| l.local_addr().expect("addr")).collect();
+        assert_eq!(addrs, [listen, a(&format!("[::1]:{port}"))]);
+        // While the service holds both, no other socket gets [::1] at that port.
+        assert!(std::net::TcpListener::bind(format!("[::1]:{port}")).is_err());
+    }
+
+    #[tokio::test]
+    async fn test_an_ephemeral_port_is_one_free_on_both_loopback_addresses() {
+        let held = bind(a("127.0.0.1:0")).await.expect("bind");
+        let port = held[0].local_addr().expect("addr").port();
+        assert_ne!(port, 0);
+        assert_eq!(held.len(), 2, "both loopback addresses held");
+        assert_eq!(
+            held[1].local_addr().expect("addr"),
+            a(&format!("[::1]:{port}"))
+        );
+    }
+}
