@@ -21,7 +21,7 @@ pub mod fuzzing;
 pub mod hostpath;
 pub mod http;
 pub mod job_ws;
-mod loopback;
+pub mod loopback;
 pub mod mcp;
 pub mod openapi;
 pub mod receipts;

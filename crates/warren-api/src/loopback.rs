@@ -1,12 +1,17 @@
-//! The HTTP listeners, holding both loopback addresses `localhost` names.
+//! TCP listeners holding both loopback addresses `localhost` names: the service's HTTP
+//! API, and `warren port-forward` (a browser told `localhost:PORT` may bring a forwarded
+//! web application's cookies to whoever holds ::1 there).
 //!
 //! A client told `http://localhost:8090` may connect to 127.0.0.1 or to ::1 (resolvers
 //! commonly try ::1 first), and any local user may bind a port above 1023. A service that
 //! listens on one of the two and leaves the other free hands the other to whoever binds it
 //! first, and a client saying `localhost` sends its bearer token there. So when `listen`
 //! covers one loopback address, the service binds the other on the same port too, and does
-//! not start (`conflict`) when another process already holds it. An address this host does
-//! not have (no IPv6) cannot be bound by anyone, and is left out.
+//! not start (`conflict`) when another process already holds it. On a host without IPv6
+//! (no `/proc/net/if_inet6`) ::1 is left out: a socket bound there with `IPV6_FREEBIND`
+//! would only receive once IPv6 is brought up, after the service started. IPv6 refused to
+//! this process alone (a seccomp filter) is not taken for its absence: the service does
+//! not start.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -19,8 +24,8 @@ use crate::serve::ServeError;
 const EPHEMERAL_ATTEMPTS: usize = 16;
 
 /// Binds `listen` and the loopback address it leaves free (see the module docs); the first
-/// listener is `listen`'s.
-pub(crate) async fn bind(listen: SocketAddr) -> Result<Vec<TcpListener>, ServeError> {
+/// listener is `listen`'s. The service's HTTP listeners, and `warren port-forward`'s.
+pub async fn bind(listen: SocketAddr) -> Result<Vec<TcpListener>, ServeError> {
     let io = |addr: SocketAddr| {
         move |source| ServeError::Io {
             op: "listen on",
@@ -31,11 +36,23 @@ pub(crate) async fn bind(listen: SocketAddr) -> Result<Vec<TcpListener>, ServeEr
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let primary = TcpListener::bind(listen).await.map_err(io(listen))?;
+        let primary = match TcpListener::bind(listen).await {
+            Ok(l) => l,
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                return Err(ServeError::AddrTaken(listen));
+            }
+            Err(e) => return Err(io(listen)(e)),
+        };
         let port = primary.local_addr().map_err(io(listen))?.port();
+        // A `listen` of `::` takes IPv4 too unless the socket is IPv6-only (the host's
+        // `net.ipv6.bindv6only`): asked of the socket itself.
+        let dual_stack = socket2::SockRef::from(&primary)
+            .only_v6()
+            .map(|only| !only)
+            .unwrap_or(true);
         let mut listeners = vec![primary];
         let mut taken = None;
-        for addr in siblings(listen, port, dual_stack()) {
+        for addr in siblings(listen, port, dual_stack) {
             match TcpListener::bind(addr).await {
                 Ok(l) => listeners.push(l),
                 Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
@@ -63,7 +80,12 @@ pub(crate) async fn bind(listen: SocketAddr) -> Result<Vec<TcpListener>, ServeEr
 fn siblings(listen: SocketAddr, port: u16, dual_stack: bool) -> Vec<SocketAddr> {
     let v4 = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
     let v6 = SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), port);
-    match listen.ip() {
+    // `::ffff:127.0.0.1` is 127.0.0.1.
+    let ip = match listen.ip() {
+        IpAddr::V6(ip) => ip.to_ipv4_mapped().map_or(IpAddr::V6(ip), IpAddr::V4),
+        ip => ip,
+    };
+    match ip {
         IpAddr::V4(ip) if ip == Ipv4Addr::LOCALHOST || ip.is_unspecified() => vec![v6],
         IpAddr::V6(ip) if ip == Ipv6Addr::LOCALHOST => vec![v4],
         IpAddr::V6(ip) if ip.is_unspecified() && !dual_stack => vec![v4],
@@ -71,18 +93,14 @@ fn siblings(listen: SocketAddr, port: u16, dual_stack: bool) -> Vec<SocketAddr> 
     }
 }
 
-/// Whether `::` also takes IPv4 connections here (Rust's sockets keep the host's default,
-/// `net.ipv6.bindv6only`).
-fn dual_stack() -> bool {
-    std::fs::read_to_string("/proc/sys/net/ipv6/bindv6only").map_or(true, |s| s.trim() == "0")
-}
-
-/// An address family or address this host does not have.
+/// An address family or address this host does not have: the bind failed for want of it,
+/// and the host has no IPv6 at all (a filter refusing IPv6 to this process alone is not
+/// that).
 fn absent(e: &std::io::Error) -> bool {
     matches!(
         e.raw_os_error(),
         Some(code) if code == nix::libc::EADDRNOTAVAIL || code == nix::libc::EAFNOSUPPORT
-    )
+    ) && !std::path::Path::new("/proc/net/if_inet6").exists()
 }
 
 #[cfg(test)]
@@ -102,6 +120,10 @@ mod tests {
         assert!(siblings(a("[::]:8090"), 8090, true).is_empty());
         assert!(siblings(a("10.1.2.3:8090"), 8090, true).is_empty());
         assert!(siblings(a("127.0.0.2:8090"), 8090, true).is_empty());
+        assert_eq!(
+            siblings(a("[::ffff:127.0.0.1]:8090"), 8090, true),
+            [a("[::1]:8090")]
+        );
         // Port 0 takes the port actually bound.
         assert_eq!(siblings(a("127.0.0.1:0"), 41000, true), [a("[::1]:41000")]);
     }
@@ -120,6 +142,12 @@ mod tests {
             }
             Err(e) => panic!("wrong error: {e}"),
             Ok(_) => panic!("served beside a squatter on [::1]:{port}"),
+        }
+        // The address itself taken: `conflict` too.
+        match bind(SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), port)).await {
+            Err(ServeError::AddrTaken(addr)) => assert_eq!(addr, a(&format!("[::1]:{port}"))),
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(_) => panic!("bound [::1]:{port} twice"),
         }
         drop(probe);
         let held = bind(listen).await.expect("bind both");

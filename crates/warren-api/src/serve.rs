@@ -23,9 +23,12 @@ pub enum ServeError {
     AlreadyRunning(PathBuf),
     #[error(
         "another process listens on {0}, where clients saying `localhost` may connect and \
-         send it their tokens; stop it, or listen on an address `localhost` does not name"
+         send it what they send (tokens, cookies); stop it, or listen on an address \
+         `localhost` does not name"
     )]
     LoopbackTaken(SocketAddr),
+    #[error("another process listens on {0}")]
+    AddrTaken(SocketAddr),
     #[error("preflight failed: {0}")]
     Preflight(String),
     #[error("{0}")]
@@ -47,7 +50,9 @@ impl ServeError {
     /// The stable code the CLI prints.
     pub fn code(&self) -> &'static str {
         match self {
-            ServeError::AlreadyRunning(_) | ServeError::LoopbackTaken(_) => "conflict",
+            ServeError::AlreadyRunning(_)
+            | ServeError::LoopbackTaken(_)
+            | ServeError::AddrTaken(_) => "conflict",
             ServeError::Preflight(_) => "unavailable",
             ServeError::Service(e) => e.code,
             ServeError::Io { .. } => "internal",

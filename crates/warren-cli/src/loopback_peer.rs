@@ -1,6 +1,6 @@
 //! Who is on the other end of a TCP connection over loopback: the uid owning the peer's
-//! socket, read from the kernel's socket table (`/proc/net/tcp`, and `/proc/net/tcp6` for a
-//! dual-stack socket). `port-forward` uses it so another local user cannot reach the
+//! socket, read from the kernel's socket table (`/proc/net/tcp`; `/proc/net/tcp6` for a
+//! dual-stack socket and for ::1). `port-forward` uses it so another local user cannot reach the
 //! forwarder's workspace through its listener. A TCP socket has no `SO_PEERCRED`, and no
 //! kept crate answers this one question, so it is a bounded parse of two table files: the
 //! peer's row is the one whose local address is the connection's remote address and whose
@@ -15,26 +15,35 @@ const MAX_ROWS: usize = 1 << 20;
 /// The uid owning the socket at `peer` that is connected to `ours` (both on this host), or
 /// `None` when no process holds such a socket (it closed meanwhile, or is not local).
 pub fn peer_uid(ours: SocketAddr, peer: SocketAddr) -> std::io::Result<Option<u32>> {
-    let (IpAddr::V4(p), IpAddr::V4(o)) = (peer.ip(), ours.ip()) else {
-        return Ok(None);
-    };
     let v4 = |ip: std::net::Ipv4Addr, port: u16| {
         format!("{:08X}:{port:04X}", u32::from_ne_bytes(ip.octets()))
     };
-    // An IPv6 socket connected to an IPv4 listener: the mapped address, as four words.
-    let v6 = |ip: std::net::Ipv4Addr, port: u16| {
-        let m = ip.to_ipv6_mapped().octets();
+    // The IPv6 table's addresses: four words, each as the host reads it.
+    let v6 = |ip: std::net::Ipv6Addr, port: u16| {
         let mut s = String::with_capacity(40);
-        for w in m.chunks_exact(4) {
+        for w in ip.octets().chunks_exact(4) {
             let word = [w[0], w[1], w[2], w[3]];
             s.push_str(&format!("{:08X}", u32::from_ne_bytes(word)));
         }
         format!("{s}:{port:04X}")
     };
-    if let Some(uid) = find("/proc/net/tcp", &v4(p, peer.port()), &v4(o, ours.port()))? {
-        return Ok(Some(uid));
+    match (peer.ip(), ours.ip()) {
+        (IpAddr::V4(p), IpAddr::V4(o)) => {
+            if let Some(uid) = find("/proc/net/tcp", &v4(p, peer.port()), &v4(o, ours.port()))? {
+                return Ok(Some(uid));
+            }
+            // An IPv6 socket connected to an IPv4 listener: the mapped address.
+            find(
+                "/proc/net/tcp6",
+                &v6(p.to_ipv6_mapped(), peer.port()),
+                &v6(o.to_ipv6_mapped(), ours.port()),
+            )
+        }
+        (IpAddr::V6(p), IpAddr::V6(o)) => {
+            find("/proc/net/tcp6", &v6(p, peer.port()), &v6(o, ours.port()))
+        }
+        _ => Ok(None),
     }
-    find("/proc/net/tcp6", &v6(p, peer.port()), &v6(o, ours.port()))
 }
 
 /// The uid of the row of `table` with local address `local` and remote address `remote`.
@@ -110,6 +119,18 @@ mod tests {
         let table = format!("{head}{}", row("01", 65534, 123456));
         let got = find_in(table.as_bytes(), "t", "0100007F:A000", "0100007F:1F90").expect("parse");
         assert_eq!(got, Some(65534));
+    }
+
+    #[test]
+    fn test_an_ipv6_loopback_peer_is_this_process_uid() {
+        let l = std::net::TcpListener::bind("[::1]:0").expect("bind [::1]");
+        let ours = l.local_addr().expect("addr");
+        let _c = std::net::TcpStream::connect(ours).expect("connect");
+        let (_s, peer) = l.accept().expect("accept");
+        let uid = rustix::process::geteuid().as_raw();
+        assert_eq!(peer_uid(ours, peer).expect("table"), Some(uid));
+        let other = SocketAddr::new(peer.ip(), peer.port().wrapping_add(1));
+        assert_eq!(peer_uid(ours, other).expect("table"), None);
     }
 
     #[test]

@@ -137,13 +137,28 @@ pub async fn port_forward(
 ) -> Result<i32> {
     let (local, guest) = parse_forward(spec)?;
     let opener = std::sync::Arc::new(Opener::new(cli, service).await?);
-    let listener = tokio::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, local))
-        .await
-        .with_context(|| format!("listening on 127.0.0.1:{local}"))?;
+    // 127.0.0.1 and ::1 both: a browser told `localhost:PORT` may try either, and
+    // another user holding the other would receive what it sends.
+    let mut listeners = warren_api::loopback::bind(std::net::SocketAddr::from((
+        std::net::Ipv4Addr::LOCALHOST,
+        local,
+    )))
+    .await
+    .with_context(|| format!("listening on 127.0.0.1:{local}"))?;
+    let sibling = listeners.split_off(1).pop();
+    let listener = listeners
+        .pop()
+        .ok_or_else(|| anyhow!("no listener on 127.0.0.1:{local}"))?;
     let addr = listener.local_addr()?;
+    let sibling_addr = sibling.as_ref().map(|l| l.local_addr()).transpose()?;
     println!("{addr}");
     let _ = std::io::stdout().flush();
-    eprintln!("warren: forwarding {addr} to port {guest} of VM {vm}; Ctrl-C stops");
+    match sibling_addr {
+        Some(v6) => {
+            eprintln!("warren: forwarding {addr} and {v6} to port {guest} of VM {vm}; Ctrl-C stops")
+        }
+        None => eprintln!("warren: forwarding {addr} to port {guest} of VM {vm}; Ctrl-C stops"),
+    }
     let term = crate::term::Term::new(cli.raw);
     let me = rustix::process::geteuid().as_raw();
     let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_FORWARDED));
@@ -152,8 +167,15 @@ pub async fn port_forward(
             s = slots.clone().acquire_owned() => s?,
             _ = tokio::signal::ctrl_c() => return Ok(0),
         };
-        let (conn, peer) = tokio::select! {
-            r = listener.accept() => r?,
+        let v6_accept = async {
+            match &sibling {
+                Some(l) => l.accept().await,
+                None => std::future::pending().await,
+            }
+        };
+        let ((conn, peer), ours) = tokio::select! {
+            r = listener.accept() => (r?, addr),
+            r = v6_accept => (r?, sibling_addr.unwrap_or(addr)),
             _ = tokio::signal::ctrl_c() => return Ok(0),
         };
         let opener = opener.clone();
@@ -161,7 +183,7 @@ pub async fn port_forward(
         tokio::spawn(async move {
             // Off the runtime: the socket table of a busy host is long.
             let owner =
-                tokio::task::spawn_blocking(move || crate::loopback_peer::peer_uid(addr, peer))
+                tokio::task::spawn_blocking(move || crate::loopback_peer::peer_uid(ours, peer))
                     .await;
             let refused = match owner {
                 _ if allow_other_users => None,
@@ -205,12 +227,21 @@ async fn forward_one(
             } else {
                 tx.send(&buf[..n]).await
             };
-            // As in `attach`: a failed send leaves the ending to the receiving half.
-            if let Err(e) = &sent {
-                tracing::debug!(error = %e, "forwarding to the guest stopped");
-            }
-            if n == 0 || sent.is_err() {
+            if n == 0 {
+                if let Err(e) = &sent {
+                    tracing::debug!(error = %e, "the end of input was not forwarded");
+                }
                 std::future::pending::<()>().await;
+            }
+            if let Err(e) = sent {
+                // As in `attach`: a failed send leaves the ending to the receiving half, but
+                // the local client is still read (and dropped), so its leaving ends this.
+                tracing::debug!(error = %e, "forwarding to the guest stopped");
+                loop {
+                    if rd.read(&mut buf).await? == 0 {
+                        return Ok(());
+                    }
+                }
             }
         }
         #[allow(unreachable_code)]

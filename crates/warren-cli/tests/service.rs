@@ -387,7 +387,31 @@ fn test_service_idempotent_create_and_exec_survive_crash() {
         .expect("update");
     assert_eq!(n, 1);
     drop(db);
+    // A record left readable by all (written before records were made owner-only) is
+    // narrowed when the service starts.
+    // (An earlier boot's exit record, as a VM booted again keeps it.)
+    let old = d.env.vm_dir(&vm).join("exit.json");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::write(
+            &old,
+            r#"{"requested":true,"reason":"stopped","boot_again":false,"unix_time":0}"#,
+        )
+        .expect("an older record");
+        std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o644))
+            .expect("an older record's mode");
+    }
     d.spawn();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&old)
+            .expect("record")
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, 0o600, "exit.json after a restart");
+    }
+    std::fs::remove_file(&old).expect("remove the record");
     let retry = c.call(&d, &t, "vm_exec", exec.clone());
     assert_eq!(retry.body["job_id"], first.body["job_id"], "{}", retry.text);
     let count = c.call(

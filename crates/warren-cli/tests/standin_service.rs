@@ -769,6 +769,21 @@ fn refusing_streams(sock: &Path, message: &'static str) -> Arc<AtomicU64> {
 /// forwarder looked; with `--allow-other-users` it is forwarded.
 /// Control: the forwarder's own connection is forwarded (the stand-in service refuses the
 /// stream, with its body sent after its head: the refusal is read whole, code and message).
+/// python3 as nobody (uid 65534), connected to `host`:`port`, then running `then`.
+fn as_nobody(host: &str, port: &str, then: &str) -> std::process::Command {
+    let mut c = std::process::Command::new("python3");
+    c.args([
+        "-c",
+        &format!(
+            "import socket,sys,time\ns=socket.create_connection(('{host}', int(sys.argv[1])))\n{then}"
+        ),
+        port,
+    ])
+    .uid(65534)
+    .gid(65534);
+    c
+}
+
 #[test]
 fn test_port_forward_forwards_only_connections_of_its_own_user() {
     use std::io::{BufRead, BufReader};
@@ -810,16 +825,7 @@ fn test_port_forward_forwards_only_connections_of_its_own_user() {
             }
         };
         let before = seen.load(Ordering::SeqCst);
-        let mut nobody = std::process::Command::new("python3")
-            .args([
-                "-c",
-                "import socket,sys,time\n\
-                 s=socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n\
-                 time.sleep(3)",
-                &port,
-            ])
-            .uid(65534)
-            .gid(65534)
+        let mut nobody = as_nobody("127.0.0.1", &port, "time.sleep(3)")
             .spawn()
             .expect("python3 as nobody");
         if allow {
@@ -831,18 +837,13 @@ fn test_port_forward_forwards_only_connections_of_its_own_user() {
             assert!(line.contains("uid 65534"), "{line:?}");
             // A client that sends and closes at once: its socket, closed, was listed as
             // root's (`TIME_WAIT`) when the forwarder looked late. Refused either way.
-            let quick = std::process::Command::new("python3")
-                .args([
-                    "-c",
-                    "import socket,sys\n\
-                     s=socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n\
-                     s.sendall(b'FLUSHALL\\r\\n'); s.close()",
-                    &port,
-                ])
-                .uid(65534)
-                .gid(65534)
-                .status()
-                .expect("python3 as nobody");
+            let quick = as_nobody(
+                "127.0.0.1",
+                &port,
+                "s.sendall(b'FLUSHALL\\r\\n'); s.close()",
+            )
+            .status()
+            .expect("python3 as nobody");
             assert!(quick.success());
             next_line("refused a connection");
             // Nothing was opened for it; the forwarder's own connection is forwarded, and
@@ -851,6 +852,27 @@ fn test_port_forward_forwards_only_connections_of_its_own_user() {
             let line = next_line("connection from");
             assert!(line.contains("stand-in refused the stream"), "{line:?}");
             assert_eq!(seen.load(Ordering::SeqCst), before + 1);
+            // ::1 at the same port is the forwarder's too (a browser told `localhost` may
+            // try it first): nobody else can listen there, another user's connection over
+            // it is refused, the forwarder's own is forwarded.
+            let v6 = format!("[::1]:{port}");
+            assert!(
+                std::net::TcpListener::bind(&v6).is_err(),
+                "another process could listen on {v6}"
+            );
+            let quick6 = as_nobody("::1", &port, "time.sleep(1)")
+                .status()
+                .expect("python3 as nobody");
+            assert!(quick6.success());
+            let line = next_line("refused a connection");
+            assert!(
+                line.contains("[::1]") && line.contains("uid 65534"),
+                "{line:?}"
+            );
+            let _own6 = std::net::TcpStream::connect(&v6).expect("connect over ::1");
+            let line = next_line("connection from");
+            assert!(line.contains("[::1]"), "{line:?}");
+            assert_eq!(seen.load(Ordering::SeqCst), before + 2);
         }
         let _ = nobody.kill();
         let _ = nobody.wait();

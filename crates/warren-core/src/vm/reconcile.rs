@@ -51,6 +51,20 @@ impl Warren {
         let (mut adopted, mut failed) = (Vec::new(), Vec::new());
         let mut asked = tokio::task::JoinSet::new();
         let listed = self.list_vms()?;
+        // Records written readable by all before they were made owner-only (an upgrade):
+        // narrowed now, not at the VM's next write of them.
+        for rec in &listed {
+            let dir = self.vm_dir(&rec.id);
+            for f in [
+                dir.exit_record(),
+                dir.checkpoint_record(),
+                super::jobs_seen::path(&dir),
+            ] {
+                if let Err(e) = warren_vmm::sys::private_file::restrict(&f) {
+                    tracing::warn!(vm = %rec.id, file = %f.display(), error = %e, "narrowing to 0600");
+                }
+            }
+        }
         // Resumes an earlier engine left half-way (it died or was stopped mid-way): settled
         // now rather than at the next call that wakes them.
         for rec in &listed {
