@@ -7,11 +7,12 @@
 //! listens on one of the two and leaves the other free hands the other to whoever binds it
 //! first, and a client saying `localhost` sends its bearer token there. So when `listen`
 //! covers one loopback address, the service binds the other on the same port too, and does
-//! not start (`conflict`) when another process already holds it. On a host without IPv6
-//! (no `/proc/net/if_inet6`) ::1 is left out: a socket bound there with `IPV6_FREEBIND`
-//! would only receive once IPv6 is brought up, after the service started. IPv6 refused to
-//! this process alone (a seccomp filter) is not taken for its absence: the service does
-//! not start.
+//! not start (`conflict`) when another process already holds it. Where ::1 is not
+//! configured (IPv6 disabled on `lo`, as in many containers) the service holds it all the
+//! same (`IPV6_FREEBIND`, which any user may set): once ::1 is brought up, connections to it
+//! reach the service, not a user who bound it first. Only a host without IPv6 at all leaves
+//! it out; IPv6 refused to this process alone (a seccomp filter) is not taken for that: the
+//! service does not start.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -53,7 +54,15 @@ pub async fn bind(listen: SocketAddr) -> Result<Vec<TcpListener>, ServeError> {
         let mut listeners = vec![primary];
         let mut taken = None;
         for addr in siblings(listen, port, dual_stack) {
-            match TcpListener::bind(addr).await {
+            let bound = match TcpListener::bind(addr).await {
+                // Not configured now (IPv6 disabled on `lo`): held anyway, so that nobody
+                // else holds it once it is.
+                Err(e) if e.raw_os_error() == Some(nix::libc::EADDRNOTAVAIL) => {
+                    bind_unconfigured(addr)
+                }
+                r => r,
+            };
+            match bound {
                 Ok(l) => listeners.push(l),
                 Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
                     taken = Some(addr);
@@ -93,14 +102,30 @@ fn siblings(listen: SocketAddr, port: u16, dual_stack: bool) -> Vec<SocketAddr> 
     }
 }
 
-/// An address family or address this host does not have: the bind failed for want of it,
-/// and the host has no IPv6 at all (a filter refusing IPv6 to this process alone is not
-/// that).
+/// Listens on `addr`, which this host does not have now, with `IP(V6)_FREEBIND` (as any
+/// user may): a socket that holds the address for the day it is configured.
+fn bind_unconfigured(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    if addr.is_ipv6() {
+        s.set_only_v6(true)?;
+        s.set_freebind_v6(true)?;
+    } else {
+        s.set_freebind_v4(true)?;
+    }
+    // As the other listeners (tokio's bind sets it).
+    s.set_reuse_address(true)?;
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into())?;
+    s.listen(1024)?;
+    TcpListener::from_std(s.into())
+}
+
+/// No IPv6 at all: `EAFNOSUPPORT` with no `/proc/net/if_inet6` (the same error with IPv6
+/// present is a filter refusing it to this process alone, not its absence).
 fn absent(e: &std::io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(code) if code == nix::libc::EADDRNOTAVAIL || code == nix::libc::EAFNOSUPPORT
-    ) && !std::path::Path::new("/proc/net/if_inet6").exists()
+    e.raw_os_error() == Some(nix::libc::EAFNOSUPPORT)
+        && !std::path::Path::new("/proc/net/if_inet6").exists()
 }
 
 #[cfg(test)]

@@ -28,23 +28,30 @@ fn status_line(addr: &str, port: u16) -> String {
         .to_string()
 }
 
+/// A service configuration in `dir` listening on 127.0.0.1:`port`, with an image that does
+/// not exist: a service that gets past its listeners stops at preflight.
+fn config_for(dir: &std::path::Path, port: u16) -> std::path::PathBuf {
+    let config = dir.join("warren.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = {:?}\n[http]\nlisten = \"127.0.0.1:{port}\"\n\
+             [images.minimal]\nid = \"{}\"\ndefault = true\n",
+            dir.join("state"),
+            "a".repeat(64)
+        ),
+    )
+    .expect("config");
+    config
+}
+
 #[test]
 fn test_service_holds_both_loopback_addresses_and_does_not_start_beside_a_squatter() {
     // Another user's listener on [::1] at the port the service is configured for.
     let squatter = TcpListener::bind("[::1]:0").expect("bind [::1] (the test hosts have it)");
     let port = squatter.local_addr().expect("addr").port();
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = dir.path().join("warren.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "state_dir = {:?}\n[http]\nlisten = \"127.0.0.1:{port}\"\n\
-             [images.minimal]\nid = \"{}\"\ndefault = true\n",
-            dir.path().join("state"),
-            "a".repeat(64)
-        ),
-    )
-    .expect("config");
+    let config = config_for(dir.path(), port);
     let mut child = std::process::Command::new(common::WARREN)
         .args(["serve", "--config"])
         .arg(&config)
@@ -100,5 +107,58 @@ fn test_service_holds_both_loopback_addresses_and_does_not_start_beside_a_squatt
     assert!(
         TcpListener::bind(format!("[::1]:{port}")).is_err(),
         "another process could bind [::1]:{port} while the service runs"
+    );
+}
+
+/// Where ::1 is not configured (IPv6 disabled on `lo`, as in many containers), any user can
+/// still bind it (`IPV6_FREEBIND`) and receive what is sent there once it is brought up: the
+/// service holds it all the same, and does not start beside a user who holds it. Run in a
+/// network namespace of its own; the fake image makes a started service stop at preflight,
+/// past the listeners. Control: ::1 is really absent there, and present once IPv6 is on.
+#[test]
+fn test_service_holds_an_unconfigured_ipv6_loopback_too() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = config_for(dir.path(), 8090);
+    // In the namespace: ::1's count; the service beside a FREEBIND squatter on [::1]:8090;
+    // the service alone; each service's stderr after a marker line.
+    let script = r#"
+ip link set lo up && sysctl -qw net.ipv6.conf.lo.disable_ipv6=1 || exit 9
+ip -6 addr show dev lo | grep -c '::1'
+python3 -c '
+import socket, time
+s = socket.socket(socket.AF_INET6)
+s.setsockopt(socket.IPPROTO_IPV6, 78, 1)  # IPV6_FREEBIND
+s.bind(("::1", 8090)); s.listen(); print("squatting", flush=True); time.sleep(60)' &
+squatter=$!
+sleep 1
+echo "== beside" >&2
+"$0" serve --config "$1"
+kill $squatter; wait $squatter 2>/dev/null
+echo "== alone" >&2
+"$0" serve --config "$1"
+sysctl -qw net.ipv6.conf.lo.disable_ipv6=0
+ip -6 addr show dev lo | grep -c '::1'
+"#;
+    let out = std::process::Command::new("unshare")
+        .args(["-n", "sh", "-c", script, common::WARREN])
+        .arg(&config)
+        .output()
+        .expect("unshare");
+    let (stdout, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines, ["0", "squatting", "1"], "{err}");
+    let (beside, alone) = err
+        .split_once("== alone")
+        .unwrap_or_else(|| panic!("no markers: {err}"));
+    assert!(
+        beside.contains("error[conflict]") && beside.contains("[::1]:8090"),
+        "beside the squatter: {beside}"
+    );
+    assert!(
+        alone.contains("error[unavailable]: preflight failed"),
+        "alone: {alone}"
     );
 }
