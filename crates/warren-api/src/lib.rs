@@ -7,6 +7,7 @@
 //! VM; creation and execution are idempotent through durable receipts ([`receipts`]).
 #![forbid(unsafe_code)]
 
+pub mod activation;
 pub mod admission;
 pub mod auth;
 pub mod broker;

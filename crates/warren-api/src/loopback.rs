@@ -86,7 +86,7 @@ pub async fn bind(listen: SocketAddr) -> Result<Vec<TcpListener>, ServeError> {
 /// The loopback addresses on `port` that `listen` leaves free: ::1 for 127.0.0.1 or
 /// 0.0.0.0, 127.0.0.1 for ::1 (and for `::` when it is IPv6 only); none for an address
 /// `localhost` does not name.
-fn siblings(listen: SocketAddr, port: u16, dual_stack: bool) -> Vec<SocketAddr> {
+pub(crate) fn siblings(listen: SocketAddr, port: u16, dual_stack: bool) -> Vec<SocketAddr> {
     let v4 = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
     let v6 = SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), port);
     // `::ffff:127.0.0.1` is 127.0.0.1.
@@ -124,8 +124,12 @@ fn bind_unconfigured(addr: SocketAddr) -> std::io::Result<TcpListener> {
 /// No IPv6 at all: `EAFNOSUPPORT` with no `/proc/net/if_inet6` (the same error with IPv6
 /// present is a filter refusing it to this process alone, not its absence).
 fn absent(e: &std::io::Error) -> bool {
-    e.raw_os_error() == Some(nix::libc::EAFNOSUPPORT)
-        && !std::path::Path::new("/proc/net/if_inet6").exists()
+    e.raw_os_error() == Some(nix::libc::EAFNOSUPPORT) && no_ipv6()
+}
+
+/// The host has no IPv6 at all (no `/proc/net/if_inet6`: `ipv6.disable=1`).
+pub(crate) fn no_ipv6() -> bool {
+    !std::path::Path::new("/proc/net/if_inet6").exists()
 }
 
 #[cfg(test)]

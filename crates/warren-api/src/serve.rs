@@ -29,6 +29,8 @@ pub enum ServeError {
     LoopbackTaken(SocketAddr),
     #[error("another process listens on {0}")]
     AddrTaken(SocketAddr),
+    #[error("socket activation: {0}")]
+    Activation(String),
     #[error("preflight failed: {0}")]
     Preflight(String),
     #[error("{0}")]
@@ -53,6 +55,7 @@ impl ServeError {
             ServeError::AlreadyRunning(_)
             | ServeError::LoopbackTaken(_)
             | ServeError::AddrTaken(_) => "conflict",
+            ServeError::Activation(_) => "invalid_argument",
             ServeError::Preflight(_) => "unavailable",
             ServeError::Service(e) => e.code,
             ServeError::Io { .. } => "internal",
@@ -98,9 +101,11 @@ fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, ServeError> {
 }
 
 /// Runs the service until a termination signal. `on_ready` runs once both listeners are up.
+/// `inherited`: the sockets systemd passed (`crate::activation`), served instead of binding.
 pub async fn serve(
     cfg: ServiceConfig,
     supervisor_exe: PathBuf,
+    inherited: Option<crate::activation::Inherited>,
     on_ready: impl FnOnce(&Bound),
 ) -> Result<(), ServeError> {
     let _lock = lock_state_dir(&cfg.state_dir)?;
@@ -109,8 +114,17 @@ pub async fn serve(
         Ok(n) => tracing::debug!(open_files = n, "open-file limit raised to the hard limit"),
         Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
     }
-    // Bound before the slow preflight: the ports are ours from the start (`loopback.rs`).
-    let mut tcp = crate::loopback::bind(cfg.http.listen).await?;
+    // Bound before the slow preflight: the ports are ours from the start (`loopback.rs`),
+    // or systemd's all along (`activation.rs`).
+    let mut tcp = match inherited {
+        Some(passed) => {
+            let addrs = passed.addrs();
+            let tcp = passed.serve_for(cfg.http.listen)?;
+            tracing::info!(sockets = ?addrs, "serving the sockets systemd passed");
+            tcp
+        }
+        None => crate::loopback::bind(cfg.http.listen).await?,
+    };
     let siblings = tcp.split_off(1);
     let tcp = tcp
         .pop()

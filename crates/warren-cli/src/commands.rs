@@ -39,11 +39,18 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::ManPages { out_dir } => return crate::docs_gen::man_pages(out_dir),
         _ => {}
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    rt.block_on(run_async(cli))
+    let rt = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+    };
+    if let Command::Serve { config } = &cli.command {
+        // Before the runtime's threads: taking them unsets LISTEN_* in the environment.
+        let inherited = warren_api::activation::take()?;
+        return rt()?.block_on(serve(config, inherited));
+    }
+    rt()?.block_on(run_async(cli))
 }
 
 /// Raises the soft open-file limit to the hard one (a failure keeps the soft limit: logged).
@@ -128,7 +135,6 @@ async fn run_async(cli: Cli) -> Result<i32> {
             crate::bench_service::run(&cli, args).await
         }
         Command::Bench(args) => crate::bench::run(&cli, args).await,
-        Command::Serve { config } => serve(config).await,
         Command::Token(cmd) => token(&cli, cmd),
         Command::Session(cmd) => crate::session_cmd::session(&cli, cmd).await,
         Command::Run(args) => crate::session_cmd::run(&cli, args).await,
@@ -148,16 +154,20 @@ async fn run_async(cli: Cli) -> Result<i32> {
         Command::Supervise { .. }
         | Command::InterceptRefresh { .. }
         | Command::Completions { .. }
+        | Command::Serve { .. }
         | Command::ManPages { .. } => {
             unreachable!("handled before the runtime starts")
         }
     }
 }
 
-async fn serve(config: &std::path::Path) -> Result<i32> {
+async fn serve(
+    config: &std::path::Path,
+    inherited: Option<warren_api::activation::Inherited>,
+) -> Result<i32> {
     let cfg = warren_api::config::ServiceConfig::load(config)?;
     let exe = std::env::current_exe().context("locating the warren binary")?;
-    warren_api::serve::serve(cfg, exe, |b| {
+    warren_api::serve::serve(cfg, exe, inherited, |b| {
         println!(
             "warrend: serving http://{}/mcp and /v1/tools, local socket {}",
             b.http,

@@ -1,12 +1,15 @@
 //! The service's HTTP listeners against another local user: a client saying `localhost`
 //! may connect to 127.0.0.1 or ::1, and any user may bind a port above 1023 on either. The
 //! service holds both addresses at its port, and does not start beside a process holding
-//! one of them (it would collect the bearer tokens of `localhost` clients). No VM boots.
+//! one of them (it would collect the bearer tokens of `localhost` clients). Under systemd it
+//! serves the sockets `warren.socket` passes, so the port stays held while no service runs.
+//! No VM boots.
 
 mod common;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 /// The status line of an unauthenticated `GET /v1/openapi.json` sent to `addr`.
@@ -160,5 +163,167 @@ ip -6 addr show dev lo | grep -c '::1'
     assert!(
         alone.contains("error[unavailable]: preflight failed"),
         "alone: {alone}"
+    );
+}
+
+/// `warren serve --config config` given `passed` as systemd passes sockets (descriptors 3
+/// on, `LISTEN_FDS`, `LISTEN_PID` the service's own pid).
+fn serve_passed(config: &std::path::Path, passed: &[std::os::fd::BorrowedFd<'_>]) -> Child {
+    use std::os::fd::AsRawFd;
+    let mut cmd = Command::new("sh");
+    cmd.args([
+        "-c",
+        "export LISTEN_PID=$$ LISTEN_FDS=$1; exec \"$0\" serve --config \"$2\"",
+        common::WARREN,
+        &passed.len().to_string(),
+    ])
+    .arg(config);
+    // Out of the way of descriptors 3 on before they are moved there.
+    let high: Vec<_> = passed
+        .iter()
+        .enumerate()
+        .map(|(i, fd)| rustix::io::fcntl_dupfd_cloexec(fd, 100 + i as i32).expect("dup"))
+        .collect();
+    for (i, fd) in high.iter().enumerate() {
+        warren_vmm::sys::process::pass_fd_as(&mut cmd, fd.as_raw_fd(), 3 + i as i32);
+    }
+    cmd.stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("serve")
+}
+
+/// The exit status and standard error of a service that must stop by itself.
+fn ends(mut child: Child) -> (std::process::ExitStatus, String) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the service did not stop by itself");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    (status, err)
+}
+
+/// Two loopback listeners on one free port.
+fn loopback_pair() -> (TcpListener, TcpListener, u16) {
+    for _ in 0..16 {
+        let v4 = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1");
+        let port = v4.local_addr().expect("addr").port();
+        if let Ok(v6) = TcpListener::bind(format!("[::1]:{port}")) {
+            return (v4, v6, port);
+        }
+    }
+    panic!("no port free on both loopback addresses");
+}
+
+/// Socket activation (`warren.socket`): the service serves the sockets systemd passes
+/// instead of binding its own, so the port stays held while no service runs. A request sent
+/// while the service is down waits in the backlog and is answered by the next one.
+#[test]
+fn test_service_serves_the_sockets_systemd_passes_and_across_a_restart() {
+    use std::os::fd::AsFd;
+    let (v4, v6, port) = loopback_pair();
+    let env = common::TestEnv::new();
+    let minimal = common::daemon::image_id(&env, "minimal");
+    let config = env.state.path().join("warren.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = {:?}\nimage_dir = {:?}\n[http]\nlisten = \"127.0.0.1:{port}\"\n\
+             [images.minimal]\nid = \"{minimal}\"\ndefault = true\n",
+            env.state.path().join("state"),
+            env.image_dir
+        ),
+    )
+    .expect("config");
+    // Passed in the other order than the service lists them.
+    let mut first = serve_passed(&config, &[v6.as_fd(), v4.as_fd()]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        // A service that binds by itself fails (this test holds both): it must use these.
+        if let Some(status) = first.try_wait().expect("wait") {
+            let (_, err) = ends(first);
+            panic!("the service stopped ({status}): {err}");
+        }
+        let line = status_line(&format!("127.0.0.1:{port}"), port);
+        if line.starts_with("HTTP/1.1 401") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no answer: {line:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let line = status_line(&format!("[::1]:{port}"), port);
+    assert!(line.starts_with("HTTP/1.1 401"), "[::1]: {line:?}");
+    let _ = first.kill();
+    let _ = first.wait();
+
+    // No service now; the port is still held (here by the test, under systemd by
+    // warren.socket): a request sent meanwhile is answered by the next service.
+    let mut waiting = TcpStream::connect(format!("127.0.0.1:{port}")).expect("connect");
+    write!(
+        waiting,
+        "GET /v1/openapi.json HTTP/1.1\r\nHost: localhost:{port}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("request");
+    let mut second = serve_passed(&config, &[v4.as_fd(), v6.as_fd()]);
+    waiting
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .expect("timeout");
+    let mut out = Vec::new();
+    let _ = waiting.read_to_end(&mut out);
+    let _ = second.kill();
+    let _ = second.wait();
+    let text = String::from_utf8_lossy(&out);
+    assert!(
+        text.starts_with("HTTP/1.1 401"),
+        "the request sent while no service ran: {text:?}"
+    );
+}
+
+/// Passed sockets that are not exactly `listen` and the loopback address it leaves free
+/// keep the service from starting (`invalid_argument`, naming what differs), as does a
+/// passed descriptor that is no TCP listener. Control: the right pair gets the service past
+/// its listeners (to the preflight the fake image fails). No VM boots.
+#[test]
+fn test_service_refuses_passed_sockets_that_are_not_what_listen_asks_for() {
+    use std::os::fd::AsFd;
+    let (v4, v6, port) = loopback_pair();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = config_for(dir.path(), port);
+    let (status, err) = ends(serve_passed(&config, &[v4.as_fd()]));
+    assert!(!status.success(), "{err}");
+    assert!(
+        err.contains("error[invalid_argument]") && err.contains(&format!("[::1]:{port}")),
+        "only 127.0.0.1 passed: {err}"
+    );
+    let other_dir = tempfile::tempdir().expect("tempdir");
+    let other = config_for(other_dir.path(), port.wrapping_add(1).max(1024));
+    let (status, err) = ends(serve_passed(&other, &[v4.as_fd(), v6.as_fd()]));
+    assert!(
+        !status.success() && err.contains("error[invalid_argument]"),
+        "another port passed: {err}"
+    );
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").expect("udp");
+    let (status, err) = ends(serve_passed(&config, &[v4.as_fd(), udp.as_fd()]));
+    assert!(
+        !status.success()
+            && err.contains("error[invalid_argument]")
+            && err.contains("not a stream socket"),
+        "a UDP socket passed: {err}"
+    );
+    let (_, err) = ends(serve_passed(&config, &[v4.as_fd(), v6.as_fd()]));
+    assert!(
+        err.contains("error[unavailable]: preflight failed"),
+        "the right pair: {err}"
     );
 }

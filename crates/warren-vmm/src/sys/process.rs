@@ -264,6 +264,21 @@ pub fn cloexec_from(first: u32) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The descriptors systemd passed this process (socket activation), owned by the caller:
+/// sd-notify reads `LISTEN_FDS`, checks that `LISTEN_PID` is this process, marks them
+/// close-on-exec and unsets `LISTEN_PID`, `LISTEN_FDS` and `LISTEN_FDNAMES`. Empty when none
+/// were passed. Call it before any thread starts (it changes the environment).
+pub fn take_listen_fds() -> std::io::Result<Vec<std::os::fd::OwnedFd>> {
+    use std::os::fd::FromRawFd;
+    let fds = sd_notify::listen_fds_with_names(true)?;
+    Ok(fds
+        // SAFETY: systemd passed these descriptors to this process (sd-notify checked that
+        // LISTEN_PID is ours and that each is open), nothing else in the process knows them,
+        // and this is the only place that takes them: the variables are unset.
+        .map(|(fd, _name)| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+        .collect())
+}
+
 /// The fd number a passed listening socket gets in the child.
 pub const PASSED_FD: i32 = 3;
 
