@@ -31,6 +31,12 @@ pub struct Inherited {
     listeners: Vec<std::net::TcpListener>,
 }
 
+/// The environment variable `warren.service` sets to `required`: without passed sockets
+/// the service does not start, rather than bind the port itself (a socket unit whose
+/// addresses were edited while it ran holds none of them until it is restarted, and a
+/// service that quietly bound them would leave the port free at every later restart).
+pub const REQUIRED_VAR: &str = "WARREN_SOCKET_ACTIVATION";
+
 /// Takes the sockets systemd passed this process, if it passed any. Call it before any
 /// thread starts: it unsets `LISTEN_PID`, `LISTEN_FDS` and `LISTEN_FDNAMES`, so that
 /// nothing the service starts takes them for its own.
@@ -38,7 +44,17 @@ pub fn take() -> Result<Option<Inherited>, ServeError> {
     let owned = warren_vmm::sys::process::take_listen_fds()
         .map_err(|e| ServeError::Activation(format!("LISTEN_FDS: {e}")))?;
     if owned.is_empty() {
-        return Ok(None);
+        return match std::env::var(REQUIRED_VAR).as_deref() {
+            Ok("required") => Err(ServeError::Activation(format!(
+                "{REQUIRED_VAR}=required and systemd passed no socket: start the service \
+                 through warren.socket (`systemctl restart warren.socket warren.service` \
+                 after editing the socket unit)"
+            ))),
+            Ok("") | Err(_) => Ok(None),
+            Ok(other) => Err(ServeError::Activation(format!(
+                "{REQUIRED_VAR}={other:?}: only `required` is understood"
+            ))),
+        };
     }
     if owned.len() > MAX_PASSED {
         return Err(ServeError::Activation(format!(
@@ -72,6 +88,13 @@ fn tcp_listener(fd: OwnedFd) -> Result<std::net::TcpListener, String> {
         return Err(format!(
             "{addr} is not listening (Accept=no is the only mode served)"
         ));
+    }
+    // Either would let another user's socket share the address (ReusePort=, BindToDevice=).
+    if s.reuse_port().map_err(|e| e.to_string())? {
+        return Err(format!("{addr} has SO_REUSEPORT set"));
+    }
+    if s.device().map_err(|e| e.to_string())?.is_some() {
+        return Err(format!("{addr} is bound to a device"));
     }
     s.set_nonblocking(true).map_err(|e| e.to_string())?;
     Ok(s.into())
@@ -220,6 +243,13 @@ mod tests {
         sock.bind(&a("127.0.0.1:0").into()).expect("bind");
         let err = tcp_listener(OwnedFd::from(sock)).expect_err("not listening");
         assert!(err.contains("not listening"), "{err}");
+        let shared = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+            .expect("socket");
+        shared.set_reuse_port(true).expect("SO_REUSEPORT");
+        shared.bind(&a("127.0.0.1:0").into()).expect("bind");
+        shared.listen(8).expect("listen");
+        let err = tcp_listener(OwnedFd::from(shared)).expect_err("reuseport");
+        assert!(err.contains("SO_REUSEPORT"), "{err}");
         let dir = tempfile::tempdir().expect("tempdir");
         let unix =
             std::os::unix::net::UnixListener::bind(dir.path().join("s")).expect("unix socket");

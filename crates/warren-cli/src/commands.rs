@@ -21,6 +21,8 @@ use crate::term::Term;
 pub const EXIT_WARREN_ERROR: i32 = 125;
 /// Exit code when `--timeout` killed the command (as coreutils' `timeout`).
 pub const EXIT_TIMEOUT: i32 = 124;
+/// How long a service given systemd's sockets waits before it exits on a start-up error.
+const ACTIVATED_FAILURE_HOLD: std::time::Duration = std::time::Duration::from_secs(5);
 
 pub fn run(cli: Cli) -> Result<i32> {
     if let Command::Supervise { vm_dir } = &cli.command {
@@ -47,8 +49,19 @@ pub fn run(cli: Cli) -> Result<i32> {
     };
     if let Command::Serve { config } = &cli.command {
         // Before the runtime's threads: taking them unsets LISTEN_* in the environment.
-        let inherited = warren_api::activation::take()?;
-        return rt()?.block_on(serve(config, inherited));
+        let passed = warren_api::activation::take();
+        let activated = !matches!(passed, Ok(None));
+        let served = match passed {
+            Ok(inherited) => rt()?.block_on(serve(config, inherited)),
+            Err(e) => Err(e.into()),
+        };
+        if served.is_err() && activated {
+            // systemd holds the port meanwhile (its own copies of the sockets). A service
+            // that fails to start (some causes are other users': the disk's free space) is
+            // started again at the next connection: this keeps that loop slow.
+            std::thread::sleep(ACTIVATED_FAILURE_HOLD);
+        }
+        return served;
     }
     rt()?.block_on(run_async(cli))
 }

@@ -169,15 +169,26 @@ ip -6 addr show dev lo | grep -c '::1'
 /// `warren serve --config config` given `passed` as systemd passes sockets (descriptors 3
 /// on, `LISTEN_FDS`, `LISTEN_PID` the service's own pid).
 fn serve_passed(config: &std::path::Path, passed: &[std::os::fd::BorrowedFd<'_>]) -> Child {
+    serve_passed_to(config, passed, "$$", &[])
+}
+
+/// As [`serve_passed`], with `LISTEN_PID` set to `pid` (`$$`: the service's) and `envs`.
+fn serve_passed_to(
+    config: &std::path::Path,
+    passed: &[std::os::fd::BorrowedFd<'_>],
+    pid: &str,
+    envs: &[(&str, &str)],
+) -> Child {
     use std::os::fd::AsRawFd;
     let mut cmd = Command::new("sh");
     cmd.args([
         "-c",
-        "export LISTEN_PID=$$ LISTEN_FDS=$1; exec \"$0\" serve --config \"$2\"",
+        &format!("export LISTEN_PID={pid} LISTEN_FDS=$1; exec \"$0\" serve --config \"$2\""),
         common::WARREN,
         &passed.len().to_string(),
     ])
-    .arg(config);
+    .arg(config)
+    .envs(envs.iter().copied());
     // Out of the way of descriptors 3 on before they are moved there.
     let high: Vec<_> = passed
         .iter()
@@ -325,5 +336,40 @@ fn test_service_refuses_passed_sockets_that_are_not_what_listen_asks_for() {
     assert!(
         err.contains("error[unavailable]: preflight failed"),
         "the right pair: {err}"
+    );
+}
+
+/// `WARREN_SOCKET_ACTIVATION=required` (as `warren.service` sets it): passed no socket, or
+/// sockets meant for another process (`LISTEN_PID` not the service's), the service does not
+/// start rather than bind the port itself, and waits before it exits (systemd would start
+/// it again at once). Control: without the variable the same service binds by itself.
+#[test]
+fn test_service_required_to_be_socket_activated_does_not_bind_by_itself() {
+    use std::os::fd::AsFd;
+    let (v4, v6, port) = loopback_pair();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = config_for(dir.path(), port);
+    let required = [("WARREN_SOCKET_ACTIVATION", "required")];
+    for (passed, pid) in [(vec![], "$$"), (vec![v4.as_fd(), v6.as_fd()], "1")] {
+        let started = std::time::Instant::now();
+        let (status, err) = ends(serve_passed_to(&config, &passed, pid, &required));
+        assert!(
+            !status.success()
+                && err.contains("error[invalid_argument]")
+                && err.contains("systemd passed no socket"),
+            "{} sockets, LISTEN_PID={pid}: {err}",
+            passed.len()
+        );
+        assert!(
+            started.elapsed() >= Duration::from_secs(4),
+            "exited at once: {:?}",
+            started.elapsed()
+        );
+    }
+    drop((v4, v6));
+    let (_, err) = ends(serve_passed_to(&config, &[], "$$", &[]));
+    assert!(
+        err.contains("error[unavailable]: preflight failed"),
+        "not required: {err}"
     );
 }
