@@ -14,6 +14,13 @@
 //! than serving one address and leaving another to whoever binds it first. Reading
 //! `LISTEN_PID`/`LISTEN_FDS` is sd-notify's (which checks the PID, marks the descriptors
 //! close-on-exec and unsets the variables); checking what each descriptor is, is ours.
+//!
+//! `warren.service` is `Type=notify`: the service says `READY=1` once it serves, so a start
+//! that fails (passed sockets refused, preflight) fails `systemctl start`/`restart` (and the
+//! package upgrade says so) instead of counting as started. The datagram is sent by hand
+//! ([`Notify`]): sd-notify reads `NOTIFY_SOCKET` from the environment at the time of the
+//! call, and the environment must not change once threads run, so the address is taken
+//! (and the variable unset) before they start, with the sockets.
 
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
@@ -73,6 +80,40 @@ pub fn take() -> Result<Option<Inherited>, ServeError> {
     Ok(Some(Inherited { listeners }))
 }
 
+/// Where systemd waits for the service's readiness (`NOTIFY_SOCKET`).
+#[derive(Debug, Clone)]
+pub struct Notify(std::ffi::OsString);
+
+/// Takes `NOTIFY_SOCKET` out of the environment (nothing the service starts sees it). Call it
+/// before any thread starts.
+pub fn take_notify() -> Option<Notify> {
+    let addr = std::env::var_os("NOTIFY_SOCKET")?;
+    std::env::remove_var("NOTIFY_SOCKET");
+    Some(Notify(addr))
+}
+
+impl Notify {
+    /// Tells systemd the service is ready (`READY=1`).
+    pub fn ready(&self) -> std::io::Result<()> {
+        use std::os::linux::net::SocketAddrExt;
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::net::{SocketAddr, UnixDatagram};
+        let bytes = self.0.as_bytes();
+        let addr = match bytes.first() {
+            Some(b'@') => SocketAddr::from_abstract_name(&bytes[1..])?,
+            Some(b'/') => SocketAddr::from_pathname(std::path::Path::new(&self.0))?,
+            _ => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "NOTIFY_SOCKET is neither a path nor an abstract name",
+                ))
+            }
+        };
+        UnixDatagram::unbound()?.send_to_addr(b"READY=1", &addr)?;
+        Ok(())
+    }
+}
+
 /// The descriptor as a TCP listener, if it is one (a stream socket of an IP family, listening).
 fn tcp_listener(fd: OwnedFd) -> Result<std::net::TcpListener, String> {
     let s = socket2::Socket::from(fd);
@@ -89,7 +130,8 @@ fn tcp_listener(fd: OwnedFd) -> Result<std::net::TcpListener, String> {
             "{addr} is not listening (Accept=no is the only mode served)"
         ));
     }
-    // Either would let another user's socket share the address (ReusePort=, BindToDevice=).
+    // ReusePort= would let any other socket of root's join the port and take connections;
+    // BindToDevice= lets another user bind the same address on another device.
     if s.reuse_port().map_err(|e| e.to_string())? {
         return Err(format!("{addr} has SO_REUSEPORT set"));
     }
@@ -227,6 +269,27 @@ mod tests {
                 Ok(_) => panic!("served {given:?} for listen = {listen}"),
             }
         }
+    }
+
+    /// `READY=1` reaches the socket `NOTIFY_SOCKET` names, a path or an abstract name.
+    #[test]
+    fn test_ready_is_sent_where_notify_socket_says() {
+        use std::os::linux::net::SocketAddrExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("notify");
+        let sink = std::os::unix::net::UnixDatagram::bind(&path).expect("bind");
+        Notify(path.clone().into()).ready().expect("ready");
+        let mut buf = [0u8; 64];
+        let n = sink.recv(&mut buf).expect("recv");
+        assert_eq!(&buf[..n], b"READY=1");
+        let name = format!("warren-notify-test-{}", std::process::id());
+        let abs =
+            std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).expect("abstract");
+        let sink = std::os::unix::net::UnixDatagram::bind_addr(&abs).expect("bind abstract");
+        Notify(format!("@{name}").into()).ready().expect("ready");
+        let n = sink.recv(&mut buf).expect("recv");
+        assert_eq!(&buf[..n], b"READY=1");
+        assert!(Notify("relative".into()).ready().is_err());
     }
 
     /// What is not a TCP listener is refused with what it is.

@@ -48,11 +48,13 @@ pub fn run(cli: Cli) -> Result<i32> {
             .build()
     };
     if let Command::Serve { config } = &cli.command {
-        // Before the runtime's threads: taking them unsets LISTEN_* in the environment.
+        // Before the runtime's threads: taking them unsets LISTEN_* and NOTIFY_SOCKET in the
+        // environment.
         let passed = warren_api::activation::take();
+        let notify = warren_api::activation::take_notify();
         let activated = !matches!(passed, Ok(None));
         let served = match passed {
-            Ok(inherited) => rt()?.block_on(serve(config, inherited)),
+            Ok(inherited) => rt()?.block_on(serve(config, inherited, notify)),
             Err(e) => Err(e.into()),
         };
         if served.is_err() && activated {
@@ -177,6 +179,7 @@ async fn run_async(cli: Cli) -> Result<i32> {
 async fn serve(
     config: &std::path::Path,
     inherited: Option<warren_api::activation::Inherited>,
+    notify: Option<warren_api::activation::Notify>,
 ) -> Result<i32> {
     let cfg = warren_api::config::ServiceConfig::load(config)?;
     let exe = std::env::current_exe().context("locating the warren binary")?;
@@ -187,6 +190,9 @@ async fn serve(
             b.socket.display()
         );
         let _ = std::io::stdout().flush();
+        if let Some(Err(e)) = notify.map(|n| n.ready()) {
+            tracing::warn!(error = %e, "cannot tell systemd the service is ready");
+        }
     })
     .await?;
     Ok(0)

@@ -257,8 +257,17 @@ fn test_service_serves_the_sockets_systemd_passes_and_across_a_restart() {
         ),
     )
     .expect("config");
+    // systemd's readiness socket (`Type=notify`).
+    let notify_path = env.state.path().join("notify");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).expect("notify socket");
+    let notify_env = notify_path.to_str().expect("utf-8 path");
     // Passed in the other order than the service lists them.
-    let mut first = serve_passed(&config, &[v6.as_fd(), v4.as_fd()]);
+    let mut first = serve_passed_to(
+        &config,
+        &[v6.as_fd(), v4.as_fd()],
+        "$$",
+        &[("NOTIFY_SOCKET", notify_env)],
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
         // A service that binds by itself fails (this test holds both): it must use these.
@@ -275,6 +284,14 @@ fn test_service_serves_the_sockets_systemd_passes_and_across_a_restart() {
     }
     let line = status_line(&format!("[::1]:{port}"), port);
     assert!(line.starts_with("HTTP/1.1 401"), "[::1]: {line:?}");
+    notify
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut buf = [0u8; 64];
+    let n = notify
+        .recv(&mut buf)
+        .expect("the service said nothing to NOTIFY_SOCKET");
+    assert_eq!(&buf[..n], b"READY=1");
     let _ = first.kill();
     let _ = first.wait();
 

@@ -138,8 +138,10 @@ fn rust_log() -> String {
 }
 
 /// What a supervisor's unit forbids: the guest's bytes reach the supervisor (channel,
-/// egress), which runs as root, so what it and its children (QEMU, virtiofsd) never need is
-/// taken from them, as `warren.service` does for the service. No privilege gained through
+/// egress), which runs as root, so what it and its children (QEMU, virtiofsd, intercept
+/// commands and credential refreshes) never need is taken from them, as `warren.service`
+/// does for the service. Defence in depth, not containment: the supervisor keeps
+/// `CAP_SYS_ADMIN` and the host's mount namespace. No privilege gained through
 /// exec (set-user-ID programs, file capabilities), no capability a VM never uses (modules,
 /// boot, clock, MAC, audit control, raw I/O, scheduling above others), no system call of
 /// the groups none of them makes (a call refused returns `EPERM` rather than killing the
@@ -150,6 +152,7 @@ const UNIT_HARDENING: &[&str] = &[
     "NoNewPrivileges=yes",
     "LockPersonality=yes",
     "RestrictRealtime=yes",
+    "RestrictSUIDSGID=yes",
     "SystemCallArchitectures=native",
     "SystemCallFilter=~@clock @cpu-emulation @debug @module @obsolete @raw-io @reboot @swap",
     "SystemCallErrorNumber=EPERM",
@@ -200,6 +203,7 @@ fn unit_args(
         if let Some(k) = k.to_str() {
             if (k.starts_with("WARREN_") || k == "PATH")
                 && k != "WARREN_SUPERVISORS"
+                && k != "WARREN_SOCKET_ACTIVATION"
                 && !credential_variable(k)
             {
                 env.push((k.to_string(), v));
