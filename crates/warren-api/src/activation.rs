@@ -175,12 +175,7 @@ impl Inherited {
             .and_then(|l| socket2::SockRef::from(l).only_v6().ok())
             .map(|only| !only)
             .unwrap_or(true);
-        let mut expected = vec![listen];
-        expected.extend(
-            crate::loopback::siblings(listen, listen.port(), dual_stack)
-                .into_iter()
-                .filter(|a| !(a.is_ipv6() && crate::loopback::no_ipv6())),
-        );
+        let expected = expected(listen, dual_stack);
         let mut sorted_passed = passed.clone();
         sorted_passed.sort();
         let mut sorted_expected = expected.clone();
@@ -205,6 +200,31 @@ impl Inherited {
             })
             .collect()
     }
+}
+
+/// What the service serves for `listen`: `listen` and the loopback address it leaves free
+/// (`loopback.rs`; ::1 only where this host has IPv6). `dual_stack`: a `::` listener also
+/// takes IPv4.
+fn expected(listen: SocketAddr, dual_stack: bool) -> Vec<SocketAddr> {
+    let mut expected = vec![listen];
+    expected.extend(
+        crate::loopback::siblings(listen, listen.port(), dual_stack)
+            .into_iter()
+            .filter(|a| !(a.is_ipv6() && crate::loopback::no_ipv6())),
+    );
+    expected
+}
+
+/// The addresses `warren.socket` must listen on for a service whose `listen` is this (the
+/// unit's sockets are IPv6-only, `BindIPv6Only=ipv6-only`): what the systemd generator writes
+/// into the unit, so that the socket follows the configuration.
+pub fn unit_addresses(listen: SocketAddr) -> Result<Vec<SocketAddr>, ServeError> {
+    if listen.port() == 0 {
+        return Err(ServeError::Activation(
+            "`listen` names port 0: warren.socket needs a fixed port".into(),
+        ));
+    }
+    Ok(expected(listen, false))
 }
 
 fn list(addrs: &[SocketAddr]) -> String {
@@ -290,6 +310,41 @@ mod tests {
         let n = sink.recv(&mut buf).expect("recv");
         assert_eq!(&buf[..n], b"READY=1");
         assert!(Notify("relative".into()).ready().is_err());
+    }
+
+    /// What the generator writes into warren.socket for a `listen` is what the service then
+    /// serves: sockets bound there as the unit binds them (IPv6-only) pass `serve_for`.
+    #[tokio::test]
+    async fn test_the_socket_units_addresses_for_listen_are_served_for_it() {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = probe.local_addr().expect("addr").port();
+        drop(probe);
+        for ip in ["127.0.0.1", "[::1]", "0.0.0.0", "[::]"] {
+            let listen = a(&format!("{ip}:{port}"));
+            let addrs = unit_addresses(listen).expect("addresses");
+            assert_eq!(addrs[0], listen);
+            let listeners = addrs
+                .iter()
+                .map(|addr| {
+                    let s = socket2::Socket::new(
+                        socket2::Domain::for_address(*addr),
+                        socket2::Type::STREAM,
+                        None,
+                    )
+                    .expect("socket");
+                    if addr.is_ipv6() {
+                        s.set_only_v6(true).expect("IPV6_V6ONLY");
+                    }
+                    s.bind(&(*addr).into()).expect("bind");
+                    s.listen(8).expect("listen");
+                    s.set_nonblocking(true).expect("nonblocking");
+                    std::net::TcpListener::from(s)
+                })
+                .collect();
+            let served = Inherited { listeners }.serve_for(listen).expect("served");
+            assert_eq!(served.len(), addrs.len(), "{listen}");
+        }
+        assert!(unit_addresses(a("127.0.0.1:0")).is_err());
     }
 
     /// What is not a TCP listener is refused with what it is.

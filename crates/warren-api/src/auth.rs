@@ -143,10 +143,7 @@ pub fn validate_workspace(name: &str) -> Result<(), ApiError> {
 }
 
 pub(crate) fn open_db(path: &Path) -> Result<Connection, rusqlite::Error> {
-    let conn = Connection::open(path)?;
-    conn.busy_timeout(std::time::Duration::from_secs(10))?;
-    conn.pragma_update(None, "journal_mode", "WAL")?;
-    Ok(conn)
+    warren_core::store::open_private(path)
 }
 
 pub(crate) fn now_unix() -> u64 {
@@ -482,28 +479,23 @@ fn check_reissue(workspace: &str, have: &Policy, req: &PolicyRequest) -> Result<
     }
 }
 
-/// Writes a token to `path` with mode 0600, replacing the file atomically.
+/// Writes a token to `path` with mode 0600, replacing the file atomically. The temporary
+/// file beside it has a random name (`O_EXCL`, mode 0600 from its creation): a name another
+/// user of the directory could guess and take first would make the issue fail.
 pub fn write_token_file(path: &Path, token: &str) -> std::io::Result<()> {
     use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty());
-    let tmp = match dir {
-        Some(d) => d.join(format!(".warren-token-{}", std::process::id())),
-        None => format!(".warren-token-{}", std::process::id()).into(),
-    };
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    let r = f
-        .write_all(format!("{token}\n").as_bytes())
-        .and_then(|()| f.sync_all())
-        .and_then(|()| std::fs::rename(&tmp, path));
-    if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    r
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".warren-token-")
+        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .tempfile_in(dir)?;
+    tmp.write_all(format!("{token}\n").as_bytes())?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -514,6 +506,34 @@ mod tests {
         let d = tempfile::tempdir().expect("tempdir");
         let c = Credentials::open(&d.path().join("db")).expect("open");
         (d, c)
+    }
+
+    /// A database the credentials create (`warren token issue` before the service's first
+    /// start) is its owner's only, its WAL too; the token file is 0600 and nothing else is
+    /// left beside it.
+    #[test]
+    fn test_credentials_create_an_owner_only_database_and_token_file() {
+        use std::os::unix::fs::MetadataExt;
+        let (d, c) = creds();
+        let (_, token) = c
+            .issue("alice", None, &PolicyRequest::default())
+            .expect("issue");
+        for name in ["db", "db-wal"] {
+            let mode = std::fs::metadata(d.path().join(name)).expect("stat").mode();
+            assert_eq!(mode & 0o777, 0o600, "{name}");
+        }
+        let out = tempfile::tempdir().expect("tempdir");
+        let file = out.path().join("token");
+        write_token_file(&file, &token).expect("write");
+        assert_eq!(
+            std::fs::metadata(&file).expect("stat").mode() & 0o777,
+            0o600
+        );
+        assert_eq!(std::fs::read_dir(out.path()).expect("list").count(), 1);
+        assert_eq!(
+            std::fs::read_to_string(&file).expect("read"),
+            format!("{token}\n")
+        );
     }
 
     #[test]

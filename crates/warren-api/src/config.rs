@@ -310,6 +310,10 @@ pub struct HostRoot {
     /// otherwise, never every token holder's by default.
     #[serde(default)]
     pub workspaces: Vec<String>,
+    /// `uid = 0` is refused unless this is set: copies and shares of the root then run
+    /// host git and virtiofsd as root over the tree.
+    #[serde(default)]
+    pub allow_root: bool,
 }
 
 impl HostRoot {
@@ -378,6 +382,34 @@ pub fn valid_image_name(n: &str) -> bool {
         && n.bytes().enumerate().all(|(i, b)| {
             b.is_ascii_lowercase() || b.is_ascii_digit() || (i > 0 && b"._-".contains(&b))
         })
+}
+
+/// `[http] listen` alone, every other key ignored (the systemd generator's read: a file not
+/// yet configured, such as the package's with its placeholder image, still names the port).
+#[derive(Deserialize)]
+struct ListenOnly {
+    #[serde(default)]
+    http: Option<HttpListenOnly>,
+}
+
+#[derive(Deserialize)]
+struct HttpListenOnly {
+    #[serde(default = "default_listen")]
+    listen: SocketAddr,
+}
+
+/// The configuration file's `[http] listen` (its default when absent), read without the
+/// rest of the file's checks.
+pub fn load_listen(path: &Path) -> Result<SocketAddr, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.into(),
+        source,
+    })?;
+    let only: ListenOnly = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+        path: path.into(),
+        message: e.to_string(),
+    })?;
+    Ok(only.http.map_or_else(default_listen, |h| h.listen))
 }
 
 impl ServiceConfig {
@@ -475,6 +507,15 @@ impl ServiceConfig {
             if !r.path.is_absolute() {
                 return Err(format!(
                     "host_roots path {} is not absolute",
+                    r.path.display()
+                ));
+            }
+            // Copies and shares of a root run host git and virtiofsd as its uid: as root,
+            // every access check passes and a guest writes root-owned files in the tree.
+            if r.uid == 0 && !r.allow_root {
+                return Err(format!(
+                    "host_roots path {}: uid must not be root (name the uid that owns the \
+                     tree, or set allow_root = true)",
                     r.path.display()
                 ));
             }
@@ -713,6 +754,10 @@ mod tests {
         assert!(c.host_roots[0].admits("bob") && !c.host_roots[0].admits("carol"));
         let c = parse(&format!("{base}{root}workspaces = [\"*\"]\n")).expect("every");
         assert!(c.host_roots[0].admits("carol"));
+        let as_root = "[[host_roots]]\npath = \"/srv/repos\"\nuid = 0\nworkspaces = [\"*\"]\n";
+        let e = parse(&format!("{base}{as_root}")).expect_err("root");
+        assert!(e.to_string().contains("uid must not be root"), "{e}");
+        parse(&format!("{base}{as_root}allow_root = true\n")).expect("allowed");
     }
 
     #[test]

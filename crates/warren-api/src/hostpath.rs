@@ -137,6 +137,7 @@ mod tests {
             path: root.clone(),
             uid: 0,
             workspaces: vec!["w".into()],
+            allow_root: true,
         }];
         let p = token_principal();
         let ok = authorize(&p, &roots, repo.to_str().expect("utf8"), Access::Read).expect("ok");
@@ -179,6 +180,7 @@ mod tests {
                 path: d.path().to_path_buf(),
                 uid: 0,
                 workspaces: workspaces.iter().map(|w| w.to_string()).collect(),
+                allow_root: true,
             }]
         };
         let p = token_principal(); // workspace "w"

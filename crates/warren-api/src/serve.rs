@@ -94,9 +94,19 @@ fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, ServeError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(io("remove", path.display())(e)),
     }
-    let l = UnixListener::bind(path).map_err(io("bind", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-        .map_err(io("chmod", path.display()))?;
+    // Bound in a directory of its own (0700) and moved into place once it has its mode: a
+    // socket listens from its bind, with the mode the process's umask gives it (a service
+    // started by hand under umask 000 would take any user's connection until the chmod).
+    let parent = path.parent().unwrap_or(Path::new("."));
+    let private = tempfile::Builder::new()
+        .prefix(".warrend-bind.")
+        .tempdir_in(parent)
+        .map_err(io("create a directory in", parent.display()))?;
+    let staged = private.path().join("warrend.sock");
+    let l = UnixListener::bind(&staged).map_err(io("bind", staged.display()))?;
+    std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))
+        .map_err(io("chmod", staged.display()))?;
+    std::fs::rename(&staged, path).map_err(io("move into place", path.display()))?;
     Ok(l)
 }
 
@@ -229,5 +239,34 @@ async fn wait_for_signal() {
     tokio::select! {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    /// The socket is in place with its mode, over a stale one, and nothing else is left in
+    /// the directory (the private directory it was bound in is gone).
+    #[tokio::test]
+    async fn test_the_local_socket_is_moved_into_place_with_its_mode() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let path = d.path().join("warrend.sock");
+        std::fs::write(&path, b"stale").expect("stale");
+        let l = bind_socket(&path, 0o600).expect("bind");
+        let meta = std::fs::symlink_metadata(&path).expect("stat");
+        assert!(std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type()));
+        assert_eq!(meta.mode() & 0o7777, 0o600);
+        let names: Vec<_> = std::fs::read_dir(d.path())
+            .expect("list")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(names, ["warrend.sock"]);
+        // It is the listener's: a connection to the path is accepted there.
+        let _c = tokio::net::UnixStream::connect(&path)
+            .await
+            .expect("connect");
+        l.accept().await.expect("accept");
     }
 }

@@ -83,6 +83,18 @@ pub enum Command {
         #[arg(long)]
         out_dir: PathBuf,
     },
+    /// systemd generator (`/usr/lib/systemd/system-generators/warren-socket-generator`, run
+    /// at boot and on daemon-reload): writes warren.socket's addresses for the configuration's
+    /// `listen` into NORMAL_DIR/warren.socket.d/.
+    #[command(hide = true)]
+    SystemdGenerator {
+        normal_dir: PathBuf,
+        /// systemd passes two more directories; the generator writes only into the first.
+        early_dir: Option<PathBuf>,
+        late_dir: Option<PathBuf>,
+        #[arg(long, default_value = "/etc/warren/warren.toml")]
+        config: PathBuf,
+    },
     /// Workspace credentials for the service (an operator action).
     #[command(subcommand)]
     Token(TokenCmd),

@@ -39,6 +39,9 @@ pub fn run(cli: Cli) -> Result<i32> {
     match &cli.command {
         Command::Completions { shell } => return crate::docs_gen::completions(*shell),
         Command::ManPages { out_dir } => return crate::docs_gen::man_pages(out_dir),
+        Command::SystemdGenerator {
+            normal_dir, config, ..
+        } => return crate::generator::run(config, normal_dir),
         _ => {}
     }
     let rt = || {
@@ -170,6 +173,7 @@ async fn run_async(cli: Cli) -> Result<i32> {
         | Command::InterceptRefresh { .. }
         | Command::Completions { .. }
         | Command::Serve { .. }
+        | Command::SystemdGenerator { .. }
         | Command::ManPages { .. } => {
             unreachable!("handled before the runtime starts")
         }
@@ -258,6 +262,9 @@ async fn shutdown(cli: &Cli, config: Option<&std::path::Path>) -> Result<i32> {
 fn token(cli: &Cli, cmd: &TokenCmd) -> Result<i32> {
     let state = cli.state_dir.clone().unwrap_or_else(default_state_dir);
     std::fs::create_dir_all(&state).with_context(|| format!("creating {}", state.display()))?;
+    // As `Warren::open`: a state directory another user controls (an inherited
+    // XDG_STATE_HOME) is refused before a credential is written into it.
+    warren_core::trusted_dir::check(&state)?;
     let creds = warren_api::auth::Credentials::open(&state.join("warren.db"))?;
     match cmd {
         TokenCmd::Issue {

@@ -23,6 +23,7 @@ mod copy;
 mod cp_cmd;
 mod docs_gen;
 mod egress_file;
+mod generator;
 mod host_keys;
 mod host_side;
 mod image_cmd;

@@ -159,7 +159,7 @@ fn test_agent_day_install_test_edit_commit_export_through_the_api() {
     ));
 
     let d = Daemon::start(&format!(
-        "[egress]\nhost_ca_store = true\n[[host_roots]]\npath = {:?}\nuid = 0\nworkspaces = [\"*\"]\n",
+        "[egress]\nhost_ca_store = true\n[[host_roots]]\npath = {:?}\nuid = 0\nallow_root = true\nworkspaces = [\"*\"]\n",
         root_path.display().to_string()
     ));
     let repo_arg = repo.to_str().expect("utf-8").to_string();

@@ -40,7 +40,7 @@ fn test_token_session_never_copies_a_repository_above_its_host_root() {
     std::fs::write(proj.join("notes.txt"), "in the root\n").expect("write");
 
     let d = Daemon::start_minimal(&format!(
-        "[[host_roots]]\npath = {:?}\nuid = 0\nworkspaces = [\"roots\"]\n",
+        "[[host_roots]]\npath = {:?}\nuid = 0\nallow_root = true\nworkspaces = [\"roots\"]\n",
         root.display().to_string()
     ));
     let token = d.token("roots", &[]);

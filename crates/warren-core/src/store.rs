@@ -201,6 +201,30 @@ const ADDED_SESSION_COLUMNS: &[(&str, &str)] = &[
     ("generation", "INTEGER NOT NULL DEFAULT 1"),
 ];
 
+/// Opens (or creates) the database file at `path` as a WAL connection, readable by its owner
+/// only: the file is made 0600 before SQLite opens it (SQLite gives its WAL and shared-memory
+/// files the database file's mode), and existing WAL and shared-memory files are narrowed.
+/// Every opener of the state database goes through this (the service, the CLI's `token`),
+/// whichever creates the file first.
+pub fn open_private(path: &Path) -> Result<Connection, rusqlite::Error> {
+    let private = |e: std::io::Error| {
+        rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CANTOPEN),
+            Some(format!("{}: {e}", path.display())),
+        )
+    };
+    drop(warren_vmm::sys::private_file::create(path, true).map_err(private)?);
+    for suffix in ["-wal", "-shm"] {
+        let mut p = path.as_os_str().to_owned();
+        p.push(suffix);
+        warren_vmm::sys::private_file::restrict(Path::new(&p)).map_err(private)?;
+    }
+    let conn = Connection::open(path)?;
+    conn.busy_timeout(std::time::Duration::from_secs(10))?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    Ok(conn)
+}
+
 impl Store {
     /// Opens the existing database at `path` for reading only: no schema, no migration,
     /// nothing written (a reader beside the service, such as `vm cp` learning which
@@ -220,21 +244,7 @@ impl Store {
     /// made 0600 before SQLite opens it, and SQLite gives its WAL and shared-memory files the
     /// database file's mode.
     pub fn open(path: &Path) -> Result<Store, rusqlite::Error> {
-        let private = |e: std::io::Error| {
-            rusqlite::Error::SqliteFailure(
-                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CANTOPEN),
-                Some(format!("{}: {e}", path.display())),
-            )
-        };
-        drop(warren_vmm::sys::private_file::create(path, true).map_err(private)?);
-        for suffix in ["-wal", "-shm"] {
-            let mut p = path.as_os_str().to_owned();
-            p.push(suffix);
-            warren_vmm::sys::private_file::restrict(Path::new(&p)).map_err(private)?;
-        }
-        let conn = Connection::open(path)?;
-        conn.busy_timeout(std::time::Duration::from_secs(10))?;
-        conn.pragma_update(None, "journal_mode", "WAL")?;
+        let conn = open_private(path)?;
         conn.execute_batch(SCHEMA)?;
         conn.execute_batch(SESSION_SCHEMA)?;
         migrate(&conn)?;

@@ -1,0 +1,117 @@
+//! `warren systemd-generator`: keeps `warren.socket`'s addresses those of the configuration.
+//!
+//! The packaged `warren.socket` binds the service's HTTP port (socket activation), and the
+//! service serves the sockets it is passed only when they are exactly what `listen` in
+//! `/etc/warren/warren.toml` asks for (`warren_api::activation`). An operator who changed
+//! `listen` (or upgraded from a version without the socket unit, with a `listen` of their own)
+//! would otherwise have to repeat it in the socket unit, and until then the service would not
+//! start. systemd runs every program in `/usr/lib/systemd/system-generators/` at boot and on
+//! each `daemon-reload`, before it loads units; the package's `warren-socket-generator` runs
+//! this, which writes a drop-in for `warren.socket` into the generator's normal directory
+//! (`/run/systemd/generator/warren.socket.d/50-listen.conf`) with the addresses for `listen`.
+//! A drop-in of the operator's in `/etc/systemd/system/warren.socket.d/` sorts after it and
+//! wins (the service still refuses addresses that are not `listen`'s).
+//!
+//! No configuration file: nothing is written (the unit's own addresses, the default `listen`,
+//! stay). A configuration that does not parse: nothing is written and the generator fails
+//! with the reason (systemd logs it); the service refuses the same file when it starts.
+
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+/// The drop-in's name inside `warren.socket.d/`.
+const DROP_IN: &str = "50-listen.conf";
+
+/// Runs the generator: `normal_dir` is the first directory systemd passes.
+pub fn run(config: &Path, normal_dir: &Path) -> Result<i32> {
+    let listen = match warren_api::config::load_listen(config) {
+        Ok(listen) => listen,
+        Err(warren_api::config::ConfigError::Read { source, .. })
+            if source.kind() == std::io::ErrorKind::NotFound =>
+        {
+            return Ok(0);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let addrs = warren_api::activation::unit_addresses(listen)?;
+    let mut text = format!(
+        "# Written by warren-socket-generator from {} (listen = \"{listen}\") at boot and on\n\
+         # each daemon-reload: the addresses the service serves for it.\n[Socket]\nListenStream=\n",
+        config.display()
+    );
+    for addr in &addrs {
+        text.push_str(&format!("ListenStream={addr}\n"));
+    }
+    write_drop_in(normal_dir, &text)?;
+    Ok(0)
+}
+
+/// Writes `warren.socket.d/50-listen.conf` under `dir` whole or not at all (a temporary
+/// file renamed over it).
+fn write_drop_in(dir: &Path, text: &str) -> Result<()> {
+    let d = dir.join("warren.socket.d");
+    std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".50-listen.")
+        .tempfile_in(&d)
+        .with_context(|| format!("creating a file in {}", d.display()))?;
+    tmp.write_all(text.as_bytes())
+        .and_then(|()| tmp.as_file().sync_all())
+        .with_context(|| format!("writing in {}", d.display()))?;
+    let perms = std::os::unix::fs::PermissionsExt::from_mode(0o644);
+    tmp.as_file()
+        .set_permissions(perms)
+        .with_context(|| format!("writing in {}", d.display()))?;
+    tmp.persist(d.join(DROP_IN))
+        .with_context(|| format!("writing {}", d.join(DROP_IN).display()))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_the_drop_in_names_the_addresses_of_listen_and_nothing_without_a_config() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("normal");
+        assert_eq!(run(&dir.path().join("missing.toml"), &out).expect("run"), 0);
+        assert!(!out.exists());
+
+        let config = dir.path().join("warren.toml");
+        std::fs::write(&config, "[http]\nlisten = \"127.0.0.1:18123\"\n").expect("write");
+        assert_eq!(run(&config, &out).expect("run"), 0);
+        let text =
+            std::fs::read_to_string(out.join("warren.socket.d").join(DROP_IN)).expect("drop-in");
+        let lines: Vec<_> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        let mut want = vec!["[Socket]", "ListenStream=", "ListenStream=127.0.0.1:18123"];
+        if std::path::Path::new("/proc/net/if_inet6").exists() {
+            want.push("ListenStream=[::1]:18123");
+        }
+        assert_eq!(lines, want);
+        // The package's file before it is configured (its placeholder image) names the port.
+        std::fs::write(
+            &config,
+            "state_dir = \"/var/lib/warren\"\n[images.dev]\nid = \"REPLACE\"\n",
+        )
+        .expect("write");
+        assert_eq!(run(&config, &out).expect("run"), 0);
+        let text =
+            std::fs::read_to_string(out.join("warren.socket.d").join(DROP_IN)).expect("drop-in");
+        assert!(text.contains("\nListenStream=127.0.0.1:8090\n"), "{text}");
+        std::fs::write(&config, "[http]\nlisten = \"127.0.0.1:18123\"\n").expect("write");
+        assert_eq!(run(&config, &out).expect("run"), 0);
+        let text =
+            std::fs::read_to_string(out.join("warren.socket.d").join(DROP_IN)).expect("drop-in");
+
+        std::fs::write(&config, "[http]\nlisten = \"nonsense\"\n").expect("write");
+        assert!(run(&config, &out).is_err());
+        // The earlier drop-in stays whole.
+        assert_eq!(
+            std::fs::read_to_string(out.join("warren.socket.d").join(DROP_IN)).expect("read"),
+            text
+        );
+    }
+}
