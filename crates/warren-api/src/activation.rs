@@ -168,10 +168,11 @@ impl Inherited {
             )));
         }
         // A `::` listener takes IPv4 too unless it is IPv6-only: asked of the socket.
+        let first = unmapped(listen);
         let dual_stack = self
             .listeners
             .iter()
-            .find(|l| l.local_addr().ok() == Some(listen))
+            .find(|l| l.local_addr().ok() == Some(first))
             .and_then(|l| socket2::SockRef::from(l).only_v6().ok())
             .map(|only| !only)
             .unwrap_or(true);
@@ -191,7 +192,7 @@ impl Inherited {
         }
         let mut listeners = self.listeners;
         // `listen`'s first, then the others.
-        listeners.sort_by_key(|l| l.local_addr().ok() != Some(listen));
+        listeners.sort_by_key(|l| l.local_addr().ok() != Some(first));
         listeners
             .into_iter()
             .map(|l| {
@@ -206,6 +207,7 @@ impl Inherited {
 /// (`loopback.rs`; ::1 only where this host has IPv6). `dual_stack`: a `::` listener also
 /// takes IPv4.
 fn expected(listen: SocketAddr, dual_stack: bool) -> Vec<SocketAddr> {
+    let listen = unmapped(listen);
     let mut expected = vec![listen];
     expected.extend(
         crate::loopback::siblings(listen, listen.port(), dual_stack)
@@ -213,6 +215,18 @@ fn expected(listen: SocketAddr, dual_stack: bool) -> Vec<SocketAddr> {
             .filter(|a| !(a.is_ipv6() && crate::loopback::no_ipv6())),
     );
     expected
+}
+
+/// `::ffff:a.b.c.d` as the IPv4 address it is (an IPv6-only socket cannot bind it; the unit's
+/// are IPv6-only).
+fn unmapped(addr: SocketAddr) -> SocketAddr {
+    match addr {
+        SocketAddr::V6(a) => a
+            .ip()
+            .to_ipv4_mapped()
+            .map_or(addr, |v4| SocketAddr::new(v4.into(), a.port())),
+        SocketAddr::V4(_) => addr,
+    }
 }
 
 /// The addresses `warren.socket` must listen on for a service whose `listen` is this (the
@@ -319,10 +333,16 @@ mod tests {
         let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let port = probe.local_addr().expect("addr").port();
         drop(probe);
-        for ip in ["127.0.0.1", "[::1]", "0.0.0.0", "[::]"] {
+        for ip in [
+            "127.0.0.1",
+            "[::1]",
+            "0.0.0.0",
+            "[::]",
+            "[::ffff:127.0.0.1]",
+        ] {
             let listen = a(&format!("{ip}:{port}"));
             let addrs = unit_addresses(listen).expect("addresses");
-            assert_eq!(addrs[0], listen);
+            assert_eq!(addrs[0], unmapped(listen));
             let listeners = addrs
                 .iter()
                 .map(|addr| {

@@ -97,12 +97,17 @@ fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, ServeError> {
     // Bound in a directory of its own (0700) and moved into place once it has its mode: a
     // socket listens from its bind, with the mode the process's umask gives it (a service
     // started by hand under umask 000 would take any user's connection until the chmod).
+    // The directory is checked as the state directory is (`socket =` may name another):
+    // one another user could write would let them swap what is chmod'ed and moved. The
+    // staged path (`.wXXXXXX/s`) is no longer than `warrend.sock`'s.
     let parent = path.parent().unwrap_or(Path::new("."));
+    warren_core::trusted_dir::check(parent).map_err(crate::ApiError::from)?;
     let private = tempfile::Builder::new()
-        .prefix(".warrend-bind.")
+        .prefix(".w")
+        .rand_bytes(6)
         .tempdir_in(parent)
         .map_err(io("create a directory in", parent.display()))?;
-    let staged = private.path().join("warrend.sock");
+    let staged = private.path().join("s");
     let l = UnixListener::bind(&staged).map_err(io("bind", staged.display()))?;
     std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))
         .map_err(io("chmod", staged.display()))?;

@@ -8,12 +8,14 @@
 //! start. systemd runs every program in `/usr/lib/systemd/system-generators/` at boot and on
 //! each `daemon-reload`, before it loads units; the package's `warren-socket-generator` runs
 //! this, which writes a drop-in for `warren.socket` into the generator's normal directory
-//! (`/run/systemd/generator/warren.socket.d/50-listen.conf`) with the addresses for `listen`.
-//! A drop-in of the operator's in `/etc/systemd/system/warren.socket.d/` sorts after it and
-//! wins (the service still refuses addresses that are not `listen`'s).
+//! (`/run/systemd/generator/warren.socket.d/00-warren-listen.conf`) with the addresses for `listen`.
+//! systemd applies drop-ins in the order of their file names, whatever their directory: one
+//! of the operator's in `/etc/systemd/system/warren.socket.d/` named to sort after it comes
+//! later and wins (the service still refuses addresses that are not `listen`'s). The
+//! configuration read is `/etc/warren/warren.toml`, the one `warren.service` names.
 //!
 //! No configuration file: nothing is written (the unit's own addresses, the default `listen`,
-//! stay). A configuration that does not parse: nothing is written and the generator fails
+//! stay), and a line says so (systemd logs a generator's standard error). A configuration that does not parse: nothing is written and the generator fails
 //! with the reason (systemd logs it); the service refuses the same file when it starts.
 
 use std::io::Write;
@@ -22,7 +24,9 @@ use std::path::Path;
 use anyhow::{Context, Result};
 
 /// The drop-in's name inside `warren.socket.d/`.
-const DROP_IN: &str = "50-listen.conf";
+/// `00-`: an operator's own drop-in (`override.conf` from `systemctl edit`, `10-*.conf`)
+/// sorts after it, across directories, and so comes after its `ListenStream=` reset.
+const DROP_IN: &str = "00-warren-listen.conf";
 
 /// Runs the generator: `normal_dir` is the first directory systemd passes.
 pub fn run(config: &Path, normal_dir: &Path) -> Result<i32> {
@@ -31,6 +35,11 @@ pub fn run(config: &Path, normal_dir: &Path) -> Result<i32> {
         Err(warren_api::config::ConfigError::Read { source, .. })
             if source.kind() == std::io::ErrorKind::NotFound =>
         {
+            eprintln!(
+                "warren-socket-generator: {} does not exist; warren.socket keeps its own \
+                 addresses",
+                config.display()
+            );
             return Ok(0);
         }
         Err(e) => return Err(e.into()),
@@ -42,19 +51,21 @@ pub fn run(config: &Path, normal_dir: &Path) -> Result<i32> {
         config.display()
     );
     for addr in &addrs {
+        // `%` starts a unit file specifier; a scoped IPv6 address has one (`fe80::1%2`).
+        let addr = addr.to_string().replace('%', "%%");
         text.push_str(&format!("ListenStream={addr}\n"));
     }
     write_drop_in(normal_dir, &text)?;
     Ok(0)
 }
 
-/// Writes `warren.socket.d/50-listen.conf` under `dir` whole or not at all (a temporary
+/// Writes `warren.socket.d/00-warren-listen.conf` under `dir` whole or not at all (a temporary
 /// file renamed over it).
 fn write_drop_in(dir: &Path, text: &str) -> Result<()> {
     let d = dir.join("warren.socket.d");
     std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
     let mut tmp = tempfile::Builder::new()
-        .prefix(".50-listen.")
+        .prefix(".00-warren-listen.")
         .tempfile_in(&d)
         .with_context(|| format!("creating a file in {}", d.display()))?;
     tmp.write_all(text.as_bytes())
@@ -105,6 +116,26 @@ mod tests {
         assert_eq!(run(&config, &out).expect("run"), 0);
         let text =
             std::fs::read_to_string(out.join("warren.socket.d").join(DROP_IN)).expect("drop-in");
+
+        // A scoped address's `%` is written as a unit file's literal percent sign, and an
+        // IPv4-mapped address as the IPv4 address (the unit's sockets are IPv6-only).
+        let other = dir.path().join("other");
+        std::fs::write(&config, "[http]\nlisten = \"[fe80::1%2]:18123\"\n").expect("write");
+        run(&config, &other).expect("run");
+        let scoped =
+            std::fs::read_to_string(other.join("warren.socket.d").join(DROP_IN)).expect("drop-in");
+        assert!(
+            scoped.contains("\nListenStream=[fe80::1%%2]:18123\n"),
+            "{scoped}"
+        );
+        std::fs::write(&config, "[http]\nlisten = \"[::ffff:127.0.0.1]:18123\"\n").expect("write");
+        run(&config, &other).expect("run");
+        let mapped =
+            std::fs::read_to_string(other.join("warren.socket.d").join(DROP_IN)).expect("drop-in");
+        assert!(
+            mapped.contains("\nListenStream=127.0.0.1:18123\n"),
+            "{mapped}"
+        );
 
         std::fs::write(&config, "[http]\nlisten = \"nonsense\"\n").expect("write");
         assert!(run(&config, &out).is_err());

@@ -9,7 +9,9 @@
 //! a timeout ([`HOST_CLI_TIMEOUT`]), single-flight under an exclusive `flock` on the login
 //! file's directory (a second refresh waits, then finds the file rotated and runs nothing);
 //! then the rotated file is read again. `401 invalid_grant` remains only when the host CLI
-//! could not refresh either, with the fix in its description.
+//! could not refresh either, with the fix in its description. That failure is remembered
+//! beside the login file for [`FAILURE_BACKOFF`]: requests meanwhile get it without the CLI
+//! being run again (a guest may send refresh requests in a loop).
 //!
 //! Which login a request is for comes from the request itself: the refresh placeholder it
 //! carries (each login has its own), so one endpoint serves every login that uses it.
@@ -30,6 +32,10 @@ pub const EXPIRY_SLACK_SECS: i64 = 60;
 pub const HOST_CLI_TIMEOUT: Duration = Duration::from_secs(45);
 /// Longest wait for another refresh of the same login to finish.
 pub const LOCK_WAIT: Duration = Duration::from_secs(30);
+/// After the host CLI failed to refresh a login, requests for it are answered with that
+/// failure for this long without running the CLI again: a guest can send refresh requests
+/// as often as it likes, and each would otherwise start the host's CLI as the user.
+pub const FAILURE_BACKOFF: Duration = Duration::from_secs(120);
 /// Largest request read from the egress.
 const MAX_REQUEST: u64 = 64 * 1024;
 
@@ -186,16 +192,30 @@ pub fn refresh(login: Login, file: &Path, cli: &mut dyn Refresher) -> (u16, serd
     if let Some(ok) = read(file).and_then(|d| answer(login, &d, now())) {
         return (200, ok);
     }
-    let why = match cli.refresh(login, file) {
-        Ok(()) => match read(file).and_then(|d| answer(login, &d, now())) {
-            Some(ok) => return (200, ok),
-            None => format!(
-                "the host's {} ran but its login in {} is still expired",
-                login.agent(),
-                file.display()
-            ),
-        },
-        Err(why) => why,
+    let record = failure_record(login, file);
+    let why = match recent_failure(&record) {
+        Some((why, age)) => format!(
+            "{why} ({age}s ago; it is not run again until {}s have passed)",
+            FAILURE_BACKOFF.as_secs()
+        ),
+        None => {
+            let why = match cli.refresh(login, file) {
+                Ok(()) => match read(file).and_then(|d| answer(login, &d, now())) {
+                    Some(ok) => {
+                        let _ = std::fs::remove_file(&record);
+                        return (200, ok);
+                    }
+                    None => format!(
+                        "the host's {} ran but its login in {} is still expired",
+                        login.agent(),
+                        file.display()
+                    ),
+                },
+                Err(why) => why,
+            };
+            record_failure(&record, &why);
+            why
+        }
     };
     (
         401,
@@ -205,6 +225,43 @@ pub fn refresh(login: Login, file: &Path, cli: &mut dyn Refresher) -> (u16, serd
                  log in again on the host (run `{}` there), then retry",
                 login.agent(), login.agent())}),
     )
+}
+
+/// Where a failed host refresh of `login` is remembered: beside its login file (the
+/// owner's directory, whose lock serialises refreshes).
+fn failure_record(login: Login, file: &Path) -> PathBuf {
+    file.parent()
+        .unwrap_or(Path::new("/"))
+        .join(format!(".warren-refresh-failed.{}", login.name()))
+}
+
+/// The reason and age in seconds of a failure recorded less than [`FAILURE_BACKOFF`] ago.
+fn recent_failure(record: &Path) -> Option<(String, i64)> {
+    let mut text = String::new();
+    std::fs::File::open(record)
+        .ok()?
+        .take(4096)
+        .read_to_string(&mut text)
+        .ok()?;
+    let (at, why) = text.split_once('\n')?;
+    let age = now() - at.parse::<i64>().ok()?;
+    let backoff = i64::try_from(FAILURE_BACKOFF.as_secs()).unwrap_or(i64::MAX);
+    (0..backoff).contains(&age).then(|| (why.to_string(), age))
+}
+
+/// Remembers a failed host refresh (whole or not at all; a failure to write is only a
+/// lost backoff).
+fn record_failure(record: &Path, why: &str) {
+    let Some(dir) = record.parent() else { return };
+    let Ok(mut tmp) = tempfile::Builder::new()
+        .prefix(".warren-refresh-failed.")
+        .tempfile_in(dir)
+    else {
+        return;
+    };
+    if writeln!(tmp, "{}", now()).is_ok() && tmp.write_all(why.as_bytes()).is_ok() {
+        let _ = tmp.persist(record);
+    }
 }
 
 fn read(file: &Path) -> Option<serde_json::Value> {
@@ -348,6 +405,26 @@ mod tests {
             text.contains("exit status: 1") && text.contains("run `claude`"),
             "{text}"
         );
+        // Asked again at once: the same failure, the CLI not run again (a guest's requests
+        // do not start the host's CLI over and over).
+        let (code, v) = refresh(Login::Claude, &file, &mut broken);
+        assert_eq!((code, broken.runs), (401, 1));
+        let text = v["error_description"].as_str().expect("description");
+        assert!(
+            text.contains("exit status: 1") && text.contains("not run again"),
+            "{text}"
+        );
+        // A login made valid on the host meanwhile is answered at once, and once the
+        // backoff has passed the CLI runs again (and its success clears the record).
+        std::fs::write(&file, claude_doc((now() + 600) * 1000).to_string()).expect("w");
+        assert_eq!(refresh(Login::Claude, &file, &mut broken).0, 200);
+        std::fs::write(&file, claude_doc(1000).to_string()).expect("w");
+        let record = failure_record(Login::Claude, &file);
+        let old = now() - i64::try_from(FAILURE_BACKOFF.as_secs()).expect("secs") - 1;
+        std::fs::write(&record, format!("{old}\nearlier")).expect("w");
+        let (code, _) = refresh(Login::Claude, &file, &mut cli);
+        assert_eq!((code, cli.runs), (200, 2));
+        assert!(!record.exists());
     }
 
     #[test]

@@ -32,6 +32,25 @@ pub struct ServiceArgs {
     pub token_file: Option<PathBuf>,
 }
 
+/// Whether `HOST:PORT` names this host's loopback (`localhost`, 127.0.0.0/8, `[::1]`): the
+/// only places a bearer token is sent over plain HTTP.
+fn loopback_host(addr: &str) -> bool {
+    let host = match addr.strip_prefix('[') {
+        Some(rest) => rest.split_once(']').map_or(rest, |(h, _)| h),
+        None => addr.rsplit_once(':').map_or(addr, |(h, _)| h),
+    };
+    if host.eq_ignore_ascii_case("localhost") {
+        return true;
+    }
+    match host.parse::<std::net::IpAddr>() {
+        Ok(std::net::IpAddr::V6(ip)) => {
+            ip.is_loopback() || ip.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => false,
+    }
+}
+
 /// Any byte stream a WebSocket can run on.
 pub trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
@@ -143,6 +162,14 @@ impl Opener {
                 .ok_or_else(|| anyhow!("--endpoint takes http://HOST:PORT"))?
                 .trim_end_matches('/')
                 .to_string();
+            if !loopback_host(&addr) {
+                bail!(
+                    "--endpoint http://{addr}: a token sent over plain HTTP to another host \
+                     can be read on the way; reach a remote service through an encrypted \
+                     tunnel that ends on this host (`ssh -L 8090:127.0.0.1:8090 HOST`, then \
+                     --endpoint http://127.0.0.1:8090)"
+                );
+            }
             let token = std::fs::read_to_string(file)
                 .with_context(|| format!("reading {}", file.display()))?
                 .trim()
@@ -308,6 +335,30 @@ fn query(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_only_loopback_endpoints_take_a_token_over_plain_http() {
+        for ok in [
+            "127.0.0.1:8090",
+            "127.0.0.2:1",
+            "localhost:8090",
+            "LOCALHOST:1",
+            "[::1]:8090",
+            "[::ffff:127.0.0.1]:8090",
+        ] {
+            assert!(loopback_host(ok), "{ok}");
+        }
+        for bad in [
+            "10.0.0.1:8090",
+            "warren.internal:8090",
+            "[2001:db8::1]:8090",
+            "localhost.evil.example:8090",
+            "127.0.0.1.nip.example:80",
+            "0.0.0.0:8090",
+        ] {
+            assert!(!loopback_host(bad), "{bad}");
+        }
+    }
 
     #[test]
     fn test_query_escapes_everything_but_safe_bytes() {

@@ -16,6 +16,11 @@ use warren_protocol::{
 use crate::error::CoreError;
 use crate::vm::{unexpected, Warren};
 
+/// The largest file a whole-file read takes (16 TiB, ext4's largest file): the end of such a
+/// read is where the guest said the file ends, so a guest's own figure must not leave it
+/// unbounded.
+const MAX_READ_FILE: u64 = 1 << 44;
+
 /// Parses a version given as 64 hex digits.
 pub fn parse_version(s: &str) -> Result<Version, CoreError> {
     let mut v = [0u8; 32];
@@ -116,6 +121,13 @@ impl Warren {
         let first = self
             .read_file_versioned(id, path, 0, MAX_WHOLE_FILE)
             .await?;
+        if first.size > MAX_READ_FILE {
+            return Err(CoreError::GuestProtocol(format!(
+                "{path}: the guest says it has {} bytes, more than the {MAX_READ_FILE} a read \
+                 takes",
+                first.size
+            )));
+        }
         sink(&first.data);
         let mut offset = first.data.len() as u64;
         if first.eof || first.data.is_empty() {

@@ -60,8 +60,15 @@ pub(crate) struct CopyStats {
     pub files: u64,
     pub symlinks: u64,
     pub bytes: u64,
+    /// The first [`MAX_SKIPPED_LISTED`] paths not copied.
     pub skipped: Vec<Skipped>,
+    /// How many paths were not copied.
+    pub skipped_total: u64,
 }
+
+/// Paths not copied that a copy lists (the rest are counted): a tree's owner decides how
+/// many special files it has.
+pub(crate) const MAX_SKIPPED_LISTED: usize = 1000;
 
 /// Runs `f` with the filesystem identity of `owner` (its uid, its primary gid, no
 /// supplementary group; see the module docs); `None` runs it directly. `owner` must already be an effective owner ([`crate::git::effective_owner`]).
@@ -188,9 +195,10 @@ pub(crate) fn copy_entries(
         dst_dirs: HashSet::new(),
         stats: CopyStats::default(),
         tree,
+        entries,
         links: HashMap::new(),
     };
-    for e in entries {
+    for (i, e) in entries.iter().enumerate() {
         if let Some(t) = tree {
             if std::time::Instant::now() > t.deadline {
                 return Err(SessionError::TooLarge {
@@ -199,7 +207,7 @@ pub(crate) fn copy_entries(
                 });
             }
         }
-        copier.entry(e)?;
+        copier.entry(i, e)?;
     }
     Ok(copier.stats)
 }
@@ -213,12 +221,16 @@ struct Copier<'a> {
     dst_dirs: HashSet<PathBuf>,
     stats: CopyStats,
     tree: Option<TreeCopy>,
-    /// (device, inode) of files with several links already copied, and their copy.
-    links: HashMap<(u64, u64), PathBuf>,
+    /// The entries copied (what `links` points into).
+    entries: &'a [Entry],
+    /// (device, inode) of files with several links already copied, and the entry of their
+    /// copy (an index, not another copy of its path: the listing's size is bounded, and
+    /// this map holds up to one key per entry).
+    links: HashMap<(u64, u64), usize>,
 }
 
 impl Copier<'_> {
-    fn entry(&mut self, e: &Entry) -> Result<(), SessionError> {
+    fn entry(&mut self, index: usize, e: &Entry) -> Result<(), SessionError> {
         if !e
             .path
             .components()
@@ -266,12 +278,13 @@ impl Copier<'_> {
             self.make_parent(&e.path)?;
             let key = (st.st_dev, st.st_ino);
             if self.tree.is_some() && st.st_nlink > 1 {
-                if let Some(first) = self.links.get(&key) {
-                    fs::hard_link(first, &to).map_err(SessionError::io("link", &to))?;
+                if let Some(&first) = self.links.get(&key) {
+                    let first = self.dst.join(&self.entries[first].path);
+                    fs::hard_link(&first, &to).map_err(SessionError::io("link", &to))?;
                     self.stats.files += 1;
                     return Ok(());
                 }
-                self.links.insert(key, to.clone());
+                self.links.insert(key, index);
             }
             let input =
                 nix::fcntl::openat2(&dir, name, beneath(OFlag::O_RDONLY | OFlag::O_NONBLOCK))
@@ -292,10 +305,13 @@ impl Copier<'_> {
 
     fn skip(&mut self, path: &Path, reason: SkipReason) {
         tracing::debug!(path = %path.display(), ?reason, "not copied");
-        self.stats.skipped.push(Skipped {
-            path: path.to_path_buf(),
-            reason,
-        });
+        self.stats.skipped_total += 1;
+        if self.stats.skipped.len() < MAX_SKIPPED_LISTED {
+            self.stats.skipped.push(Skipped {
+                path: path.to_path_buf(),
+                reason,
+            });
+        }
     }
 
     /// The source directory `rel` (relative, possibly empty), reached without a symlink:

@@ -38,8 +38,11 @@ pub struct Forked {
     pub files: u64,
     pub symlinks: u64,
     pub bytes: u64,
-    /// Paths not copied (special files), with the reason.
+    /// Paths not copied (special files), with the reason: the first
+    /// [`crate::copy::MAX_SKIPPED_LISTED`].
     pub skipped: Vec<Skipped>,
+    /// How many paths were not copied.
+    pub skipped_total: u64,
 }
 
 /// Makes `to` (which must not exist; its parent must) a session whose workspace is a copy of
@@ -88,6 +91,7 @@ pub fn fork(
             symlinks: stats.symlinks,
             bytes: stats.bytes,
             skipped: stats.skipped,
+            skipped_total: stats.skipped_total,
         })
     })();
     if made.is_err() {

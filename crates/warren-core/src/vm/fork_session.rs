@@ -183,7 +183,7 @@ impl Warren {
                 // Counted, not listed: the guest decides how many there are.
                 tracing::warn!(
                     session = %s.id,
-                    count = f.skipped.len(),
+                    count = f.skipped_total,
                     first = %first.path.display(),
                     "special files not copied (FIFOs, sockets, device nodes)"
                 );
