@@ -85,9 +85,21 @@ fn lock_state_dir(dir: &Path) -> Result<Flock<std::fs::File>, ServeError> {
 }
 
 fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, ServeError> {
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).map_err(io("create", parent.display()))?;
+    // The directory is checked as the state directory is (`socket =` may name another),
+    // before anything is made or removed in it: one another user could write would let them
+    // redirect the removal below, and swap what is chmod'ed and moved.
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let trusted = |d: &Path| warren_core::trusted_dir::check(d).map_err(crate::ApiError::from);
+    let mut existing = parent;
+    while !existing.exists() {
+        existing = existing.parent().unwrap_or(Path::new("/"));
     }
+    trusted(existing)?;
+    std::fs::create_dir_all(parent).map_err(io("create", parent.display()))?;
+    trusted(parent)?;
     // We hold the state lock, so a socket left at the path is a dead instance's.
     match std::fs::remove_file(path) {
         Ok(()) => {}
@@ -97,11 +109,7 @@ fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, ServeError> {
     // Bound in a directory of its own (0700) and moved into place once it has its mode: a
     // socket listens from its bind, with the mode the process's umask gives it (a service
     // started by hand under umask 000 would take any user's connection until the chmod).
-    // The directory is checked as the state directory is (`socket =` may name another):
-    // one another user could write would let them swap what is chmod'ed and moved. The
-    // staged path (`.wXXXXXX/s`) is no longer than `warrend.sock`'s.
-    let parent = path.parent().unwrap_or(Path::new("."));
-    warren_core::trusted_dir::check(parent).map_err(crate::ApiError::from)?;
+    // The staged path (`.wXXXXXX/s`) is no longer than the default `warrend.sock`'s.
     let private = tempfile::Builder::new()
         .prefix(".w")
         .rand_bytes(6)

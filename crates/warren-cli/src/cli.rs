@@ -598,7 +598,15 @@ pub enum VmCmd {
         force: bool,
     },
     /// Resumes a paused or hibernated VM; its processes continue where they were.
-    Resume { vm: String },
+    Resume {
+        vm: String,
+        /// After a host update of QEMU, its firmware or the image's kernel (which a VM's
+        /// launch is refused on, `integrity`): run the VM on the host's from now on. A
+        /// checkpoint taken under another QEMU or firmware cannot be restored: the VM boots
+        /// fresh on its disk (files kept; processes and memory lost).
+        #[arg(long)]
+        accept_new_runtime: bool,
+    },
     /// Stops the VM and removes its disk, sockets, cgroup and directory.
     Destroy { vm: String },
     /// Makes COUNT independent copies of a running VM (processes, memory, files), each with

@@ -794,11 +794,18 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
             progress.finish(Some(rec.state.as_str()));
             Ok(0)
         }
-        VmCmd::Resume { vm } => {
+        VmCmd::Resume {
+            vm,
+            accept_new_runtime,
+        } => {
             let w = open(cli, None)?;
             let progress = Progress::steps(format!("vm {vm}"));
             progress.step("resuming");
-            let rec = w.resume_vm(vm).await?;
+            let rec = if *accept_new_runtime {
+                w.resume_vm_on_new_runtime(vm).await?
+            } else {
+                w.resume_vm(vm).await?
+            };
             progress.finish(Some(rec.state.as_str()));
             Ok(0)
         }

@@ -32,10 +32,15 @@ pub const EXPIRY_SLACK_SECS: i64 = 60;
 pub const HOST_CLI_TIMEOUT: Duration = Duration::from_secs(45);
 /// Longest wait for another refresh of the same login to finish.
 pub const LOCK_WAIT: Duration = Duration::from_secs(30);
-/// After the host CLI failed to refresh a login, requests for it are answered with that
-/// failure for this long without running the CLI again: a guest can send refresh requests
-/// as often as it likes, and each would otherwise start the host's CLI as the user.
+/// After the host CLI was started for a login and did not refresh it, requests for it are
+/// answered with that failure for this long without running the CLI again: a guest can send
+/// refresh requests as often as it likes, and each would otherwise start the host's CLI as
+/// the user.
 pub const FAILURE_BACKOFF: Duration = Duration::from_secs(120);
+/// The same after the CLI ran to success and the login is still expired (it renews another
+/// login, or none: running it again will not renew this one, and each run may be a paid
+/// model call).
+pub const STILL_EXPIRED_BACKOFF: Duration = Duration::from_secs(3600);
 /// Largest request read from the egress.
 const MAX_REQUEST: u64 = 64 * 1024;
 
@@ -120,7 +125,10 @@ impl Refresher for HostCli {
         let home = std::env::var_os("HOME")
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from("/"));
-        let cfg = crate::user_config::load(&home).map_err(|e| format!("{e:#}"))?;
+        // The guest reads this reason: the configuration's own error (which may quote it)
+        // stays on the host.
+        let cfg = crate::user_config::load(&home)
+            .map_err(|_| "the host's Warren configuration could not be read".to_string())?;
         let argv = cfg
             .refresh
             .get(login.agent())
@@ -146,6 +154,9 @@ fn run_host_cli(argv: &[String], home: &Path, file: &Path) -> Result<(), String>
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .process_group(0);
+    // Killed with this process (the egress kills it when the VM stops): never left running
+    // past its timeout.
+    warren_vmm::sys::process::die_with_parent(&mut cmd);
     let mut child = cmd
         .spawn()
         .map_err(|e| format!("the host's {program} could not be started ({e})"))?;
@@ -184,7 +195,15 @@ pub fn refresh(login: Login, file: &Path, cli: &mut dyn Refresher) -> (u16, serd
             return (
                 503,
                 serde_json::json!({"error": "temporarily_unavailable",
-                    "error_description": format!("{e:#}")}),
+                "error_description": format!(
+                    "the host's {} login could not be locked for a refresh ({}); retry",
+                    login.agent(),
+                    e.root_cause()
+                        .downcast_ref::<std::io::Error>()
+                        .map_or("another refresh holds it".to_string(), |e| e
+                            .kind()
+                            .to_string())
+                )}),
             )
         }
     };
@@ -194,26 +213,45 @@ pub fn refresh(login: Login, file: &Path, cli: &mut dyn Refresher) -> (u16, serd
     }
     let record = failure_record(login, file);
     let why = match recent_failure(&record) {
-        Some((why, age)) => format!(
-            "{why} ({age}s ago; it is not run again until {}s have passed)",
-            FAILURE_BACKOFF.as_secs()
-        ),
+        Some((why, age, backoff)) => {
+            format!("{why} ({age}s ago; it is not run again until {backoff}s have passed)")
+        }
         None => {
-            let why = match cli.refresh(login, file) {
+            // Recorded before the run: a run cut short (its VM stopped) counts too, and a
+            // login whose record cannot be written is not refreshed at all.
+            if let Err(e) = record_failure(
+                &record,
+                FAILURE_BACKOFF,
+                "a refresh by the host's CLI was started and did not finish",
+            ) {
+                return (
+                    503,
+                    serde_json::json!({"error": "temporarily_unavailable",
+                    "error_description": format!(
+                        "the host's {} login has expired, and the refresh attempt could \
+                         not be recorded beside it ({}), so it is not made",
+                        login.agent(),
+                        e.kind()
+                    )}),
+                );
+            }
+            let (why, backoff) = match cli.refresh(login, file) {
                 Ok(()) => match read(file).and_then(|d| answer(login, &d, now())) {
                     Some(ok) => {
                         let _ = std::fs::remove_file(&record);
                         return (200, ok);
                     }
-                    None => format!(
-                        "the host's {} ran but its login in {} is still expired",
-                        login.agent(),
-                        file.display()
+                    None => (
+                        format!(
+                            "the host's {} ran but its login is still expired",
+                            login.agent()
+                        ),
+                        STILL_EXPIRED_BACKOFF,
                     ),
                 },
-                Err(why) => why,
+                Err(why) => (why, FAILURE_BACKOFF),
             };
-            record_failure(&record, &why);
+            let _ = record_failure(&record, backoff, &why);
             why
         }
     };
@@ -235,33 +273,35 @@ fn failure_record(login: Login, file: &Path) -> PathBuf {
         .join(format!(".warren-refresh-failed.{}", login.name()))
 }
 
-/// The reason and age in seconds of a failure recorded less than [`FAILURE_BACKOFF`] ago.
-fn recent_failure(record: &Path) -> Option<(String, i64)> {
-    let mut text = String::new();
+/// The reason, age and backoff in seconds of a failure recorded less than its backoff ago
+/// (`TIME BACKOFF` on the first line, the reason after it).
+fn recent_failure(record: &Path) -> Option<(String, i64, i64)> {
+    let mut bytes = Vec::new();
     std::fs::File::open(record)
         .ok()?
         .take(4096)
-        .read_to_string(&mut text)
+        .read_to_end(&mut bytes)
         .ok()?;
-    let (at, why) = text.split_once('\n')?;
+    let text = String::from_utf8_lossy(&bytes);
+    let (head, why) = text.split_once('\n')?;
+    let (at, backoff) = head.split_once(' ')?;
     let age = now() - at.parse::<i64>().ok()?;
-    let backoff = i64::try_from(FAILURE_BACKOFF.as_secs()).unwrap_or(i64::MAX);
-    (0..backoff).contains(&age).then(|| (why.to_string(), age))
+    let backoff = backoff.parse::<i64>().ok()?;
+    (0..backoff)
+        .contains(&age)
+        .then(|| (why.to_string(), age, backoff))
 }
 
-/// Remembers a failed host refresh (whole or not at all; a failure to write is only a
-/// lost backoff).
-fn record_failure(record: &Path, why: &str) {
-    let Some(dir) = record.parent() else { return };
-    let Ok(mut tmp) = tempfile::Builder::new()
+/// Remembers a refresh that did not renew the login for `backoff` (whole or not at all).
+fn record_failure(record: &Path, backoff: Duration, why: &str) -> std::io::Result<()> {
+    let dir = record.parent().unwrap_or(Path::new("/"));
+    let mut tmp = tempfile::Builder::new()
         .prefix(".warren-refresh-failed.")
-        .tempfile_in(dir)
-    else {
-        return;
-    };
-    if writeln!(tmp, "{}", now()).is_ok() && tmp.write_all(why.as_bytes()).is_ok() {
-        let _ = tmp.persist(record);
-    }
+        .tempfile_in(dir)?;
+    writeln!(tmp, "{} {}", now(), backoff.as_secs())?;
+    tmp.write_all(why.as_bytes())?;
+    tmp.persist(record).map_err(|e| e.error)?;
+    Ok(())
 }
 
 fn read(file: &Path) -> Option<serde_json::Value> {
@@ -421,10 +461,41 @@ mod tests {
         std::fs::write(&file, claude_doc(1000).to_string()).expect("w");
         let record = failure_record(Login::Claude, &file);
         let old = now() - i64::try_from(FAILURE_BACKOFF.as_secs()).expect("secs") - 1;
-        std::fs::write(&record, format!("{old}\nearlier")).expect("w");
+        std::fs::write(&record, format!("{old} 120\nearlier")).expect("w");
         let (code, _) = refresh(Login::Claude, &file, &mut cli);
         assert_eq!((code, cli.runs), (200, 2));
         assert!(!record.exists());
+    }
+
+    /// A CLI that succeeds without renewing the login is not run again for an hour; a
+    /// login whose attempt cannot be recorded is not refreshed at all (503, no run).
+    #[test]
+    fn test_refresh_backs_off_a_cli_that_renews_nothing_and_needs_its_record() {
+        struct Stale(u32);
+        impl Refresher for Stale {
+            fn refresh(&mut self, _: Login, _: &Path) -> Result<(), String> {
+                self.0 += 1;
+                Ok(())
+            }
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join(".credentials.json");
+        std::fs::write(&file, claude_doc(1000).to_string()).expect("w");
+        let mut cli = Stale(0);
+        assert_eq!(refresh(Login::Claude, &file, &mut cli).0, 401);
+        let (code, v) = refresh(Login::Claude, &file, &mut cli);
+        assert_eq!((code, cli.0), (401, 1), "{v}");
+        let text = v["error_description"].as_str().expect("description");
+        assert!(
+            text.contains("still expired") && text.contains("3600s"),
+            "{text}"
+        );
+
+        let record = failure_record(Login::Claude, &file);
+        std::fs::remove_file(&record).expect("rm");
+        std::fs::create_dir(&record).expect("a directory where the record goes");
+        let (code, v) = refresh(Login::Claude, &file, &mut cli);
+        assert_eq!((code, cli.0), (503, 1), "{v}");
     }
 
     #[test]

@@ -32,23 +32,29 @@ pub struct ServiceArgs {
     pub token_file: Option<PathBuf>,
 }
 
-/// Whether `HOST:PORT` names this host's loopback (`localhost`, 127.0.0.0/8, `[::1]`): the
-/// only places a bearer token is sent over plain HTTP.
-fn loopback_host(addr: &str) -> bool {
-    let host = match addr.strip_prefix('[') {
-        Some(rest) => rest.split_once(']').map_or(rest, |(h, _)| h),
-        None => addr.rsplit_once(':').map_or(addr, |(h, _)| h),
-    };
-    if host.eq_ignore_ascii_case("localhost") {
-        return true;
-    }
-    match host.parse::<std::net::IpAddr>() {
-        Ok(std::net::IpAddr::V6(ip)) => {
-            ip.is_loopback() || ip.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+/// `HOST:PORT` as the loopback socket address it names (`localhost`, 127.0.0.0/8, `[::1]`):
+/// the only places a bearer token is sent over plain HTTP. What is connected to is this
+/// address, not the text again (`localhost` is 127.0.0.1, never a name lookup).
+fn loopback_endpoint(addr: &str) -> Option<std::net::SocketAddr> {
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+    let (host, port) = addr.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    let ip = if host.eq_ignore_ascii_case("localhost") {
+        IpAddr::V4(Ipv4Addr::LOCALHOST)
+    } else {
+        let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']'));
+        match host {
+            Some(v6) => IpAddr::V6(v6.parse().ok()?),
+            None => IpAddr::V4(addr.rsplit_once(':')?.0.parse().ok()?),
         }
-        Ok(ip) => ip.is_loopback(),
-        Err(_) => false,
-    }
+    };
+    let loopback = match ip {
+        IpAddr::V6(v6) => {
+            v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+        IpAddr::V4(v4) => v4.is_loopback(),
+    };
+    loopback.then_some(SocketAddr::new(ip, port))
 }
 
 /// Any byte stream a WebSocket can run on.
@@ -162,14 +168,15 @@ impl Opener {
                 .ok_or_else(|| anyhow!("--endpoint takes http://HOST:PORT"))?
                 .trim_end_matches('/')
                 .to_string();
-            if !loopback_host(&addr) {
+            let Some(checked) = loopback_endpoint(&addr) else {
                 bail!(
                     "--endpoint http://{addr}: a token sent over plain HTTP to another host \
                      can be read on the way; reach a remote service through an encrypted \
                      tunnel that ends on this host (`ssh -L 8090:127.0.0.1:8090 HOST`, then \
                      --endpoint http://127.0.0.1:8090)"
                 );
-            }
+            };
+            let addr = checked.to_string();
             let token = std::fs::read_to_string(file)
                 .with_context(|| format!("reading {}", file.display()))?
                 .trim()
@@ -346,8 +353,12 @@ mod tests {
             "[::1]:8090",
             "[::ffff:127.0.0.1]:8090",
         ] {
-            assert!(loopback_host(ok), "{ok}");
+            assert!(loopback_endpoint(ok).is_some(), "{ok}");
         }
+        assert_eq!(
+            loopback_endpoint("localhost:8090"),
+            Some("127.0.0.1:8090".parse().expect("addr"))
+        );
         for bad in [
             "10.0.0.1:8090",
             "warren.internal:8090",
@@ -355,8 +366,11 @@ mod tests {
             "localhost.evil.example:8090",
             "127.0.0.1.nip.example:80",
             "0.0.0.0:8090",
+            "[::1]@evil.example:80",
+            "localhost:8090@evil",
+            "127.0.0.1",
         ] {
-            assert!(!loopback_host(bad), "{bad}");
+            assert!(loopback_endpoint(bad).is_none(), "{bad}");
         }
     }
 

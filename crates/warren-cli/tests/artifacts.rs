@@ -1,7 +1,8 @@
 //! Runtime artifacts on a real VM: the QEMU binary, firmware and kernel a VM was created with
 //! are recorded in its directory, and a launch on anything else (here: resuming it from
 //! hibernation) is refused with `integrity`, changing nothing; back on the recorded bytes, it
-//! resumes.
+//! resumes. The operator's `vm resume --accept-new-runtime` moves it to the host's QEMU: a
+//! fresh boot on its disk, held to the new QEMU from then on.
 
 mod common;
 
@@ -106,4 +107,69 @@ fn test_artifacts_changed_qemu_firmware_or_kernel_refuses_launch() {
     // The recorded bytes again: it resumes where it was.
     ok(&resume(&qemu), "resume on the recorded artifacts");
     assert_eq!(vm.sh("echo back").stdout.trim(), "back");
+
+    // Host updates the operator accepts. State in memory (/tmp is a tmpfs) and on the disk
+    // (synced) tells a restore from a fresh boot.
+    let mark = || {
+        let out = vm.sh("echo mem > /tmp/mem && echo disk > /var/tmp/disk && sync && echo ok");
+        assert_eq!(out.stdout.trim(), "ok");
+    };
+    let check = "test -e /tmp/mem && echo mem kept || echo mem lost; cat /var/tmp/disk";
+    let accept = |q: &Path| {
+        let out = with_qemu(
+            &vm.env,
+            q,
+            &["vm", "resume", &vm.id, "--accept-new-runtime"],
+        );
+        ok(&out, "resume, accepting the host's runtime");
+        assert_eq!(vm.state(), "running");
+    };
+    let hibernate = |q: &Path| {
+        ok(
+            &with_qemu(&vm.env, q, &["vm", "suspend", &vm.id, "--force"]),
+            "hibernate",
+        );
+        assert_eq!(vm.state(), "hibernated");
+    };
+    let recorded_qemu = || -> serde_json::Value {
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&record_path).expect("record"))
+                .expect("json");
+        r["qemu"]["path"].clone()
+    };
+    // 1. The same bytes at another path (the host's QEMU): refused, then accepted; the
+    //    checkpoint is restored (the memory kept).
+    mark();
+    hibernate(&qemu);
+    refused(&resume(&host_qemu), "QEMU binary");
+    accept(&host_qemu);
+    assert_eq!(vm.sh(check).stdout.trim(), "mem kept\ndisk");
+    assert_eq!(recorded_qemu(), host_qemu.to_str().expect("utf-8"));
+    // 2. Other bytes (a QEMU one byte longer): the checkpoint cannot be restored under it, so
+    //    the VM boots fresh on its disk (memory lost, files kept) and the checkpoint goes.
+    let updated = bin.path().join("qemu-updated");
+    std::fs::copy(&host_qemu, &updated).expect("copy qemu");
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&updated)
+            .expect("open");
+        f.write_all(b"\0").expect("append");
+    }
+    hibernate(&host_qemu);
+    refused(&resume(&updated), "QEMU binary");
+    assert_eq!(vm.state(), "hibernated");
+    accept(&updated);
+    assert_eq!(vm.sh(check).stdout.trim(), "mem lost\ndisk");
+    assert_eq!(recorded_qemu(), updated.to_str().expect("utf-8"));
+    assert!(
+        !vm.env.vm_dir(&vm.id).join("checkpoint.json").exists(),
+        "the checkpoint of the other QEMU was kept"
+    );
+    // Held to the new QEMU from then on: the old one is refused in turn.
+    hibernate(&updated);
+    refused(&resume(&host_qemu), "QEMU binary");
+    ok(&resume(&updated), "resume on the accepted QEMU");
+    assert_eq!(vm.sh("cat /var/tmp/disk").stdout.trim(), "disk");
 }

@@ -38,7 +38,11 @@ pub enum CoreError {
     CheckpointIncompatible(String),
     /// The QEMU binary, firmware or kernel a VM was created with is not what the host has
     /// now (`vm/artifacts.rs`): the launch is refused and nothing changes.
-    #[error("VM {vm} was created with another {artifact}: recorded {recorded}, found {found}; launch refused")]
+    #[error(
+        "VM {vm} was created with another {artifact}: recorded {recorded}, found {found}; \
+         launch refused (the operator may accept this host's: `warren vm resume {vm} \
+         --accept-new-runtime`)"
+    )]
     ArtifactChanged {
         vm: String,
         artifact: &'static str,

@@ -38,8 +38,8 @@ pub struct Forked {
     pub files: u64,
     pub symlinks: u64,
     pub bytes: u64,
-    /// Paths not copied (special files), with the reason: the first
-    /// [`crate::copy::MAX_SKIPPED_LISTED`].
+    /// Paths not copied (special files), with the reason: the first 1,000 (the rest are
+    /// counted).
     pub skipped: Vec<Skipped>,
     /// How many paths were not copied.
     pub skipped_total: u64,

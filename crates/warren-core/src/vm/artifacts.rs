@@ -15,6 +15,12 @@
 //!
 //! A VM created before this record existed gets it written at its next launch (with a
 //! warning): from then on it is held to those artifacts.
+//!
+//! The operator's way forward after a host update (a QEMU security release, say) is
+//! `warren vm resume VM --accept-new-runtime`: the host's artifacts are recorded for the VM,
+//! and a checkpoint taken under another QEMU or firmware (which microvm cannot restore) is
+//! dropped for a fresh boot on the VM's disk: files kept, processes and memory lost. It is
+//! the operator's (the CLI on the state directory), never a token holder's.
 
 use std::path::{Path, PathBuf};
 
@@ -123,6 +129,20 @@ impl RuntimeArtifacts {
         let body = serde_json::to_vec_pretty(self).expect("invariant: record serialises");
         super::write_private(&Self::path(dir), &body)
     }
+
+    /// Replaces the record whole (a new file renamed over it).
+    fn replace(&self, dir: &VmDir) -> Result<(), CoreError> {
+        let path = Self::path(dir);
+        let staged = path.with_extension("json.new");
+        match std::fs::remove_file(&staged) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(CoreError::io("remove", staged, e)),
+        }
+        let body = serde_json::to_vec_pretty(self).expect("invariant: record serialises");
+        super::write_private(&staged, &body)?;
+        std::fs::rename(&staged, &path).map_err(|e| CoreError::io("rename", path, e))
+    }
 }
 
 impl super::Warren {
@@ -140,6 +160,41 @@ impl super::Warren {
             "runtime artifacts recorded"
         );
         Ok(())
+    }
+
+    /// The operator's acceptance of the host's artifacts for VM `id` (`warren vm resume
+    /// --accept-new-runtime`, after a QEMU, firmware or kernel update): they are recorded as
+    /// the ones it runs on from now on, each change logged. Returns whether any changed.
+    pub(super) fn accept_artifacts(
+        &self,
+        id: &str,
+        dir: &VmDir,
+        image: &VerifiedImage,
+    ) -> Result<bool, CoreError> {
+        let now = RuntimeArtifacts::current(image, &super::probe_cache_dir(&self.cfg.state_dir))?;
+        let recorded = RuntimeArtifacts::load(dir)?;
+        if recorded.as_ref() == Some(&now) {
+            return Ok(false);
+        }
+        if let Some(recorded) = &recorded {
+            for (what, was, is) in [
+                ("QEMU binary", &recorded.qemu, &now.qemu),
+                ("firmware", &recorded.firmware, &now.firmware),
+                ("kernel", &recorded.kernel, &now.kernel),
+            ] {
+                if was != is {
+                    tracing::warn!(
+                        vm = %id,
+                        artifact = what,
+                        recorded = %format!("{} sha256 {}", was.path.display(), was.sha256),
+                        now = %format!("{} sha256 {}", is.path.display(), is.sha256),
+                        "runtime artifact changed; accepted by the operator"
+                    );
+                }
+            }
+        }
+        now.replace(dir)?;
+        Ok(true)
     }
 
     /// Refuses to launch VM `id` unless the host's artifacts are the ones it was created

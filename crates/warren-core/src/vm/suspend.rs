@@ -127,17 +127,30 @@ impl Warren {
     /// or hibernated (refused by the host's limits, say), makes its own attempt once: its
     /// answer is then its own refusal, not "hibernated".
     pub async fn resume_vm(&self, id: &str) -> Result<VmRecord, CoreError> {
-        match self.resume_once(id).await {
+        self.resume_with(id, false).await
+    }
+
+    /// The operator's resume after a host update (`warren vm resume --accept-new-runtime`,
+    /// `vm/artifacts.rs`): a hibernated VM is held to the host's QEMU, firmware and kernel
+    /// from now on, and a checkpoint taken under another QEMU or firmware is dropped for a
+    /// fresh boot on its disk (its memory lost; its generation moves on). Otherwise as
+    /// [`Self::resume_vm`].
+    pub async fn resume_vm_on_new_runtime(&self, id: &str) -> Result<VmRecord, CoreError> {
+        self.resume_with(id, true).await
+    }
+
+    async fn resume_with(&self, id: &str, accept: bool) -> Result<VmRecord, CoreError> {
+        match self.resume_once(id, accept).await {
             Err(CoreError::VmNotRunning { state, .. })
                 if state == VmState::Hibernated.as_str() || state == VmState::Paused.as_str() =>
             {
-                self.resume_once(id).await
+                self.resume_once(id, accept).await
             }
             r => r,
         }
     }
 
-    async fn resume_once(&self, id: &str) -> Result<VmRecord, CoreError> {
+    async fn resume_once(&self, id: &str, accept: bool) -> Result<VmRecord, CoreError> {
         let mut rec = self.get_vm(id)?;
         let dir = self.vm_dir(id);
         match rec.state {
@@ -176,14 +189,22 @@ impl Warren {
                 // still be the image the VM was created from.
                 let image_id = warren_image::ImageId::parse(&rec.image_id)?;
                 let image = self.verify_image(&image_id)?;
-                // The QEMU, firmware and kernel it was created with, exactly.
-                self.check_artifacts(id, &dir, &image)?;
+                // The QEMU, firmware and kernel it was created with, exactly (or the host's,
+                // accepted by the operator).
                 let (qemu, firmware) = warren_supervisor::vmm_digests();
-                if ck.qemu_sha256 != qemu || ck.firmware_sha256 != firmware {
-                    return Err(CoreError::CheckpointIncompatible(format!(
-                        "{id} was hibernated under another QEMU binary or firmware \
-                         (microvm has no versioned machine types); reinstall that QEMU to resume it"
-                    )));
+                let other_vmm = ck.qemu_sha256 != qemu || ck.firmware_sha256 != firmware;
+                if accept {
+                    self.accept_artifacts(id, &dir, &image)?;
+                } else {
+                    self.check_artifacts(id, &dir, &image)?;
+                    if other_vmm {
+                        return Err(CoreError::CheckpointIncompatible(format!(
+                            "{id} was hibernated under another QEMU binary or firmware \
+                             (microvm has no versioned machine types); reinstall that QEMU to \
+                             resume it, or boot it fresh on this one, its memory lost \
+                             (the operator's `warren vm resume {id} --accept-new-runtime`)"
+                        )));
+                    }
                 }
                 let mut cfg: SupervisorConfig = serde_json::from_slice(
                     &std::fs::read(dir.config())
@@ -213,10 +234,11 @@ impl Warren {
                 // supervisor.
                 let engine = self.share();
                 let id = id.to_string();
-                let task =
-                    tokio::spawn(
-                        async move { engine.restore_hibernated(&id, rec, cfg, image).await },
-                    );
+                let task = tokio::spawn(async move {
+                    engine
+                        .restore_hibernated(&id, rec, cfg, image, other_vmm)
+                        .await
+                });
                 return match task.await {
                     Ok(r) => r,
                     Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
@@ -244,13 +266,15 @@ impl Warren {
     /// VM's transition lock (listings leave the VM alone while no supervisor holds its own
     /// lock; held by another caller, that caller is resuming it), reserves its memory,
     /// launches the restoring supervisor, and boots the VM fresh on its disk when the
-    /// checkpoint cannot be restored.
+    /// checkpoint cannot be restored. `fresh`: the checkpoint is not tried (taken under
+    /// another QEMU or firmware, which the operator accepted).
     async fn restore_hibernated(
         &self,
         id: &str,
         mut rec: VmRecord,
         cfg: SupervisorConfig,
         image: warren_image::VerifiedImage,
+        fresh: bool,
     ) -> Result<VmRecord, CoreError> {
         let dir = self.vm_dir(id);
         let Some(transition) = begin_transition(&dir).await? else {
@@ -277,7 +301,14 @@ impl Warren {
             self.store.set_state(id, VmState::Hibernated, None, None)?;
             return Err(e);
         }
-        if let Err(e) = self.launch_and_wait(&dir).await {
+        let launched = if fresh {
+            Err(CoreError::CheckpointIncompatible(
+                "it was taken under another QEMU binary or firmware".into(),
+            ))
+        } else {
+            self.launch_and_wait(&dir).await.map(|_| ())
+        };
+        if let Err(e) = launched {
             // The checkpoint cannot be restored: its memory is lost. Never retried onto
             // another memory image; the VM boots fresh on its disk instead.
             tracing::warn!(vm = %id, error = %e, "restoring the checkpoint failed; booting the VM fresh");

@@ -245,6 +245,25 @@ pub fn set_umask(cmd: &mut std::process::Command, mask: u32) {
     }
 }
 
+/// Has the child killed (SIGKILL) when the thread that spawned it exits. The spawner must not
+/// be a thread that ends before the process it waits for.
+pub fn die_with_parent(cmd: &mut std::process::Command) {
+    let parent = nix::unistd::getpid();
+    // SAFETY: runs in the forked child before exec; prctl and getppid are
+    // async-signal-safe syscalls.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+                .map_err(std::io::Error::from)?;
+            // The parent may have died between fork and prctl.
+            if nix::unistd::getppid() != parent {
+                return Err(std::io::Error::other("the parent exited during spawn"));
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Marks every descriptor from `first` up close-on-exec (`close_range(CLOSE_RANGE_CLOEXEC)`),
 /// so nothing but what a spawn passes on purpose reaches the program it runs.
 /// Async-signal-safe (one raw syscall).
