@@ -95,7 +95,11 @@ fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, ServeError> {
     let trusted = |d: &Path| warren_core::trusted_dir::check(d).map_err(crate::ApiError::from);
     let mut existing = parent;
     while !existing.exists() {
-        existing = existing.parent().unwrap_or(Path::new("/"));
+        existing = match existing.parent() {
+            Some(p) if p.as_os_str().is_empty() => Path::new("."),
+            Some(p) => p,
+            None => Path::new("/"),
+        };
     }
     trusted(existing)?;
     std::fs::create_dir_all(parent).map_err(io("create", parent.display()))?;

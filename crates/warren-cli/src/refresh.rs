@@ -142,8 +142,11 @@ impl Refresher for HostCli {
 /// input and its output discarded, in a process group of its own that is killed after
 /// [`HOST_CLI_TIMEOUT`].
 fn run_host_cli(argv: &[String], home: &Path, file: &Path) -> Result<(), String> {
-    let program = &argv[0];
-    let mut cmd = Command::new(program);
+    let mut cmd = Command::new(&argv[0]);
+    // The guest reads the reasons below: the program's name, not where the host keeps it.
+    let program = Path::new(&argv[0])
+        .file_name()
+        .map_or_else(|| "CLI".into(), |n| n.to_string_lossy().into_owned());
     cmd.args(&argv[1..])
         .current_dir(if home.is_dir() {
             home
@@ -154,30 +157,48 @@ fn run_host_cli(argv: &[String], home: &Path, file: &Path) -> Result<(), String>
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .process_group(0);
-    // Killed with this process (the egress kills it when the VM stops): never left running
-    // past its timeout.
+    // The CLI dies with this process (the egress kills that when the VM stops or its rule's
+    // timeout passes); what the CLI started in its group is killed when it ends here.
     warren_vmm::sys::process::die_with_parent(&mut cmd);
     let mut child = cmd
         .spawn()
         .map_err(|e| format!("the host's {program} could not be started ({e})"))?;
     let deadline = Instant::now() + HOST_CLI_TIMEOUT;
+    let pid = i32::try_from(child.id())
+        .map(nix::unistd::Pid::from_raw)
+        .map_err(|_| format!("the host's {program} has no process id"))?;
+    // What the CLI left in its group goes with it. Sent while the CLI is a zombie not yet
+    // reaped, so its id (the group's) cannot be another process's.
+    let end_group = || {
+        let _ = nix::sys::signal::killpg(pid, nix::sys::signal::Signal::SIGKILL);
+    };
+    use nix::sys::wait::{waitid, Id, WaitPidFlag};
     loop {
-        match child.try_wait() {
-            Ok(Some(status)) if status.success() => return Ok(()),
-            Ok(Some(status)) => return Err(format!("the host's {program} failed ({status})")),
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
-            Ok(None) | Err(_) => {
-                if let Ok(pid) = i32::try_from(child.id()) {
-                    let _ = nix::sys::signal::killpg(
-                        nix::unistd::Pid::from_raw(pid),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                }
+        let exited = waitid(
+            Id::Pid(pid),
+            WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT,
+        );
+        match exited {
+            Ok(nix::sys::wait::WaitStatus::StillAlive) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Ok(nix::sys::wait::WaitStatus::StillAlive) | Err(_) => {
+                end_group();
                 let _ = child.wait();
                 return Err(format!(
                     "the host's {program} did not finish within {}s",
                     HOST_CLI_TIMEOUT.as_secs()
                 ));
+            }
+            Ok(_) => {
+                end_group();
+                return match child.wait() {
+                    Ok(status) if status.success() => Ok(()),
+                    Ok(status) => Err(format!("the host's {program} failed ({status})")),
+                    Err(e) => Err(format!(
+                        "the host's {program} could not be waited for ({e})"
+                    )),
+                };
             }
         }
     }
@@ -507,5 +528,20 @@ mod tests {
         let e = run_host_cli(&["/bin/false".into()], dir.path(), &f).expect_err("fails");
         assert!(e.contains("failed"), "{e}");
         run_host_cli(&["/bin/true".into()], dir.path(), &f).expect("succeeds");
+        // What the CLI left running in its group ends with it.
+        let pidfile = dir.path().join("bg.pid");
+        let script = format!("sleep 1000 & echo $! > {}; exit 0", pidfile.display());
+        run_host_cli(&["/bin/sh".into(), "-c".into(), script], dir.path(), &f).expect("ok");
+        let bg = std::fs::read_to_string(&pidfile).expect("pid");
+        let stat = format!("/proc/{}/stat", bg.trim());
+        let gone = (0..100).any(|_| {
+            let alive = std::fs::read_to_string(&stat)
+                .is_ok_and(|st| st.rsplit(')').next().is_some_and(|r| !r.starts_with(" Z")));
+            if alive {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            !alive
+        });
+        assert!(gone, "the CLI's background process outlived it");
     }
 }

@@ -165,6 +165,11 @@ struct BinaryIdentity {
     ino: u64,
     size: u64,
     mtime_ns: i128,
+    /// Set by the kernel on every change (unlike mtime, which a writer may set back): a
+    /// binary rewritten in place with its old mtime is rehashed. Records written before it
+    /// read as 0 and never match.
+    #[serde(default)]
+    ctime_ns: i128,
     sha256: String,
 }
 
@@ -235,7 +240,7 @@ pub fn write_private(path: &Path, body: &[u8]) -> std::io::Result<()> {
 }
 
 /// SHA-256 of a host binary (QEMU, firmware), recomputed only when its identity (device,
-/// inode, size, mtime) changes: hashing QEMU costs ~200 ms, too much for every create or
+/// inode, size, mtime, ctime) changes: hashing QEMU costs ~200 ms, too much for every create or
 /// resume. The record lives in `cache_dir`, named after the file, when that directory is
 /// [`private_dir`] (otherwise the binary is hashed every time).
 pub fn file_digest(qemu: &Path, cache_dir: &Path) -> Result<String, VmmError> {
@@ -248,6 +253,7 @@ pub fn file_digest(qemu: &Path, cache_dir: &Path) -> Result<String, VmmError> {
         ino: meta.ino(),
         size: meta.size(),
         mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+        ctime_ns: i128::from(meta.ctime()) * 1_000_000_000 + i128::from(meta.ctime_nsec()),
         sha256: String::new(),
     };
     let name = qemu
@@ -352,6 +358,7 @@ mod tests {
                 ino: meta.ino(),
                 size: meta.size(),
                 mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+                ctime_ns: i128::from(meta.ctime()) * 1_000_000_000 + i128::from(meta.ctime_nsec()),
                 sha256: "f".repeat(64),
             }
         };

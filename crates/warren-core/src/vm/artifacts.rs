@@ -141,6 +141,9 @@ impl RuntimeArtifacts {
         }
         let body = serde_json::to_vec_pretty(self).expect("invariant: record serialises");
         super::write_private(&staged, &body)?;
+        std::fs::File::open(&staged)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| CoreError::io("sync", &staged, e))?;
         std::fs::rename(&staged, &path).map_err(|e| CoreError::io("rename", path, e))
     }
 }
@@ -164,7 +167,11 @@ impl super::Warren {
 
     /// The operator's acceptance of the host's artifacts for VM `id` (`warren vm resume
     /// --accept-new-runtime`, after a QEMU, firmware or kernel update): they are recorded as
-    /// the ones it runs on from now on, each change logged. Returns whether any changed.
+    /// the ones it runs on from now on, each change logged. Returns whether the QEMU or
+    /// firmware bytes differ from those it last launched on (a record that cannot be read
+    /// counts as differing): a checkpoint is then never restored, whatever digest it carries
+    /// (a binary replaced in place while the VM ran is hashed anew at the hibernation, but
+    /// the state was saved by the old process).
     pub(super) fn accept_artifacts(
         &self,
         id: &str,
@@ -172,10 +179,19 @@ impl super::Warren {
         image: &VerifiedImage,
     ) -> Result<bool, CoreError> {
         let now = RuntimeArtifacts::current(image, &super::probe_cache_dir(&self.cfg.state_dir))?;
-        let recorded = RuntimeArtifacts::load(dir)?;
+        let recorded = match RuntimeArtifacts::load(dir) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(vm = %id, error = %e, "the VM's record of its runtime artifacts is unreadable; replaced");
+                None
+            }
+        };
         if recorded.as_ref() == Some(&now) {
             return Ok(false);
         }
+        let other_bytes = recorded.as_ref().is_none_or(|r| {
+            r.qemu.sha256 != now.qemu.sha256 || r.firmware.sha256 != now.firmware.sha256
+        });
         if let Some(recorded) = &recorded {
             for (what, was, is) in [
                 ("QEMU binary", &recorded.qemu, &now.qemu),
@@ -194,7 +210,7 @@ impl super::Warren {
             }
         }
         now.replace(dir)?;
-        Ok(true)
+        Ok(other_bytes)
     }
 
     /// Refuses to launch VM `id` unless the host's artifacts are the ones it was created

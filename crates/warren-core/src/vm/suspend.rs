@@ -192,9 +192,9 @@ impl Warren {
                 // The QEMU, firmware and kernel it was created with, exactly (or the host's,
                 // accepted by the operator).
                 let (qemu, firmware) = warren_supervisor::vmm_digests();
-                let other_vmm = ck.qemu_sha256 != qemu || ck.firmware_sha256 != firmware;
+                let mut other_vmm = ck.qemu_sha256 != qemu || ck.firmware_sha256 != firmware;
                 if accept {
-                    self.accept_artifacts(id, &dir, &image)?;
+                    other_vmm |= self.accept_artifacts(id, &dir, &image)?;
                 } else {
                     self.check_artifacts(id, &dir, &image)?;
                     if other_vmm {

@@ -92,7 +92,8 @@ fn confine_in(
                 .map_err(std::io::Error::from)?;
             // The parent may have died between fork and prctl.
             if nix::unistd::getppid().as_raw() == 1 {
-                return Err(std::io::Error::other("supervisor exited during spawn"));
+                // No allocation in the forked child: an errno, not a message.
+                return Err(std::io::Error::from_raw_os_error(nix::libc::ESRCH));
             }
             Ok(())
         });
@@ -226,7 +227,8 @@ pub fn take_on(
             nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
                 .map_err(std::io::Error::from)?;
             if nix::unistd::getppid().as_raw() == 1 {
-                return Err(std::io::Error::other("supervisor exited during spawn"));
+                // No allocation in the forked child: an errno, not a message.
+                return Err(std::io::Error::from_raw_os_error(nix::libc::ESRCH));
             }
             Ok(())
         });
@@ -256,8 +258,9 @@ pub fn die_with_parent(cmd: &mut std::process::Command) {
             nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
                 .map_err(std::io::Error::from)?;
             // The parent may have died between fork and prctl.
+            // No allocation in the forked child: an errno, not a message.
             if nix::unistd::getppid() != parent {
-                return Err(std::io::Error::other("the parent exited during spawn"));
+                return Err(std::io::Error::from_raw_os_error(nix::libc::ESRCH));
             }
             Ok(())
         });
