@@ -206,14 +206,40 @@ const ADDED_SESSION_COLUMNS: &[(&str, &str)] = &[
 /// files the database file's mode), and existing WAL and shared-memory files are narrowed.
 /// Every opener of the state database goes through this (the service, the CLI's `token`),
 /// whichever creates the file first.
+///
+/// Never opens a descriptor of an existing database file itself: closing one drops every
+/// POSIX lock this process holds on the file, the locks of SQLite connections already open
+/// in it included (the service opens the store, then the credentials and receipts). A new
+/// file is created (`O_EXCL`, 0600) and closed before any connection exists; an existing one
+/// is narrowed by path.
 pub fn open_private(path: &Path) -> Result<Connection, rusqlite::Error> {
+    use std::os::unix::fs::OpenOptionsExt;
     let private = |e: std::io::Error| {
         rusqlite::Error::SqliteFailure(
             rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CANTOPEN),
             Some(format!("{}: {e}", path.display())),
         )
     };
-    drop(warren_vmm::sys::private_file::create(path, true).map_err(private)?);
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(warren_vmm::sys::private_file::MODE)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(new) => drop(new),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            if std::fs::symlink_metadata(path)
+                .map_err(private)?
+                .file_type()
+                .is_symlink()
+            {
+                return Err(private(std::io::Error::other("a symlink")));
+            }
+            warren_vmm::sys::private_file::restrict(path).map_err(private)?;
+        }
+        Err(e) => return Err(private(e)),
+    }
     for suffix in ["-wal", "-shm"] {
         let mut p = path.as_os_str().to_owned();
         p.push(suffix);
