@@ -92,10 +92,13 @@ mod tests {
         assert!(!out.exists());
 
         let config = dir.path().join("warren.toml");
-        std::fs::write(&config, "[http]\nlisten = \"127.0.0.1:18123\"\n").expect("write");
-        assert_eq!(run(&config, &out).expect("run"), 0);
-        let text =
-            std::fs::read_to_string(out.join("warren.socket.d").join(DROP_IN)).expect("drop-in");
+        // The drop-in written into `to` for a configuration file of `text`.
+        let drop_in = |text: &str, to: &Path| {
+            std::fs::write(&config, text).expect("write");
+            assert_eq!(run(&config, to).expect("run"), 0);
+            std::fs::read_to_string(to.join("warren.socket.d").join(DROP_IN)).expect("drop-in")
+        };
+        let text = drop_in("[http]\nlisten = \"127.0.0.1:18123\"\n", &out);
         let lines: Vec<_> = text.lines().filter(|l| !l.starts_with('#')).collect();
         let mut want = vec!["[Socket]", "ListenStream=", "ListenStream=127.0.0.1:18123"];
         if std::path::Path::new("/proc/net/if_inet6").exists() {
@@ -103,35 +106,25 @@ mod tests {
         }
         assert_eq!(lines, want);
         // The package's file before it is configured (its placeholder image) names the port.
-        std::fs::write(
-            &config,
+        let placeholder = drop_in(
             "state_dir = \"/var/lib/warren\"\n[images.dev]\nid = \"REPLACE\"\n",
-        )
-        .expect("write");
-        assert_eq!(run(&config, &out).expect("run"), 0);
-        let text =
-            std::fs::read_to_string(out.join("warren.socket.d").join(DROP_IN)).expect("drop-in");
-        assert!(text.contains("\nListenStream=127.0.0.1:8090\n"), "{text}");
-        std::fs::write(&config, "[http]\nlisten = \"127.0.0.1:18123\"\n").expect("write");
-        assert_eq!(run(&config, &out).expect("run"), 0);
-        let text =
-            std::fs::read_to_string(out.join("warren.socket.d").join(DROP_IN)).expect("drop-in");
+            &out,
+        );
+        assert!(
+            placeholder.contains("\nListenStream=127.0.0.1:8090\n"),
+            "{placeholder}"
+        );
+        let text = drop_in("[http]\nlisten = \"127.0.0.1:18123\"\n", &out);
 
         // A scoped address's `%` is written as a unit file's literal percent sign, and an
         // IPv4-mapped address as the IPv4 address (the unit's sockets are IPv6-only).
         let other = dir.path().join("other");
-        std::fs::write(&config, "[http]\nlisten = \"[fe80::1%2]:18123\"\n").expect("write");
-        run(&config, &other).expect("run");
-        let scoped =
-            std::fs::read_to_string(other.join("warren.socket.d").join(DROP_IN)).expect("drop-in");
+        let scoped = drop_in("[http]\nlisten = \"[fe80::1%2]:18123\"\n", &other);
         assert!(
             scoped.contains("\nListenStream=[fe80::1%%2]:18123\n"),
             "{scoped}"
         );
-        std::fs::write(&config, "[http]\nlisten = \"[::ffff:127.0.0.1]:18123\"\n").expect("write");
-        run(&config, &other).expect("run");
-        let mapped =
-            std::fs::read_to_string(other.join("warren.socket.d").join(DROP_IN)).expect("drop-in");
+        let mapped = drop_in("[http]\nlisten = \"[::ffff:127.0.0.1]:18123\"\n", &other);
         assert!(
             mapped.contains("\nListenStream=127.0.0.1:18123\n"),
             "{mapped}"

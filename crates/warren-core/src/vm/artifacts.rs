@@ -132,19 +132,8 @@ impl RuntimeArtifacts {
 
     /// Replaces the record whole (a new file renamed over it).
     fn replace(&self, dir: &VmDir) -> Result<(), CoreError> {
-        let path = Self::path(dir);
-        let staged = path.with_extension("json.new");
-        match std::fs::remove_file(&staged) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(CoreError::io("remove", staged, e)),
-        }
         let body = serde_json::to_vec_pretty(self).expect("invariant: record serialises");
-        super::write_private(&staged, &body)?;
-        std::fs::File::open(&staged)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| CoreError::io("sync", &staged, e))?;
-        std::fs::rename(&staged, &path).map_err(|e| CoreError::io("rename", path, e))
+        super::replace_private(&Self::path(dir), &body)
     }
 }
 

@@ -482,6 +482,22 @@ fn write_private(path: &Path, data: &[u8]) -> Result<(), CoreError> {
         .map_err(|e| CoreError::io("write", path, e))
 }
 
+/// Replaces `path` with `data` in one step: a new private file beside it (`.new`), synced,
+/// then renamed over it.
+fn replace_private(path: &Path, data: &[u8]) -> Result<(), CoreError> {
+    let tmp = path.with_extension("new");
+    match std::fs::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(CoreError::io("remove", &tmp, e)),
+    }
+    write_private(&tmp, data)?;
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| CoreError::io("sync", &tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| CoreError::io("rename", path, e))
+}
+
 fn tail(path: &Path, n: usize) -> String {
     let s = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = s.lines().collect();

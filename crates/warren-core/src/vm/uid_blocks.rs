@@ -106,7 +106,10 @@ fn base_in(
         if k < MAX_BLOCKS && read_small(&block_file(registry, k))?.as_deref() == Some(&state_text) {
             if !reserved_block(k) {
                 if read_small(&dev_file(registry, k))?.is_none() {
-                    write_replace(&dev_file(registry, k), state_dev.to_string().as_bytes())?;
+                    super::replace_private(
+                        &dev_file(registry, k),
+                        state_dev.to_string().as_bytes(),
+                    )?;
                 }
                 return Ok(base(k));
             }
@@ -147,9 +150,9 @@ fn base_in(
                 }
             }
         }
-        write_replace(&dev_file(registry, k), state_dev.to_string().as_bytes())?;
-        write_replace(&file, state_text.as_bytes())?;
-        write_replace(&index, k.to_string().as_bytes())?;
+        super::replace_private(&dev_file(registry, k), state_dev.to_string().as_bytes())?;
+        super::replace_private(&file, state_text.as_bytes())?;
+        super::replace_private(&index, k.to_string().as_bytes())?;
         tracing::info!(block = k, state = %state_text, first_uid = base(k), "uid block claimed");
         return Ok(base(k));
     }
@@ -246,18 +249,6 @@ fn read_small(path: &Path) -> Result<Option<String>, CoreError> {
         .read_to_string(&mut text)
         .map_err(|e| CoreError::io("read", path, e))?;
     Ok(Some(text))
-}
-
-/// Replaces `path` with `data` in one step (a new file, then a rename over it).
-fn write_replace(path: &Path, data: &[u8]) -> Result<(), CoreError> {
-    let tmp = path.with_extension("new");
-    match std::fs::remove_file(&tmp) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(CoreError::io("remove", &tmp, e)),
-    }
-    super::write_private(&tmp, data)?;
-    std::fs::rename(&tmp, path).map_err(|e| CoreError::io("rename", path, e))
 }
 
 /// The uid and gid ranges `(start, count)` of `/etc/subuid` and `/etc/subgid`.
