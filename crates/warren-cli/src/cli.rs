@@ -482,8 +482,8 @@ pub enum VmCmd {
         dst: String,
         /// Copying out of the VM: at most this many MiB on disk, each file counted in whole
         /// 4 KiB blocks and every entry as at least one (the guest decides what it sends).
-        /// Default: the destination's free space less 5% of its file system or 1 GiB,
-        /// whichever is more.
+        /// Default: the destination's free space (a file system's reserve for root not
+        /// counted) less 1 GiB, or less 5% of a file system smaller than 20 GiB.
         #[arg(long)]
         max_mib: Option<u64>,
         /// Gives up when the guest sends nothing (copying out) or takes nothing (copying

@@ -76,9 +76,12 @@ pub async fn cp(
     }
 }
 
-/// Free space kept on the destination of a copy out of a VM without `--max-mib`: 5% of its
-/// file system, at least this much.
-const MIN_KEPT_FREE: u64 = 1 << 30;
+/// Free space kept on the destination of a copy out of a VM without `--max-mib`, or 5% of a
+/// file system smaller than 20 GiB. The free space counted is what unprivileged users may
+/// take (`f_bavail`): a file system's reserve for root is never counted, so this is a margin
+/// on top of it. (A share of the whole size was too much: a 250 GiB disk whose root reserve
+/// left 12 GiB free refused to copy a 10-byte file.)
+const KEPT_FREE: u64 = 1 << 30;
 
 /// Seconds a copy waits for the guest's next bytes (or for it to take ours) before it gives
 /// up, unless `--idle-timeout` says otherwise.
@@ -110,8 +113,8 @@ impl std::fmt::Display for Idle {
 impl std::error::Error for Idle {}
 
 /// How much a copy out of a VM into the directory `to` (open as `to_fd`) may take on disk:
-/// `max_mib` when given, else what its file system has free less 5% of its size (at least
-/// [`MIN_KEPT_FREE`]); and the words that say so.
+/// `max_mib` when given, else what its file system has free less [`KEPT_FREE`]; and the
+/// words that say so.
 fn download_limit(to_fd: &OwnedFd, to: &Path, max_mib: Option<u64>) -> Result<(u64, String)> {
     if let Some(mib) = max_mib {
         return Ok((mib.saturating_mul(1 << 20), format!("--max-mib {mib}")));
@@ -121,7 +124,7 @@ fn download_limit(to_fd: &OwnedFd, to: &Path, max_mib: Option<u64>) -> Result<(u
     let unit = fs.f_frsize;
     let size = fs.f_blocks.saturating_mul(unit);
     let free = fs.f_bavail.saturating_mul(unit);
-    let keep = (size / 20).max(MIN_KEPT_FREE);
+    let keep = kept_free(size);
     Ok((
         free.saturating_sub(keep),
         format!(
@@ -130,6 +133,11 @@ fn download_limit(to_fd: &OwnedFd, to: &Path, max_mib: Option<u64>) -> Result<(u
             keep >> 20
         ),
     ))
+}
+
+/// What a copy out of a VM leaves free on a file system of `size` bytes ([`KEPT_FREE`]).
+fn kept_free(size: u64) -> u64 {
+    (size / 20).min(KEPT_FREE)
 }
 
 pub(crate) async fn upload(
@@ -521,5 +529,15 @@ mod tests {
         );
         assert_eq!(parse_place("./a:/b"), Place::Host("./a:/b".into()));
         assert_eq!(parse_place("vm:rel"), Place::Host("vm:rel".into()));
+    }
+
+    /// The margin a copy leaves is 1 GiB on a large disk (a share of its size refused a
+    /// 10-byte copy on a 250 GiB disk with 12 GiB free) and 5% of a small one.
+    #[test]
+    fn test_kept_free_is_a_margin_not_a_share_of_a_large_disk() {
+        assert_eq!(kept_free(250 << 30), 1 << 30);
+        assert_eq!(kept_free(20 << 30), 1 << 30);
+        assert_eq!(kept_free(2 << 30), (2u64 << 30) / 20);
+        assert_eq!(kept_free(0), 0);
     }
 }

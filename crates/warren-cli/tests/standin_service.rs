@@ -204,7 +204,7 @@ fn test_a_copy_out_stopped_by_a_signal_leaves_nothing() {
 }
 
 /// A copy out of the guest holds at most `--max-mib` of file content, and by default what
-/// the destination's file system has free less 5% of its size: a file claiming more is
+/// the destination's file system has free less 1 GiB: a file claiming more is
 /// refused before any of it is written, the error says which limit, and nothing is left.
 /// (Before, a copy had no limit of its own: the guest could fill the host's disk.) Control:
 /// `test_a_copy_out_stopped_by_a_signal_leaves_nothing`, where a copy under its limit
