@@ -554,8 +554,11 @@ async fn file_api(w: &Warren, vm: &str, data: &[u8]) -> Result<(f64, f64)> {
     let write = mib / t.elapsed().as_secs_f64();
     let mut got = 0usize;
     let t = Instant::now();
-    w.read_file(vm, "bench.bin", &mut |d| got += d.len())
-        .await?;
+    w.read_file(vm, "bench.bin", &mut |d| {
+        got += d.len();
+        Ok(())
+    })
+    .await?;
     let read = mib / t.elapsed().as_secs_f64();
     if got != data.len() {
         bail!("the file API read {got} of {} bytes", data.len());

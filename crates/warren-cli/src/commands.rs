@@ -664,20 +664,31 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
         } => {
             let w = open(cli, None)?;
             let mut out = std::io::stdout().lock();
-            let mut err = None;
-            let (_, version) = w
+            // The first failed write ends the read (nothing more is asked of the guest); a
+            // reader that went away (`| head`) ends it quietly with the status of a process
+            // SIGPIPE ended, as `println!` does here (`main::quiet_on_closed_stdout`).
+            let mut failed = None;
+            let read = w
                 .read_file(vm, path, &mut |d| {
-                    if err.is_none() {
-                        if let Err(e) = out.write_all(d) {
-                            err = Some(e);
-                        }
-                    }
+                    out.write_all(d).map_err(|e| {
+                        let kind = e.kind();
+                        failed = Some(e);
+                        std::io::Error::from(kind)
+                    })
                 })
-                .await?;
-            if let Some(e) = err {
-                bail!("writing to stdout: {e}");
+                .await;
+            let written = match failed {
+                None => out.flush(),
+                Some(e) => Err(e),
+            };
+            match written {
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                    return Ok(128 + nix::libc::SIGPIPE)
+                }
+                Err(e) => bail!("writing to stdout: {e}"),
+                Ok(()) => {}
             }
-            out.flush()?;
+            let (_, version) = read?;
             if *print_version {
                 match version {
                     Some(v) => eprintln!("version: {}", version_hex(&v)),

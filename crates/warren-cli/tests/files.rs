@@ -47,6 +47,37 @@ fn test_files_roundtrip_larger_than_chunk() {
     // The guest sees the same bytes, owned by the unprivileged user.
     let r = vm.sh("wc -c < dir/sub/blob.bin; stat -c %u dir/sub/blob.bin");
     assert_eq!(r.stdout, format!("{}\n1000\n", data.len()));
+
+    // A reader that goes away (`vm read | head`) ends the read quietly with the status of a
+    // process SIGPIPE ended (141, as for `vm list | head`): the first write that fails stops it, nothing more is asked of the guest (before, the whole
+    // file was still read, then the CLI failed with "Broken pipe").
+    let r = vm.sh("truncate -s 256M big.bin && echo ok");
+    assert_eq!(r.stdout, "ok\n", "{}", r.stderr);
+    let mut c = vm
+        .env
+        .cmd()
+        .args(["vm", "read", &vm.id, "big.bin"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut head = [0u8; 4096];
+    std::io::Read::read_exact(&mut c.stdout.take().expect("stdout"), &mut head).expect("head");
+    assert_eq!(head, [0u8; 4096]);
+    let started = std::time::Instant::now();
+    let out = c.wait_with_output().expect("wait");
+    eprintln!("vm read after its reader left: {:?}", started.elapsed());
+    assert_eq!(
+        out.status.code(),
+        Some(141),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

@@ -111,13 +111,15 @@ impl Warren {
     /// Reads a whole file into `sink`; returns its size and version. A file of at most
     /// `MAX_WHOLE_FILE` bytes takes one request. A larger one is read in chunks and its
     /// version asked again at the end: if it changed in between, the read fails with
-    /// `conflict` (what `sink` got is then a mix).
+    /// `conflict` (what `sink` got is then a mix). A `sink` that fails ends the read at once
+    /// with its error (no more of the file is asked for: `vm read | head`).
     pub async fn read_file(
         &self,
         id: &str,
         path: &str,
-        sink: &mut dyn FnMut(&[u8]),
+        sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
     ) -> Result<(u64, Option<Version>), CoreError> {
+        let mut sink = |d: &[u8]| sink(d).map_err(|e| CoreError::io("write", "<output>", e));
         let first = self
             .read_file_versioned(id, path, 0, MAX_WHOLE_FILE)
             .await?;
@@ -128,7 +130,7 @@ impl Warren {
                 first.size
             )));
         }
-        sink(&first.data);
+        sink(&first.data)?;
         let mut offset = first.data.len() as u64;
         if first.eof || first.data.is_empty() {
             return Ok((offset, first.version));
@@ -147,7 +149,7 @@ impl Warren {
                     first.size
                 )));
             }
-            sink(&d.data);
+            sink(&d.data)?;
             if d.eof || d.data.is_empty() {
                 break;
             }
