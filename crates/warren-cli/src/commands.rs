@@ -673,7 +673,7 @@ async fn vm(cli: &Cli, cmd: &VmCmd) -> Result<i32> {
                     out.write_all(d).map_err(|e| {
                         let kind = e.kind();
                         failed = Some(e);
-                        std::io::Error::from(kind)
+                        kind.into()
                     })
                 })
                 .await;

@@ -49,8 +49,9 @@ fn test_files_roundtrip_larger_than_chunk() {
     assert_eq!(r.stdout, format!("{}\n1000\n", data.len()));
 
     // A reader that goes away (`vm read | head`) ends the read quietly with the status of a
-    // process SIGPIPE ended (141, as for `vm list | head`): the first write that fails stops it, nothing more is asked of the guest (before, the whole
-    // file was still read, then the CLI failed with "Broken pipe").
+    // process SIGPIPE ended (141, as for `vm list | head`): the first write that fails stops
+    // it, nothing more is asked of the guest (before, the whole file was still read, then the
+    // CLI failed with "Broken pipe").
     let r = vm.sh("truncate -s 256M big.bin && echo ok");
     assert_eq!(r.stdout, "ok\n", "{}", r.stderr);
     let mut c = vm
