@@ -10,7 +10,9 @@
 //! the hostile VM's supervisor alive with peak RSS (`VmHWM`) under 64 MiB, the service's
 //! peak grown by under 128 MiB, the good p99 within 2x idle (50 ms floor for scheduler noise
 //! on a loaded 2-core machine), and every call to the hostile VM answered with a typed error
-//! within its deadline.
+//! within its deadline. A round whose p99 alone is over its bound is played again with a fresh
+//! baseline, up to three rounds (another test's load can change between the baseline and the
+//! attack; the attack's own interference fails every round).
 
 mod common;
 
@@ -23,8 +25,10 @@ use serde_json::{json, Value};
 const SUPERVISOR_PEAK_KIB: u64 = 64 * 1024;
 const SERVICE_GROWTH_KIB: u64 = 128 * 1024;
 const SAMPLES: usize = 20;
-/// Sampling windows under attack at most (see [`Harness::run`]).
+/// Sampling windows under attack at most, per round (see [`Harness::run`]).
 const WINDOWS: usize = 3;
+/// Rounds of an attack at most, each with its own baseline (see [`Harness::run`]).
+const ROUNDS: usize = 3;
 
 struct Harness {
     d: Daemon,
@@ -59,7 +63,11 @@ fn status_kib(pid: u32, field: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {field} for pid {pid}"))
 }
 
-fn exec_rtt(d: &Daemon, t: &str, vm: &str, n: usize) -> Duration {
+/// One exec round trip of the good VM, under a request id of its own (a repeated id would be
+/// answered from the service's record without reaching the guest).
+fn exec_rtt(d: &Daemon, t: &str, vm: &str) -> Duration {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let start = Instant::now();
     let r = d.call(
         t,
@@ -107,10 +115,8 @@ impl Harness {
         let token = d.token("hostile", &[]);
         let r = d.ok(&token, "vm_create", json!({"request_id": "good"}));
         let good = r["vm_id"].as_str().expect("vm id").to_string();
-        exec_rtt(&d, &token, &good, 1000); // warm-up
-        let idle_p99 = p99((0..SAMPLES)
-            .map(|i| exec_rtt(&d, &token, &good, i))
-            .collect());
+        exec_rtt(&d, &token, &good); // warm-up
+        let idle_p99 = p99((0..SAMPLES).map(|_| exec_rtt(&d, &token, &good)).collect());
         let service_hwm_before = status_kib(d.pid().expect("service pid"), "VmHWM");
         Harness {
             d,
@@ -132,13 +138,20 @@ impl Harness {
         }
     }
 
-    /// Creates the VM that plays `behaviour`; returns its id and its supervisor's pid.
-    fn hostile(&self, behaviour: &str) -> (String, u32) {
+    /// Creates the VM that plays `behaviour` in round `round`; returns its id and its
+    /// supervisor's pid. The counters of an earlier round's guest (gone by now) are removed,
+    /// so a positive control counts this round's only.
+    fn hostile(&self, behaviour: &str, round: usize) -> (String, u32) {
+        for e in std::fs::read_dir(self.dir.path()).expect("dir").flatten() {
+            if e.file_name().to_string_lossy().starts_with("stats-") {
+                std::fs::remove_file(e.path()).expect("remove an earlier round's counters");
+            }
+        }
         std::fs::write(self.dir.path().join("next"), behaviour).expect("write behaviour");
         let r = self.d.ok(
             &self.token,
             "vm_create",
-            json!({"request_id": format!("hostile-{behaviour}")}),
+            json!({"request_id": format!("hostile-{behaviour}-{round}")}),
         );
         let id = r["vm_id"].as_str().expect("vm id").to_string();
         assert!(
@@ -185,21 +198,61 @@ impl Harness {
 
     /// Runs `attack` while sampling the good VM's round trips; checks every bound.
     ///
-    /// The attack is played over and over while the good VM's p99 is taken over windows of
-    /// [`SAMPLES`] round trips, up to [`WINDOWS`] of them: an interference the attack causes
-    /// shows in every window, whereas one scheduler stall of a loaded 2-core host (20
-    /// samples make the p99 their maximum) does not. The first window within the bound whose
-    /// end the attack outlived counts; without one, the best window is the figure checked.
+    /// A round: the hostile VM is created, the attack is played over and over while the good
+    /// VM's p99 is taken over windows of [`SAMPLES`] round trips (up to [`WINDOWS`]), the
+    /// hostile VM's resource bounds are checked and it is destroyed. An interference the
+    /// attack causes shows in every window, whereas one scheduler stall of a loaded 2-core
+    /// host (20 samples make the p99 their maximum) does not: the first window within the
+    /// bound whose end the attack outlived counts; without one, the best window is the figure
+    /// checked.
+    ///
+    /// Over the bound, the good VM is measured again with the hostile VM gone and the worse
+    /// of its figures before and after is the baseline. Another test's VM booting beside this
+    /// one can still load the host for exactly the seconds of the attack (CI runs two tests at
+    /// once), so a round over its bound is played again, up to [`ROUNDS`], each with its own
+    /// baseline taken just before: an interference of the attack's own fails every round.
     fn run(self, behaviour: &str, attack: impl Fn(&Harness, &str) + Sync) {
-        let (vm, sup) = self.hostile(behaviour);
-        let bound = (self.idle_p99 * 2).max(self.idle_p99 + Duration::from_millis(50));
+        let mut failed = Vec::new();
+        for round in 0..ROUNDS {
+            let before = if round == 0 {
+                self.idle_p99
+            } else {
+                self.good_p99()
+            };
+            match self.round_of(behaviour, &attack, before, round) {
+                Ok(()) => return,
+                Err(why) => {
+                    eprintln!("hostile {behaviour}: round {round} over its bound: {why}");
+                    failed.push(why);
+                }
+            }
+        }
+        panic!("{behaviour}: the good VM's p99 was over its bound in every round: {failed:?}");
+    }
+
+    fn good_p99(&self) -> Duration {
+        p99((0..SAMPLES)
+            .map(|_| exec_rtt(&self.d, &self.token, &self.good))
+            .collect())
+    }
+
+    /// One round of [`Harness::run`]: panics on a broken bound of the hostile VM; `Err` when
+    /// only the good VM's p99 was over its bound.
+    fn round_of(
+        &self,
+        behaviour: &str,
+        attack: &(impl Fn(&Harness, &str) + Sync),
+        before: Duration,
+        round: usize,
+    ) -> Result<(), String> {
+        let (vm, sup) = self.hostile(behaviour, round);
+        let bound = |idle: Duration| (idle * 2).max(idle + Duration::from_millis(50));
         self.sampling
             .store(true, std::sync::atomic::Ordering::SeqCst);
         let (attacked, ()) = std::thread::scope(|s| {
-            let h = &self;
+            let h = self;
             let vm = vm.as_str();
             // The attack is played again and again until the sampling is over.
-            let attack = &attack;
             let a = s.spawn(move || loop {
                 attack(h, vm);
                 h.round.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -212,12 +265,10 @@ impl Harness {
             let mut windows = Vec::new();
             let mut passed = None;
             for w in 0..WINDOWS {
-                let p = p99((0..SAMPLES)
-                    .map(|i| exec_rtt(&h.d, &h.token, &h.good, 100 + w * SAMPLES + i))
-                    .collect());
+                let p = h.good_p99();
                 let attack_ran = !a.is_finished();
                 windows.push(p);
-                if p <= bound && (w == 0 || attack_ran) {
+                if p <= bound(before) && (w == 0 || attack_ran) {
                     passed = Some(p);
                     break;
                 }
@@ -239,8 +290,7 @@ impl Harness {
         let growth = status_kib(service, "VmHWM").saturating_sub(self.service_hwm_before);
         eprintln!(
             "hostile {behaviour}: supervisor peak {sup_peak} KiB, service growth {growth} KiB, \
-             good exec p99 idle {:?} under attack {attacked:?}",
-            self.idle_p99
+             good exec p99 before {before:?} under attack {attacked:?}"
         );
         assert!(
             sup_peak < SUPERVISOR_PEAK_KIB,
@@ -256,24 +306,19 @@ impl Harness {
         common::wait_until("the hostile supervisor exits", 30, || {
             !Path::new(&format!("/proc/{sup}")).exists()
         });
-        // Over the bound: the host's load may have changed since the idle figure was taken,
-        // so the good VM is measured again with the hostile VM gone, and the worse of the two
-        // idle figures is the baseline. An interference of the attack's own stays over it.
-        let mut idle = self.idle_p99;
-        if attacked > bound {
-            let after = p99((0..SAMPLES)
-                .map(|i| exec_rtt(&self.d, &self.token, &self.good, 500 + i))
-                .collect());
-            eprintln!("hostile {behaviour}: good exec p99 after the hostile VM is gone {after:?}");
-            idle = idle.max(after);
+        if attacked <= bound(before) {
+            return Ok(());
         }
-        let bound = (idle * 2).max(idle + Duration::from_millis(50));
-        assert!(
-            attacked <= bound,
-            "{behaviour}: good VM p99 {attacked:?} > {bound:?} (idle {:?}, before the attack {:?})",
-            idle,
-            self.idle_p99
-        );
+        let after = self.good_p99();
+        eprintln!("hostile {behaviour}: good exec p99 after the hostile VM is gone {after:?}");
+        let idle = before.max(after);
+        if attacked <= bound(idle) {
+            return Ok(());
+        }
+        Err(format!(
+            "good VM p99 {attacked:?} > {:?} (before {before:?}, after {after:?})",
+            bound(idle)
+        ))
     }
 }
 
