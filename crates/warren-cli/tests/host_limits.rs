@@ -1,5 +1,6 @@
 //! Per-VM host limits: a process placed in a VM's host cgroup is held to the VM's memory and
-//! pids limits (v2 controllers, or the v1 ones on hybrid hosts), and the VM keeps running.
+//! pids limits (v2 controllers, or the v1 ones on hybrid hosts), and the VM keeps running;
+//! the VM's supervisor is held to them too.
 
 mod common;
 
@@ -86,7 +87,7 @@ fn test_vm_host_cgroup_limits_memory_and_pids_and_the_vm_survives() {
     // The limits written, where this host enforces them.
     let (mem, mem_file, mem_want) = {
         let v2_file = "memory.max";
-        let want = ((2 * mib + 512) << 20).to_string();
+        let want = ((2 * mib + 1024) << 20).to_string();
         if v2.join(v2_file).exists() {
             (v2.clone(), v2_file, want)
         } else {
@@ -98,19 +99,41 @@ fn test_vm_host_cgroup_limits_memory_and_pids_and_the_vm_survives() {
     let pids = home(&vm, "pids", "pids.max");
     assert_eq!(read(&pids, "pids.max"), "512");
     let cpu_want = ((vcpus + 1) * 100_000).to_string();
-    if v2.join("cpu.max").exists() {
+    let cpu = if v2.join("cpu.max").exists() {
         assert_eq!(read(&v2, "cpu.max"), format!("{cpu_want} 100000"));
+        v2.clone()
     } else {
         let cpu = home(&vm, "cpu", "cpu.cfs_quota_us");
         assert_eq!(read(&cpu, "cpu.cfs_quota_us"), cpu_want);
-    }
+        cpu
+    };
     // QEMU is in every cgroup that limits it.
-    for dir in [&v2, &mem, &pids] {
+    for dir in [&v2, &mem, &pids, &cpu] {
         let procs = read(dir, "cgroup.procs");
         assert!(
             procs.lines().any(|l| l.trim() == qemu[0].to_string()),
             "QEMU {} not in {}: {procs}",
             qemu[0],
+            dir.display()
+        );
+    }
+    // The supervisor is in each of them's `supervisor` child, so that what it does for the
+    // guest (channel, streams, egress) counts against the VM's limits; it is no member of
+    // the VM's cgroup itself, which stays its VMM's and helpers'.
+    let supervisor = vm.supervisor_pid().to_string();
+    for dir in [&v2, &mem, &pids, &cpu] {
+        let child = dir.join("supervisor");
+        let procs = read(&child, "cgroup.procs");
+        assert!(
+            procs.lines().any(|l| l.trim() == supervisor),
+            "supervisor {supervisor} not in {}: {procs}",
+            child.display()
+        );
+        assert!(
+            !read(dir, "cgroup.procs")
+                .lines()
+                .any(|l| l.trim() == supervisor),
+            "the supervisor is a member of {} itself",
             dir.display()
         );
     }
@@ -184,5 +207,8 @@ fn test_vm_host_cgroup_limits_memory_and_pids_and_the_vm_survives() {
     let r = vm.sh("echo alive");
     assert_eq!((r.code, r.stdout.as_str()), (0, "alive\n"), "{}", r.stderr);
     vm.destroy();
-    assert!(!mem.exists() && !pids.exists(), "limit cgroups left behind");
+    assert!(
+        !v2.exists() && !mem.exists() && !pids.exists() && !cpu.exists(),
+        "limit cgroups left behind"
+    );
 }

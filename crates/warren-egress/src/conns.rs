@@ -1,8 +1,10 @@
 //! What one VM's guest can make its egress hold at once, and for how long.
 //!
-//! The egress runs in the VM's supervisor, outside the VM's own cgroups, so everything a
-//! guest connection costs there (a task, buffers, two descriptors, a host port towards the
-//! destination) is bounded here rather than by the VM's limits:
+//! The egress runs in the VM's supervisor, which is held to the VM's host limits with its
+//! VMM (`warren-vmm` `sys::cgroup`, whose memory limit leaves room for what is bounded
+//! here); everything a guest connection costs there (a task, buffers, two descriptors, a
+//! host port towards the destination) is also bounded here, so that one VM's egress stays
+//! within that room and never takes its VMM's:
 //!
 //! - **How many.** The proxy serves at most [`MAX_CONNECTIONS`] guest connections at once and
 //!   DNS over TCP at most [`MAX_DNS_TCP_CONNECTIONS`]; past that a new connection is closed as
@@ -20,7 +22,7 @@
 //!   default, often raised): a guest that reads a fast download and then stops leaves the
 //!   guest-facing send queue and the upstream receive queue full: up to 10 MiB per connection
 //!   with default limits (3-21 MiB in the test, on a host with raised ones), GiBs at
-//!   [`MAX_CONNECTIONS`], all outside the VM's cgroups. Fixed, the kernel takes
+//!   [`MAX_CONNECTIONS`], far past the VM's memory limit. Fixed, the kernel takes
 //!   `min(size, net.core.*mem_max)` and doubles it for its bookkeeping: a buffer holds about
 //!   512 KiB at most (one packet more on a send queue), a stalled direction of a connection
 //!   1 MiB (two buffers), both directions 2 MiB, so a VM at most 256 MiB of stalled downloads

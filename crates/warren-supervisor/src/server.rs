@@ -253,10 +253,13 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
     timings.mark("socket");
     // 2. Launch.
     let backend = QemuBackend::new(warren_vmm::accel::find_qemu()?)?;
+    let mut cgroup_origin = cgroup::Origin::default();
     if let Some(cg) = &cfg.launch.cgroup {
         cgroup::create(cg)?;
         let limits = cgroup::Limits::for_vm(u64::from(cfg.launch.memory.0), cfg.launch.vcpus);
         let homes = cgroup::apply_limits(cg, &limits)?;
+        // This process's work for the guest counts against the same limits.
+        cgroup_origin = cgroup::enter_supervisor(cg)?;
         tracing::info!(?limits, ?homes, "VM host limits");
     }
     // The network namespace, TAP device, rules and egress; removed when this process exits
@@ -595,8 +598,18 @@ async fn run_async(dir: VmDir) -> Result<(), SuperviseError> {
 
     // 6. Clean up.
     if let Some(cg) = &cfg.launch.cgroup {
-        if let Err(e) = cgroup::kill_and_remove(cg) {
-            tracing::warn!(error = %e, "cgroup cleanup failed");
+        match cgroup::leave_supervisor(cg, &cgroup_origin) {
+            Ok(()) => {
+                if let Err(e) = cgroup::kill_and_remove(cg) {
+                    tracing::warn!(error = %e, "cgroup cleanup failed");
+                }
+            }
+            Err(e) => {
+                // Killing the VM's cgroup would kill this process before it records the
+                // exit: its VMM's processes are killed by pid, the cgroup left to the engine.
+                tracing::warn!(error = %e, "leaving the VM's cgroup failed");
+                cgroup::kill_members(cg);
+            }
         }
     }
     let never_ready = shared
