@@ -11,6 +11,10 @@ use super::{kill_supervisor, wait_supervisor_exit, Warren};
 use crate::error::CoreError;
 use crate::store::{VmRecord, VmState};
 
+/// Attempts, 1 ms apart, at a dead-looking VM's transition lock (another listing holds it
+/// for the instant of its own probe or failing).
+const RECONCILE_LOCK_TRIES: u32 = 20;
+
 impl Warren {
     /// All VMs, with states reconciled against their supervisors.
     pub fn list_vms(&self) -> Result<Vec<VmRecord>, CoreError> {
@@ -153,6 +157,23 @@ impl Warren {
         if dir.in_transition() || dir.supervisor_alive() {
             return Ok(rec);
         }
+        // The VM looks dead: it is failed (its cgroup killed) under its transition lock, and
+        // only if it still looks dead once that is held. Without the lock, a resume that began
+        // after the check above would have its new VMM killed and its record failed.
+        let Some(_transition) = self.transition_for_reconcile(&dir) else {
+            return Ok(rec);
+        };
+        let Some(fresh) = self.store.get(&rec.id)? else {
+            return Ok(rec);
+        };
+        rec = fresh;
+        let held = matches!(
+            rec.state,
+            VmState::Running | VmState::Paused | VmState::Hibernating | VmState::Resuming
+        );
+        if !held || dir.supervisor_alive() {
+            return Ok(rec);
+        }
         if rec.state == VmState::Hibernating && dir.read_checkpoint().is_some() {
             // The checkpoint was completed (and fsynced) before the supervisor went away.
             self.store
@@ -173,6 +194,27 @@ impl Warren {
         rec.state = VmState::Failed;
         rec.reason = Some(reason);
         Ok(rec)
+    }
+
+    /// The transition lock of a VM that looked dead, for [`Warren::reconcile`]; `None` when
+    /// another holds it past a few tries (a resume or destroy under way, or another listing
+    /// failing the same VM: the record is then left as it is for this answer) or when it
+    /// cannot be taken (a VM directory gone or not this caller's to lock).
+    fn transition_for_reconcile(
+        &self,
+        dir: &warren_supervisor::layout::VmDir,
+    ) -> Option<nix::fcntl::Flock<std::fs::File>> {
+        for _ in 0..RECONCILE_LOCK_TRIES {
+            match super::suspend::try_transition(dir) {
+                Ok(Some(lock)) => return Some(lock),
+                Ok(None) => std::thread::sleep(Duration::from_millis(1)),
+                Err(e) => {
+                    tracing::debug!(error = %e, "not reconciled: no transition lock");
+                    return None;
+                }
+            }
+        }
+        None
     }
 
     /// Stops the VM if it runs and removes every trace of it.
@@ -311,6 +353,36 @@ mod tests {
         assert!(!dir.in_transition());
         let listed = w.list_vms().expect("list");
         assert_eq!(listed[0].state, VmState::Failed, "nobody is resuming it");
+    }
+
+    /// A record read before a transition ended (here `resuming`, since put back to
+    /// `hibernated` by its resume) is read again under the transition lock before anything is
+    /// failed: the VM is left as the store now says, never failed on the stale copy (before,
+    /// a listing that read the record as a resume began could kill the VMM that resume had
+    /// just started and fail the VM).
+    #[test]
+    fn test_reconcile_reads_the_record_again_under_the_transition_lock() {
+        let (_state, w, stale) = resuming_vm("vm-5ca1eca11ed0");
+        w.store
+            .set_state(&stale.id, VmState::Hibernated, None, None)
+            .expect("hibernated");
+        let rec = w.reconcile(stale.clone()).expect("reconcile");
+        assert_eq!(
+            rec.state,
+            VmState::Hibernated,
+            "the store's state, not the copy's"
+        );
+        let stored = w.store.get(&stale.id).expect("get").expect("record");
+        assert_eq!(stored.state, VmState::Hibernated, "not failed");
+        // Positive control: the same stale copy while the store still says resuming (and
+        // nothing runs) is failed.
+        w.store
+            .set_state(&stale.id, VmState::Resuming, None, None)
+            .expect("resuming");
+        assert_eq!(
+            w.reconcile(stale).expect("reconcile").state,
+            VmState::Failed
+        );
     }
 
     /// A caller that waited for another caller's resume, which ended with the VM still
