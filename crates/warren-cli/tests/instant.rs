@@ -543,7 +543,8 @@ fn template_files(state: &std::path::Path) -> Vec<String> {
 /// shape counted in no workspace, and only then was the create refused, so a workspace past
 /// its limits could keep having templates built, each booting a VM under the host's limits
 /// only and retiring another shape's template past `max_templates`). Control: within its
-/// limits the same create builds the template and clones it.
+/// limits the same create builds the template and clones it, and a create sent while that
+/// builds, which the first's reservation leaves no room for, is refused without a build.
 #[test]
 fn test_service_no_template_is_built_for_a_create_its_limits_refuse() {
     use common::daemon::Daemon;
@@ -564,19 +565,38 @@ fn test_service_no_template_is_built_for_a_create_its_limits_refuse() {
     );
     assert!(d.all_vms().is_empty(), "nothing booted: {:?}", d.all_vms());
 
-    // Control: within the limits, the template is built and the VM is its clone.
-    let vm = d.ok(
-        &t,
-        "vm_create",
-        json!({"request_id": "fits", "image": "tpl", "memory_mib": 512}),
-    );
+    // Control: within the limits, the template is built and the VM is its clone. While it
+    // is built, the VM is reserved (listed `creating`): a create of another shape sent then
+    // is refused at once and has no template built (before, each of the requests sent at
+    // once was checked against limits nothing had reserved yet, and had its shape built).
+    let vm = std::thread::scope(|s| {
+        let fits = s.spawn(|| {
+            d.ok(
+                &t,
+                "vm_create",
+                json!({"request_id": "fits", "image": "tpl", "memory_mib": 512}),
+            )
+        });
+        common::wait_until("the first create is reserved", 120, || {
+            let listed = d.ok(&t, "vm_list", json!({}));
+            listed["vms"]
+                .as_array()
+                .is_some_and(|v| v.iter().any(|vm| vm["state"] == "creating"))
+        });
+        let r = d.call(
+            &t,
+            "vm_create",
+            json!({"request_id": "other-shape", "image": "tpl", "memory_mib": 256}),
+        );
+        assert_eq!(r.code(), "quota_exceeded", "{}", r.text);
+        fits.join().expect("create thread")
+    });
     let id = vm["vm_id"].as_str().expect("vm_id").to_string();
-    assert!(
-        template_files(&state)
-            .iter()
-            .any(|n| n.ends_with(".current")),
-        "the template of the shape: {:?}",
-        template_files(&state)
+    let files = template_files(&state);
+    assert_eq!(
+        files.iter().filter(|n| n.ends_with(".current")).count(),
+        1,
+        "the template of the first create's shape alone: {files:?}"
     );
     assert!(
         d.env.vm_dir(&id).join("template").exists(),

@@ -236,14 +236,36 @@ fn test_service_workspace_isolation_tokens_and_local_socket() {
         c.call(&d, &bob, "vm_list", json!({})).body["vms"],
         json!([])
     );
-    // A forbidden image and an ungranted network are 403, and create nothing.
+    // An image not granted is answered as an unknown one (no oracle of other workspaces'
+    // image names), an ungranted network is 403; neither creates anything.
     let r = c.call(
         &d,
         &bob,
         "vm_create",
         json!({"request_id": "b1", "image": "minimal"}),
     );
-    assert_eq!((r.status, r.code()), (403, "forbidden"), "{}", r.text);
+    assert_eq!(
+        (r.status, r.code()),
+        (400, "invalid_argument"),
+        "{}",
+        r.text
+    );
+    let unknown = c.call(
+        &d,
+        &bob,
+        "vm_create",
+        json!({"request_id": "b0", "image": "nosuch"}),
+    );
+    assert_eq!(
+        r.body["error"]["message"]
+            .as_str()
+            .map(|m| m.replace("\"minimal\"", "\"nosuch\"")),
+        unknown.body["error"]["message"]
+            .as_str()
+            .map(str::to_string),
+        "{}",
+        r.text
+    );
     let r = c.call(
         &d,
         &bob,
@@ -644,6 +666,49 @@ fn test_service_bad_requests_and_quotas_change_nothing() {
         "quota_exceeded",
         "host storage still refuses: {}",
         r.text
+    );
+    // Two session creates sent at once, each within the host's storage alone but not
+    // together: the second is checked once the first's row reserves its storage, so at most
+    // one filesystem is ever made (before, both passed the check, each made a filesystem and
+    // copied the repository, and one was refused only then: a hostile review). Both end
+    // refused here (the first by its VM's disk against the same 1 GiB).
+    let seen = std::sync::atomic::AtomicUsize::new(0);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                let images = std::fs::read_dir(&sessions)
+                    .map(|rd| {
+                        rd.flatten()
+                            .filter(|e| e.file_name().to_string_lossy().ends_with(".img"))
+                            .count()
+                    })
+                    .unwrap_or(0);
+                seen.fetch_max(images, std::sync::atomic::Ordering::SeqCst);
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        });
+        let creates: Vec<_> = (0..2)
+            .map(|_| {
+                s.spawn(|| {
+                    d.local_call(
+                        "session_create",
+                        json!({"repo": repo, "storage_mib": 768}),
+                        &[],
+                    )
+                })
+            })
+            .collect();
+        for c in creates {
+            let r = c.join().expect("session create");
+            assert_eq!(r.code(), "quota_exceeded", "{}", r.text);
+        }
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
+    let seen = seen.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        seen, 1,
+        "session filesystems at once (the first's seen: control)"
     );
     // The service refuses a second instance on the same state directory.
     let out = std::process::Command::new(common::WARREN)

@@ -301,6 +301,7 @@ impl Warren {
         let mut devices = req.devices.clone();
         let storage = session_storage(req.direct, req.devices.storage_mib, req.limits)?;
         let mut volume = None;
+        let mut storage_turn = None;
         let (source, source_git, dir) = if req.direct {
             // A caller's check (the service's, as the caller) names the directory it allowed:
             // a path swapped since is refused, never served.
@@ -316,7 +317,16 @@ impl Warren {
             let _ = std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o711));
             let dir = match storage {
                 Some(mib) => {
-                    // Checked before any work, reserved with the session row below.
+                    // Checked before any work, reserved with the session row below; one such
+                    // create of a workspace at a time in this process (held until its row is
+                    // in): requests sent at once would each pass the check before any was
+                    // reserved, and each make a filesystem and copy the repository past the
+                    // workspace's storage before being refused (a hostile review).
+                    storage_turn = Some(
+                        session_lock(&format!("storage-create\0{}", req.workspace))
+                            .lock_owned()
+                            .await,
+                    );
                     self.store()
                         .admit(|tx| check_storage(tx, &req.workspace, mib, req.limits))?;
                     let paths = VolumePaths::new(&parent, &id);
@@ -420,6 +430,7 @@ impl Warren {
         }
         // The row (and its reservation) now stands for the volume: a sweep may see it.
         drop(volume);
+        drop(storage_turn);
         match self
             .start_session_vm(&rec, &devices, req.limits, rec.generation, warn)
             .await
@@ -813,7 +824,8 @@ impl Warren {
     }
 }
 
-/// The lock that serialises host passes over session `id` (in this process).
+/// The lock that serialises host passes over session `id` (in this process); also, under
+/// `storage-create\0<workspace>`, a workspace's session creates on storage of their own.
 fn session_lock(id: &str) -> std::sync::Arc<tokio::sync::Mutex<()>> {
     use std::collections::HashMap;
     use std::sync::{Arc, LazyLock, Mutex};

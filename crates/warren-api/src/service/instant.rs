@@ -284,8 +284,9 @@ mod image_tests {
     use crate::auth::PolicyRequest;
 
     /// A workspace limited to some images is told about those only: `pool_status` leaves the
-    /// others' pools out and an unknown image's error names only the usable ones. (Before,
-    /// both named every configured image.)
+    /// others' pools out, an unknown image's error names only the usable ones, and another
+    /// workspace's image is answered as an unknown one. (Before, both named every configured
+    /// image, and another's image was `forbidden`, which told that it exists.)
     #[test]
     fn test_pool_status_and_image_errors_name_only_usable_images() {
         let dir = tempfile::tempdir().expect("tmp");
@@ -317,10 +318,16 @@ mod image_tests {
         assert_eq!(e.code, "invalid_argument");
         assert!(e.message.contains("dev"), "{e}");
         assert!(!e.message.contains("secretimg"), "{e}");
-        let e = service
+        // An image configured for others is answered as an unknown one: no oracle of names.
+        let other = service
             .configured_image(&alice, Some("secretimg"))
             .expect_err("not granted");
-        assert_eq!(e.code, "forbidden");
+        assert_eq!(other.code, e.code);
+        assert_eq!(
+            other.message.replace("\"secretimg\"", "\"nope\""),
+            e.message,
+            "{other}"
+        );
         let enum_of = |tools: &[crate::service::ToolDef]| {
             let t = tools
                 .iter()

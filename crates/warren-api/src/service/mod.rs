@@ -698,9 +698,16 @@ impl Service {
         name: Option<&str>,
     ) -> Result<(String, crate::config::ImageConfig), ApiError> {
         let name = name.unwrap_or_else(|| self.cfg.default_image()).to_string();
-        let Some(img) = self.cfg.images.get(&name) else {
+        let Some(img) = self
+            .cfg
+            .images
+            .get(&name)
+            .filter(|_| image_allowed(p, &name))
+        else {
             // Only the images this workspace may use are named: the others are the
-            // operator's business, not the caller's.
+            // operator's business, not the caller's. An image configured for other
+            // workspaces gets the answer an unknown one gets (before, `forbidden` told a
+            // caller which names other workspaces' images have: a hostile review).
             let usable = self
                 .cfg
                 .images
@@ -718,12 +725,6 @@ impl Service {
                 }
             )));
         };
-        if !image_allowed(p, &name) {
-            return Err(ApiError::forbidden(format!(
-                "workspace {} may not use image {name}",
-                p.workspace
-            )));
-        }
         Ok((name, img.clone()))
     }
 

@@ -120,20 +120,33 @@ impl Warren {
         let admit = |tx: &rusqlite::Transaction<'_>| {
             super::admit(tx, &ws, &req.workspace_limits, &req.host_limits, add)
         };
+        // The caller's VM is admitted and its record inserted (`creating`) before any work,
+        // so what it reserves counts against every later request at once.
+        self.store.insert(&mut rec, self.first_vm_uid(), admit)?;
         // A template of this shape (built now if there is none) instead of a cold boot.
         let template = match (req.template, self.template_key(req, &image, accel)) {
             (true, Some(key)) => {
-                // A build boots a VM of the shape, counted in no workspace: only for a VM the
-                // limits would admit now (the admission that counts is the insert's, below).
-                // Before, a workspace at or past its limits still had templates built (host
-                // memory and CPU for a boot, a RAM file and disk layer kept, another shape's
-                // template retired) by requests refused afterwards.
-                self.store.immediate(admit)?;
-                Some(self.template_for(&key, req, &image).await?)
+                // A build boots a VM of the shape, counted in no workspace: only for a VM
+                // admitted and reserved above. Before, a workspace at or past its limits still
+                // had templates built (host memory and CPU for a boot, a RAM file and disk
+                // layer kept, another shape's template retired) by requests refused
+                // afterwards; and requests sent at once, each checked before any was
+                // reserved, had as many builds run as they named shapes, past the workspace's
+                // limits (a hostile review).
+                match self.template_for(&key, req, &image).await {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        // Nothing of the VM exists yet: its record goes, so the request may be
+                        // sent again (a build another request holds answers `busy`).
+                        if let Err(d) = self.store.delete(&id) {
+                            tracing::warn!(vm = %id, error = %d, "removing a VM record");
+                        }
+                        return Err(e);
+                    }
+                }
             }
             _ => None,
         };
-        self.store.insert(&mut rec, self.first_vm_uid(), admit)?;
         let bench_port = req.raw_bench_port;
         let started = match &template {
             Some(tpl) => {

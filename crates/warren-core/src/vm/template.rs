@@ -323,7 +323,15 @@ impl Warren {
             memory_mib: Some(key.memory_mib),
             vcpus: Some(key.vcpus),
             workspace: TEMPLATE_WORKSPACE.to_string(),
-            host_limits: req.host_limits,
+            // The VM the build is for was admitted and reserved (`creating`) against the
+            // host's VM and memory limits before the build, and runs only after the build VM
+            // is gone: counted again, a host one VM short of its limits would refuse a
+            // template create that a cold create passes. The storage the build keeps (its
+            // RAM file and disk layer, as the template) is checked here.
+            host_limits: super::Limits {
+                max_storage_mib: req.host_limits.max_storage_mib,
+                ..super::Limits::default()
+            },
             idle_seconds: Some(0),
             ram_file: true,
             mounts: shares.mounts.clone(),
