@@ -543,8 +543,9 @@ fn template_files(state: &std::path::Path) -> Vec<String> {
 /// shape counted in no workspace, and only then was the create refused, so a workspace past
 /// its limits could keep having templates built, each booting a VM under the host's limits
 /// only and retiring another shape's template past `max_templates`). Control: within its
-/// limits the same create builds the template and clones it, and a create sent while that
-/// builds, which the first's reservation leaves no room for, is refused without a build.
+/// limits the same create builds the template and clones it, a create sent while that
+/// builds, which the first's reservation leaves no room for, is refused without a build, and
+/// a destroy of the VM being created is refused `busy`.
 #[test]
 fn test_service_no_template_is_built_for_a_create_its_limits_refuse() {
     use common::daemon::Daemon;
@@ -577,11 +578,16 @@ fn test_service_no_template_is_built_for_a_create_its_limits_refuse() {
                 json!({"request_id": "fits", "image": "tpl", "memory_mib": 512}),
             )
         });
+        let mut creating = String::new();
         common::wait_until("the first create is reserved", 120, || {
             let listed = d.ok(&t, "vm_list", json!({}));
-            listed["vms"]
-                .as_array()
-                .is_some_and(|v| v.iter().any(|vm| vm["state"] == "creating"))
+            let found = listed["vms"].as_array().and_then(|v| {
+                v.iter()
+                    .find(|vm| vm["state"] == "creating")
+                    .and_then(|vm| vm["vm_id"].as_str())
+            });
+            creating = found.unwrap_or_default().to_string();
+            found.is_some()
         });
         let r = d.call(
             &t,
@@ -589,7 +595,13 @@ fn test_service_no_template_is_built_for_a_create_its_limits_refuse() {
             json!({"request_id": "other-shape", "image": "tpl", "memory_mib": 256}),
         );
         assert_eq!(r.code(), "quota_exceeded", "{}", r.text);
-        fits.join().expect("create thread")
+        // A destroy while it is created is refused: before, it removed the record alone and
+        // the VM then started with none (counted nowhere, out of every call's reach).
+        let r = d.call(&t, "vm_destroy", json!({"vm_id": creating}));
+        assert_eq!(r.code(), "busy", "{}", r.text);
+        let vm = fits.join().expect("create thread");
+        assert_eq!(vm["vm_id"], creating.as_str(), "{vm}");
+        vm
     });
     let id = vm["vm_id"].as_str().expect("vm_id").to_string();
     let files = template_files(&state);

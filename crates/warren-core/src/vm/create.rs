@@ -123,6 +123,8 @@ impl Warren {
         // The caller's VM is admitted and its record inserted (`creating`) before any work,
         // so what it reserves counts against every later request at once.
         self.store.insert(&mut rec, self.first_vm_uid(), admit)?;
+        // Held until the create ends (see `begin_create`).
+        let _creating = self.begin_create(&rec)?;
         // A template of this shape (built now if there is none) instead of a cold boot.
         let template = match (req.template, self.template_key(req, &image, accel)) {
             (true, Some(key)) => {
@@ -136,11 +138,10 @@ impl Warren {
                 match self.template_for(&key, req, &image).await {
                     Ok(t) => Some(t),
                     Err(e) => {
-                        // Nothing of the VM exists yet: its record goes, so the request may be
-                        // sent again (a build another request holds answers `busy`).
-                        if let Err(d) = self.store.delete(&id) {
-                            tracing::warn!(vm = %id, error = %d, "removing a VM record");
-                        }
+                        // Nothing of the VM runs yet: its record and directory go, so the
+                        // request may be sent again (a build another request holds answers
+                        // `busy`).
+                        self.abandon_create(&rec);
                         return Err(e);
                     }
                 }
@@ -175,6 +176,58 @@ impl Warren {
         }
     }
 
+    /// Makes the new VM `rec`'s directory and takes its transition lock, held until the
+    /// create ends: a destroy meanwhile answers `busy`. Before, a destroy during a create
+    /// (a template build takes seconds) found no directory, removed the record alone, and
+    /// the VM then started with no record: counted nowhere, reached by no call, its uid
+    /// given to the next VM (a hostile review). The kernel drops the lock with a creator
+    /// that died, so its record can then be destroyed. A record destroyed before its
+    /// directory was made (an instant) is found gone here.
+    fn begin_create(&self, rec: &VmRecord) -> Result<nix::fcntl::Flock<std::fs::File>, CoreError> {
+        let made = self.make_vm_dir(rec).and_then(|(dir, _)| {
+            super::suspend::try_transition(&dir)?
+                .ok_or_else(|| CoreError::Busy(format!("{} is being destroyed", rec.id)))
+        });
+        let lock = match made {
+            Ok(lock) => lock,
+            Err(e) => {
+                self.abandon_create(rec);
+                return Err(e);
+            }
+        };
+        if self.store.get(&rec.id)?.is_none() {
+            self.abandon_create(rec);
+            return Err(CoreError::Conflict(format!(
+                "{} was destroyed while it was being created",
+                rec.id
+            )));
+        }
+        Ok(lock)
+    }
+
+    /// Removes what a create made before anything of its VM ran: the VM directory (made by
+    /// [`Warren::begin_create`], only the engine's files in it) and the record.
+    fn abandon_create(&self, rec: &VmRecord) {
+        let dir = self.vm_dir(&rec.id);
+        match std::fs::remove_dir_all(dir.path()) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(vm = %rec.id, error = %e, "removing a VM directory"),
+        }
+        if let Err(e) = self.store.delete(&rec.id) {
+            tracing::warn!(vm = %rec.id, error = %e, "removing a VM record");
+        }
+    }
+
+    /// The directory [`Warren::begin_create`] made for `rec`, and the uid and gid its VMM
+    /// runs as (`None`: a non-root Warren).
+    pub(super) fn made_vm_dir(&self, rec: &VmRecord) -> (VmDir, Option<(u32, u32)>) {
+        let run_as = nix::unistd::geteuid()
+            .is_root()
+            .then_some((rec.uid, rec.uid));
+        (self.vm_dir(&rec.id), run_as)
+    }
+
     async fn start(
         &self,
         rec: &VmRecord,
@@ -184,7 +237,7 @@ impl Warren {
         network: Option<warren_vmm::NetSpec>,
         bench_port: bool,
     ) -> Result<u64, CoreError> {
-        let (dir, run_as) = self.make_vm_dir(rec)?;
+        let (dir, run_as) = self.made_vm_dir(rec);
         let run = dir.run_dir();
         let root = run_as.is_some();
         let give = |path: &Path| give(path, run_as);
@@ -273,10 +326,7 @@ impl Warren {
         std::fs::create_dir(&run).map_err(|e| CoreError::io("create", &run, e))?;
         std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700))
             .map_err(|e| CoreError::io("chmod", &run, e))?;
-        let run_as = nix::unistd::geteuid()
-            .is_root()
-            .then_some((rec.uid, rec.uid));
-        Ok((dir, run_as))
+        Ok(self.made_vm_dir(rec))
     }
 
     /// Starts the VM's supervisor and waits until its guest answers (or fails to). A cold

@@ -231,7 +231,7 @@ impl Warren {
                 Some(lock) => Some(lock),
                 None => {
                     return Err(CoreError::Busy(format!(
-                        "{id} is being resumed; destroy it once that ended"
+                        "{id} is being created or resumed; destroy it once that ended"
                     )))
                 }
             },

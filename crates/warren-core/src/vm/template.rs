@@ -491,7 +491,7 @@ impl Warren {
         network: Option<warren_vmm::NetSpec>,
         tpl: &Template,
     ) -> Result<u64, CoreError> {
-        let (dir, run_as) = self.make_vm_dir(rec)?;
+        let (dir, run_as) = self.made_vm_dir(rec);
         let run = dir.run_dir();
         let give = |path: &Path| super::create::give(path, run_as);
         tpl.record.artifacts.store(&dir)?;
