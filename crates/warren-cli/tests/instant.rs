@@ -480,7 +480,28 @@ fn test_service_pool_status_handout_and_vm_fork() {
     assert_eq!(r["stdout"], format!("{id}\n"), "{r}");
 
     let fork = json!({"request_id": "f1", "vm_id": id, "count": 2});
-    let f = d.ok(&t, "vm_fork", fork.clone());
+    // A copy being made cannot be destroyed (before, a destroy during the parent's save
+    // removed its record alone and the copy then started with none, out of every call's
+    // reach): the copies are listed `creating` while the fork runs, and a destroy is `busy`.
+    let f = std::thread::scope(|s| {
+        let forking = s.spawn(|| d.ok(&t, "vm_fork", fork.clone()));
+        let mut refused = None;
+        while refused.is_none() && !forking.is_finished() {
+            let listed = d.ok(&t, "vm_list", json!({}));
+            let copy = listed["vms"].as_array().and_then(|v| {
+                v.iter()
+                    .find(|vm| vm["state"] == "creating" && vm["vm_id"] != id.as_str())
+                    .and_then(|vm| vm["vm_id"].as_str())
+                    .map(str::to_string)
+            });
+            if let Some(copy) = copy {
+                refused = Some(d.call(&t, "vm_destroy", json!({"vm_id": copy})));
+            }
+        }
+        let r = refused.expect("a copy was listed creating while the fork ran");
+        assert_eq!(r.code(), "busy", "{}", r.text);
+        forking.join().expect("fork thread")
+    });
     let copies: Vec<String> = f["vms"]
         .as_array()
         .expect("vms")

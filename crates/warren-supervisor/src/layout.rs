@@ -139,7 +139,7 @@ impl VmDir {
     /// fresh boot and every boot again included), and while it destroys one: a listing in
     /// that window must not take the absent supervisor for a dead VM. The kernel drops the
     /// lock with its holder, so an engine that died mid-way leaves nothing held. A create
-    /// holds it too, from its record's insert to its end.
+    /// (and a fork, each copy's) holds it too, from before its record's insert to its end.
     pub fn transition_lock(&self) -> PathBuf {
         self.0.join("transition.lock")
     }

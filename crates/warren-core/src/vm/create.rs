@@ -122,9 +122,12 @@ impl Warren {
         };
         // The caller's VM is admitted and its record inserted (`creating`) before any work,
         // so what it reserves counts against every later request at once.
-        self.store.insert(&mut rec, self.first_vm_uid(), admit)?;
-        // Held until the create ends (see `begin_create`).
+        // Held from before the record exists until the create ends (see `begin_create`).
         let _creating = self.begin_create(&rec)?;
+        if let Err(e) = self.store.insert(&mut rec, self.first_vm_uid(), admit) {
+            self.abandon_create(&rec);
+            return Err(e);
+        }
         // A template of this shape (built now if there is none) instead of a cold boot.
         let template = match (req.template, self.template_key(req, &image, accel)) {
             (true, Some(key)) => {
@@ -176,38 +179,27 @@ impl Warren {
         }
     }
 
-    /// Makes the new VM `rec`'s directory and takes its transition lock, held until the
-    /// create ends: a destroy meanwhile answers `busy`. Before, a destroy during a create
-    /// (a template build takes seconds) found no directory, removed the record alone, and
-    /// the VM then started with no record: counted nowhere, reached by no call, its uid
-    /// given to the next VM (a hostile review). The kernel drops the lock with a creator
-    /// that died, so its record can then be destroyed. A record destroyed before its
-    /// directory was made (an instant) is found gone here.
-    fn begin_create(&self, rec: &VmRecord) -> Result<nix::fcntl::Flock<std::fs::File>, CoreError> {
-        let made = self.make_vm_dir(rec).and_then(|(dir, _)| {
-            super::suspend::try_transition(&dir)?
-                .ok_or_else(|| CoreError::Busy(format!("{} is being destroyed", rec.id)))
+    /// Makes the new VM `rec`'s directory and takes its transition lock, before its record
+    /// is inserted, held until the create ends: a destroy meanwhile answers `busy`. Before, a
+    /// destroy during a create (a template build takes seconds) found no directory, removed
+    /// the record alone, and the VM then started with no record: counted nowhere, reached by
+    /// no call, its uid given to the next VM (two hostile reviews; fork copies the same). The
+    /// kernel drops the lock with a creator that died, so its record can then be destroyed.
+    pub(super) fn begin_create(
+        &self,
+        rec: &VmRecord,
+    ) -> Result<nix::fcntl::Flock<std::fs::File>, CoreError> {
+        // A directory that exists already is no one's to remove here.
+        let (dir, _) = self.make_vm_dir(rec)?;
+        let locked = super::suspend::try_transition(&dir).and_then(|lock| {
+            lock.ok_or_else(|| CoreError::Busy(format!("{} is being destroyed", rec.id)))
         });
-        let lock = match made {
-            Ok(lock) => lock,
-            Err(e) => {
-                self.abandon_create(rec);
-                return Err(e);
-            }
-        };
-        if self.store.get(&rec.id)?.is_none() {
-            self.abandon_create(rec);
-            return Err(CoreError::Conflict(format!(
-                "{} was destroyed while it was being created",
-                rec.id
-            )));
-        }
-        Ok(lock)
+        locked.inspect_err(|_| self.abandon_create(rec))
     }
 
     /// Removes what a create made before anything of its VM ran: the VM directory (made by
-    /// [`Warren::begin_create`], only the engine's files in it) and the record.
-    fn abandon_create(&self, rec: &VmRecord) {
+    /// [`Warren::begin_create`], only the engine's files in it) and the record, if any.
+    pub(super) fn abandon_create(&self, rec: &VmRecord) {
         let dir = self.vm_dir(&rec.id);
         match std::fs::remove_dir_all(dir.path()) {
             Ok(()) => {}

@@ -137,7 +137,23 @@ impl Warren {
             memory_mib: u64::from(parent.memory_mib) * u64::from(req.count),
             disk_mib: parent.disk_mib * u64::from(req.count),
         };
-        self.store.immediate(|tx| -> Result<(), CoreError> {
+        // Each copy's directory is made and its transition lock held from before its record
+        // exists until the fork ends, as a create's (`Warren::begin_create`): a destroy of a
+        // copy meanwhile answers `busy` (before, it found no directory during the parent's
+        // save, removed the record alone, and the copy then started with none).
+        let mut creating = Vec::with_capacity(recs.len());
+        for r in &recs {
+            match self.begin_create(r) {
+                Ok(lock) => creating.push(lock),
+                Err(e) => {
+                    recs.iter()
+                        .take(creating.len())
+                        .for_each(|r| self.abandon_create(r));
+                    return Err(e);
+                }
+            }
+        }
+        let inserted = self.store.immediate(|tx| -> Result<(), CoreError> {
             super::admit(tx, &ws, &req.workspace_limits, &req.host_limits, add)?;
             for r in recs.iter_mut() {
                 vmstore::insert_in(tx, r, self.first_vm_uid())?;
@@ -146,7 +162,11 @@ impl Warren {
                 Self::admit_session_fork(tx, plan, (req.host_limits, req.workspace_limits))?;
             }
             Ok(())
-        })?;
+        });
+        if let Err(e) = inserted {
+            recs.iter().for_each(|r| self.abandon_create(r));
+            return Err(e);
+        }
 
         let result = self
             .fork_into(&parent, &pcfg, &image, &recs, sessions.as_ref())
@@ -170,6 +190,8 @@ impl Warren {
                 }
             }
         }
+        // The copies are settled: a destroy (below, or the caller's) may act on them now.
+        drop(creating);
         match first_err {
             // All or nothing: copies that came up are destroyed with the failed ones' records
             // left failed (with their reason) for the caller to see and destroy.
@@ -409,7 +431,7 @@ impl Warren {
         fork_ram: Option<warren_vmm::backend::ForkRam>,
     ) -> Result<u64, CoreError> {
         let shares = shares.transpose()?;
-        let (dir, run_as) = self.make_vm_dir(rec)?;
+        let (dir, run_as) = self.made_vm_dir(rec);
         match artifacts {
             Some(a) => a.store(&dir)?,
             None => self.record_artifacts(&dir, image)?,
