@@ -125,7 +125,7 @@ impl Warren {
         // Held from before the record exists until the create ends (see `begin_create`).
         let _creating = self.begin_create(&rec)?;
         if let Err(e) = self.store.insert(&mut rec, self.first_vm_uid(), admit) {
-            self.abandon_create(&rec);
+            self.abandon_create(&rec, false);
             return Err(e);
         }
         // A template of this shape (built now if there is none) instead of a cold boot.
@@ -144,7 +144,7 @@ impl Warren {
                         // Nothing of the VM runs yet: its record and directory go, so the
                         // request may be sent again (a build another request holds answers
                         // `busy`).
-                        self.abandon_create(&rec);
+                        self.abandon_create(&rec, true);
                         return Err(e);
                     }
                 }
@@ -194,20 +194,23 @@ impl Warren {
         let locked = super::suspend::try_transition(&dir).and_then(|lock| {
             lock.ok_or_else(|| CoreError::Busy(format!("{} is being destroyed", rec.id)))
         });
-        locked.inspect_err(|_| self.abandon_create(rec))
+        locked.inspect_err(|_| self.abandon_create(rec, false))
     }
 
     /// Removes what a create made before anything of its VM ran: the VM directory (made by
-    /// [`Warren::begin_create`], only the engine's files in it) and the record, if any.
-    pub(super) fn abandon_create(&self, rec: &VmRecord) {
+    /// [`Warren::begin_create`], only the engine's files in it) and, when `inserted`, the
+    /// record (a refused insert leaves any record of that id alone).
+    pub(super) fn abandon_create(&self, rec: &VmRecord, inserted: bool) {
         let dir = self.vm_dir(&rec.id);
         match std::fs::remove_dir_all(dir.path()) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => tracing::warn!(vm = %rec.id, error = %e, "removing a VM directory"),
         }
-        if let Err(e) = self.store.delete(&rec.id) {
-            tracing::warn!(vm = %rec.id, error = %e, "removing a VM record");
+        if inserted {
+            if let Err(e) = self.store.delete(&rec.id) {
+                tracing::warn!(vm = %rec.id, error = %e, "removing a VM record");
+            }
         }
     }
 
@@ -312,12 +315,20 @@ impl Warren {
         let dir = self.vm_dir(&rec.id);
         let p = dir.path();
         std::fs::create_dir(p).map_err(|e| CoreError::io("create", p, e))?;
-        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o711))
-            .map_err(|e| CoreError::io("chmod", p, e))?;
         let run = dir.run_dir();
-        std::fs::create_dir(&run).map_err(|e| CoreError::io("create", &run, e))?;
-        std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| CoreError::io("chmod", &run, e))?;
+        let shaped = std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o711))
+            .map_err(|e| CoreError::io("chmod", p, e))
+            .and_then(|()| std::fs::create_dir(&run).map_err(|e| CoreError::io("create", &run, e)))
+            .and_then(|()| {
+                std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700))
+                    .map_err(|e| CoreError::io("chmod", &run, e))
+            });
+        if let Err(e) = shaped {
+            // Made here and nothing in it but `run/`: not left without a record.
+            let _ = std::fs::remove_dir(&run);
+            let _ = std::fs::remove_dir(p);
+            return Err(e);
+        }
         Ok(self.made_vm_dir(rec))
     }
 

@@ -148,7 +148,7 @@ impl Warren {
                 Err(e) => {
                     recs.iter()
                         .take(creating.len())
-                        .for_each(|r| self.abandon_create(r));
+                        .for_each(|r| self.abandon_create(r, false));
                     return Err(e);
                 }
             }
@@ -164,7 +164,7 @@ impl Warren {
             Ok(())
         });
         if let Err(e) = inserted {
-            recs.iter().for_each(|r| self.abandon_create(r));
+            recs.iter().for_each(|r| self.abandon_create(r, false));
             return Err(e);
         }
 
