@@ -195,6 +195,17 @@ fn test_guest_control_characters_reach_the_terminal_escaped() {
     wait_until("QEMU to die with its supervisor", 30, || {
         common::pids_matching(&format!("process=warren-{vm}")).is_empty()
     });
+    // QEMU dies when the supervisor's thread that started it exits; the supervisor's lock is
+    // free only once its last thread has (on a loaded host, later): until then a listing
+    // rightly takes the VM for running (it once did, and this check failed).
+    wait_until("the supervisor to be gone", 30, || {
+        std::fs::read_to_string(format!("/proc/{sup}/stat"))
+            .map(|s| {
+                s.rsplit_once(") ")
+                    .is_some_and(|(_, rest)| rest.starts_with('Z'))
+            })
+            .unwrap_or(true)
+    });
     let reason = "the VMM exited unexpectedly (killed by SIGKILL): \u{1b}]0;qemu\u{7}\u{9b}K\n\
                   console:\n\u{1b}[2Jguest \u{9b}31mred";
     let record = serde_json::json!({"requested": false, "reason": reason, "unix_time": 0});

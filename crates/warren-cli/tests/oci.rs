@@ -261,7 +261,14 @@ fn test_oci_pull_signed_policy_boot_and_refusals() {
         "vm_create",
         serde_json::json!({"image": "local", "request_id": "oci-1"}),
     );
-    assert_eq!((r.status, r.code()), (403, "forbidden"), "{}", r.text);
+    // Answered as an unknown image: which images other workspaces have is not told.
+    assert_eq!(
+        (r.status, r.code()),
+        (400, "invalid_argument"),
+        "{}",
+        r.text
+    );
+    assert!(r.text.contains("is not configured"), "{}", r.text);
     assert!(d.all_vms().is_empty(), "nothing was created");
 }
 
