@@ -121,8 +121,9 @@ impl Warren {
             super::admit(tx, &ws, &req.workspace_limits, &req.host_limits, add)
         };
         // The caller's VM is admitted and its record inserted (`creating`) before any work,
-        // so what it reserves counts against every later request at once.
-        // Held from before the record exists until the create ends (see `begin_create`).
+        // so what it reserves counts against every later request at once; its directory's
+        // transition lock is held from before the record exists until the create ends
+        // (`begin_create`).
         let _creating = self.begin_create(&rec)?;
         if let Err(e) = self.store.insert(&mut rec, self.first_vm_uid(), admit) {
             self.abandon_create(&rec, false);
@@ -183,14 +184,14 @@ impl Warren {
     /// is inserted, held until the create ends: a destroy meanwhile answers `busy`. Before, a
     /// destroy during a create (a template build takes seconds) found no directory, removed
     /// the record alone, and the VM then started with no record: counted nowhere, reached by
-    /// no call, its uid given to the next VM (two hostile reviews; fork copies the same). The
+    /// no call, its uid given to the next VM (hostile reviews; fork copies the same). The
     /// kernel drops the lock with a creator that died, so its record can then be destroyed.
     pub(super) fn begin_create(
         &self,
         rec: &VmRecord,
     ) -> Result<nix::fcntl::Flock<std::fs::File>, CoreError> {
         // A directory that exists already is no one's to remove here.
-        let (dir, _) = self.make_vm_dir(rec)?;
+        let dir = self.make_vm_dir(rec)?;
         let locked = super::suspend::try_transition(&dir).and_then(|lock| {
             lock.ok_or_else(|| CoreError::Busy(format!("{} is being destroyed", rec.id)))
         });
@@ -307,11 +308,8 @@ impl Warren {
     /// VMM's `run/` (0700), still root's: the caller fills it and then hands it to the VM's
     /// uid ([`hand_over_run`]) just before the launch, so nothing running as that uid (a
     /// VMM of an earlier VM that had the same uid) can plant a link for root to follow while
-    /// it is being filled. Returns it with the (uid, gid) the VMM will run as.
-    pub(super) fn make_vm_dir(
-        &self,
-        rec: &VmRecord,
-    ) -> Result<(VmDir, Option<(u32, u32)>), CoreError> {
+    /// it is being filled ([`Warren::made_vm_dir`] then gives the uid and gid the VMM runs as).
+    fn make_vm_dir(&self, rec: &VmRecord) -> Result<VmDir, CoreError> {
         let dir = self.vm_dir(&rec.id);
         let p = dir.path();
         std::fs::create_dir(p).map_err(|e| CoreError::io("create", p, e))?;
@@ -329,7 +327,7 @@ impl Warren {
             let _ = std::fs::remove_dir(p);
             return Err(e);
         }
-        Ok(self.made_vm_dir(rec))
+        Ok(dir)
     }
 
     /// Starts the VM's supervisor and waits until its guest answers (or fails to). A cold
