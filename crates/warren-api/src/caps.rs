@@ -6,6 +6,8 @@
 //!   authentication, except an MCP GET (the session's event stream, bounded by the MCP session
 //!   caps); its [`Slot`] rides on the response body, so it is released when the response
 //!   ends, which for an MCP POST answered as a stream is after the last event.
+//!   The middleware shares it ([`HeldSlot`]) with the work a tool call started, which runs to
+//!   its end even when the client leaves: the place is released when both have ended.
 //! - [`CallerCaps::long_poll`] is claimed by [`crate::Service::call`] for a `vm_exec` or
 //!   `vm_job_output` with `wait_ms` > 0, for the call's duration.
 //!
@@ -84,6 +86,22 @@ impl Counter {
 
     fn held(&self, via: &Via) -> usize {
         self.lock().get(via).copied().unwrap_or(0)
+    }
+}
+
+/// A request's place under the request cap, shared by its response body and the work the
+/// request started ([`crate::Service::call_to_end`]): released when both have ended, so work
+/// that goes on after its client left still counts against the caller.
+#[derive(Debug, Clone)]
+pub struct HeldSlot {
+    _slot: Arc<Slot>,
+}
+
+impl HeldSlot {
+    pub fn new(slot: Slot) -> HeldSlot {
+        HeldSlot {
+            _slot: Arc::new(slot),
+        }
     }
 }
 

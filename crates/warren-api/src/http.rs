@@ -181,7 +181,7 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
 /// body ends. An MCP GET (a session's event stream, open for the session's life, and rmcp
 /// accepts several per session) counts against the credential's long-poll cap instead, so
 /// streams can neither starve its requests nor hold the listener's connections.
-async fn limit_in_flight(State(st): State<AppState>, req: Request, next: Next) -> Response {
+async fn limit_in_flight(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
     let stream = req.method() == Method::GET && req.uri().path() == crate::mcp::PATH;
     let Some(p) = req.extensions().get::<Principal>() else {
         return next.run(req).await;
@@ -201,6 +201,8 @@ async fn limit_in_flight(State(st): State<AppState>, req: Request, next: Next) -
             return r;
         }
     };
+    let slot = crate::caps::HeldSlot::new(slot);
+    req.extensions_mut().insert(slot.clone());
     next.run(req)
         .await
         .map(|b| Body::new(crate::conn::Guarded::new(b, slot)))
@@ -255,6 +257,7 @@ fn local(st: &AppState, uid: Option<u32>, h: &HeaderMap) -> Result<Principal, Ap
 async fn call_tool(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
+    held: Option<Extension<crate::caps::HeldSlot>>,
     Path(tool): Path<String>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
@@ -284,7 +287,8 @@ async fn call_tool(
     if !args.is_object() {
         return error_response(&ApiError::invalid("the body must be a JSON object"));
     }
-    match st.service.call(&p, &tool, args).await {
+    let held = held.map(|Extension(h)| h);
+    match st.service.call_to_end(&p, &tool, args, held).await {
         Ok(v) => (StatusCode::OK, Json(v)).into_response(),
         Err(e) => error_response(&e),
     }

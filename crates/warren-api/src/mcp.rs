@@ -249,8 +249,13 @@ impl ServerHandler for WarrenMcp {
         let result = match self.caller(&context.extensions) {
             Ok(p) => {
                 let args = Value::Object(request.arguments.unwrap_or_default());
+                let held = context
+                    .extensions
+                    .get::<http::request::Parts>()
+                    .and_then(|parts| parts.extensions.get::<crate::caps::HeldSlot>())
+                    .cloned();
                 // Unknown names go through too: the service answers `unknown_tool`.
-                self.service.call(p, &tool, args).await
+                self.service.call_to_end(p, &tool, args, held).await
             }
             Err(e) => {
                 tracing::warn!(tool = %tool, code = e.code, "MCP tool call refused");

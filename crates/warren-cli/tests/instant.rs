@@ -616,39 +616,53 @@ fn test_service_no_template_is_built_for_a_create_its_limits_refuse() {
     // is built, the VM is reserved (listed `creating`): a create of another shape sent then
     // is refused at once and has no template built (before, each of the requests sent at
     // once was checked against limits nothing had reserved yet, and had its shape built).
-    let vm = std::thread::scope(|s| {
-        let fits = s.spawn(|| {
-            d.ok(
-                &t,
-                "vm_create",
-                json!({"request_id": "fits", "image": "tpl", "memory_mib": 512}),
-            )
+    let fits = json!({"request_id": "fits", "image": "tpl", "memory_mib": 512});
+    let cut_off = d.send_only(&t, "vm_create", fits.clone());
+    let mut creating = String::new();
+    common::wait_until("the first create is reserved", 120, || {
+        let listed = d.ok(&t, "vm_list", json!({}));
+        let found = listed["vms"].as_array().and_then(|v| {
+            v.iter()
+                .find(|vm| vm["state"] == "creating")
+                .and_then(|vm| vm["vm_id"].as_str())
         });
-        let mut creating = String::new();
-        common::wait_until("the first create is reserved", 120, || {
-            let listed = d.ok(&t, "vm_list", json!({}));
-            let found = listed["vms"].as_array().and_then(|v| {
-                v.iter()
-                    .find(|vm| vm["state"] == "creating")
-                    .and_then(|vm| vm["vm_id"].as_str())
-            });
-            creating = found.unwrap_or_default().to_string();
-            found.is_some()
-        });
-        let r = d.call(
-            &t,
-            "vm_create",
-            json!({"request_id": "other-shape", "image": "tpl", "memory_mib": 256}),
-        );
-        assert_eq!(r.code(), "quota_exceeded", "{}", r.text);
-        // A destroy while it is created is refused: before, it removed the record alone and
-        // the VM then started with none (counted nowhere, out of every call's reach).
-        let r = d.call(&t, "vm_destroy", json!({"vm_id": creating}));
-        assert_eq!(r.code(), "busy", "{}", r.text);
-        let vm = fits.join().expect("create thread");
-        assert_eq!(vm["vm_id"], creating.as_str(), "{vm}");
-        vm
+        creating = found.unwrap_or_default().to_string();
+        found.is_some()
     });
+    // The client hangs up during the build. The create goes on to its end: before, it was
+    // cancelled with the connection, leaving the template's build VM running in a workspace
+    // no call reaches and the caller's record `creating` for good (its retry answered
+    // `outcome_unknown`).
+    drop(cut_off);
+    let r = d.call(
+        &t,
+        "vm_create",
+        json!({"request_id": "other-shape", "image": "tpl", "memory_mib": 256}),
+    );
+    assert_eq!(r.code(), "quota_exceeded", "{}", r.text);
+    // A destroy while it is created is refused: before, it removed the record alone and
+    // the VM then started with none (counted nowhere, out of every call's reach).
+    let r = d.call(&t, "vm_destroy", json!({"vm_id": creating}));
+    assert_eq!(r.code(), "busy", "{}", r.text);
+    // The retry answers `busy` while the cut-off call runs, then its outcome.
+    let mut vm = serde_json::Value::Null;
+    common::wait_until("the cut-off create's outcome", 300, || {
+        let r = d.call(&t, "vm_create", fits.clone());
+        if r.code() == "busy" {
+            return false;
+        }
+        assert_eq!(r.status, 200, "the retry of a cut-off create: {}", r.text);
+        vm = r.body;
+        true
+    });
+    assert_eq!(vm["vm_id"], creating.as_str(), "{vm}");
+    assert_eq!(vm["state"], "running", "{vm}");
+    let left: Vec<serde_json::Value> = d
+        .all_vms()
+        .into_iter()
+        .filter(|v| v["workspace"] != "small")
+        .collect();
+    assert!(left.is_empty(), "no build VM is left: {left:?}");
     let id = vm["vm_id"].as_str().expect("vm_id").to_string();
     let files = template_files(&state);
     assert_eq!(

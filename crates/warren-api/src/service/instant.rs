@@ -148,7 +148,8 @@ impl Service {
         to_value(PoolReport { pools })
     }
 
-    /// Keeps every configured warm pool at its size, checking every `every`; one image's
+    /// Keeps every configured warm pool at its size, checking every `every`, and sweeps
+    /// template build VMs no build holds; one image's
     /// failure (host limits reached, a template that cannot be built) is logged and retried
     /// at the next check.
     pub async fn pool_loop(self: std::sync::Arc<Self>, every: Duration) {
@@ -156,6 +157,10 @@ impl Service {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
+            // Build VMs whose build's process died (`Warren::sweep_template_builds`).
+            if let Err(e) = self.warren.sweep_template_builds().await {
+                tracing::warn!(error = %crate::error::format_chain(&e), "sweeping template build VMs failed");
+            }
             for (name, img) in &self.cfg.images {
                 if img.pool == 0 {
                     continue;

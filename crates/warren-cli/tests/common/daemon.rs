@@ -317,6 +317,22 @@ impl Daemon {
         )
     }
 
+    /// Sends a tool call and returns its connection without reading the answer: dropping it
+    /// hangs up on the call (a client cut off).
+    pub fn send_only(&self, token: &str, tool: &str, args: Value) -> std::net::TcpStream {
+        let mut s = std::net::TcpStream::connect(&self.addr).expect("connect");
+        let body = args.to_string();
+        let req = format!(
+            "POST /v1/tools/{tool} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\
+             Authorization: Bearer {token}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            self.addr,
+            body.len()
+        );
+        s.write_all(req.as_bytes()).expect("write request");
+        s
+    }
+
     /// Like `call`, panicking unless it succeeds; returns the body.
     pub fn ok(&self, token: &str, tool: &str, args: Value) -> Value {
         let r = self.call(token, tool, args);

@@ -163,15 +163,26 @@ impl Warren {
                     .await
             }
         };
+        let started = match started {
+            Ok(boot_ms) => self
+                .store
+                .set_state(&id, VmState::Running, None, Some(boot_ms))
+                .map(|()| boot_ms)
+                .map_err(CoreError::from),
+            Err(e) => Err(e),
+        };
         match started {
             Ok(boot_ms) => {
-                self.store
-                    .set_state(&id, VmState::Running, None, Some(boot_ms))?;
                 rec.state = VmState::Running;
                 rec.boot_ms = Some(boot_ms);
                 Ok(rec)
             }
             Err(e) => {
+                // A start can fail after its VMM came up (settling a clone, the record's
+                // update): nothing of a failed VM runs on.
+                if let Err(halt) = self.halt(&id).await {
+                    tracing::warn!(vm = %id, error = %halt, "stopping a VM whose start failed");
+                }
                 let reason = e.to_string();
                 self.store
                     .set_state(&id, VmState::Failed, Some(&reason), None)?;

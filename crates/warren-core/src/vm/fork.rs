@@ -174,18 +174,31 @@ impl Warren {
         let mut out = Vec::new();
         let mut first_err = None;
         for (rec, r) in recs.iter_mut().zip(result) {
+            let r = r.and_then(|ms| {
+                self.store
+                    .set_state(&rec.id, VmState::Running, None, Some(ms))?;
+                Ok(ms)
+            });
             match r {
                 Ok(ms) => {
-                    self.store
-                        .set_state(&rec.id, VmState::Running, None, Some(ms))?;
                     rec.state = VmState::Running;
                     rec.boot_ms = Some(ms);
                     out.push(rec.clone());
                 }
                 Err(e) => {
+                    // A copy can fail after its VMM came up (its settling, its record's
+                    // update): nothing of it runs on under a `failed` record. A failed
+                    // update here fails this copy, never the clean-up of the others.
+                    if let Err(halt) = self.halt(&rec.id).await {
+                        tracing::warn!(vm = %rec.id, error = %halt, "stopping a fork copy whose start failed");
+                    }
                     let reason = e.to_string();
-                    self.store
-                        .set_state(&rec.id, VmState::Failed, Some(&reason), None)?;
+                    if let Err(err) =
+                        self.store
+                            .set_state(&rec.id, VmState::Failed, Some(&reason), None)
+                    {
+                        tracing::warn!(vm = %rec.id, error = %err, "recording a failed fork copy");
+                    }
                     first_err.get_or_insert(e);
                 }
             }

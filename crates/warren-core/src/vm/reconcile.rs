@@ -237,19 +237,7 @@ impl Warren {
             },
             false => None,
         };
-        if dir.supervisor_alive() {
-            let client = SupervisorClient::new(&dir.socket());
-            if let Err(e) = client.stop().await {
-                tracing::warn!(error = %e, "stop request failed; killing the supervisor");
-            }
-            if !wait_supervisor_exit(&dir, Duration::from_secs(10)).await {
-                kill_supervisor(&dir);
-                wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
-            }
-        }
-        if let Some(h) = cgroup::Hierarchy::detect() {
-            cgroup::kill_and_remove(&h.vm_cgroup(&rec.id))?;
-        }
+        self.halt(&rec.id).await?;
         // Out of its name first, in one step, while the transition lock is held: a resume
         // waiting for the lock then finds no VM directory (and creates no file in the one
         // being removed).
@@ -281,6 +269,28 @@ impl Warren {
     }
 
     /// The VM's console log (bounded by the supervisor).
+    /// Stops whatever of VM `id` runs: its supervisor (asked, then killed) and every process
+    /// in its cgroup. Also for a start that failed after its VMM came up (a clone's or a fork
+    /// copy's settling, a state update), which must not leave a VM running under a `failed`
+    /// record, counted nowhere.
+    pub(super) async fn halt(&self, id: &str) -> Result<(), CoreError> {
+        let dir = self.vm_dir(id);
+        if dir.supervisor_alive() {
+            let client = SupervisorClient::new(&dir.socket());
+            if let Err(e) = client.stop().await {
+                tracing::warn!(error = %e, "stop request failed; killing the supervisor");
+            }
+            if !wait_supervisor_exit(&dir, Duration::from_secs(10)).await {
+                kill_supervisor(&dir);
+                wait_supervisor_exit(&dir, Duration::from_secs(5)).await;
+            }
+        }
+        if let Some(h) = cgroup::Hierarchy::detect() {
+            cgroup::kill_and_remove(&h.vm_cgroup(id))?;
+        }
+        Ok(())
+    }
+
     pub fn logs(&self, id: &str) -> Result<String, CoreError> {
         let rec = self
             .store

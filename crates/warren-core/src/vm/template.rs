@@ -323,6 +323,11 @@ impl Warren {
             memory_mib: Some(key.memory_mib),
             vcpus: Some(key.vcpus),
             workspace: TEMPLATE_WORKSPACE.to_string(),
+            request_id: Some(format!(
+                "build-{}-{}",
+                key.digest(),
+                hex::encode(rand::random::<[u8; 4]>())
+            )),
             // The VM the build is for was admitted and reserved (`creating`) against the
             // host's VM and memory limits before the build, and runs only after the build VM
             // is gone: counted again, a host one VM short of its limits would refuse a
@@ -348,7 +353,20 @@ impl Warren {
                 }
                 made
             }
-            Err(e) => Err(e),
+            Err(e) => {
+                // A build VM that failed to boot keeps a `failed` record in a workspace no
+                // caller may reach: it goes with the failed build.
+                let left = build
+                    .request_id
+                    .as_deref()
+                    .map(|rid| self.store.by_request(TEMPLATE_WORKSPACE, rid));
+                if let Some(Ok(Some(rec))) = left {
+                    if let Err(e) = self.destroy_vm(&rec.id).await {
+                        tracing::warn!(vm = %rec.id, error = %e, "destroying a failed template build VM");
+                    }
+                }
+                Err(e)
+            }
         };
         shares.remove();
         let dir = made?;

@@ -18,9 +18,10 @@ use std::path::Path;
 use std::time::{Duration, SystemTime};
 
 use super::template::{
-    read_record, superseded_model, valid_dir_name, STALE_BUILD, TEMPLATE_MARKER,
+    read_record, superseded_model, valid_dir_name, STALE_BUILD, TEMPLATE_MARKER, TEMPLATE_WORKSPACE,
 };
 use super::Warren;
+use crate::error::CoreError;
 
 /// How long a retired template's files stay before they are deleted.
 pub(super) const RETIRE_GRACE: Duration = Duration::from_secs(60);
@@ -156,6 +157,59 @@ impl Warren {
                 Err(e) => tracing::warn!(error = %e, pointer = %p.display(), "retiring a template"),
             }
         }
+    }
+
+    /// Destroys template build VMs that no build holds: one whose build's process died (an
+    /// engine stopped or killed mid-build) would otherwise run on in `warren-templates`,
+    /// which no caller may reach, holding host memory and a VM uid for good. A build VM
+    /// lives only while its build holds its key's lock (`<key digest>.lock`), so when every
+    /// such lock can be taken at once, every build VM listed before is an orphan. Records
+    /// are listed before the locks are looked for: a build that inserted its VM's record
+    /// after that made its lock file first, so the sweep finds that lock held and leaves
+    /// everything alone. Returns the VMs destroyed.
+    pub async fn sweep_template_builds(&self) -> Result<Vec<String>, CoreError> {
+        let orphans: Vec<String> = self
+            .store
+            .list()?
+            .into_iter()
+            .filter(|r| r.workspace == TEMPLATE_WORKSPACE)
+            .map(|r| r.id)
+            .collect();
+        if orphans.is_empty() {
+            return Ok(orphans);
+        }
+        let root = self.templates_dir();
+        let mut held = Vec::new();
+        if let Ok(entries) = std::fs::read_dir(&root) {
+            for e in entries.flatten() {
+                if !e.file_name().to_string_lossy().ends_with(".lock") {
+                    continue;
+                }
+                let Ok(f) = warren_supervisor::layout::open_lock_file(&e.path()) else {
+                    return Ok(Vec::new());
+                };
+                match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+                    Ok(l) => held.push(l),
+                    // A build in progress: its VM is not an orphan, and which VM is its
+                    // is not recorded; the next sweep looks again.
+                    Err(_) => return Ok(Vec::new()),
+                }
+            }
+        }
+        let mut destroyed = Vec::new();
+        for id in orphans {
+            match self.destroy_vm(&id).await {
+                Ok(()) => {
+                    tracing::warn!(vm = %id, "destroyed a template build VM its build left");
+                    destroyed.push(id);
+                }
+                Err(CoreError::VmNotFound(_)) => {}
+                Err(e) => {
+                    tracing::warn!(vm = %id, error = %e, "destroying a left template build VM")
+                }
+            }
+        }
+        Ok(destroyed)
     }
 
     /// Deletes template directories that are neither current nor backing any VM's disk
@@ -409,5 +463,38 @@ mod tests {
         assert!(d1.exists(), "a VM's disk stands on it");
         remove_unpinned(&w.cfg.state_dir, &d2);
         assert!(!d2.exists(), "control: an unused one goes");
+    }
+
+    #[tokio::test]
+    async fn test_sweep_destroys_build_vms_only_when_no_build_holds_a_key_lock() {
+        let (_state, w) = engine(4);
+        let insert = |id: &str, workspace: &str| {
+            let mut rec = crate::vm::test_vm(id);
+            rec.workspace = workspace.into();
+            rec.state = crate::store::VmState::Failed;
+            w.store
+                .insert(&mut rec, w.first_vm_uid(), |_| Ok::<(), CoreError>(()))
+                .expect("insert");
+            rec.id
+        };
+        let build = insert("vm-0000000000b1", TEMPLATE_WORKSPACE);
+        let callers = insert("vm-0000000000c1", "ws");
+        let root = w.templates_dir();
+        std::fs::create_dir_all(&root).expect("templates");
+        let lock = root.join(format!("{}.lock", "d".repeat(64)));
+        let f = warren_supervisor::layout::open_lock_file(&lock).expect("lock file");
+        let held = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            .expect("a build's lock");
+        // A build holds a key: which VM is its is not recorded, so none is touched.
+        assert!(w.sweep_template_builds().await.expect("sweep").is_empty());
+        assert!(w.store.get(&build).expect("get").is_some());
+        // The build ended (its process died): its VM is an orphan; a caller's VM is not.
+        drop(held);
+        let swept = w.sweep_template_builds().await.expect("sweep");
+        assert_eq!(swept, vec![build.clone()]);
+        assert!(w.store.get(&build).expect("get").is_none());
+        assert!(w.store.get(&callers).expect("get").is_some());
+        // Nothing left: nothing to do.
+        assert!(w.sweep_template_builds().await.expect("sweep").is_empty());
     }
 }
