@@ -257,7 +257,7 @@ fn local(st: &AppState, uid: Option<u32>, h: &HeaderMap) -> Result<Principal, Ap
 async fn call_tool(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
-    held: Option<Extension<crate::caps::HeldSlot>>,
+    Extension(held): Extension<crate::caps::HeldSlot>,
     Path(tool): Path<String>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
@@ -287,7 +287,6 @@ async fn call_tool(
     if !args.is_object() {
         return error_response(&ApiError::invalid("the body must be a JSON object"));
     }
-    let held = held.map(|Extension(h)| h);
     match st.service.call_to_end(&p, &tool, args, held).await {
         Ok(v) => (StatusCode::OK, Json(v)).into_response(),
         Err(e) => error_response(&e),

@@ -254,8 +254,21 @@ impl ServerHandler for WarrenMcp {
                     .get::<http::request::Parts>()
                     .and_then(|parts| parts.extensions.get::<crate::caps::HeldSlot>())
                     .cloned();
-                // Unknown names go through too: the service answers `unknown_tool`.
-                self.service.call_to_end(p, &tool, args, held).await
+                // The HTTP middleware claims every request's slot (`crate::http`); a router
+                // served without it claims one here.
+                let held = match held {
+                    Some(held) => Ok(held),
+                    None => self
+                        .service
+                        .caps()
+                        .request(p)
+                        .map(crate::caps::HeldSlot::new),
+                };
+                match held {
+                    // Unknown names go through too: the service answers `unknown_tool`.
+                    Ok(held) => self.service.call_to_end(p, &tool, args, held).await,
+                    Err(e) => Err(e),
+                }
             }
             Err(e) => {
                 tracing::warn!(tool = %tool, code = e.code, "MCP tool call refused");

@@ -65,6 +65,9 @@ impl ServeError {
 
 /// How often the warm pools are topped up.
 const POOL_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long a stop waits for calls running to their end (`Service::call_to_end`); within
+/// systemd's default stop timeout (90 s).
+const DETACHED_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 /// How often idle VMs are looked for.
 const IDLE_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -239,6 +242,15 @@ pub async fn serve(
     .await;
     idle.abort();
     pools.abort();
+    // Calls that change state run to their end whoever waits for them (a create, a fork):
+    // given a bounded time to end, as a process that exits cuts them.
+    let left = service.wait_for_detached(DETACHED_WAIT).await;
+    if left > 0 {
+        tracing::warn!(
+            calls = left,
+            "stopping with calls still running: they are cut"
+        );
+    }
     let _ = std::fs::remove_file(&socket_path);
     Ok(())
 }

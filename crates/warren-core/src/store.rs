@@ -368,6 +368,15 @@ impl Store {
         rows.collect()
     }
 
+    /// The VMs of `workspace`.
+    pub fn in_workspace(&self, workspace: &str) -> Result<Vec<VmRecord>, rusqlite::Error> {
+        let conn = self.conn();
+        let mut st =
+            conn.prepare("SELECT * FROM vms WHERE workspace = ?1 ORDER BY created_unix, id")?;
+        let rows = st.query_map([workspace], row)?;
+        rows.collect()
+    }
+
     /// A workspace's VM created by the request `request_id`, if any.
     pub fn by_request(
         &self,

@@ -5,6 +5,7 @@ mod files;
 mod instant;
 pub mod job_streams;
 mod jobs;
+mod run_to_end;
 mod sessions;
 pub mod streams;
 mod tool_defs;
@@ -73,6 +74,8 @@ pub struct Service {
     streams: crate::streams::Streams,
     /// Job broker pipes (`crate::broker`), in memory only.
     pipes: crate::broker::Pipes,
+    /// Calls running to their end ([`Service::call_to_end`]), for the stop to wait for.
+    detached: tokio::sync::watch::Sender<usize>,
 }
 
 /// Removes an in-flight key when the request ends, however it ends.
@@ -246,6 +249,7 @@ impl Service {
             pipes: crate::broker::Pipes::default(),
             cfg,
             in_flight: Mutex::new(HashSet::new()),
+            detached: tokio::sync::watch::Sender::new(0),
         })
     }
 
@@ -414,38 +418,6 @@ impl Service {
             }
         }
         Ok(warnings)
-    }
-
-    /// Runs one tool for `p` to its end, even when the caller goes away first: both
-    /// transports call this and nothing else. Dropping the returned future (the client
-    /// disconnected) leaves the call running in a task of its own, holding `held` (the
-    /// request's place under its caller's cap), so nothing is left half-done: a create, a
-    /// fork or a session cut off mid-way used to leave a `creating` record, a template's build
-    /// VM running outside every workspace, or copies half-made. A retry with the same
-    /// `request_id` meanwhile answers `busy`, then the recorded outcome. Long-polls (a
-    /// `wait_ms` wait for a job) are the exception: their wait ends with the caller.
-    pub async fn call_to_end(
-        self: &Arc<Self>,
-        p: &Principal,
-        tool: &str,
-        args: Value,
-        held: Option<crate::caps::HeldSlot>,
-    ) -> Result<Value, ApiError> {
-        if is_long_poll(tool, &args) {
-            return self.call(p, tool, args).await;
-        }
-        let (service, p, tool) = (self.clone(), p.clone(), tool.to_string());
-        let task = tokio::spawn(async move {
-            let _held = held;
-            service.call(&p, &tool, args).await
-        });
-        match task.await {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::error!(error = %e, "a tool call's task failed");
-                Err(ApiError::internal("the call failed inside the service"))
-            }
-        }
     }
 
     /// Runs one tool for `p` in place (cancelled with the returned future).

@@ -106,6 +106,36 @@ fn remove_unpinned(state_dir: &Path, dir: &Path) {
     }
 }
 
+/// The key digest a build VM's request id names (`build-<32 hex>-<random>`).
+pub(super) fn build_key_digest(request_id: &str) -> Option<&str> {
+    let digest = request_id.strip_prefix("build-")?.split('-').next()?;
+    (digest.len() == 32 && digest.bytes().all(|b| b.is_ascii_hexdigit())).then_some(digest)
+}
+
+/// Whether no build holds the lock at `path` (taken and let go at once). A missing templates
+/// directory holds no build; any other failure counts as held.
+fn lock_free(path: &Path) -> bool {
+    match warren_supervisor::layout::open_lock_file(path) {
+        Ok(f) => nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).is_ok(),
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
+}
+
+/// Whether no build holds any key's lock under `root`.
+fn all_locks_free(root: &Path) -> bool {
+    let entries = match std::fs::read_dir(root) {
+        Ok(entries) => entries,
+        Err(e) => return e.kind() == std::io::ErrorKind::NotFound,
+    };
+    for e in entries {
+        let Ok(e) = e else { return false };
+        if e.file_name().to_string_lossy().ends_with(".lock") && !lock_free(&e.path()) {
+            return false;
+        }
+    }
+    true
+}
+
 impl Warren {
     /// Retires the least recently used current templates past the cap, never `keep` (the
     /// pointer of the template just built).
@@ -161,41 +191,29 @@ impl Warren {
 
     /// Destroys template build VMs that no build holds: one whose build's process died (an
     /// engine stopped or killed mid-build) would otherwise run on in `warren-templates`,
-    /// which no caller may reach, holding host memory and a VM uid for good. A build VM
-    /// lives only while its build holds its key's lock (`<key digest>.lock`), so when every
-    /// such lock can be taken at once, every build VM listed before is an orphan. Records
-    /// are listed before the locks are looked for: a build that inserted its VM's record
-    /// after that made its lock file first, so the sweep finds that lock held and leaves
-    /// everything alone. Returns the VMs destroyed.
+    /// which no caller may reach, holding host memory and a VM uid for good. A build holds
+    /// its key's lock (`<key digest>.lock`) from before its VM's record is inserted until
+    /// the VM is destroyed, and names the VM's request `build-<key digest>-<random>`: a
+    /// listed build VM whose key's lock is free has no build. (A build VM of an older engine,
+    /// without that name, counts as held while any key's lock is.) Any doubt (a lock or the
+    /// directory unreadable) leaves the VM alone. Returns the VMs destroyed.
     pub async fn sweep_template_builds(&self) -> Result<Vec<String>, CoreError> {
-        let orphans: Vec<String> = self
-            .store
-            .list()?
-            .into_iter()
-            .filter(|r| r.workspace == TEMPLATE_WORKSPACE)
-            .map(|r| r.id)
-            .collect();
-        if orphans.is_empty() {
-            return Ok(orphans);
+        let builds = self.store.in_workspace(TEMPLATE_WORKSPACE)?;
+        if builds.is_empty() {
+            return Ok(Vec::new());
         }
         let root = self.templates_dir();
-        let mut held = Vec::new();
-        if let Ok(entries) = std::fs::read_dir(&root) {
-            for e in entries.flatten() {
-                if !e.file_name().to_string_lossy().ends_with(".lock") {
-                    continue;
-                }
-                let Ok(f) = warren_supervisor::layout::open_lock_file(&e.path()) else {
-                    return Ok(Vec::new());
-                };
-                match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
-                    Ok(l) => held.push(l),
-                    // A build in progress: its VM is not an orphan, and which VM is its
-                    // is not recorded; the next sweep looks again.
-                    Err(_) => return Ok(Vec::new()),
-                }
+        let mut orphans = Vec::new();
+        for rec in builds {
+            let free = match rec.request_id.as_deref().and_then(build_key_digest) {
+                Some(digest) => lock_free(&root.join(format!("{digest}.lock"))),
+                None => all_locks_free(&root),
+            };
+            if free {
+                orphans.push(rec.id);
             }
         }
+        // No lock is held while they go: a build that starts now makes a VM of its own.
         let mut destroyed = Vec::new();
         for id in orphans {
             match self.destroy_vm(&id).await {
@@ -468,33 +486,60 @@ mod tests {
     #[tokio::test]
     async fn test_sweep_destroys_build_vms_only_when_no_build_holds_a_key_lock() {
         let (_state, w) = engine(4);
-        let insert = |id: &str, workspace: &str| {
+        // A build VM (request id `rid`, or none: an older engine's) or, with `rid` empty
+        // and an id ending in c1, a caller's VM.
+        let insert = |id: &str, rid: &str| {
             let mut rec = crate::vm::test_vm(id);
-            rec.workspace = workspace.into();
+            if !id.ends_with("c1") {
+                rec.workspace = TEMPLATE_WORKSPACE.into();
+            }
+            rec.request_id = (!rid.is_empty()).then(|| rid.to_string());
             rec.state = crate::store::VmState::Failed;
             w.store
                 .insert(&mut rec, w.first_vm_uid(), |_| Ok::<(), CoreError>(()))
                 .expect("insert");
             rec.id
         };
-        let build = insert("vm-0000000000b1", TEMPLATE_WORKSPACE);
-        let callers = insert("vm-0000000000c1", "ws");
+        let (d, e) = ("d".repeat(32), "e".repeat(32));
+        let build = insert("vm-0000000000b1", &format!("build-{d}-00000001"));
+        let other_key = insert("vm-0000000000b2", &format!("build-{e}-00000002"));
+        let older = insert("vm-0000000000b3", "");
+        let callers = insert("vm-0000000000c1", "");
         let root = w.templates_dir();
         std::fs::create_dir_all(&root).expect("templates");
-        let lock = root.join(format!("{}.lock", "d".repeat(64)));
-        let f = warren_supervisor::layout::open_lock_file(&lock).expect("lock file");
-        let held = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock)
-            .expect("a build's lock");
-        // A build holds a key: which VM is its is not recorded, so none is touched.
-        assert!(w.sweep_template_builds().await.expect("sweep").is_empty());
+        let lock = |digest: &str| {
+            let f = warren_supervisor::layout::open_lock_file(&root.join(format!("{digest}.lock")))
+                .expect("lock file");
+            nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock)
+                .expect("a build's lock")
+        };
+        // A build holds key d: its VM stays, and so does the older engine's build VM (which
+        // key it is for is not recorded); key e's build is gone.
+        let held = lock(&d);
+        let swept = w.sweep_template_builds().await.expect("sweep");
+        assert_eq!(swept, vec![other_key.clone()]);
         assert!(w.store.get(&build).expect("get").is_some());
+        assert!(w.store.get(&older).expect("get").is_some());
         // The build ended (its process died): its VM is an orphan; a caller's VM is not.
         drop(held);
         let swept = w.sweep_template_builds().await.expect("sweep");
-        assert_eq!(swept, vec![build.clone()]);
+        assert_eq!(swept, vec![build.clone(), older.clone()]);
         assert!(w.store.get(&build).expect("get").is_none());
         assert!(w.store.get(&callers).expect("get").is_some());
         // Nothing left: nothing to do.
         assert!(w.sweep_template_builds().await.expect("sweep").is_empty());
+        // The name a build gives its VM names its key.
+        let key = TemplateKey {
+            image_id: "a".repeat(64),
+            memory_mib: 512,
+            vcpus: 1,
+            accel: "tcg".into(),
+            cpu: warren_vmm::qemu::TCG_CPU.into(),
+            shares: vec![],
+            network: false,
+        };
+        let rid = format!("build-{}-0a0b0c0d", key.digest());
+        assert_eq!(build_key_digest(&rid), Some(key.digest().as_str()));
+        assert_eq!(build_key_digest("build-zz-1"), None);
     }
 }
