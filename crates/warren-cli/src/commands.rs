@@ -57,7 +57,14 @@ pub fn run(cli: Cli) -> Result<i32> {
         let notify = warren_api::activation::take_notify();
         let activated = !matches!(passed, Ok(None));
         let served = match passed {
-            Ok(inherited) => rt()?.block_on(serve(config, inherited, notify)),
+            Ok(inherited) => {
+                let runtime = rt()?;
+                let served = runtime.block_on(serve(config, inherited, notify));
+                // The stop has waited for the calls it waits for: blocking work still running
+                // (a session's git, a tree's removal) is not waited for without end.
+                runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+                served
+            }
             Err(e) => Err(e.into()),
         };
         if served.is_err() && activated {
