@@ -61,7 +61,7 @@ const READS: &[&str] = &[
 
 impl Service {
     /// Runs one tool for `p`; both transports call this and nothing else. A tool of
-    /// [`RUN_TO_END`] runs to its end even when the caller goes away first: dropping
+    /// `RUN_TO_END` runs to its end even when the caller goes away first: dropping
     /// the returned future (the client disconnected) leaves the call running in a task of its
     /// own, holding `held` (the request's place under its caller's cap), so nothing is left
     /// half-done (a create, a fork or a session cut off mid-way used to leave a `creating`
