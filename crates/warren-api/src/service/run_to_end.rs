@@ -36,15 +36,6 @@ pub(super) const RUN_TO_END: &[&str] = &[
 #[cfg(test)]
 const GUEST_FINISHES: &[&str] = &["vm_exec", "vm_job_cancel", "vm_write_file", "vm_edit_file"];
 
-/// One call running to its end, counted in [`Service::detached`] while it lives.
-struct Detached(tokio::sync::watch::Sender<usize>);
-
-impl Drop for Detached {
-    fn drop(&mut self) {
-        self.0.send_modify(|n| *n = n.saturating_sub(1));
-    }
-}
-
 /// Tools that only read: a call of one ends with its client.
 #[cfg(test)]
 const READS: &[&str] = &[
@@ -58,6 +49,15 @@ const READS: &[&str] = &[
     "pool_status",
     "session_list",
 ];
+
+/// One call running to its end, counted in [`Service::detached`] while it lives.
+struct Detached(tokio::sync::watch::Sender<usize>);
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
 
 impl Service {
     /// Runs one tool for `p`; both transports call this and nothing else. A tool of

@@ -268,7 +268,6 @@ impl Warren {
         Ok(())
     }
 
-    /// The VM's console log (bounded by the supervisor).
     /// Stops whatever of VM `id` runs: its supervisor (asked, then killed) and every process
     /// in its cgroup. Also for a start that failed after its VMM came up (a clone's or a fork
     /// copy's settling, a state update), which must not leave a VM running under a `failed`
@@ -291,6 +290,7 @@ impl Warren {
         Ok(())
     }
 
+    /// The VM's console log (bounded by the supervisor).
     pub fn logs(&self, id: &str) -> Result<String, CoreError> {
         let rec = self
             .store

@@ -171,6 +171,28 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Co
     move |e| CoreError::io(op, path, e)
 }
 
+/// The lock a build of the key `digest` holds, under the templates directory `root`, from
+/// before its build VM's record is inserted until that VM is destroyed.
+pub(super) fn build_lock(root: &Path, digest: &str) -> PathBuf {
+    root.join(format!("{digest}.lock"))
+}
+
+/// The request id of a build VM of `key`: `build-<key digest>-<random>`, read back by
+/// [`build_key_digest`].
+fn build_request_id(key: &TemplateKey) -> String {
+    format!(
+        "build-{}-{}",
+        key.digest(),
+        hex::encode(rand::random::<[u8; 4]>())
+    )
+}
+
+/// The key digest a build VM's request id names (see [`build_request_id`]).
+pub(super) fn build_key_digest(request_id: &str) -> Option<&str> {
+    let digest = request_id.strip_prefix("build-")?.split('-').next()?;
+    (digest.len() == 32 && digest.bytes().all(|b| b.is_ascii_hexdigit())).then_some(digest)
+}
+
 pub(super) fn read_record(dir: &Path) -> Result<TemplateRecord, CoreError> {
     use std::io::Read;
     let path = dir.join(RECORD);
@@ -283,7 +305,7 @@ impl Warren {
         std::fs::create_dir_all(&root).map_err(io("create", &root))?;
         std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o711))
             .map_err(io("chmod", &root))?;
-        let lock_path = root.join(format!("{}.lock", key.digest()));
+        let lock_path = build_lock(&root, &key.digest());
         let deadline = std::time::Instant::now() + self.cfg.boot_timeout * 2;
         let _lock = loop {
             let f = warren_supervisor::layout::open_lock_file(&lock_path)
@@ -318,16 +340,13 @@ impl Warren {
         // Empty directories stand in for the shares while the template boots: which host
         // directories a share shows is each clone's own.
         let shares = BuildShares::make(&self.templates_dir(), key)?;
+        let rid = build_request_id(key);
         let build = CreateVm {
             image: Some(image.id.to_string()),
             memory_mib: Some(key.memory_mib),
             vcpus: Some(key.vcpus),
             workspace: TEMPLATE_WORKSPACE.to_string(),
-            request_id: Some(format!(
-                "build-{}-{}",
-                key.digest(),
-                hex::encode(rand::random::<[u8; 4]>())
-            )),
+            request_id: Some(rid.clone()),
             // The VM the build is for was admitted and reserved (`creating`) against the
             // host's VM and memory limits before the build, and runs only after the build VM
             // is gone: counted again, a host one VM short of its limits would refuse a
@@ -356,11 +375,7 @@ impl Warren {
             Err(e) => {
                 // A build VM that failed to boot keeps a `failed` record in a workspace no
                 // caller may reach: it goes with the failed build.
-                let left = build
-                    .request_id
-                    .as_deref()
-                    .map(|rid| self.store.by_request(TEMPLATE_WORKSPACE, rid));
-                if let Some(Ok(Some(rec))) = left {
+                if let Ok(Some(rec)) = self.store.by_request(TEMPLATE_WORKSPACE, &rid) {
                     if let Err(e) = self.destroy_vm(&rec.id).await {
                         tracing::warn!(vm = %rec.id, error = %e, "destroying a failed template build VM");
                     }

@@ -18,7 +18,8 @@ use std::path::Path;
 use std::time::{Duration, SystemTime};
 
 use super::template::{
-    read_record, superseded_model, valid_dir_name, STALE_BUILD, TEMPLATE_MARKER, TEMPLATE_WORKSPACE,
+    build_key_digest, build_lock, read_record, superseded_model, valid_dir_name, STALE_BUILD,
+    TEMPLATE_MARKER, TEMPLATE_WORKSPACE,
 };
 use super::Warren;
 use crate::error::CoreError;
@@ -104,12 +105,6 @@ fn remove_unpinned(state_dir: &Path, dir: &Path) {
     if let Err(err) = warren_session::remove_tree(dir) {
         tracing::warn!(error = %err, template = %name, "removing an unused template");
     }
-}
-
-/// The key digest a build VM's request id names (`build-<32 hex>-<random>`).
-pub(super) fn build_key_digest(request_id: &str) -> Option<&str> {
-    let digest = request_id.strip_prefix("build-")?.split('-').next()?;
-    (digest.len() == 32 && digest.bytes().all(|b| b.is_ascii_hexdigit())).then_some(digest)
 }
 
 /// Whether no build holds the lock at `path` (taken and let go at once). A missing templates
@@ -206,7 +201,7 @@ impl Warren {
         let mut orphans = Vec::new();
         for rec in builds {
             let free = match rec.request_id.as_deref().and_then(build_key_digest) {
-                Some(digest) => lock_free(&root.join(format!("{digest}.lock"))),
+                Some(digest) => lock_free(&build_lock(&root, digest)),
                 None => all_locks_free(&root),
             };
             if free {
