@@ -225,7 +225,8 @@ pub struct HttpConfig {
     /// accepted and closed at once (`crate::conn`).
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
-    /// Connections one local uid may hold on the local socket; root also gets up to this
+    /// Connections one local uid may hold on a listener (the local socket, and loopback TCP
+    /// connections, whose uid the kernel's socket table names); root also gets up to this
     /// many past `max_connections` (`crate::conn`).
     #[serde(default = "default_max_connections_per_uid")]
     pub max_connections_per_uid: usize,

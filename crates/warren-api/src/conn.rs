@@ -6,13 +6,18 @@
 //!   descriptor limit: [`raise_nofile_limit`] lifts the service's soft limit to its hard one at
 //!   start, and accept errors (`EMFILE` included) are retried after a pause by axum's
 //!   [`Listener`]. Each connection holds a semaphore permit for its whole life.
-//! - **Per uid on the local socket.** The kernel names each local connection's uid, so one
-//!   local user may hold at most `max_connections_per_uid` of the socket's connections (more
-//!   are closed at accept like the excess over the cap), and root, the operator, is never
-//!   refused for the others' connections: at the cap it still gets up to that many of its own
-//!   ([`PerUid`]). Before, one unprivileged user of a `0o666` socket could hold every
-//!   connection (re-opening idle ones as the timeouts closed them) and lock root and every
-//!   other local user out.
+//! - **Per local uid.** One local user may hold at most `max_connections_per_uid` of a
+//!   listener's connections (more are closed at accept like the excess over the cap), and
+//!   root, the operator, is never refused for the others' connections: at the cap it still
+//!   gets up to that many of its own ([`PerUid`]). On the local socket the kernel names the
+//!   uid (`SO_PEERCRED`); a TCP connection over loopback has none, so the uid owning the
+//!   peer's socket is read from the kernel's socket table
+//!   ([`crate::loopback_peer::SockDiag`], before the connection counts),
+//!   and a loopback connection no process holds any more is closed. Before, one unprivileged
+//!   user could hold every connection of the socket, or of a TCP listener, without a token
+//!   (re-opening idle ones as the timeouts closed them) and lock root and every other user
+//!   out. A peer on another host has no uid and no share (behind a reverse proxy every
+//!   client has the proxy's address); the listener's cap alone bounds those.
 //! - **Header-read timeout.** hyper's `header_read_timeout` (HTTP/1): a request head not
 //!   complete in time closes the connection. hyper also runs it while a kept-alive HTTP/1
 //!   connection waits for its next request. Before the first request, hyper-util reads up to
@@ -37,6 +42,7 @@
 //! returns when all have ended (the caller bounds the wait).
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -68,7 +74,7 @@ const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ConnLimits {
     pub max_connections: usize,
-    /// Connections one peer uid may hold on the local socket ([`PerUid`]).
+    /// Connections one local peer uid may hold on a listener ([`PerUid`]).
     pub max_connections_per_uid: usize,
     pub header_read_timeout: Duration,
     pub idle_timeout: Duration,
@@ -94,9 +100,55 @@ pub(crate) fn raise_nofile_limit() -> Result<u64, nix::Error> {
     Ok(hard)
 }
 
+/// Who an accepted connection comes from, as its listener names it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Peer {
+    /// A local socket's peer: the uid its credentials name, if they name one. Its requests
+    /// carry it ([`PeerUid`]).
+    Local(Option<u32>),
+    /// A TCP connection's two ends; over loopback its uid is looked up.
+    Tcp { ours: SocketAddr, peer: SocketAddr },
+}
+
+/// The TCP listeners' [`Peer`].
+pub(crate) fn tcp_peer(io: &tokio::net::TcpStream) -> Option<Peer> {
+    Some(Peer::Tcp {
+        ours: io.local_addr().ok()?,
+        peer: io.peer_addr().ok()?,
+    })
+}
+
+/// The uid that holds the peer's end of a TCP connection over loopback, looked up on
+/// `diag` (made on first use): `Err` names why none is known (no process holds it any more,
+/// or the kernel did not answer). Inline on the accept loop: the kernel answers within the
+/// request (tens of microseconds), where a blocking-pool round trip per connection let a
+/// flood outpace the loop and overflow the listener's backlog.
+fn loopback_uid(
+    diag: &mut Option<crate::loopback_peer::SockDiag>,
+    ours: SocketAddr,
+    peer: SocketAddr,
+) -> Result<u32, String> {
+    let d = match diag {
+        Some(d) => d,
+        None => diag.insert(
+            crate::loopback_peer::SockDiag::new()
+                .map_err(|e| format!("the kernel's socket diagnostics: {e}"))?,
+        ),
+    };
+    match d.peer_uid(ours, peer) {
+        Ok(Some(uid)) => Ok(uid),
+        Ok(None) => Err("no process holds the peer's socket".to_string()),
+        Err(e) => {
+            // A fresh socket for the next lookup.
+            *diag = None;
+            Err(format!("the kernel's socket diagnostics: {e}"))
+        }
+    }
+}
+
 /// Serves `app` on `listener` under `limits` until `stop` turns true and every connection
-/// has ended. `tag` gives the connect info a connection's requests carry (the local socket's
-/// peer uid), if any.
+/// has ended. `tag` names who a connection comes from ([`Peer`]); `None` (its addresses
+/// unknown) closes it.
 pub(crate) async fn serve<L, T>(
     mut listener: L,
     app: Router,
@@ -106,7 +158,7 @@ pub(crate) async fn serve<L, T>(
     door: &'static str,
 ) where
     L: Listener,
-    T: Fn(&L::Io) -> Option<ConnectInfo<PeerUid>>,
+    T: Fn(&L::Io) -> Option<Peer>,
 {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     // Root's connections past the listener's cap (the local socket only).
@@ -124,13 +176,31 @@ pub(crate) async fn serve<L, T>(
         .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT);
     let builder = Arc::new(builder);
     let mut refused = Refusals::default();
+    let mut diag = None;
     loop {
         let io = tokio::select! {
             (io, _addr) = listener.accept() => io,
             _ = stop.wait_for(|s| *s) => break,
         };
-        let info = tag(&io);
-        let uid = info.and_then(|i| i.0 .0);
+        let (info, uid) = match tag(&io) {
+            Some(Peer::Local(uid)) => (Some(ConnectInfo(PeerUid(uid))), uid),
+            Some(Peer::Tcp { ours, peer }) if crate::loopback_peer::is_loopback(peer.ip()) => {
+                match loopback_uid(&mut diag, ours, peer) {
+                    Ok(uid) => (None, Some(uid)),
+                    Err(why) => {
+                        drop(io);
+                        refused.unknown(door, &why);
+                        continue;
+                    }
+                }
+            }
+            Some(Peer::Tcp { .. }) => (None, None),
+            None => {
+                drop(io);
+                refused.unknown(door, "its addresses are unknown");
+                continue;
+            }
+        };
         // A local uid's own share first: one user never holds the socket alone.
         let place = match uid {
             Some(u) => match per_uid.claim(u, limits.max_connections_per_uid) {
@@ -179,7 +249,7 @@ pub(crate) async fn serve<L, T>(
     let _ = reserve.acquire_many(all).await;
 }
 
-/// Connections each peer uid holds on the local socket.
+/// Connections each local peer uid holds on a listener.
 #[derive(Debug, Default)]
 struct PerUid {
     /// Uid -> its open connections; entries at zero are removed.
@@ -231,6 +301,8 @@ impl Drop for UidPlace {
 struct Refusals {
     count: u64,
     logged: Option<Instant>,
+    unknown: u64,
+    unknown_logged: Option<Instant>,
 }
 
 impl Refusals {
@@ -245,6 +317,24 @@ impl Refusals {
             );
             self.count = 0;
             self.logged = Some(Instant::now());
+        }
+    }
+
+    /// A loopback connection whose peer's uid is not known (`why`), closed at accept.
+    fn unknown(&mut self, door: &'static str, why: &str) {
+        self.unknown += 1;
+        if self
+            .unknown_logged
+            .is_none_or(|t| t.elapsed() >= REFUSAL_LOG_EVERY)
+        {
+            tracing::warn!(
+                door,
+                refused = self.unknown,
+                reason = why,
+                "connections whose peer's uid is unknown closed at accept"
+            );
+            self.unknown = 0;
+            self.unknown_logged = Some(Instant::now());
         }
     }
 }
@@ -498,7 +588,7 @@ mod tests {
             },
             move |_: &tokio::net::UnixStream| {
                 let u = *tag_uid.lock().expect("uid");
-                Some(ConnectInfo(PeerUid(Some(u))))
+                Some(Peer::Local(Some(u)))
             },
             stop,
             "local socket",
@@ -531,6 +621,116 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let (ok, _c) = connect_as(1000).await;
         assert!(ok, "uid 1000's place came back");
+    }
+
+    /// A connection to the TCP listener at `addr` made by a python3 child running as `uid`:
+    /// whether it was served (an answer) or closed at accept (EOF), and the child, which holds
+    /// the connection until it is killed.
+    fn tcp_as(uid: u32, addr: SocketAddr) -> (bool, std::process::Child) {
+        use std::io::BufRead;
+        use std::os::unix::process::CommandExt;
+        assert!(
+            rustix::process::geteuid().is_root(),
+            "this test connects as other uids: run it as root"
+        );
+        let script = format!(
+            "import socket,sys\n\
+             s=socket.create_connection(('{}',{}))\n\
+             s.sendall(b'GET /x HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n')\n\
+             s.settimeout(10)\n\
+             try:\n d=s.recv(64)\n\
+             except OSError:\n d=b''\n\
+             print('served' if d.startswith(b'HTTP/1.1 200') else 'closed',flush=True)\n\
+             sys.stdin.read()\n",
+            addr.ip(),
+            addr.port()
+        );
+        let mut child = std::process::Command::new("python3")
+            .args(["-c", &script])
+            .uid(uid)
+            .gid(uid)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("python3");
+        let mut line = String::new();
+        let out = child.stdout.take().expect("stdout");
+        std::io::BufReader::new(out)
+            .read_line(&mut line)
+            .expect("the child's verdict");
+        (line.trim() == "served", child)
+    }
+
+    /// Over TCP too, one local uid holds at most its share of a listener's connections (its
+    /// uid looked up in the kernel's socket table), other uids still get in, and root gets in
+    /// at the listener's cap. (Before, any local user could hold every connection of the TCP
+    /// listeners without a token, locking out every token holder.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn test_one_local_uid_cannot_take_a_tcp_listener_from_the_others() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let app = Router::new().route("/x", axum::routing::get(|| async { "ok" }));
+        let (_stop_tx, stop) = watch::channel(false);
+        tokio::spawn(serve(
+            listener,
+            app,
+            ConnLimits {
+                header_read_timeout: Duration::from_secs(30),
+                idle_timeout: Duration::from_secs(30),
+                ..limits()
+            },
+            tcp_peer,
+            stop,
+            "tcp",
+        ));
+        let connect_as = |uid: u32| tokio::task::spawn_blocking(move || tcp_as(uid, addr));
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let (ok, c) = connect_as(65534).await.expect("child");
+            assert!(ok, "nobody's share");
+            held.push(c);
+        }
+        let (ok, mut third) = connect_as(65534).await.expect("child");
+        assert!(!ok, "a third connection of nobody is past its share");
+        let _ = third.kill();
+        // Control: another uid is served meanwhile, up to the listener's cap (4).
+        for _ in 0..2 {
+            let (ok, c) = connect_as(65533).await.expect("child");
+            assert!(ok, "uid 65533 gets in");
+            held.push(c);
+        }
+        let (ok, mut other) = connect_as(65532).await.expect("child");
+        assert!(!ok, "the listener's cap holds for other users");
+        let _ = other.kill();
+        let (ok, _root) = served_tcp(addr).await;
+        assert!(ok, "root gets in at the cap");
+        // A connection that ends gives its place back.
+        let mut first = held.remove(0);
+        let _ = first.kill();
+        let _ = first.wait();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (ok, c) = connect_as(65534).await.expect("child");
+        assert!(ok, "nobody's place came back");
+        held.push(c);
+        for mut c in held {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Whether a new TCP connection of this process to `addr` is served.
+    async fn served_tcp(addr: SocketAddr) -> (bool, tokio::net::TcpStream) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut c = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let _ = c.write_all(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
+            .await
+            .expect("an answer or EOF")
+            .unwrap_or(0);
+        (n > 0 && buf.starts_with(b"HTTP/1.1 200"), c)
     }
 
     #[test]

@@ -23,6 +23,7 @@ pub mod hostpath;
 pub mod http;
 pub mod job_ws;
 pub mod loopback;
+pub mod loopback_peer;
 pub mod mcp;
 pub mod openapi;
 pub mod receipts;

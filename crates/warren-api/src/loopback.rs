@@ -37,7 +37,7 @@ pub async fn bind(listen: SocketAddr) -> Result<Vec<TcpListener>, ServeError> {
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let primary = match TcpListener::bind(listen).await {
+        let primary = match TcpListener::bind(listen).await.and_then(deepen) {
             Ok(l) => l,
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
                 return Err(ServeError::AddrTaken(listen));
@@ -54,7 +54,7 @@ pub async fn bind(listen: SocketAddr) -> Result<Vec<TcpListener>, ServeError> {
         let mut listeners = vec![primary];
         let mut taken = None;
         for addr in siblings(listen, port, dual_stack) {
-            let bound = match TcpListener::bind(addr).await {
+            let bound = match TcpListener::bind(addr).await.and_then(deepen) {
                 // Not configured now (IPv6 disabled on `lo`): held anyway, so that nobody
                 // else holds it once it is.
                 Err(e) if e.raw_os_error() == Some(nix::libc::EADDRNOTAVAIL) => {
@@ -102,6 +102,19 @@ pub(crate) fn siblings(listen: SocketAddr, port: u16, dual_stack: bool) -> Vec<S
     }
 }
 
+/// Connections the kernel completes for a listener before it accepts them. tokio binds with
+/// 128 (the standard library's value): a burst of connections past it (a local user's
+/// flood, while the accept loop also looks up each peer's uid) has further clients' SYNs
+/// dropped and retried a second later.
+const BACKLOG: i32 = 1024;
+
+/// `l` with its backlog raised to [`BACKLOG`] (Linux takes a second `listen` on a listening
+/// socket as a new backlog).
+fn deepen(l: TcpListener) -> std::io::Result<TcpListener> {
+    socket2::SockRef::from(&l).listen(BACKLOG)?;
+    Ok(l)
+}
+
 /// Listens on `addr`, which this host does not have now, with `IP(V6)_FREEBIND` (as any
 /// user may): a socket that holds the address for the day it is configured.
 fn bind_unconfigured(addr: SocketAddr) -> std::io::Result<TcpListener> {
@@ -117,7 +130,7 @@ fn bind_unconfigured(addr: SocketAddr) -> std::io::Result<TcpListener> {
     s.set_reuse_address(true)?;
     s.set_nonblocking(true)?;
     s.bind(&addr.into())?;
-    s.listen(1024)?;
+    s.listen(BACKLOG)?;
     TcpListener::from_std(s.into())
 }
 

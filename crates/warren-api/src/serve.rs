@@ -10,11 +10,9 @@ use std::sync::Arc;
 use nix::fcntl::{Flock, FlockArg};
 use tokio::net::UnixListener;
 
-use axum::extract::connect_info::ConnectInfo;
-
 use crate::config::ServiceConfig;
 use crate::conn::{self, ConnLimits};
-use crate::http::{self, PeerUid};
+use crate::http;
 use crate::service::Service;
 
 #[derive(Debug, thiserror::Error)]
@@ -159,6 +157,15 @@ pub async fn serve(
     let tcp = tcp
         .pop()
         .expect("invariant: loopback::bind returns listen's listener first");
+    // Each loopback TCP client's uid is asked of the kernel's socket diagnostics
+    // (`conn`): without them every such connection would be closed, so the service does not
+    // start.
+    crate::loopback_peer::SockDiag::new().map_err(|e| {
+        ServeError::Preflight(format!(
+            "the kernel's socket diagnostics (NETLINK_SOCK_DIAG), which name each loopback \
+             TCP client's uid: {e}"
+        ))
+    })?;
     let service = Arc::new(Service::open(cfg.clone(), supervisor_exe)?);
     for w in service.preflight().await.map_err(ServeError::Preflight)? {
         tracing::warn!("{w}");
@@ -204,7 +211,7 @@ pub async fn serve(
                 l,
                 tcp_app.clone(),
                 limits,
-                |_| None,
+                conn::tcp_peer,
                 stop_rx.clone(),
                 "tcp",
             ))
@@ -214,7 +221,7 @@ pub async fn serve(
         tcp,
         tcp_app,
         limits,
-        |_| None,
+        conn::tcp_peer,
         stop_rx.clone(),
         "tcp",
     ));
@@ -222,9 +229,7 @@ pub async fn serve(
         unix,
         unix_app,
         limits,
-        |io: &tokio::net::UnixStream| {
-            Some(ConnectInfo(PeerUid(io.peer_cred().ok().map(|c| c.uid()))))
-        },
+        |io: &tokio::net::UnixStream| Some(conn::Peer::Local(io.peer_cred().ok().map(|c| c.uid()))),
         stop_rx,
         "local socket",
     ));

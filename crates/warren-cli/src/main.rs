@@ -29,7 +29,6 @@ mod host_side;
 mod image_cmd;
 mod jobs_cmd;
 mod logging;
-mod loopback_peer;
 mod preflight_cmd;
 mod progress;
 mod refresh;

@@ -181,10 +181,11 @@ pub async fn port_forward(
         let opener = opener.clone();
         let vm = vm.to_string();
         tokio::spawn(async move {
-            // Off the runtime: the socket table of a busy host is long.
-            let owner =
-                tokio::task::spawn_blocking(move || crate::loopback_peer::peer_uid(ours, peer))
-                    .await;
+            // Off the runtime: a netlink exchange with the kernel.
+            let owner = tokio::task::spawn_blocking(move || {
+                warren_api::loopback_peer::peer_uid(ours, peer)
+            })
+            .await;
             let refused = match owner {
                 _ if allow_other_users => None,
                 Ok(Ok(Some(uid))) if uid == me => None,

@@ -195,8 +195,12 @@ fn service_fds(pid: u32) -> (usize, u64, u64) {
 /// Control: before the attack the same clients are served; after it a new TCP connection is.
 #[test]
 fn test_http_connection_flood_refused_at_accept_and_legit_p99_holds() {
+    // The flood and the legitimate client are the same local uid (this test's): its share of
+    // a listener's connections is set to the cap, so that the cap is what refuses the flood
+    // (one user's share is `test_http_one_local_user_cannot_take_the_tcp_listener`).
     let extra = format!(
-        "max_connections = {CAP}\nheader_read_timeout_secs = {h}\nidle_timeout_secs = {h}\n",
+        "max_connections = {CAP}\nmax_connections_per_uid = {CAP}\n\
+         header_read_timeout_secs = {h}\nidle_timeout_secs = {h}\n",
         h = HEADER_TIMEOUT.as_secs()
     );
     let d = Daemon::start(&extra);
@@ -367,6 +371,65 @@ fn finish(mut s: TcpStream) -> Resp {
 /// 4. Her next request is refused `429 quota_exceeded` with `Retry-After` and does nothing.
 /// Control: her second token and bob's token are served meanwhile; a withheld request, once
 /// completed, is answered normally, after which her first token is served again.
+/// A local user without a token floods the TCP listener: it holds only its share of the
+/// listener's connections (`max_connections_per_uid`, its uid read from the kernel's socket
+/// table), and a token holder (here root, another uid) is still served on a new connection.
+/// Before, the flood held every connection (the excess closed at accept as the cap's) and
+/// the token holder's connection was closed at accept.
+#[test]
+fn test_http_one_local_user_cannot_take_the_tcp_listener() {
+    use std::os::unix::process::CommandExt;
+    const SHARE: usize = 4;
+    let d = Daemon::start(&format!(
+        "max_connections = 16\nmax_connections_per_uid = {SHARE}\n\
+         header_read_timeout_secs = 60\nidle_timeout_secs = 60\n"
+    ));
+    let token = d.token("alice", &[]);
+    let (host, port) = d.addr.rsplit_once(':').expect("host:port");
+    // python3 as nobody: 40 connections, then how many the service keeps once it has closed
+    // the ones it refuses (polled until at most SHARE are open, for up to 10 s); then it holds
+    // them until its stdin closes.
+    let script = format!(
+        "import socket,sys,time\n\
+         ss=[socket.create_connection(('{host}',{port})) for _ in range(40)]\n\
+         def is_open(s):\n\
+         \x20s.setblocking(False)\n\
+         \x20try:\n  return s.recv(1,socket.MSG_PEEK)!=b''\n\
+         \x20except BlockingIOError:\n  return True\n\
+         \x20except OSError:\n  return False\n\
+         t=time.time()\n\
+         while True:\n\
+         \x20n=sum(is_open(s) for s in ss)\n\
+         \x20if n<={SHARE} or time.time()-t>10: break\n\
+         \x20time.sleep(0.2)\n\
+         print(n,flush=True)\n\
+         sys.stdin.read()\n"
+    );
+    let mut flood = std::process::Command::new("python3")
+        .args(["-c", &script])
+        .uid(65534)
+        .gid(65534)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 as nobody");
+    let mut line = String::new();
+    BufReader::new(flood.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("the flood's count");
+    let held: usize = line.trim().parse().expect("a count");
+    // While the flood holds its connections, a token holder gets in on a new one.
+    let mut c = KeepAlive::connect(&d.addr, &token);
+    let (status, _) = c.vm_list();
+    let _ = flood.kill();
+    let _ = flood.wait();
+    assert_eq!(
+        held, SHARE,
+        "nobody held {held} connections, its share is {SHARE}"
+    );
+    assert_eq!(status, 200, "a token holder's call beside the flood");
+}
+
 #[test]
 fn test_http_per_token_in_flight_cap_refuses_excess_and_serves_others() {
     let d = Daemon::start("max_requests_per_token = 4\n");
