@@ -10,14 +10,17 @@
 //!   listener's connections (more are closed at accept like the excess over the cap), and
 //!   root, the operator, is never refused for the others' connections: at the cap it still
 //!   gets up to that many of its own ([`PerUid`]). On the local socket the kernel names the
-//!   uid (`SO_PEERCRED`); a TCP connection over loopback has none, so the uid owning the
-//!   peer's socket is read from the kernel's socket table
-//!   ([`crate::loopback_peer::SockDiag`], before the connection counts),
-//!   and a loopback connection no process holds any more is closed. Before, one unprivileged
-//!   user could hold every connection of the socket, or of a TCP listener, without a token
-//!   (re-opening idle ones as the timeouts closed them) and lock root and every other user
-//!   out. A peer on another host has no uid and no share (behind a reverse proxy every
-//!   client has the proxy's address); the listener's cap alone bounds those.
+//!   uid (`SO_PEERCRED`). A TCP socket has none, so for every TCP connection, whatever its
+//!   address (a local user may connect from any of the host's own addresses), the kernel's
+//!   socket diagnostics name the uid holding the client's socket
+//!   ([`crate::loopback_peer::SockDiag`]); a connection whose socket no process holds any
+//!   more is closed, and so is one to a loopback listener whose socket this host does not
+//!   have; one from another host has no uid and no share (behind a reverse proxy every
+//!   client has the proxy's address), the listener's cap alone bounds those. A subordinate
+//!   uid counts as its range's owner ([`crate::subuid`]). The lookups run off the runtime,
+//!   before the connection counts. Before, one unprivileged user could hold every
+//!   connection of the socket, or of a TCP listener without a token (re-opening idle ones
+//!   as the timeouts closed them), and lock root and every other user out.
 //! - **Header-read timeout.** hyper's `header_read_timeout` (HTTP/1): a request head not
 //!   complete in time closes the connection. hyper also runs it while a kept-alive HTTP/1
 //!   connection waits for its next request. Before the first request, hyper-util reads up to
@@ -118,31 +121,66 @@ pub(crate) fn tcp_peer(io: &tokio::net::TcpStream) -> Option<Peer> {
     })
 }
 
-/// The uid that holds the peer's end of a TCP connection over loopback, looked up on
-/// `diag` (made on first use): `Err` names why none is known (no process holds it any more,
-/// or the kernel did not answer). Inline on the accept loop: the kernel answers within the
-/// request (tens of microseconds), where a blocking-pool round trip per connection let a
-/// flood outpace the loop and overflow the listener's backlog.
-fn loopback_uid(
-    diag: &mut Option<crate::loopback_peer::SockDiag>,
-    ours: SocketAddr,
-    peer: SocketAddr,
-) -> Result<u32, String> {
-    let d = match diag {
-        Some(d) => d,
-        None => diag.insert(
-            crate::loopback_peer::SockDiag::new()
-                .map_err(|e| format!("the kernel's socket diagnostics: {e}"))?,
-        ),
-    };
-    match d.peer_uid(ours, peer) {
-        Ok(Some(uid)) => Ok(uid),
-        Ok(None) => Err("no process holds the peer's socket".to_string()),
-        Err(e) => {
-            // A fresh socket for the next lookup.
-            *diag = None;
-            Err(format!("the kernel's socket diagnostics: {e}"))
-        }
+/// What a connection counts as under the shares.
+enum Counted {
+    /// This uid's (a subordinate uid counted as its range's owner, [`crate::subuid`]).
+    Uid(u32),
+    /// No uid's: a peer on another host, or a local socket peer without credentials.
+    Nobody,
+    /// Closed at accept, for this reason.
+    Refused(String),
+}
+
+/// The accept loop's lookups: the socket diagnostics socket (made on first use, and again
+/// after a failure) and the subordinate uid ranges.
+#[derive(Default)]
+struct Lookups {
+    diag: Option<crate::loopback_peer::SockDiag>,
+    subordinates: crate::subuid::Subordinates,
+}
+
+impl Lookups {
+    /// What `peer` counts as. Blocking (a netlink exchange with the kernel, a `stat`).
+    fn count(&mut self, peer: Peer) -> Counted {
+        use crate::loopback_peer::{Owner, SockDiag};
+        let uid = match peer {
+            Peer::Local(Some(uid)) => uid,
+            Peer::Local(None) => return Counted::Nobody,
+            Peer::Tcp { ours, peer } => {
+                let diag = match &mut self.diag {
+                    Some(d) => d,
+                    None => match SockDiag::new() {
+                        Ok(d) => self.diag.insert(d),
+                        Err(e) => {
+                            return Counted::Refused(format!(
+                                "the kernel's socket diagnostics: {e}"
+                            ))
+                        }
+                    },
+                };
+                match diag.owner(ours, peer) {
+                    Ok(Owner::Uid(uid)) => uid,
+                    Ok(Owner::Closed) => {
+                        return Counted::Refused("no process holds the peer's socket".into())
+                    }
+                    // Whatever its address: a local user may connect from any of the host's
+                    // own addresses, so only a socket this host does not have is remote, and
+                    // a loopback listener has no remote peers.
+                    Ok(Owner::Absent) if crate::loopback_peer::is_loopback(ours.ip()) => {
+                        return Counted::Refused(
+                            "the peer's socket is not on this host's network stack".into(),
+                        )
+                    }
+                    Ok(Owner::Absent) => return Counted::Nobody,
+                    Err(e) => {
+                        // A fresh socket for the next lookup.
+                        self.diag = None;
+                        return Counted::Refused(format!("the kernel's socket diagnostics: {e}"));
+                    }
+                }
+            }
+        };
+        Counted::Uid(self.subordinates.owner_of(uid))
     }
 }
 
@@ -176,28 +214,44 @@ pub(crate) async fn serve<L, T>(
         .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT);
     let builder = Arc::new(builder);
     let mut refused = Refusals::default();
-    let mut diag = None;
+    let mut lookups: Option<Lookups> = None;
     loop {
         let io = tokio::select! {
             (io, _addr) = listener.accept() => io,
             _ = stop.wait_for(|s| *s) => break,
         };
-        let (info, uid) = match tag(&io) {
-            Some(Peer::Local(uid)) => (Some(ConnectInfo(PeerUid(uid))), uid),
-            Some(Peer::Tcp { ours, peer }) if crate::loopback_peer::is_loopback(peer.ip()) => {
-                match loopback_uid(&mut diag, ours, peer) {
-                    Ok(uid) => (None, Some(uid)),
-                    Err(why) => {
-                        drop(io);
-                        refused.unknown(door, &why);
-                        continue;
-                    }
-                }
+        let Some(peer) = tag(&io) else {
+            drop(io);
+            refused.unknown(door, "its addresses are unknown");
+            continue;
+        };
+        // Off the runtime: on kernels before 6.9 socket diagnostics take a global lock
+        // that another user's dump of a long socket table holds for milliseconds.
+        let mut l = lookups.take().unwrap_or_default();
+        let counted = match tokio::task::spawn_blocking(move || {
+            let c = l.count(peer);
+            (l, c)
+        })
+        .await
+        {
+            Ok((l, c)) => {
+                lookups = Some(l);
+                c
             }
-            Some(Peer::Tcp { .. }) => (None, None),
-            None => {
+            Err(e) => Counted::Refused(format!("the peer lookup: {e}")),
+        };
+        let info = match peer {
+            // Requests carry the kernel's own uid of the peer (what it may do), the share
+            // counts its range's owner.
+            Peer::Local(uid) => Some(ConnectInfo(PeerUid(uid))),
+            Peer::Tcp { .. } => None,
+        };
+        let uid = match counted {
+            Counted::Uid(uid) => Some(uid),
+            Counted::Nobody => None,
+            Counted::Refused(why) => {
                 drop(io);
-                refused.unknown(door, "its addresses are unknown");
+                refused.unknown(door, &why);
                 continue;
             }
         };
@@ -320,7 +374,7 @@ impl Refusals {
         }
     }
 
-    /// A loopback connection whose peer's uid is not known (`why`), closed at accept.
+    /// A connection whose peer's uid is not known (`why`), closed at accept.
     fn unknown(&mut self, door: &'static str, why: &str) {
         self.unknown += 1;
         if self
@@ -331,7 +385,7 @@ impl Refusals {
                 door,
                 refused = self.unknown,
                 reason = why,
-                "connections whose peer's uid is unknown closed at accept"
+                "connections whose peer's uid is not known closed at accept"
             );
             self.unknown = 0;
             self.unknown_logged = Some(Instant::now());
@@ -627,6 +681,15 @@ mod tests {
     /// whether it was served (an answer) or closed at accept (EOF), and the child, which holds
     /// the connection until it is killed.
     fn tcp_as(uid: u32, addr: SocketAddr) -> (bool, std::process::Child) {
+        tcp_from(uid, None, addr)
+    }
+
+    /// [`tcp_as`] with the client's socket bound to `source` first.
+    fn tcp_from(
+        uid: u32,
+        source: Option<std::net::IpAddr>,
+        addr: SocketAddr,
+    ) -> (bool, std::process::Child) {
         use std::io::BufRead;
         use std::os::unix::process::CommandExt;
         assert!(
@@ -635,7 +698,7 @@ mod tests {
         );
         let script = format!(
             "import socket,sys\n\
-             s=socket.create_connection(('{}',{}))\n\
+             s=socket.create_connection(('{}',{}),source_address={})\n\
              s.sendall(b'GET /x HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n')\n\
              s.settimeout(10)\n\
              try:\n d=s.recv(64)\n\
@@ -643,7 +706,8 @@ mod tests {
              print('served' if d.startswith(b'HTTP/1.1 200') else 'closed',flush=True)\n\
              sys.stdin.read()\n",
             addr.ip(),
-            addr.port()
+            addr.port(),
+            source.map_or("None".to_string(), |ip| format!("('{ip}',0)")),
         );
         let mut child = std::process::Command::new("python3")
             .args(["-c", &script])
@@ -686,14 +750,28 @@ mod tests {
             "tcp",
         ));
         let connect_as = |uid: u32| tokio::task::spawn_blocking(move || tcp_as(uid, addr));
+        // One of this host's own non-loopback addresses: a local user may connect to the
+        // loopback listener from it (before, such connections were counted nowhere).
+        let own = {
+            let u = std::net::UdpSocket::bind("0.0.0.0:0").expect("udp");
+            u.connect("192.0.2.1:9")
+                .expect("this test needs a route off the host, for a non-loopback address");
+            u.local_addr().expect("source").ip()
+        };
+        assert!(!own.is_loopback(), "{own}");
         let mut held = Vec::new();
-        for _ in 0..2 {
-            let (ok, c) = connect_as(65534).await.expect("child");
-            assert!(ok, "nobody's share");
-            held.push(c);
-        }
-        let (ok, mut third) = connect_as(65534).await.expect("child");
-        assert!(!ok, "a third connection of nobody is past its share");
+        let (ok, c) = connect_as(65534).await.expect("child");
+        assert!(ok, "nobody's share");
+        held.push(c);
+        let from_own = move || tcp_from(65534, Some(own), addr);
+        let (ok, c) = tokio::task::spawn_blocking(from_own).await.expect("child");
+        assert!(ok, "nobody's share, from {own}");
+        held.push(c);
+        let (ok, mut third) = tokio::task::spawn_blocking(from_own).await.expect("child");
+        assert!(
+            !ok,
+            "a third connection of nobody, from {own}, is past its share"
+        );
         let _ = third.kill();
         // Control: another uid is served meanwhile, up to the listener's cap (4).
         for _ in 0..2 {

@@ -30,6 +30,7 @@ pub mod receipts;
 pub mod serve;
 pub mod service;
 pub mod streams;
+mod subuid;
 pub mod tools;
 pub mod ws;
 

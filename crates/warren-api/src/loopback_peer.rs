@@ -1,5 +1,5 @@
-//! Who is on the other end of a TCP connection over loopback: the uid owning the peer's
-//! socket. A TCP socket has no `SO_PEERCRED`; the kernel's socket diagnostics
+//! Who is on the other end of a TCP connection: the uid owning the peer's socket, when it is
+//! on this host. A TCP socket has no `SO_PEERCRED`; the kernel's socket diagnostics
 //! (`NETLINK_SOCK_DIAG`, sock_diag(7)) find one socket by its addresses and ports in its hash
 //! table and name its owner, so a lookup costs the same on a host with a million sockets as
 //! on an idle one (reading `/proc/net/tcp` instead walked every socket per lookup: under a
@@ -24,8 +24,30 @@ const STALE_MAX: usize = 16;
 /// The uid owning the socket at `peer` that is connected to `ours` (both on this host), or
 /// `None` when no process holds such a socket (it closed meanwhile, or is not local).
 pub fn peer_uid(ours: SocketAddr, peer: SocketAddr) -> std::io::Result<Option<u32>> {
-    SockDiag::new()?.peer_uid(ours, peer)
+    Ok(match SockDiag::new()?.owner(ours, peer)? {
+        Owner::Uid(uid) => Some(uid),
+        Owner::Closed | Owner::Absent => None,
+    })
 }
+
+/// What the kernel says of the socket at a connection's other end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owner {
+    /// A process of this uid holds it.
+    Uid(u32),
+    /// It is on this host but no process holds it any more (closed: `FIN_WAIT`,
+    /// `TIME_WAIT`, an orphan).
+    Closed,
+    /// This host's network stack has no such socket: the peer is on another host (or in
+    /// another network namespace).
+    Absent,
+}
+
+/// TCP states a connection's peer socket is never in: a listener (the kernel's exact lookup
+/// falls back to one at the peer's address and port when no connected socket matches) and
+/// a request socket of a half-open connection.
+const TCP_LISTEN: u8 = 10;
+const TCP_NEW_SYN_RECV: u8 = 12;
 
 /// Whether `ip` is a loopback address, an IPv4 one mapped into IPv6 included.
 pub fn is_loopback(ip: IpAddr) -> bool {
@@ -35,6 +57,34 @@ pub fn is_loopback(ip: IpAddr) -> bool {
 /// `addr` with an IPv4-mapped address as the IPv4 address it maps.
 fn canonical(addr: SocketAddr) -> SocketAddr {
     SocketAddr::new(addr.ip().to_canonical(), addr.port())
+}
+
+/// Checks at start that lookups work here (the kernel's diagnostics present, allowed and in
+/// this network namespace): a connection of this process's own to itself, over 127.0.0.1
+/// and over ::1 where this host has it, must be found as this process's uid. Without it
+/// the service would close every TCP connection of this host's users.
+pub fn self_check() -> std::io::Result<()> {
+    let me = nix::unistd::geteuid().as_raw();
+    let mut diag = SockDiag::new()?;
+    for addr in ["127.0.0.1:0", "[::1]:0"] {
+        let l = match std::net::TcpListener::bind(addr) {
+            Ok(l) => l,
+            // No ::1 here: nothing to check over it.
+            Err(_) if addr.starts_with('[') => continue,
+            Err(e) => return Err(e),
+        };
+        let ours = l.local_addr()?;
+        let _client = std::net::TcpStream::connect(ours)?;
+        let (_server, peer) = l.accept()?;
+        let found = diag.owner(ours, peer)?;
+        if found != Owner::Uid(me) {
+            return Err(std::io::Error::other(format!(
+                "a connection of this process over {} was found as {found:?}, not as uid {me}",
+                ours.ip()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A socket diagnostics socket, kept for many lookups (an accept loop's). Non-blocking: the
@@ -57,14 +107,15 @@ impl SockDiag {
         })
     }
 
-    /// [`peer_uid`] on this socket.
-    pub fn peer_uid(&mut self, ours: SocketAddr, peer: SocketAddr) -> std::io::Result<Option<u32>> {
+    /// Who holds the socket at `peer` that is connected to `ours`.
+    pub fn owner(&mut self, ours: SocketAddr, peer: SocketAddr) -> std::io::Result<Owner> {
         // A dual-stack listener names IPv4 peers by their mapped addresses.
         let (ours, peer) = (canonical(ours), canonical(peer));
         match (peer.ip(), ours.ip()) {
             (IpAddr::V4(p), IpAddr::V4(o)) => {
-                if let Some(uid) = self.lookup(AF_INET, peer, ours)? {
-                    return Ok(Some(uid));
+                let found = self.lookup(AF_INET, peer, ours)?;
+                if found != Owner::Absent {
+                    return Ok(found);
                 }
                 // An IPv6 socket connected to an IPv4 listener: the mapped addresses.
                 self.lookup(
@@ -74,20 +125,23 @@ impl SockDiag {
                 )
             }
             (IpAddr::V6(_), IpAddr::V6(_)) => self.lookup(AF_INET6, peer, ours),
-            _ => Ok(None),
+            _ => Ok(Owner::Absent),
         }
     }
 
     /// The owner of the TCP socket of `family` whose local end is `local` and remote end
-    /// `remote`. Only a socket still held by a process counts: one with inode 0 (closed by
-    /// its owner: in `TIME_WAIT` the kernel names it uid 0, and an orphan keeps its old uid)
-    /// is no one's, so a client that sends and closes at once is not taken for root.
+    /// `remote`. Only a connected socket with exactly these ends counts (the kernel may
+    /// answer with a listener at `local` instead: a listener a user opened on a port a
+    /// closed client freed is not that client), and only one still held by a process: one
+    /// with inode 0 (closed by its owner: in `TIME_WAIT` the kernel names it uid 0, and an
+    /// orphan keeps its old uid) is no one's, so a client that sends and closes at once is
+    /// not taken for root.
     fn lookup(
         &mut self,
         family: u8,
         local: SocketAddr,
         remote: SocketAddr,
-    ) -> std::io::Result<Option<u32>> {
+    ) -> std::io::Result<Owner> {
         self.sequence = self.sequence.wrapping_add(1);
         let mut header = NetlinkHeader::default();
         // No NLM_F_DUMP: the one socket these addresses name, found by the kernel's hash
@@ -130,12 +184,28 @@ impl SockDiag {
             }
             return match message.payload {
                 NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => {
-                    Ok((r.header.inode != 0).then_some(r.header.uid))
+                    let h = &r.header;
+                    let id = &h.socket_id;
+                    let exact = id.source_port == local.port()
+                        && id.destination_port == remote.port()
+                        && id.source_address.to_canonical() == local.ip().to_canonical()
+                        && id.destination_address.to_canonical() == remote.ip().to_canonical();
+                    Ok(
+                        if !exact || h.state == TCP_LISTEN || h.state == TCP_NEW_SYN_RECV {
+                            Owner::Absent
+                        } else if h.inode == 0 {
+                            Owner::Closed
+                        } else {
+                            Owner::Uid(h.uid)
+                        },
+                    )
                 }
                 NetlinkPayload::Error(e) => match e.code.map(|c| -c.get()) {
-                    Some(code) if code == nix::libc::ENOENT => Ok(None),
+                    Some(code) if code == nix::libc::ENOENT => Ok(Owner::Absent),
                     Some(code) => Err(std::io::Error::from_raw_os_error(code)),
-                    None => Ok(None),
+                    None => Err(std::io::Error::other(
+                        "an acknowledgement instead of a socket diagnostics answer",
+                    )),
                 },
                 _ => Err(std::io::Error::other(
                     "an unexpected socket diagnostics answer",
@@ -216,6 +286,29 @@ mod tests {
         assert_eq!(peer_uid(ours, peer).expect("table"), Some(uid));
         let other = SocketAddr::new(peer.ip(), peer.port().wrapping_add(1));
         assert_eq!(peer_uid(ours, other).expect("table"), None);
+    }
+
+    /// The kernel answers a lookup of a connection it does not have with a listener at the
+    /// peer's address and port: that listener's owner is not the peer (a user listening on
+    /// a port a closed client freed would be taken for that client). Control: the listener's
+    /// own connection is found.
+    #[test]
+    fn test_a_listener_at_the_peers_address_is_not_the_peer() {
+        let ours = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let ours = ours.local_addr().expect("addr");
+        let other = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let at = other.local_addr().expect("addr");
+        let mut diag = SockDiag::new().expect("diag");
+        assert_eq!(diag.owner(ours, at).expect("lookup"), Owner::Absent);
+        let _c = std::net::TcpStream::connect(at).expect("connect");
+        let (_s, peer) = other.accept().expect("accept");
+        let uid = rustix::process::geteuid().as_raw();
+        assert_eq!(diag.owner(at, peer).expect("lookup"), Owner::Uid(uid));
+    }
+
+    #[test]
+    fn test_the_start_check_finds_this_process() {
+        self_check().expect("socket diagnostics work here");
     }
 
     /// A dual-stack listener names an IPv4 peer by its mapped address; the peer's own

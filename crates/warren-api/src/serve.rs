@@ -157,13 +157,12 @@ pub async fn serve(
     let tcp = tcp
         .pop()
         .expect("invariant: loopback::bind returns listen's listener first");
-    // Each loopback TCP client's uid is asked of the kernel's socket diagnostics
-    // (`conn`): without them every such connection would be closed, so the service does not
-    // start.
-    crate::loopback_peer::SockDiag::new().map_err(|e| {
+    // Each local TCP client's uid is asked of the kernel's socket diagnostics (`conn`):
+    // without them every such connection would be closed, so the service does not start.
+    crate::loopback_peer::self_check().map_err(|e| {
         ServeError::Preflight(format!(
-            "the kernel's socket diagnostics (NETLINK_SOCK_DIAG), which name each loopback \
-             TCP client's uid: {e}"
+            "the kernel's socket diagnostics (NETLINK_SOCK_DIAG), which name each local TCP \
+             client's uid: {e}"
         ))
     })?;
     let service = Arc::new(Service::open(cfg.clone(), supervisor_exe)?);
