@@ -15,7 +15,8 @@
 //!   socket diagnostics name the uid holding the client's socket
 //!   ([`crate::loopback_peer::SockDiag`]); a connection whose socket no process holds any
 //!   more is closed, and so is one to a loopback listener whose socket this host does not
-//!   have; one from another host has no uid and no share (behind a reverse proxy every
+//!   have, and one from the host's own address that the lookup does not find (a socket tied
+//!   to an interface); one from another host has no uid and no share (behind a reverse proxy every
 //!   client has the proxy's address), the listener's cap alone bounds those. A subordinate
 //!   uid counts as its range's owner ([`crate::subuid`]). The lookups run off the runtime,
 //!   before the connection counts. Before, one unprivileged user could hold every
@@ -171,7 +172,20 @@ impl Lookups {
                             "the peer's socket is not on this host's network stack".into(),
                         )
                     }
-                    Ok(Owner::Absent) => return Counted::Nobody,
+                    // Not found, from one of this host's own addresses: a socket tied to
+                    // an interface (`SO_BINDTODEVICE`) is found only when the lookup names
+                    // that interface, so it is closed rather than let through uncounted.
+                    Ok(Owner::Absent) => {
+                        return match crate::loopback_peer::is_own_address(peer.ip()) {
+                            Ok(false) => Counted::Nobody,
+                            Ok(true) => Counted::Refused(
+                                "a socket of this host the kernel's diagnostics do not find \
+                                 (bound to an interface?)"
+                                    .into(),
+                            ),
+                            Err(e) => Counted::Refused(format!("this host's addresses: {e}")),
+                        };
+                    }
                     Err(e) => {
                         // A fresh socket for the next lookup.
                         self.diag = None;
@@ -681,13 +695,14 @@ mod tests {
     /// whether it was served (an answer) or closed at accept (EOF), and the child, which holds
     /// the connection until it is killed.
     fn tcp_as(uid: u32, addr: SocketAddr) -> (bool, std::process::Child) {
-        tcp_from(uid, None, addr)
+        tcp_from(uid, None, None, addr)
     }
 
     /// [`tcp_as`] with the client's socket bound to `source` first.
     fn tcp_from(
         uid: u32,
         source: Option<std::net::IpAddr>,
+        device: Option<&str>,
         addr: SocketAddr,
     ) -> (bool, std::process::Child) {
         use std::io::BufRead;
@@ -698,7 +713,10 @@ mod tests {
         );
         let script = format!(
             "import socket,sys\n\
-             s=socket.create_connection(('{}',{}),source_address={})\n\
+             s=socket.socket(socket.AF_INET6 if ':' in '{0}' else socket.AF_INET)\n\
+             {3}\n\
+             s.bind({2} or ('::' if ':' in '{0}' else '0.0.0.0',0))\n\
+             s.connect(('{0}',{1}))\n\
              s.sendall(b'GET /x HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n')\n\
              s.settimeout(10)\n\
              try:\n d=s.recv(64)\n\
@@ -708,6 +726,9 @@ mod tests {
             addr.ip(),
             addr.port(),
             source.map_or("None".to_string(), |ip| format!("('{ip}',0)")),
+            device.map_or("pass".to_string(), |d| format!(
+                "s.setsockopt(socket.SOL_SOCKET,socket.SO_BINDTODEVICE,b'{d}')"
+            )),
         );
         let mut child = std::process::Command::new("python3")
             .args(["-c", &script])
@@ -752,18 +773,13 @@ mod tests {
         let connect_as = |uid: u32| tokio::task::spawn_blocking(move || tcp_as(uid, addr));
         // One of this host's own non-loopback addresses: a local user may connect to the
         // loopback listener from it (before, such connections were counted nowhere).
-        let own = {
-            let u = std::net::UdpSocket::bind("0.0.0.0:0").expect("udp");
-            u.connect("192.0.2.1:9")
-                .expect("this test needs a route off the host, for a non-loopback address");
-            u.local_addr().expect("source").ip()
-        };
+        let own = own_address();
         assert!(!own.is_loopback(), "{own}");
         let mut held = Vec::new();
         let (ok, c) = connect_as(65534).await.expect("child");
         assert!(ok, "nobody's share");
         held.push(c);
-        let from_own = move || tcp_from(65534, Some(own), addr);
+        let from_own = move || tcp_from(65534, Some(own), None, addr);
         let (ok, c) = tokio::task::spawn_blocking(from_own).await.expect("child");
         assert!(ok, "nobody's share, from {own}");
         held.push(c);
@@ -796,6 +812,55 @@ mod tests {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// One of this host's own non-loopback addresses (the source of its route off the host).
+    fn own_address() -> std::net::IpAddr {
+        let u = std::net::UdpSocket::bind("0.0.0.0:0").expect("udp");
+        u.connect("192.0.2.1:9")
+            .expect("this test needs a route off the host, for a non-loopback address");
+        u.local_addr().expect("source").ip()
+    }
+
+    /// On a listener of every address, a local client whose socket is tied to an interface
+    /// (`SO_BINDTODEVICE`, which any user may set) is not found by the kernel's lookup, and
+    /// was taken for a remote client: no share. Now a connection from one of the host's own
+    /// addresses that the lookup does not find is closed. Control: the same user's plain
+    /// connection to the same address is served.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn test_a_local_client_tied_to_an_interface_is_not_taken_for_a_remote_one() {
+        let own = own_address();
+        let device = nix::ifaddrs::getifaddrs()
+            .expect("addresses")
+            .find(|a| {
+                a.address
+                    .and_then(|x| x.as_sockaddr_in().map(|v4| std::net::IpAddr::V4(v4.ip())))
+                    == Some(own)
+            })
+            .map(|a| a.interface_name)
+            .expect("the interface of the host's own address");
+        let listener = tokio::net::TcpListener::bind("0.0.0.0:0")
+            .await
+            .expect("bind");
+        let addr = SocketAddr::new(own, listener.local_addr().expect("addr").port());
+        let app = Router::new().route("/x", axum::routing::get(|| async { "ok" }));
+        let (_stop_tx, stop) = watch::channel(false);
+        tokio::spawn(serve(listener, app, limits(), tcp_peer, stop, "tcp"));
+        let (ok, mut plain) =
+            tokio::task::spawn_blocking(move || tcp_from(65534, None, None, addr))
+                .await
+                .expect("child");
+        assert!(ok, "a plain connection to {addr}");
+        let _ = plain.kill();
+        let (ok, mut tied) =
+            tokio::task::spawn_blocking(move || tcp_from(65534, None, Some(&device), addr))
+                .await
+                .expect("child");
+        let _ = tied.kill();
+        assert!(
+            !ok,
+            "a connection tied to an interface was let through uncounted"
+        );
     }
 
     /// Whether a new TCP connection of this process to `addr` is served.

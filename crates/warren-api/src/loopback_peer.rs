@@ -54,6 +54,24 @@ pub fn is_loopback(ip: IpAddr) -> bool {
     ip.to_canonical().is_loopback()
 }
 
+/// Whether `ip` is one of this host's own addresses (any interface's, in this network
+/// namespace). A peer at one is on this host: the kernel drops packets from elsewhere that
+/// claim a local source address.
+pub fn is_own_address(ip: IpAddr) -> std::io::Result<bool> {
+    let ip = ip.to_canonical();
+    let addrs = nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)?;
+    Ok(addrs.into_iter().any(|a| {
+        let Some(addr) = a.address else { return false };
+        if let Some(v4) = addr.as_sockaddr_in() {
+            IpAddr::V4(v4.ip()) == ip
+        } else if let Some(v6) = addr.as_sockaddr_in6() {
+            IpAddr::V6(v6.ip()).to_canonical() == ip
+        } else {
+            false
+        }
+    }))
+}
+
 /// `addr` with an IPv4-mapped address as the IPv4 address it maps.
 fn canonical(addr: SocketAddr) -> SocketAddr {
     SocketAddr::new(addr.ip().to_canonical(), addr.port())
@@ -109,11 +127,17 @@ impl SockDiag {
 
     /// Who holds the socket at `peer` that is connected to `ours`.
     pub fn owner(&mut self, ours: SocketAddr, peer: SocketAddr) -> std::io::Result<Owner> {
+        // A socket tied to an interface is found only when the lookup names it: a
+        // link-local peer's scope is that interface.
+        let ifindex = match peer {
+            SocketAddr::V6(a) => a.scope_id(),
+            SocketAddr::V4(_) => 0,
+        };
         // A dual-stack listener names IPv4 peers by their mapped addresses.
         let (ours, peer) = (canonical(ours), canonical(peer));
         match (peer.ip(), ours.ip()) {
             (IpAddr::V4(p), IpAddr::V4(o)) => {
-                let found = self.lookup(AF_INET, peer, ours)?;
+                let found = self.lookup(AF_INET, peer, ours, 0)?;
                 if found != Owner::Absent {
                     return Ok(found);
                 }
@@ -122,9 +146,10 @@ impl SockDiag {
                     AF_INET6,
                     SocketAddr::new(IpAddr::V6(p.to_ipv6_mapped()), peer.port()),
                     SocketAddr::new(IpAddr::V6(o.to_ipv6_mapped()), ours.port()),
+                    0,
                 )
             }
-            (IpAddr::V6(_), IpAddr::V6(_)) => self.lookup(AF_INET6, peer, ours),
+            (IpAddr::V6(_), IpAddr::V6(_)) => self.lookup(AF_INET6, peer, ours, ifindex),
             _ => Ok(Owner::Absent),
         }
     }
@@ -141,6 +166,7 @@ impl SockDiag {
         family: u8,
         local: SocketAddr,
         remote: SocketAddr,
+        ifindex: u32,
     ) -> std::io::Result<Owner> {
         self.sequence = self.sequence.wrapping_add(1);
         let mut header = NetlinkHeader::default();
@@ -160,7 +186,7 @@ impl SockDiag {
                     destination_port: remote.port(),
                     source_address: local.ip(),
                     destination_address: remote.ip(),
-                    interface_id: 0,
+                    interface_id: ifindex,
                     // No cookie: the socket is named by its addresses alone.
                     cookie: [0xff; 8],
                 },

@@ -6,7 +6,11 @@
 //!
 //! By hand because no kept crate reads the file: it is `name:start:count` lines, a name
 //! being a user name or a uid. The file is read again when its modification time or size
-//! changes (one `stat` per lookup), at most [`MAX_BYTES`] of it.
+//! changes (one `stat` per lookup), at most [`MAX_BYTES`] of it. Ranges root owns (a
+//! container manager's) are left out: their uids keep shares of their own and never get
+//! root's reserve. Not covered: subordinate ids a name service hands out (`subid:` in
+//! `nsswitch.conf`) or systemd's transient ranges; overlapping ranges count under the
+//! first line's owner.
 
 use std::io::Read;
 use std::time::SystemTime;
@@ -41,9 +45,10 @@ impl Subordinates {
             return;
         }
         self.seen = stamp;
-        let mut text = String::new();
+        let mut bytes = Vec::new();
         let read =
-            std::fs::File::open(PATH).and_then(|f| f.take(MAX_BYTES).read_to_string(&mut text));
+            std::fs::File::open(PATH).and_then(|f| f.take(MAX_BYTES).read_to_end(&mut bytes));
+        let text = String::from_utf8_lossy(&bytes);
         self.ranges = match read {
             Ok(_) => parse(&text, |name| {
                 nix::unistd::User::from_name(name)
@@ -78,8 +83,11 @@ fn parse(text: &str, resolve: impl Fn(&str) -> Option<u32>) -> Vec<(u32, u32, u3
             let (name, start, count) = (parts.next()?, parts.next()?, parts.next()?);
             let start: u32 = start.parse().ok()?;
             let count: u32 = count.parse().ok()?;
-            let owner = name.parse().ok().or_else(|| resolve(name))?;
-            Some((start, count, owner))
+            // A user name first, as shadow's tools match it; else a uid.
+            let owner = resolve(name).or_else(|| name.parse().ok())?;
+            // Root's ranges (containers' uids) are not root: they keep shares of their own,
+            // and never root's reserve.
+            (owner != 0).then_some((start, count, owner))
         })
         .collect()
 }
@@ -90,8 +98,13 @@ mod tests {
 
     #[test]
     fn test_a_subordinate_uid_counts_as_its_ranges_owner() {
-        let text = "alice:100000:65536\n1001:165536:65536\nghost:231072:10\nbad line\n";
-        let ranges = parse(text, |n| (n == "alice").then_some(1000));
+        let text = "alice:100000:65536\n1001:165536:65536\nghost:231072:10\nbad line\n\
+                    root:1000000:65536\n";
+        let ranges = parse(text, |n| match n {
+            "alice" => Some(1000),
+            "root" => Some(0),
+            _ => None,
+        });
         assert_eq!(ranges, vec![(100000, 65536, 1000), (165536, 65536, 1001)]);
         let owner = |uid: u32| owner_in(&ranges, uid);
         assert_eq!(owner(100000), 1000);
@@ -100,5 +113,7 @@ mod tests {
         // Outside every range, or in an unresolved user's: itself.
         assert_eq!(owner(231072), 231072);
         assert_eq!(owner(65534), 65534);
+        // Root's range: each uid its own.
+        assert_eq!(owner(1000005), 1000005);
     }
 }
