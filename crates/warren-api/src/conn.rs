@@ -367,42 +367,51 @@ impl Drop for UidPlace {
 /// Counts refused connections between log lines.
 #[derive(Default)]
 struct Refusals {
+    cap: Throttled,
+    unknown: Throttled,
+}
+
+/// Refusals of one kind counted between log lines, logged at most every
+/// [`REFUSAL_LOG_EVERY`].
+#[derive(Default)]
+struct Throttled {
     count: u64,
     logged: Option<Instant>,
-    unknown: u64,
-    unknown_logged: Option<Instant>,
+}
+
+impl Throttled {
+    /// Counts one; returns the count to log (and starts counting again) when one is due.
+    fn due(&mut self) -> Option<u64> {
+        self.count += 1;
+        if self.logged.is_some_and(|t| t.elapsed() < REFUSAL_LOG_EVERY) {
+            return None;
+        }
+        self.logged = Some(Instant::now());
+        Some(std::mem::take(&mut self.count))
+    }
 }
 
 impl Refusals {
     fn note(&mut self, door: &'static str, max: usize) {
-        self.count += 1;
-        if self.logged.is_none_or(|t| t.elapsed() >= REFUSAL_LOG_EVERY) {
+        if let Some(refused) = self.cap.due() {
             tracing::warn!(
                 door,
                 max_connections = max,
-                refused = self.count,
+                refused,
                 "connection cap reached: connections closed at accept"
             );
-            self.count = 0;
-            self.logged = Some(Instant::now());
         }
     }
 
     /// A connection whose peer's uid is not known (`why`), closed at accept.
     fn unknown(&mut self, door: &'static str, why: &str) {
-        self.unknown += 1;
-        if self
-            .unknown_logged
-            .is_none_or(|t| t.elapsed() >= REFUSAL_LOG_EVERY)
-        {
+        if let Some(refused) = self.unknown.due() {
             tracing::warn!(
                 door,
-                refused = self.unknown,
+                refused,
                 reason = why,
                 "connections whose peer's uid is not known closed at accept"
             );
-            self.unknown = 0;
-            self.unknown_logged = Some(Instant::now());
         }
     }
 }
@@ -618,19 +627,42 @@ mod tests {
         );
     }
 
+    /// Serves `GET /x` (answered `ok`) on `listener` under [`limits`] with 30 s timeouts,
+    /// its peers named by `tag`, until the returned sender is dropped.
+    fn serve_ok<L, T>(listener: L, tag: T, door: &'static str) -> watch::Sender<bool>
+    where
+        L: Listener,
+        T: Fn(&L::Io) -> Option<Peer> + Send + 'static,
+    {
+        let app = Router::new().route("/x", axum::routing::get(|| async { "ok" }));
+        let (stop_tx, stop) = watch::channel(false);
+        let limits = ConnLimits {
+            header_read_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(30),
+            ..limits()
+        };
+        tokio::spawn(serve(listener, app, limits, tag, stop, door));
+        stop_tx
+    }
+
     /// Whether a new connection to `path` is served (an answer) or closed at accept (EOF).
     async fn served(path: &std::path::Path) -> (bool, tokio::net::UnixStream) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut c = tokio::net::UnixStream::connect(path)
             .await
             .expect("connect");
+        (answered(&mut c).await, c)
+    }
+
+    /// Sends a request on `c`: whether it was answered (`200`), or closed at accept (EOF).
+    async fn answered(c: &mut (impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin)) -> bool {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let _ = c.write_all(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n").await;
         let mut buf = [0u8; 64];
         let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
             .await
             .expect("an answer or EOF")
             .unwrap_or(0);
-        (n > 0 && buf.starts_with(b"HTTP/1.1 200"), c)
+        n > 0 && buf.starts_with(b"HTTP/1.1 200")
     }
 
     /// One local uid holds at most its share of the socket's connections, other uids still
@@ -641,26 +673,17 @@ mod tests {
         let dir = tempfile::tempdir().expect("tmp");
         let path = dir.path().join("s.sock");
         let listener = tokio::net::UnixListener::bind(&path).expect("bind");
-        let app = Router::new().route("/x", axum::routing::get(|| async { "ok" }));
         // The uid the next accepted connection is taken for (set before each connect).
         let uid = Arc::new(std::sync::Mutex::new(1000u32));
         let tag_uid = uid.clone();
-        let (_stop_tx, stop) = watch::channel(false);
-        tokio::spawn(serve(
+        let _stop = serve_ok(
             listener,
-            app,
-            ConnLimits {
-                header_read_timeout: Duration::from_secs(30),
-                idle_timeout: Duration::from_secs(30),
-                ..limits()
-            },
             move |_: &tokio::net::UnixStream| {
                 let u = *tag_uid.lock().expect("uid");
                 Some(Peer::Local(Some(u)))
             },
-            stop,
             "local socket",
-        ));
+        );
         let mut held = Vec::new();
         let connect_as = |u: u32| {
             *uid.lock().expect("uid") = u;
@@ -756,20 +779,7 @@ mod tests {
             .await
             .expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let app = Router::new().route("/x", axum::routing::get(|| async { "ok" }));
-        let (_stop_tx, stop) = watch::channel(false);
-        tokio::spawn(serve(
-            listener,
-            app,
-            ConnLimits {
-                header_read_timeout: Duration::from_secs(30),
-                idle_timeout: Duration::from_secs(30),
-                ..limits()
-            },
-            tcp_peer,
-            stop,
-            "tcp",
-        ));
+        let _stop = serve_ok(listener, tcp_peer, "tcp");
         let connect_as = |uid: u32| tokio::task::spawn_blocking(move || tcp_as(uid, addr));
         // One of this host's own non-loopback addresses: a local user may connect to the
         // loopback listener from it (before, such connections were counted nowhere).
@@ -843,9 +853,7 @@ mod tests {
             .await
             .expect("bind");
         let addr = SocketAddr::new(own, listener.local_addr().expect("addr").port());
-        let app = Router::new().route("/x", axum::routing::get(|| async { "ok" }));
-        let (_stop_tx, stop) = watch::channel(false);
-        tokio::spawn(serve(listener, app, limits(), tcp_peer, stop, "tcp"));
+        let _stop = serve_ok(listener, tcp_peer, "tcp");
         let (ok, mut plain) =
             tokio::task::spawn_blocking(move || tcp_from(65534, None, None, addr))
                 .await
@@ -865,15 +873,8 @@ mod tests {
 
     /// Whether a new TCP connection of this process to `addr` is served.
     async fn served_tcp(addr: SocketAddr) -> (bool, tokio::net::TcpStream) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut c = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        let _ = c.write_all(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n").await;
-        let mut buf = [0u8; 64];
-        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
-            .await
-            .expect("an answer or EOF")
-            .unwrap_or(0);
-        (n > 0 && buf.starts_with(b"HTTP/1.1 200"), c)
+        (answered(&mut c).await, c)
     }
 
     #[test]

@@ -85,16 +85,14 @@ pub fn self_check() -> std::io::Result<()> {
     let me = nix::unistd::geteuid().as_raw();
     let mut diag = SockDiag::new()?;
     for addr in ["127.0.0.1:0", "[::1]:0"] {
-        let l = match std::net::TcpListener::bind(addr) {
-            Ok(l) => l,
+        let c = match SelfConnection::new(addr) {
+            Ok(c) => c,
             // No ::1 here: nothing to check over it.
             Err(_) if addr.starts_with('[') => continue,
             Err(e) => return Err(e),
         };
-        let ours = l.local_addr()?;
-        let _client = std::net::TcpStream::connect(ours)?;
-        let (_server, peer) = l.accept()?;
-        let found = diag.owner(ours, peer)?;
+        let ours = c.ours;
+        let found = diag.owner(ours, c.peer)?;
         if found != Owner::Uid(me) {
             return Err(std::io::Error::other(format!(
                 "a connection of this process over {} was found as {found:?}, not as uid {me}",
@@ -103,6 +101,34 @@ pub fn self_check() -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// A TCP connection of this process to itself, on a listener of its own.
+struct SelfConnection {
+    /// The listener's end.
+    ours: SocketAddr,
+    /// The client's end, as the listener's accept names it.
+    peer: SocketAddr,
+    /// Held open for the connection's life (the tests close it).
+    #[cfg_attr(not(test), allow(dead_code))]
+    client: std::net::TcpStream,
+    _server: std::net::TcpStream,
+}
+
+impl SelfConnection {
+    /// A connection to a listener bound at `addr` (port 0: any).
+    fn new(addr: &str) -> std::io::Result<SelfConnection> {
+        let l = std::net::TcpListener::bind(addr)?;
+        let ours = l.local_addr()?;
+        let client = std::net::TcpStream::connect(ours)?;
+        let (server, peer) = l.accept()?;
+        Ok(SelfConnection {
+            ours,
+            peer,
+            client,
+            _server: server,
+        })
+    }
 }
 
 /// A socket diagnostics socket, kept for many lookups (an accept loop's). Non-blocking: the
@@ -250,11 +276,9 @@ mod tests {
 
     #[test]
     fn test_a_loopback_peer_is_this_process_uid() {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let ours = l.local_addr().expect("addr");
-        let c = std::net::TcpStream::connect(ours).expect("connect");
-        let (_s, peer) = l.accept().expect("accept");
-        assert_eq!(c.local_addr().expect("local"), peer);
+        let c = SelfConnection::new("127.0.0.1:0").expect("connection");
+        let (ours, peer) = (c.ours, c.peer);
+        assert_eq!(c.client.local_addr().expect("local"), peer);
         let uid = rustix::process::geteuid().as_raw();
         assert_eq!(peer_uid(ours, peer).expect("table"), Some(uid));
         // Another port at the same address is nobody's.
@@ -267,13 +291,11 @@ mod tests {
     /// forwarded. Control: while it is open it gives its uid.
     #[test]
     fn test_a_closed_socket_is_no_ones() {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let ours = l.local_addr().expect("addr");
-        let c = std::net::TcpStream::connect(ours).expect("connect");
-        let (_s, peer) = l.accept().expect("accept");
+        let c = SelfConnection::new("127.0.0.1:0").expect("connection");
+        let (ours, peer) = (c.ours, c.peer);
         let uid = rustix::process::geteuid().as_raw();
         assert_eq!(peer_uid(ours, peer).expect("lookup"), Some(uid));
-        drop(c);
+        drop(c.client);
         assert_eq!(peer_uid(ours, peer).expect("lookup"), None);
     }
 
@@ -304,10 +326,8 @@ mod tests {
 
     #[test]
     fn test_an_ipv6_loopback_peer_is_this_process_uid() {
-        let l = std::net::TcpListener::bind("[::1]:0").expect("bind [::1]");
-        let ours = l.local_addr().expect("addr");
-        let _c = std::net::TcpStream::connect(ours).expect("connect");
-        let (_s, peer) = l.accept().expect("accept");
+        let c = SelfConnection::new("[::1]:0").expect("connection over [::1]");
+        let (ours, peer) = (c.ours, c.peer);
         let uid = rustix::process::geteuid().as_raw();
         assert_eq!(peer_uid(ours, peer).expect("table"), Some(uid));
         let other = SocketAddr::new(peer.ip(), peer.port().wrapping_add(1));
