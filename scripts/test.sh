@@ -3,6 +3,8 @@
 # tiers (unit, integration, real VM) under nextest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A full run builds every crate once: incremental caches would only take disk (gigabytes).
+export CARGO_INCREMENTAL=0
 scripts/setup.sh
 if ! command -v cargo-nextest >/dev/null; then cargo install --locked cargo-nextest; fi
 # Test-only tools: curl and setpriv drive the local socket as other uids; ip and nft build the
