@@ -18,8 +18,9 @@
 //!   have, and one from the host's own address that the lookup does not find (a socket tied
 //!   to an interface); one from another host has no uid and no share (behind a reverse proxy every
 //!   client has the proxy's address), the listener's cap alone bounds those. A subordinate
-//!   uid counts as its range's owner ([`crate::subuid`]). The lookups run off the runtime,
-//!   before the connection counts. Before, one unprivileged user could hold every
+//!   uid counts as its range's owner ([`crate::subuid`]). The lookups happen before the
+//!   connection counts, on a thread of the listener's own with a deadline, never on the
+//!   runtime's blocking pool ([`crate::peer_owner`]). Before, one unprivileged user could hold every
 //!   connection of the socket, or of a TCP listener without a token (re-opening idle ones
 //!   as the timeouts closed them), and lock root and every other user out.
 //! - **Header-read timeout.** hyper's `header_read_timeout` (HTTP/1): a request head not
@@ -66,6 +67,7 @@ use tower::ServiceExt;
 
 use crate::config::HttpConfig;
 use crate::http::PeerUid;
+use crate::peer_owner::{Counted, PeerOwners};
 
 /// Ping interval of HTTP/2 connections, and how long a ping may go unanswered.
 const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
@@ -122,82 +124,6 @@ pub(crate) fn tcp_peer(io: &tokio::net::TcpStream) -> Option<Peer> {
     })
 }
 
-/// What a connection counts as under the shares.
-enum Counted {
-    /// This uid's (a subordinate uid counted as its range's owner, [`crate::subuid`]).
-    Uid(u32),
-    /// No uid's: a peer on another host, or a local socket peer without credentials.
-    Nobody,
-    /// Closed at accept, for this reason.
-    Refused(String),
-}
-
-/// The accept loop's lookups: the socket diagnostics socket (made on first use, and again
-/// after a failure) and the subordinate uid ranges.
-#[derive(Default)]
-struct Lookups {
-    diag: Option<crate::loopback_peer::SockDiag>,
-    subordinates: crate::subuid::Subordinates,
-}
-
-impl Lookups {
-    /// What `peer` counts as. Blocking (a netlink exchange with the kernel, a `stat`).
-    fn count(&mut self, peer: Peer) -> Counted {
-        use crate::loopback_peer::{Owner, SockDiag};
-        let uid = match peer {
-            Peer::Local(Some(uid)) => uid,
-            Peer::Local(None) => return Counted::Nobody,
-            Peer::Tcp { ours, peer } => {
-                let diag = match &mut self.diag {
-                    Some(d) => d,
-                    None => match SockDiag::new() {
-                        Ok(d) => self.diag.insert(d),
-                        Err(e) => {
-                            return Counted::Refused(format!(
-                                "the kernel's socket diagnostics: {e}"
-                            ))
-                        }
-                    },
-                };
-                match diag.owner(ours, peer) {
-                    Ok(Owner::Uid(uid)) => uid,
-                    Ok(Owner::Closed) => {
-                        return Counted::Refused("no process holds the peer's socket".into())
-                    }
-                    // Whatever its address: a local user may connect from any of the host's
-                    // own addresses, so only a socket this host does not have is remote, and
-                    // a loopback listener has no remote peers.
-                    Ok(Owner::Absent) if crate::loopback_peer::is_loopback(ours.ip()) => {
-                        return Counted::Refused(
-                            "the peer's socket is not on this host's network stack".into(),
-                        )
-                    }
-                    // Not found, from one of this host's own addresses: a socket tied to
-                    // an interface (`SO_BINDTODEVICE`) is found only when the lookup names
-                    // that interface, so it is closed rather than let through uncounted.
-                    Ok(Owner::Absent) => {
-                        return match crate::loopback_peer::is_own_address(peer.ip()) {
-                            Ok(false) => Counted::Nobody,
-                            Ok(true) => Counted::Refused(
-                                "a socket of this host the kernel's diagnostics do not find \
-                                 (bound to an interface?)"
-                                    .into(),
-                            ),
-                            Err(e) => Counted::Refused(format!("this host's addresses: {e}")),
-                        };
-                    }
-                    Err(e) => {
-                        // A fresh socket for the next lookup.
-                        self.diag = None;
-                        return Counted::Refused(format!("the kernel's socket diagnostics: {e}"));
-                    }
-                }
-            }
-        };
-        Counted::Uid(self.subordinates.owner_of(uid))
-    }
-}
-
 /// Serves `app` on `listener` under `limits` until `stop` turns true and every connection
 /// has ended. `tag` names who a connection comes from ([`Peer`]); `None` (its addresses
 /// unknown) closes it.
@@ -228,7 +154,7 @@ pub(crate) async fn serve<L, T>(
         .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT);
     let builder = Arc::new(builder);
     let mut refused = Refusals::default();
-    let mut lookups: Option<Lookups> = None;
+    let mut owners = PeerOwners::new(door).await;
     loop {
         let io = tokio::select! {
             (io, _addr) = listener.accept() => io,
@@ -239,21 +165,7 @@ pub(crate) async fn serve<L, T>(
             refused.unknown(door, "its addresses are unknown");
             continue;
         };
-        // Off the runtime: on kernels before 6.9 socket diagnostics take a global lock
-        // that another user's dump of a long socket table holds for milliseconds.
-        let mut l = lookups.take().unwrap_or_default();
-        let counted = match tokio::task::spawn_blocking(move || {
-            let c = l.count(peer);
-            (l, c)
-        })
-        .await
-        {
-            Ok((l, c)) => {
-                lookups = Some(l);
-                c
-            }
-            Err(e) => Counted::Refused(format!("the peer lookup: {e}")),
-        };
+        let counted = owners.count(peer).await;
         let info = match peer {
             // Requests carry the kernel's own uid of the peer (what it may do), the share
             // counts its range's owner.
@@ -875,6 +787,48 @@ mod tests {
     async fn served_tcp(addr: SocketAddr) -> (bool, tokio::net::TcpStream) {
         let mut c = tokio::net::TcpStream::connect(addr).await.expect("connect");
         (answered(&mut c).await, c)
+    }
+
+    /// Accepts never wait on the runtime's blocking pool: with its one thread held by a job
+    /// that does not end, TCP and local socket clients are still served. (Before, every
+    /// accept's lookup ran there, so whatever filled the pool locked every client out.)
+    #[test]
+    fn test_accepts_never_wait_on_a_full_blocking_pool() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .max_blocking_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let pool = rt.spawn_blocking(move || {
+            let _ = held.recv();
+        });
+        rt.block_on(async {
+            let tcp = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let addr = tcp.local_addr().expect("addr");
+            let _tcp = serve_ok(tcp, tcp_peer, "tcp");
+            let dir = tempfile::tempdir().expect("tmp");
+            let path = dir.path().join("s.sock");
+            let local = tokio::net::UnixListener::bind(&path).expect("bind");
+            let _local = serve_ok(
+                local,
+                |_: &tokio::net::UnixStream| Some(Peer::Local(Some(1000))),
+                "local socket",
+            );
+            for _ in 0..3 {
+                assert!(served_tcp(addr).await.0, "a TCP client is served");
+                assert!(served(&path).await.0, "a local socket client is served");
+            }
+            // Control: the pool is full (a second blocking job waits for the first).
+            let second = tokio::task::spawn_blocking(|| ());
+            let waited = tokio::time::timeout(Duration::from_millis(300), second).await;
+            assert!(waited.is_err(), "the blocking pool was not full");
+        });
+        let _ = release.send(());
+        rt.block_on(pool).expect("the pool's job");
     }
 
     #[test]

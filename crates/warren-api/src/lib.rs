@@ -26,6 +26,7 @@ pub mod loopback;
 pub mod loopback_peer;
 pub mod mcp;
 pub mod openapi;
+mod peer_owner;
 pub mod receipts;
 pub mod serve;
 pub mod service;

@@ -5,65 +5,126 @@
 //! subordinate uid under the user owning its range.
 //!
 //! By hand because no kept crate reads the file: it is `name:start:count` lines, a name
-//! being a user name or a uid. The file is read again when its modification time or size
-//! changes (one `stat` per lookup), at most [`MAX_BYTES`] of it. Ranges root owns (a
-//! container manager's) are left out: their uids keep shares of their own and never get
-//! root's reserve. Not covered: subordinate ids a name service hands out (`subid:` in
-//! `nsswitch.conf`) or systemd's transient ranges; overlapping ranges count under the
-//! first line's owner.
+//! being a user name or a uid. A thread of its own reads it ([`Subordinates::shared`]):
+//! again whenever its modification time, size or inode changes (one `stat` a second), at
+//! most [`MAX_BYTES`] of it, resolving its user names through the name service. Readers
+//! take the last snapshot and never wait on the file or the name service: an accept loop
+//! looks an owner up for every connection, and a name service that hangs would otherwise
+//! stall every accept. Ranges root owns (a container manager's) are left out: their uids
+//! keep shares of their own and never get root's reserve. Not covered: subordinate ids a
+//! name service hands out (`subid:` in `nsswitch.conf`) or systemd's transient ranges;
+//! overlapping ranges count under the first line's owner.
 
 use std::io::Read;
-use std::time::SystemTime;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::watch;
 
 /// The file read.
 const PATH: &str = "/etc/subuid";
 /// The most of the file read (a host with thousands of users has a few hundred KiB).
 const MAX_BYTES: u64 = 4 << 20;
+/// How often the reader thread looks for a change.
+const REREAD_EVERY: Duration = Duration::from_secs(1);
 
-/// The subordinate uid ranges and their owners, as last read.
-#[derive(Debug, Default)]
-pub(crate) struct Subordinates {
-    /// The file's modification time and size when last read (`None`: never read, or absent).
-    seen: Option<(SystemTime, u64)>,
-    /// `(start, count, owner)`.
-    ranges: Vec<(u32, u32, u32)>,
-}
+/// `(start, count, owner)` of each range.
+type Ranges = Arc<Vec<(u32, u32, u32)>>;
+
+/// The subordinate uid ranges and their owners, as the reader thread last read them
+/// (`None` until its first read ends).
+#[derive(Debug, Clone)]
+pub(crate) struct Subordinates(watch::Receiver<Option<Ranges>>);
 
 impl Subordinates {
-    /// The uid `uid` counts as: its range's owner, or itself. Blocking (a `stat`, and on a
-    /// change the file's read and its user names' resolution).
-    pub(crate) fn owner_of(&mut self, uid: u32) -> u32 {
-        self.refresh();
-        owner_in(&self.ranges, uid)
+    /// The process's view of `/etc/subuid`; its reader thread starts on first use.
+    pub(crate) fn shared() -> Subordinates {
+        static SHARED: OnceLock<Subordinates> = OnceLock::new();
+        SHARED
+            .get_or_init(|| Subordinates::watch(PathBuf::from(PATH), user_uid, REREAD_EVERY))
+            .clone()
     }
 
-    fn refresh(&mut self) {
-        let stamp = std::fs::metadata(PATH)
-            .ok()
-            .map(|m| (m.modified().unwrap_or(SystemTime::UNIX_EPOCH), m.len()));
-        if stamp == self.seen && (stamp.is_some() || self.ranges.is_empty()) {
-            return;
-        }
-        self.seen = stamp;
-        let mut bytes = Vec::new();
-        let read =
-            std::fs::File::open(PATH).and_then(|f| f.take(MAX_BYTES).read_to_end(&mut bytes));
-        let text = String::from_utf8_lossy(&bytes);
-        self.ranges = match read {
-            Ok(_) => parse(&text, |name| {
-                nix::unistd::User::from_name(name)
-                    .ok()
-                    .flatten()
-                    .map(|u| u.uid.as_raw())
-            }),
-            Err(e) => {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(path = PATH, error = %e, "cannot read the subordinate uids");
+    /// Starts a thread that reads `path` (names resolved by `resolve`), and again on every
+    /// change seen at a look every `every`, until every reader is gone.
+    fn watch(
+        path: PathBuf,
+        resolve: impl Fn(&str) -> Option<u32> + Send + 'static,
+        every: Duration,
+    ) -> Subordinates {
+        let (tx, rx) = watch::channel(None);
+        let spawned = std::thread::Builder::new()
+            .name("warren-subuid".into())
+            .spawn(move || {
+                let mut seen = None;
+                let mut first = true;
+                while !tx.is_closed() {
+                    let now = stamp(&path);
+                    if first || now != seen {
+                        first = false;
+                        seen = now;
+                        tx.send_replace(Some(Arc::new(read(&path, &resolve))));
+                    }
+                    std::thread::sleep(every);
                 }
-                Vec::new()
-            }
-        };
+            });
+        if let Err(e) = spawned {
+            // Readers then count every uid as itself.
+            tracing::error!(error = %e, "cannot start the subordinate uids' reader");
+        }
+        Subordinates(rx)
     }
+
+    /// The uid `uid` counts as: its range's owner, or itself. Never blocks.
+    pub(crate) fn owner_of(&self, uid: u32) -> u32 {
+        match &*self.0.borrow() {
+            Some(ranges) => owner_in(ranges, uid),
+            None => uid,
+        }
+    }
+
+    /// Waits up to `within` for the first read; whether it ended.
+    pub(crate) async fn first_read(&mut self, within: Duration) -> bool {
+        matches!(
+            tokio::time::timeout(within, self.0.wait_for(|r| r.is_some())).await,
+            Ok(Ok(_))
+        )
+    }
+}
+
+/// What tells a changed file: its modification time, size and inode (`None`: absent).
+fn stamp(path: &Path) -> Option<(SystemTime, u64, u64)> {
+    std::fs::metadata(path).ok().map(|m| {
+        (
+            m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+            m.len(),
+            m.ino(),
+        )
+    })
+}
+
+/// The ranges `path` holds now (none when it is absent or unreadable).
+fn read(path: &Path, resolve: &impl Fn(&str) -> Option<u32>) -> Vec<(u32, u32, u32)> {
+    let mut bytes = Vec::new();
+    match std::fs::File::open(path).and_then(|f| f.take(MAX_BYTES).read_to_end(&mut bytes)) {
+        Ok(_) => parse(&String::from_utf8_lossy(&bytes), resolve),
+        Err(e) => {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(path = %path.display(), error = %e, "cannot read the subordinate uids");
+            }
+            Vec::new()
+        }
+    }
+}
+
+/// A user name's uid, from the name service.
+fn user_uid(name: &str) -> Option<u32> {
+    nix::unistd::User::from_name(name)
+        .ok()
+        .flatten()
+        .map(|u| u.uid.as_raw())
 }
 
 /// The owner of the range of `ranges` holding `uid`, or `uid`.
@@ -115,5 +176,60 @@ mod tests {
         assert_eq!(owner(65534), 65534);
         // Root's range: each uid its own.
         assert_eq!(owner(1000005), 1000005);
+    }
+
+    /// Waits up to 10 s for `uid` to count as `owner`.
+    async fn counts_as(s: &Subordinates, uid: u32, owner: u32) -> bool {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::time::Instant::now() < deadline {
+            if s.owner_of(uid) == owner {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
+    }
+
+    /// The file is read again when it changes, and a name service that hangs while a changed
+    /// file's names resolve stalls only that read: readers keep the last snapshot. (Before,
+    /// the accept loop read the file and resolved its names itself, on every change.)
+    #[tokio::test]
+    async fn test_a_hung_name_service_never_stalls_an_owner_lookup() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("subuid");
+        std::fs::write(&path, "alice:100000:65536\n").expect("write");
+        // "bob" resolves only once the test lets it.
+        let (release, hung) = std::sync::mpsc::channel::<()>();
+        let hung = std::sync::Mutex::new(hung);
+        let resolve = move |name: &str| match name {
+            "alice" => Some(1000),
+            "bob" => {
+                let _ = hung.lock().expect("hung").recv();
+                Some(1001)
+            }
+            _ => None,
+        };
+        let mut s = Subordinates::watch(path.clone(), resolve, Duration::from_millis(20));
+        assert!(s.first_read(Duration::from_secs(10)).await, "first read");
+        assert_eq!(s.owner_of(100001), 1000);
+        assert_eq!(s.owner_of(165536), 165536);
+        // A changed file whose names hang: lookups answer at once from the last snapshot.
+        std::fs::write(&path, "alice:100000:65536\nbob:165536:65536\n").expect("write");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let t = std::time::Instant::now();
+        for _ in 0..1000 {
+            assert_eq!(s.owner_of(100001), 1000);
+            assert_eq!(s.owner_of(165536), 165536);
+        }
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        // Control: once the name resolves, the new range counts.
+        release.send(()).expect("release");
+        assert!(counts_as(&s, 165537, 1001).await, "bob's range read");
+        // Removed ranges stop counting.
+        std::fs::remove_file(&path).expect("rm");
+        assert!(
+            counts_as(&s, 100001, 100001).await,
+            "the file's removal read"
+        );
     }
 }
