@@ -142,6 +142,10 @@ fn spawn_lookups() -> std::io::Result<SyncSender<Ask>> {
 fn lookups(asks: Receiver<Ask>) {
     let mut diag = None;
     for ask in asks {
+        // Its accept gave up (the deadline): the kernel is not asked for it.
+        if ask.answer.is_closed() {
+            continue;
+        }
         let counted = tcp_owner(&mut diag, ask.ours, ask.peer);
         // The accept that asked may have given up.
         let _ = ask.answer.send(counted);

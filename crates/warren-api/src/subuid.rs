@@ -7,7 +7,9 @@
 //! By hand because no kept crate reads the file: it is `name:start:count` lines, a name
 //! being a user name or a uid. A thread of its own reads it ([`Subordinates::shared`]):
 //! again whenever its modification time, size or inode changes (one `stat` a second), at
-//! most [`MAX_BYTES`] of it, resolving its user names through the name service. Readers
+//! most [`MAX_BYTES`] of it, resolving its user names through the name service (a range
+//! whose name does not resolve counts under its first uid, one share for the whole range,
+//! and the file is read again [`RESOLVE_RETRY`] later). Readers
 //! take the last snapshot and never wait on the file or the name service: an accept loop
 //! looks an owner up for every connection, and a name service that hangs would otherwise
 //! stall every accept. Ranges root owns (a container manager's) are left out: their uids
@@ -15,11 +17,12 @@
 //! name service hands out (`subid:` in `nsswitch.conf`) or systemd's transient ranges;
 //! overlapping ranges count under the first line's owner.
 
+use std::collections::HashMap;
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::watch;
 
@@ -29,6 +32,8 @@ const PATH: &str = "/etc/subuid";
 const MAX_BYTES: u64 = 4 << 20;
 /// How often the reader thread looks for a change.
 const REREAD_EVERY: Duration = Duration::from_secs(1);
+/// How soon a file with names that did not resolve is read again.
+const RESOLVE_RETRY: Duration = Duration::from_secs(30);
 
 /// `(start, count, owner)` of each range.
 type Ranges = Arc<Vec<(u32, u32, u32)>>;
@@ -60,12 +65,16 @@ impl Subordinates {
             .spawn(move || {
                 let mut seen = None;
                 let mut first = true;
+                let mut retry_at: Option<Instant> = None;
+                let mut known = HashMap::new();
                 while !tx.is_closed() {
                     let now = stamp(&path);
-                    if first || now != seen {
+                    let retry = retry_at.is_some_and(|t| Instant::now() >= t);
+                    if first || now != seen || retry {
                         first = false;
                         seen = now;
-                        tx.send_replace(Some(Arc::new(read(&path, &resolve))));
+                        retry_at = refresh(&path, &resolve, &mut known, &tx)
+                            .then(|| Instant::now() + RESOLVE_RETRY);
                     }
                     std::thread::sleep(every);
                 }
@@ -94,27 +103,61 @@ impl Subordinates {
     }
 }
 
-/// What tells a changed file: its modification time, size and inode (`None`: absent).
-fn stamp(path: &Path) -> Option<(SystemTime, u64, u64)> {
+/// What tells a changed file: its modification time, change time, size and inode (`None`:
+/// absent).
+fn stamp(path: &Path) -> Option<(SystemTime, (i64, i64), u64, u64)> {
     std::fs::metadata(path).ok().map(|m| {
         (
             m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+            (m.ctime(), m.ctime_nsec()),
             m.len(),
             m.ino(),
         )
     })
 }
 
-/// The ranges `path` holds now (none when it is absent or unreadable).
-fn read(path: &Path, resolve: &impl Fn(&str) -> Option<u32>) -> Vec<(u32, u32, u32)> {
+/// Reads `path` and publishes its ranges on `tx`: first, at once, with the names the last
+/// read resolved (`known`; each range of another name counted under its first uid), then
+/// with every name resolved. Returns whether some name did not resolve (read again later).
+/// A file that cannot be read (other than absent) keeps the last snapshot.
+fn refresh(
+    path: &Path,
+    resolve: &impl Fn(&str) -> Option<u32>,
+    known: &mut HashMap<String, u32>,
+    tx: &watch::Sender<Option<Ranges>>,
+) -> bool {
     let mut bytes = Vec::new();
     match std::fs::File::open(path).and_then(|f| f.take(MAX_BYTES).read_to_end(&mut bytes)) {
-        Ok(_) => parse(&String::from_utf8_lossy(&bytes), resolve),
+        Ok(_) => {
+            let text = String::from_utf8_lossy(&bytes);
+            // A name service that hangs never leaves a new range uncounted meanwhile.
+            let (quick, _) = parse(&text, |name| match name {
+                "root" => Some(0),
+                _ => known.get(name).copied(),
+            });
+            tx.send_replace(Some(Arc::new(quick)));
+            let mut resolved = HashMap::new();
+            let (full, unresolved) = parse(&text, |name| {
+                let uid = resolve(name);
+                if let Some(u) = uid {
+                    resolved.insert(name.to_string(), u);
+                }
+                uid
+            });
+            tx.send_replace(Some(Arc::new(full)));
+            *known = resolved;
+            unresolved
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            tx.send_replace(Some(Arc::new(Vec::new())));
+            false
+        }
         Err(e) => {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(path = %path.display(), error = %e, "cannot read the subordinate uids");
+            tracing::warn!(path = %path.display(), error = %e, "cannot read the subordinate uids");
+            if tx.borrow().is_none() {
+                tx.send_replace(Some(Arc::new(Vec::new())));
             }
-            Vec::new()
+            true
         }
     }
 }
@@ -135,22 +178,36 @@ fn owner_in(ranges: &[(u32, u32, u32)], uid: u32) -> u32 {
         .map_or(uid, |(_, _, owner)| *owner)
 }
 
-/// The ranges of `text` with their owners (`resolve` names a user's uid); lines that do not
-/// parse, and users that do not resolve, are skipped.
-fn parse(text: &str, resolve: impl Fn(&str) -> Option<u32>) -> Vec<(u32, u32, u32)> {
-    text.lines()
+/// The ranges of `text` with their owners (`resolve` names a user's uid), and whether some
+/// name did not resolve: such a range counts under its own first uid (one share for all its
+/// uids, never one per uid). Lines that do not parse are skipped, and so are ranges starting
+/// at 0 (their first uid is root's).
+fn parse(text: &str, mut resolve: impl FnMut(&str) -> Option<u32>) -> (Vec<(u32, u32, u32)>, bool) {
+    let mut unresolved = false;
+    let ranges = text
+        .lines()
         .filter_map(|l| {
             let mut parts = l.trim().split(':');
             let (name, start, count) = (parts.next()?, parts.next()?, parts.next()?);
             let start: u32 = start.parse().ok()?;
             let count: u32 = count.parse().ok()?;
+            if start == 0 {
+                return None;
+            }
             // A user name first, as shadow's tools match it; else a uid.
-            let owner = resolve(name).or_else(|| name.parse().ok())?;
+            let owner = match resolve(name).or_else(|| name.parse().ok()) {
+                Some(owner) => owner,
+                None => {
+                    unresolved = true;
+                    start
+                }
+            };
             // Root's ranges (containers' uids) are not root: they keep shares of their own,
             // and never root's reserve.
             (owner != 0).then_some((start, count, owner))
         })
-        .collect()
+        .collect();
+    (ranges, unresolved)
 }
 
 #[cfg(test)]
@@ -161,18 +218,29 @@ mod tests {
     fn test_a_subordinate_uid_counts_as_its_ranges_owner() {
         let text = "alice:100000:65536\n1001:165536:65536\nghost:231072:10\nbad line\n\
                     root:1000000:65536\n";
-        let ranges = parse(text, |n| match n {
+        let (ranges, unresolved) = parse(text, |n| match n {
             "alice" => Some(1000),
             "root" => Some(0),
             _ => None,
         });
-        assert_eq!(ranges, vec![(100000, 65536, 1000), (165536, 65536, 1001)]);
+        assert!(unresolved, "ghost");
+        assert_eq!(
+            ranges,
+            vec![
+                (100000, 65536, 1000),
+                (165536, 65536, 1001),
+                (231072, 10, 231072)
+            ]
+        );
         let owner = |uid: u32| owner_in(&ranges, uid);
         assert_eq!(owner(100000), 1000);
         assert_eq!(owner(165535), 1000);
         assert_eq!(owner(165536), 1001);
-        // Outside every range, or in an unresolved user's: itself.
+        // An unresolved user's range: one share, its first uid's.
         assert_eq!(owner(231072), 231072);
+        assert_eq!(owner(231081), 231072);
+        assert_eq!(owner(231082), 231082);
+        // Outside every range: itself.
         assert_eq!(owner(65534), 65534);
         // Root's range: each uid its own.
         assert_eq!(owner(1000005), 1000005);
@@ -211,15 +279,19 @@ mod tests {
         };
         let mut s = Subordinates::watch(path.clone(), resolve, Duration::from_millis(20));
         assert!(s.first_read(Duration::from_secs(10)).await, "first read");
-        assert_eq!(s.owner_of(100001), 1000);
+        assert!(counts_as(&s, 100001, 1000).await, "alice's range");
         assert_eq!(s.owner_of(165536), 165536);
-        // A changed file whose names hang: lookups answer at once from the last snapshot.
+        // A changed file whose names hang: lookups answer at once, and the new range counts
+        // as one share (its first uid's) until its name resolves, never one per uid.
         std::fs::write(&path, "alice:100000:65536\nbob:165536:65536\n").expect("write");
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            counts_as(&s, 165537, 165536).await,
+            "bob's range counted at once"
+        );
         let t = std::time::Instant::now();
         for _ in 0..1000 {
             assert_eq!(s.owner_of(100001), 1000);
-            assert_eq!(s.owner_of(165536), 165536);
+            assert_eq!(s.owner_of(170000), 165536);
         }
         assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
         // Control: once the name resolves, the new range counts.

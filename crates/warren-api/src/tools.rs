@@ -595,6 +595,12 @@ pub type CursorResult = Cursor;
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SessionCreateArgs {
+    /// Idempotency key: a retry with the same id and arguments returns the original session
+    /// and never makes a second one. 1-128 characters of A-Z a-z 0-9 . _ : - (optional: a
+    /// create without one is not idempotent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128))]
+    pub request_id: Option<String>,
     /// Absolute host path of the repository (any directory inside a git checkout; its
     /// toplevel is used). Checked as the caller's uid.
     #[schemars(length(min = 1, max = 4096))]

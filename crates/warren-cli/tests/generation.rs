@@ -42,17 +42,47 @@ fn test_generation_recreate_and_failed_restore_fresh_boot_refuse_stale_callers()
     let (_dir, repo) = common::one_commit_repo();
     let repo_arg = repo.to_str().expect("utf-8");
 
-    // 1. A new session and its VM are at generation 1.
-    let s = local_ok(
-        &d,
+    // 0. A malformed request_id is refused; a refused create leaves its request_id free
+    //    for a corrected retry (other arguments).
+    let r = d.local_call(
         "session_create",
-        json!({"repo": repo_arg, "name": "gen"}),
+        json!({"repo": repo_arg, "name": "gen", "request_id": "no spaces"}),
+        &[],
     );
+    assert_eq!(r.code(), "invalid_argument", "{}", r.text);
+    let r = d.local_call(
+        "session_create",
+        json!({"repo": repo_arg, "name": "bad name", "request_id": "gen-1"}),
+        &[],
+    );
+    assert_eq!(r.code(), "invalid_argument", "{}", r.text);
+
+    // 1. A new session and its VM are at generation 1.
+    let create = json!({"repo": repo_arg, "name": "gen", "request_id": "gen-1"});
+    let s = local_ok(&d, "session_create", create.clone());
     assert_eq!(s["generation"], 1, "{s}");
     let (session_id, vm1) = (
         s["session_id"].as_str().expect("id").to_string(),
         s["vm_id"].as_str().expect("vm").to_string(),
     );
+    // A retry with the same request_id gets the same session and makes nothing (before,
+    // session_create took no request_id and a retry made a second session); the same key
+    // with other arguments is a conflict.
+    let again = local_ok(&d, "session_create", create);
+    assert_eq!(
+        (&again["session_id"], &again["vm_id"]),
+        (&s["session_id"], &s["vm_id"]),
+        "{again}"
+    );
+    let list = local_ok(&d, "session_list", json!({}));
+    assert_eq!(list["sessions"].as_array().map(Vec::len), Some(1), "{list}");
+    assert_eq!(d.all_vms().len(), 1, "a retry made a VM");
+    let r = d.local_call(
+        "session_create",
+        json!({"repo": repo_arg, "name": "gen2", "request_id": "gen-1"}),
+        &[],
+    );
+    assert_eq!((r.status, r.code()), (409, "conflict"), "{}", r.text);
     let workspace_dir = std::path::PathBuf::from(s["workspace_dir"].as_str().expect("dir"));
     assert_eq!(session_entry(&d, "gen")["generation"], 1);
     assert_eq!(

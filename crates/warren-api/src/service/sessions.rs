@@ -44,12 +44,57 @@ impl Service {
 
     /// `session_create`: the repository is checked as the caller (host path rules), the
     /// session belongs to the uid it was checked as, and its VM is admitted under the same
-    /// limits as `vm_create`.
+    /// limits as `vm_create`. With a `request_id`, a retry with the same arguments gets the
+    /// recorded outcome (a create that failed made nothing, and its key stays free for a
+    /// corrected retry), a concurrent one `busy`; one cut off by the service's stop gets
+    /// `outcome_unknown` (its session, if it was made, is in `session_list`).
     pub(super) async fn session_create(
         &self,
         p: &Principal,
         a: SessionCreateArgs,
     ) -> Result<Value, ApiError> {
+        let Some(rid) = a.request_id.clone() else {
+            return self.make_session(p, a).await;
+        };
+        validate_request_id(&rid)?;
+        let hash = args_hash(&a);
+        let _guard = self.enter(p, "session_create", &rid)?;
+        match self
+            .receipts
+            .claim(&p.workspace, "session_create", &rid, &hash)?
+        {
+            Claim::Done(v) => return replay(v),
+            Claim::Pending => {
+                return Err(ApiError::new(
+                    "outcome_unknown",
+                    format!(
+                        "session_create request {rid} was cut off by the service's stop; \
+                         its session, if it was made, is in session_list (delete it if it \
+                         is not wanted); use a new request_id"
+                    ),
+                ))
+            }
+            Claim::New => {}
+        }
+        match self.make_session(p, a).await {
+            Ok(v) => {
+                let stored = serde_json::json!({ "ok": v });
+                self.receipts
+                    .complete(&p.workspace, "session_create", &rid, &stored)?;
+                replay(stored)
+            }
+            Err(e) => {
+                // Refused or failed: nothing was made (the engine removes a half-made
+                // session), so the key stays free.
+                self.receipts
+                    .release(&p.workspace, "session_create", &rid)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// The work of `session_create`.
+    async fn make_session(&self, p: &Principal, a: SessionCreateArgs) -> Result<Value, ApiError> {
         let access = if a.direct {
             crate::hostpath::Access::ReadWrite
         } else {
