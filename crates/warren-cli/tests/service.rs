@@ -887,8 +887,30 @@ fn test_service_idle_suspend_restart_keeps_suspended_vms_and_shutdown() {
         json!({"vm_id": awake, "mode": "pause"}),
     );
     assert_eq!(r.body["state"], "paused", "{}", r.text);
+    // What a create and a destroy that died half-way leave in `vms/` (a directory no record
+    // names; one moved out of its VM's name) is removed at the next start; the VMs' own
+    // directories stay. (Before, they stayed for good, disks and all.)
+    let vms = d.env.state.path().join("vms");
+    let leftovers = [
+        vms.join("vm-0000000000fe"),
+        vms.join(".destroyed-vm-0000000000ff-999"),
+    ];
+    for p in &leftovers {
+        std::fs::create_dir_all(p.join("run")).expect("mkdir");
+        std::fs::write(p.join("disk.qcow2"), b"disk").expect("write");
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(300);
+        std::fs::File::open(p)
+            .and_then(|f| f.set_modified(old))
+            .expect("mtime");
+    }
     d.crash();
     d.spawn();
+    for p in &leftovers {
+        assert!(!p.exists(), "{} left", p.display());
+    }
+    for vm in [&idle, &awake] {
+        assert!(vms.join(vm).is_dir(), "{vm}'s directory");
+    }
     assert_eq!(state(&d, &idle), "hibernated");
     assert_eq!(state(&d, &awake), "paused");
     for (vm, rid) in [(&idle, "w1"), (&awake, "w2")] {

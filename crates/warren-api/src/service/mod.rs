@@ -374,6 +374,14 @@ impl Service {
         for id in failed {
             warnings.push(format!("VM {id} was not re-adopted and is marked failed"));
         }
+        // What creates and destroys that died half-way left in `vms/`.
+        let swept = self.warren.sweep_vm_dirs().await;
+        if !swept.is_empty() {
+            tracing::info!(
+                removed = swept.len(),
+                "VM directories no record names removed"
+            );
+        }
         let (accel, warning) = self
             .warren
             .resolve_accel(&image)

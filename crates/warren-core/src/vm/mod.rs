@@ -25,6 +25,7 @@ mod guest;
 pub mod jobs_seen;
 pub mod launch;
 mod mounts;
+mod orphans;
 pub mod pool;
 mod reconcile;
 mod suspend;
