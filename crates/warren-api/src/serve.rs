@@ -200,6 +200,10 @@ pub async fn serve(
         let service = service.clone();
         tokio::spawn(async move { service.pool_loop(POOL_CHECK).await })
     };
+    {
+        let service = service.clone();
+        tokio::spawn(async move { service.sweep_leftovers().await });
+    }
     let tcp_app = http::tcp_router(service.clone(), hosts);
     let unix_app = http::unix_router(service.clone());
     let limits = ConnLimits::from_config(&cfg.http);

@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
@@ -193,6 +194,43 @@ fn test_sessions_isolated_faithful_exported_and_guarded() {
         git(&src, &["log", "--format=%s", "-1", "from-a"]),
         "from session a\n"
     );
+    failed_start_leaves_no_vm(&env, &src);
+}
+
+/// A session create whose VM fails to boot leaves nothing behind: no session, and no VM
+/// record or directory counted against the limits (before, the failed VM stayed, one per
+/// attempt, and a client retrying the create piled them up: a hostile review). `env` has no
+/// VM or session left.
+fn failed_start_leaves_no_vm(env: &TestEnv, repo: &Path) {
+    // A QEMU that exits at once: the VM is admitted, then fails to boot.
+    let bin = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let qemu = bin.path().join("qemu-system-x86_64");
+    std::fs::write(&qemu, "#!/bin/sh\nexit 1\n").expect("write");
+    std::fs::set_permissions(&qemu, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let out = env
+        .cmd()
+        .env("WARREN_QEMU", &qemu)
+        .args(["session", "create", "--repo"])
+        .arg(repo)
+        .args(["--image", &common::image_id("dev")])
+        .output()
+        .expect("run warren");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("failed to boot"),
+        "{err}"
+    );
+    let vms = ok(env.run(&["vm", "list", "--json"]), "vm list");
+    assert_eq!(vms.trim(), "[]", "a failed start left a VM: {vms}");
+    let sessions = ok(env.run(&["session", "list", "--json"]), "session list");
+    assert_eq!(sessions.trim(), "[]", "{sessions}");
+    let left: Vec<_> = std::fs::read_dir(env.state.path().join("vms"))
+        .expect("vms")
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }
 
 #[test]

@@ -628,7 +628,13 @@ impl Warren {
         warn: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(SessionRecord, VmRecord), CoreError> {
         self.volume_ready(s).await?;
+        // Names the VM this start makes, so a failed start finds it (no caller's request id
+        // has a '/').
+        let mut nonce = [0u8; 6];
+        rand::rng().fill_bytes(&mut nonce);
+        let rid = format!("session/{}/{}", s.id, hex::encode(nonce));
         let req = CreateVm {
+            request_id: Some(rid.clone()),
             host_limits: limits.0,
             workspace_limits: limits.1,
             image: devices.image.clone(),
@@ -641,10 +647,35 @@ impl Warren {
             template: devices.template,
             ..Default::default()
         };
-        let vm = self.create_vm(&req, warn).await?;
-        let dev = serde_json::to_value(devices).expect("invariant: devices serialise");
-        self.store()
-            .set_session_vm(&s.id, Some(&vm.id), &dev, generation)?;
+        let made = match self.create_vm(&req, warn).await {
+            Ok(vm) => {
+                let dev = serde_json::to_value(devices).expect("invariant: devices serialise");
+                self.store()
+                    .set_session_vm(&s.id, Some(&vm.id), &dev, generation)
+                    .map(|()| (vm, dev))
+                    .map_err(CoreError::from)
+            }
+            Err(e) => Err(e),
+        };
+        let (vm, dev) = match made {
+            Ok(made) => made,
+            Err(e) => {
+                // A VM admitted for this start (failed, or running for no session) goes too:
+                // nothing of a failed start is left counted against the limits.
+                match self.store().by_request(&s.workspace, &rid) {
+                    Ok(Some(vm)) => {
+                        if let Err(d) = self.destroy_vm(&vm.id).await {
+                            tracing::warn!(vm = %vm.id, error = %d, "removing a failed session start's VM");
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(d) => {
+                        tracing::warn!(error = %d, "finding a failed session start's VM")
+                    }
+                }
+                return Err(e);
+            }
+        };
         let mut s = s.clone();
         s.vm_id = Some(vm.id.clone());
         s.devices = dev;

@@ -289,6 +289,19 @@ impl Service {
         &self.warren
     }
 
+    /// Removes what creates and destroys that died half-way left in `vms/`
+    /// (`Warren::sweep_vm_dirs`); run in the background once the service serves, so a large
+    /// leftover never delays its start.
+    pub async fn sweep_leftovers(&self) {
+        let swept = self.warren.sweep_vm_dirs().await;
+        if !swept.is_empty() {
+            tracing::info!(
+                removed = swept.len(),
+                "VM directories no record names removed"
+            );
+        }
+    }
+
     /// Suspends idle VMs forever, checking every `every`. Each VM's suspension is a task of
     /// its own, so VMs are suspended concurrently and a guest that does not answer holds up
     /// only itself (until its calls' deadlines fail them); a VM whose suspension is still
@@ -373,14 +386,6 @@ impl Service {
         );
         for id in failed {
             warnings.push(format!("VM {id} was not re-adopted and is marked failed"));
-        }
-        // What creates and destroys that died half-way left in `vms/`.
-        let swept = self.warren.sweep_vm_dirs().await;
-        if !swept.is_empty() {
-            tracing::info!(
-                removed = swept.len(),
-                "VM directories no record names removed"
-            );
         }
         let (accel, warning) = self
             .warren

@@ -1,19 +1,22 @@
-//! Directories in `vms/` that no VM record names, swept when the service starts. An engine
-//! that died at the wrong moment leaves one of two kinds:
+//! Directories in `vms/` that no VM record names, swept in the background once the service
+//! serves. An engine that died at the wrong moment leaves one of two kinds:
 //!
-//! - a create's: its directory is made (and its transition lock taken) before its record is
-//!   inserted (`Warren::begin_create`), so a death in between leaves a directory with no
-//!   record;
+//! - a create's: its directory (holding an empty `run/` and its transition lock) is made
+//!   before its record is inserted (`Warren::begin_create`), so a death in between leaves a
+//!   directory with no record;
 //! - a destroy's: the directory is moved out of its name (`.destroyed-<id>-<pid>`) before it
 //!   is removed, so a death in between leaves it there for good.
 //!
-//! They hold disks and saved RAM (gigabytes) that no limit counts, and a clone's marker in one
-//! keeps its template from being collected. A directory is removed only while the sweep holds
-//! its transition lock (a create, resume or destroy under way holds it to its end), with no
-//! live supervisor, and, for a VM id, with no record once the lock is held and unchanged for
-//! [`ORPHAN_AGE`] (a create takes the lock right after it makes the directory). Removal does
-//! not follow links and does not recurse (`warren_session::remove_tree`: a VMM shaped `run/`).
-//! Other names in `vms/` are left alone.
+//! They take disk that no limit counts, and a clone's marker in one keeps its template from
+//! being collected. A directory is removed only when unchanged for [`ORPHAN_AGE`], with its
+//! transition lock not held (a create, resume or destroy under way holds it to its end; the
+//! lock file is opened, never made, without following a link or blocking) and held by the
+//! sweep meanwhile, with no live supervisor; a create's only with exactly what a create makes
+//! before its record (an empty `run/`, the lock) and no record once the lock is held, so a
+//! VM's directory whose record is gone for another reason (a database lost or restored from
+//! an older copy) keeps its disks; a destroy's only when the process named in it is gone.
+//! Removal does not follow links and does not recurse (`warren_session::remove_tree`: a
+//! VMM shaped `run/`). Other names in `vms/` are left alone.
 
 use std::path::Path;
 use std::time::Duration;
@@ -39,6 +42,62 @@ fn kind(name: &str) -> Option<Kind<'_>> {
     }
     let hex = name.strip_prefix("vm-")?;
     (!hex.is_empty() && hex.bytes().all(|b| b.is_ascii_hexdigit())).then_some(Kind::Vm(name))
+}
+
+/// Whether `path` holds exactly what a create makes before its record: an empty `run/`
+/// directory and, at most, the transition lock (a regular file).
+fn create_leftover(path: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(path) else {
+        return false;
+    };
+    let mut run = false;
+    for e in entries {
+        let Ok(e) = e else { return false };
+        let Ok(kind) = e.file_type() else {
+            return false;
+        };
+        match e.file_name().to_str() {
+            Some("run") if kind.is_dir() => {
+                run = std::fs::read_dir(e.path()).is_ok_and(|mut d| d.next().is_none());
+                if !run {
+                    return false;
+                }
+            }
+            Some("transition.lock") if kind.is_file() => {}
+            _ => return false,
+        }
+    }
+    run
+}
+
+/// Whether the process that named `.destroyed-<id>-<pid>` is gone (a name without a pid
+/// counts as gone).
+fn destroyer_gone(name: &str) -> bool {
+    let pid = name.rsplit('-').next().and_then(|p| p.parse::<u32>().ok());
+    pid.is_none_or(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+}
+
+/// The transition lock of `dir`, taken if it is free: `Some(None)` when there is no lock
+/// file, `None` when it is held or is not a regular file. Opened, never made, without
+/// following a link or blocking (a FIFO there would hang the sweep).
+fn take_lock(dir: &VmDir) -> Option<Option<nix::fcntl::Flock<std::fs::File>>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.transition_lock();
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(&path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Some(None),
+        Err(_) => return None,
+    };
+    if !file.metadata().is_ok_and(|m| m.is_file()) {
+        return None;
+    }
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .ok()
+        .map(Some)
 }
 
 /// Whether `path` (not followed) is a directory unchanged for [`ORPHAN_AGE`].
@@ -74,8 +133,18 @@ impl Warren {
                 continue;
             }
             let dir = VmDir(path.clone());
+            let shaped = match kind {
+                Kind::Vm(_) => create_leftover(&path),
+                Kind::Destroyed => destroyer_gone(name),
+            };
+            if !shaped {
+                if matches!(kind, Kind::Vm(id) if matches!(self.store.get(id), Ok(None))) {
+                    tracing::warn!(dir = %path.display(), "a VM directory no record names holds more than a create leaves (a lost database?); left alone");
+                }
+                continue;
+            }
             // Held: a create, resume or destroy is under way.
-            let Ok(Some(lock)) = super::suspend::try_transition(&dir) else {
+            let Some(lock) = take_lock(&dir) else {
                 continue;
             };
             if dir.supervisor_alive() {
@@ -143,32 +212,55 @@ mod tests {
             std::os::unix::fs::symlink(outside.path(), p.join("run/a/link")).expect("link");
             p
         };
-        let crashed_create = mk("vm-00000000000a");
-        let crashed_destroy = mk(".destroyed-vm-00000000000b-4242");
-        let young = mk("vm-00000000000c");
+        // What a create makes before its record: an empty run/ and its lock.
+        let crashed_create = vms.join("vm-00000000000a");
+        std::fs::create_dir_all(crashed_create.join("run")).expect("mkdir");
+        std::fs::write(crashed_create.join("transition.lock"), b"").expect("lock");
+        // A destroyer long gone (pids this high are never handed out).
+        let crashed_destroy = mk(".destroyed-vm-00000000000b-4294967294");
+        let young = vms.join("vm-00000000000c");
+        std::fs::create_dir_all(young.join("run")).expect("mkdir");
         let recorded = mk(&rec.id);
-        let held = mk(".destroyed-vm-00000000000d-1");
+        let held = mk(".destroyed-vm-00000000000d-4294967293");
+        // A destroy under way in this process.
+        let live = mk(&format!(
+            ".destroyed-vm-00000000000f-{}",
+            std::process::id()
+        ));
+        // A VM's directory whose record is gone (a lost database): its disk stays.
+        let unrecorded = mk("vm-000000000010");
         let other = mk("not-a-vm");
         std::os::unix::fs::symlink(outside.path(), vms.join("vm-00000000000e")).expect("link");
-        for p in [&crashed_create, &crashed_destroy, &recorded, &held, &other] {
-            age(p);
-        }
         let lock = crate::vm::suspend::try_transition(&VmDir(held.clone()))
             .expect("lock")
             .expect("free");
-        age(&held);
+        for p in [
+            &crashed_create,
+            &crashed_destroy,
+            &recorded,
+            &held,
+            &live,
+            &unrecorded,
+            &other,
+        ] {
+            age(p);
+        }
 
         let mut removed = w.sweep_vm_dirs().await;
         removed.sort();
         assert_eq!(
             removed,
             vec![
-                ".destroyed-vm-00000000000b-4242".to_string(),
+                ".destroyed-vm-00000000000b-4294967294".to_string(),
                 "vm-00000000000a".to_string()
             ]
         );
         assert!(!crashed_create.exists() && !crashed_destroy.exists());
-        for p in [&young, &recorded, &held, &other] {
+        assert!(
+            young.join("run").is_dir(),
+            "a young create's directory kept"
+        );
+        for p in [&recorded, &held, &live, &unrecorded, &other] {
             assert!(p.join("disk.qcow2").exists(), "{} kept", p.display());
         }
         assert!(outside.path().join("keep").exists(), "a link was followed");
@@ -177,7 +269,7 @@ mod tests {
         drop(lock);
         assert_eq!(
             w.sweep_vm_dirs().await,
-            vec![".destroyed-vm-00000000000d-1".to_string()]
+            vec![".destroyed-vm-00000000000d-4294967293".to_string()]
         );
     }
 }

@@ -247,22 +247,37 @@ impl Warren {
             std::process::id()
         ));
         let doomed = match std::fs::rename(dir.path(), &gone) {
-            Ok(()) => gone,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => dir.path().to_path_buf(),
+            Ok(()) => vec![gone],
+            // Already out of its name: what an earlier destroy that died half-way moved
+            // aside goes before the record, whose uid the next VM may get (a `run/` owned by
+            // that uid must not outlive it: a hostile review).
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let prefix = format!(".destroyed-{}-", rec.id);
+                let vms = self.cfg.state_dir.join("vms");
+                std::fs::read_dir(&vms)
+                    .map_err(|e| CoreError::io("list", &vms, e))?
+                    .flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+                    .map(|e| e.path())
+                    .collect()
+            }
             Err(e) => return Err(CoreError::io("rename", dir.path(), e)),
         };
         // Its `run/` is the VMM's to shape: removed without recursion (std's recursive
         // removal overflowed the service's 2 MiB worker stack on 16,000 nested directories a
         // compromised VMM made there, and the whole service aborted), on the blocking pool
         // (such a tree takes seconds to remove).
-        let removing = doomed.clone();
-        let removed = tokio::task::spawn_blocking(move || warren_session::remove_tree(&removing))
-            .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
-        match removed {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(CoreError::io("remove", &doomed, e)),
+        for doomed in doomed {
+            let removing = doomed.clone();
+            let removed =
+                tokio::task::spawn_blocking(move || warren_session::remove_tree(&removing))
+                    .await
+                    .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+            match removed {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(CoreError::io("remove", &doomed, e)),
+            }
         }
         self.store.delete(&rec.id)?;
         Ok(())
@@ -416,6 +431,30 @@ mod tests {
         drop(held);
         let e = waiter.await.expect("join").expect_err("no checkpoint");
         assert!(e.to_string().contains("no completed checkpoint"), "{e}");
+    }
+
+    /// A destroy that finds its VM's directory already moved aside (an earlier destroy died
+    /// half-way) removes what was moved before the record, whose uid the next VM may get;
+    /// another VM's is left alone. (Before, the record went and the directory, its `run/`
+    /// owned by that uid, stayed.)
+    #[tokio::test]
+    async fn test_destroy_again_removes_what_a_dead_destroy_moved_aside() {
+        let (_state, w, rec) = crate::vm::test_engine_with_vm("vm-0123456789ab");
+        let vms = w.cfg.state_dir.join("vms");
+        let moved = vms.join(format!(".destroyed-{}-4294967294", rec.id));
+        let others = vms.join(".destroyed-vm-0123456789ac-4294967294");
+        for d in [&moved, &others] {
+            std::fs::create_dir_all(d.join("run/x")).expect("mkdir");
+            std::fs::write(d.join("disk.qcow2"), b"disk").expect("write");
+        }
+        assert!(!w.vm_dir(&rec.id).path().exists());
+        w.destroy_vm(&rec.id).await.expect("destroyed");
+        assert!(!moved.exists(), "what the dead destroy moved aside is gone");
+        assert!(others.join("disk.qcow2").exists(), "another VM's is kept");
+        assert!(
+            w.store.get(&rec.id).expect("store").is_none(),
+            "the record is gone"
+        );
     }
 
     /// A VM's `run/` belongs to its VMM, which can fill it with a tree of any shape: a
