@@ -66,6 +66,8 @@ const POOL_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
 /// How long a stop waits for calls running to their end (`Service::call_to_end`); within
 /// systemd's default stop timeout (90 s).
 const DETACHED_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+/// How often `vms/` is swept for what crashed creates and destroys left.
+const LEFTOVER_SWEEP: std::time::Duration = std::time::Duration::from_secs(300);
 /// How often idle VMs are looked for.
 const IDLE_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -202,7 +204,7 @@ pub async fn serve(
     };
     {
         let service = service.clone();
-        tokio::spawn(async move { service.sweep_leftovers().await });
+        tokio::spawn(async move { service.sweep_leftovers(LEFTOVER_SWEEP).await });
     }
     let tcp_app = http::tcp_router(service.clone(), hosts);
     let unix_app = http::unix_router(service.clone());

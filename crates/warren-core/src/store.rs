@@ -453,10 +453,14 @@ impl Store {
         devices: &serde_json::Value,
         generation: u64,
     ) -> Result<(), rusqlite::Error> {
-        self.conn().execute(
+        let changed = self.conn().execute(
             "UPDATE sessions SET vm_id = ?2, devices = ?3, generation = ?4 WHERE id = ?1",
             params![id, vm_id, devices.to_string(), generation as i64],
         )?;
+        // A session deleted meanwhile: its new VM must not run on for no session.
+        if changed != 1 {
+            return Err(rusqlite::Error::QueryReturnedNoRows);
+        }
         Ok(())
     }
 

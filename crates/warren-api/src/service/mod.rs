@@ -290,15 +290,21 @@ impl Service {
     }
 
     /// Removes what creates and destroys that died half-way left in `vms/`
-    /// (`Warren::sweep_vm_dirs`); run in the background once the service serves, so a large
-    /// leftover never delays its start.
-    pub async fn sweep_leftovers(&self) {
-        let swept = self.warren.sweep_vm_dirs().await;
-        if !swept.is_empty() {
-            tracing::info!(
-                removed = swept.len(),
-                "VM directories no record names removed"
-            );
+    /// (`Warren::sweep_vm_dirs`), forever: at once, then every `every` (what a crash just
+    /// before a quick restart left is too young for the first sweep). Run in the background
+    /// once the service serves, so a large leftover never delays its start.
+    pub async fn sweep_leftovers(&self, every: Duration) {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let swept = self.warren.sweep_vm_dirs().await;
+            if !swept.is_empty() {
+                tracing::info!(
+                    removed = swept.len(),
+                    "VM directories no record names removed"
+                );
+            }
         }
     }
 

@@ -14,7 +14,8 @@
 //! sweep meanwhile, with no live supervisor; a create's only with exactly what a create makes
 //! before its record (an empty `run/`, the lock) and no record once the lock is held, so a
 //! VM's directory whose record is gone for another reason (a database lost or restored from
-//! an older copy) keeps its disks; a destroy's only when the process named in it is gone.
+//! an older copy) keeps its disks; a destroy's only when no destroy holds the directory's
+//! own lock ([`lock_dir`]: a destroy under way may already have removed the lock file).
 //! Removal does not follow links and does not recurse (`warren_session::remove_tree`: a
 //! VMM shaped `run/`). Other names in `vms/` are left alone.
 
@@ -70,11 +71,22 @@ fn create_leftover(path: &Path) -> bool {
     run
 }
 
-/// Whether the process that named `.destroyed-<id>-<pid>` is gone (a name without a pid
-/// counts as gone).
-fn destroyer_gone(name: &str) -> bool {
-    let pid = name.rsplit('-').next().and_then(|p| p.parse::<u32>().ok());
-    pid.is_none_or(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+/// An exclusive lock on the directory `path` itself (its inode: it follows the directory
+/// through a rename, and outlives the removal of any file in it), taken if free: `Ok(None)`
+/// when another holds it. A destroy holds it from before it moves the directory aside until
+/// the directory is gone, so neither a sweep nor a second destroy removes a tree a destroy is
+/// still removing. Not followed if it is a link.
+pub(super) fn lock_dir(path: &Path) -> std::io::Result<Option<nix::fcntl::Flock<std::fs::File>>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
+        .open(path)?;
+    match nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(l) => Ok(Some(l)),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+        Err((_, e)) => Err(e.into()),
+    }
 }
 
 /// The transition lock of `dir`, taken if it is free: `Some(None)` when there is no lock
@@ -135,7 +147,7 @@ impl Warren {
             let dir = VmDir(path.clone());
             let shaped = match kind {
                 Kind::Vm(_) => create_leftover(&path),
-                Kind::Destroyed => destroyer_gone(name),
+                Kind::Destroyed => true,
             };
             if !shaped {
                 if matches!(kind, Kind::Vm(id) if matches!(self.store.get(id), Ok(None))) {
@@ -144,6 +156,9 @@ impl Warren {
                 continue;
             }
             // Held: a create, resume or destroy is under way.
+            let Ok(Some(held)) = lock_dir(&path) else {
+                continue;
+            };
             let Some(lock) = take_lock(&dir) else {
                 continue;
             };
@@ -166,7 +181,7 @@ impl Warren {
             let done = tokio::task::spawn_blocking(move || warren_session::remove_tree(&doomed))
                 .await
                 .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
-            drop(lock);
+            drop((lock, held));
             match done {
                 Ok(()) => {
                     tracing::info!(dir = %path.display(), "removed a VM directory no record names");
@@ -222,11 +237,9 @@ mod tests {
         std::fs::create_dir_all(young.join("run")).expect("mkdir");
         let recorded = mk(&rec.id);
         let held = mk(".destroyed-vm-00000000000d-4294967293");
-        // A destroy under way in this process.
-        let live = mk(&format!(
-            ".destroyed-vm-00000000000f-{}",
-            std::process::id()
-        ));
+        // A destroy under way (it holds the directory's own lock; its lock file is gone).
+        let live = mk(".destroyed-vm-00000000000f-4294967292");
+        let live_lock = lock_dir(&live).expect("lock").expect("free");
         // A VM's directory whose record is gone (a lost database): its disk stays.
         let unrecorded = mk("vm-000000000010");
         let other = mk("not-a-vm");
@@ -265,11 +278,16 @@ mod tests {
         }
         assert!(outside.path().join("keep").exists(), "a link was followed");
         assert!(vms.join("vm-00000000000e").symlink_metadata().is_ok());
-        // Control: once its destroy let go, the held one goes too.
-        drop(lock);
+        // Control: once their destroys let go, the held ones go too.
+        drop((lock, live_lock));
+        let mut removed = w.sweep_vm_dirs().await;
+        removed.sort();
         assert_eq!(
-            w.sweep_vm_dirs().await,
-            vec![".destroyed-vm-00000000000d-4294967293".to_string()]
+            removed,
+            vec![
+                ".destroyed-vm-00000000000d-4294967293".to_string(),
+                ".destroyed-vm-00000000000f-4294967292".to_string()
+            ]
         );
     }
 }

@@ -246,6 +246,19 @@ impl Warren {
             rec.id,
             std::process::id()
         ));
+        // The directory's own lock, held until it is gone: a sweep or another destroy never
+        // removes it beside this one (`orphans::lock_dir`).
+        let mut held = Vec::new();
+        match super::orphans::lock_dir(dir.path()) {
+            Ok(Some(l)) => held.push(l),
+            Ok(None) => {
+                return Err(CoreError::Busy(format!(
+                    "{id} is being destroyed; retry once that ended"
+                )))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(CoreError::io("lock", dir.path(), e)),
+        }
         let doomed = match std::fs::rename(dir.path(), &gone) {
             Ok(()) => vec![gone],
             // Already out of its name: what an earlier destroy that died half-way moved
@@ -254,12 +267,26 @@ impl Warren {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let prefix = format!(".destroyed-{}-", rec.id);
                 let vms = self.cfg.state_dir.join("vms");
-                std::fs::read_dir(&vms)
-                    .map_err(|e| CoreError::io("list", &vms, e))?
-                    .flatten()
-                    .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
-                    .map(|e| e.path())
-                    .collect()
+                let mut found = Vec::new();
+                for e in std::fs::read_dir(&vms).map_err(|e| CoreError::io("list", &vms, e))? {
+                    let e = e.map_err(|e| CoreError::io("list", &vms, e))?;
+                    if !e.file_name().to_string_lossy().starts_with(&prefix) {
+                        continue;
+                    }
+                    match super::orphans::lock_dir(&e.path()) {
+                        Ok(Some(l)) => held.push(l),
+                        // Another destroy is removing it.
+                        Ok(None) => {
+                            return Err(CoreError::Busy(format!(
+                                "{id} is being destroyed; retry once that ended"
+                            )))
+                        }
+                        Err(err) if err.kind() == std::io::ErrorKind::NotFound => continue,
+                        Err(err) => return Err(CoreError::io("lock", e.path(), err)),
+                    }
+                    found.push(e.path());
+                }
+                found
             }
             Err(e) => return Err(CoreError::io("rename", dir.path(), e)),
         };
@@ -448,6 +475,19 @@ mod tests {
             std::fs::write(d.join("disk.qcow2"), b"disk").expect("write");
         }
         assert!(!w.vm_dir(&rec.id).path().exists());
+        // While a destroy still removes it (holding the directory's lock): busy, nothing
+        // changed.
+        let live = crate::vm::orphans::lock_dir(&moved)
+            .expect("lock")
+            .expect("free");
+        let r = w.destroy_vm(&rec.id).await;
+        assert!(matches!(r, Err(crate::CoreError::Busy(_))), "{r:?}");
+        assert!(moved.join("disk.qcow2").exists());
+        assert!(
+            w.store.get(&rec.id).expect("store").is_some(),
+            "the record stays"
+        );
+        drop(live);
         w.destroy_vm(&rec.id).await.expect("destroyed");
         assert!(!moved.exists(), "what the dead destroy moved aside is gone");
         assert!(others.join("disk.qcow2").exists(), "another VM's is kept");
