@@ -10,12 +10,21 @@ use warren_vmm::LaunchSpec;
 pub struct VmDir(pub PathBuf);
 
 /// True while another open file description holds an exclusive `flock` on `path` (a
-/// missing file is not held).
+/// missing file is not held). Opened without following a link or blocking (a FIFO put
+/// there would hang every listing); only a regular file can be held.
 fn held(path: &Path) -> bool {
     use std::os::fd::AsFd;
-    let Ok(f) = std::fs::File::open(path) else {
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(f) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)
+    else {
         return false;
     };
+    if !f.metadata().is_ok_and(|m| m.is_file()) {
+        return false;
+    }
     match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockSharedNonblock) {
         Ok(l) => {
             let _ = l.as_fd();
@@ -246,6 +255,26 @@ mod tests {
         assert!(open_lock_file(&link).is_err(), "a link was followed");
     }
 
+    /// Whether a lock is held is asked of a regular file only: a FIFO at the path answers
+    /// at once instead of hanging the listing, and a link to a held lock is not followed.
+    #[test]
+    fn test_held_opens_neither_fifos_nor_links() {
+        let d = tempfile::tempdir().expect("tmp");
+        let real = d.path().join("real.lock");
+        let holder = open_lock_file(&real).expect("create");
+        let _held = nix::fcntl::Flock::lock(holder, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            .map_err(|(_, e)| e)
+            .expect("lock");
+        assert!(held(&real), "a held lock reads as free");
+        let link = d.path().join("link.lock");
+        std::os::unix::fs::symlink(&real, &link).expect("symlink");
+        assert!(!held(&link), "a link was followed");
+        let fifo = d.path().join("fifo.lock");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600))
+            .expect("mkfifo");
+        assert!(!held(&fifo), "a FIFO reads as held");
+        assert!(!held(&d.path().join("missing.lock")));
+    }
     /// A VMM reads its own template's directory and the fork state's, no other template
     /// (found by a hostile review: all of `templates/` and `forks/` were in every view); a
     /// marker that could name a path outside `templates/` fails the launch.
