@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::error::ApiError;
+use crate::subuid::Subordinates;
 
 /// Prefix of every token: recognisable in a leaked log, so scanners can find it.
 pub const TOKEN_PREFIX: &str = "wrn_";
@@ -54,6 +55,37 @@ pub struct Principal {
     pub workspace: String,
     pub policy: Policy,
     pub via: Via,
+}
+
+/// The credential a caller's per-credential caps count under (requests, long-polls, MCP
+/// sessions): a subordinate uid's (`crate::subuid`) is the local user owning its range, so
+/// one user acting as many uids of it (a user namespace) shares one set of caps, as it
+/// shares one share of connections (found by a hostile review: 32 such uids held all 512 of
+/// the service's MCP sessions). Any other credential is itself.
+pub(crate) fn counted_via(via: &Via, subordinates: &Subordinates) -> Via {
+    match via {
+        Via::Local { uid } => Via::Local {
+            uid: subordinates.owner_of(*uid),
+        },
+        other => other.clone(),
+    }
+}
+
+/// The workspace a workspace's caps count under (MCP sessions, streams): a subordinate
+/// uid's local workspace is its owner's (see [`counted_via`]); any other is itself.
+pub(crate) fn counted_workspace(workspace: &str, subordinates: &Subordinates) -> String {
+    let Some(uid) = workspace
+        .strip_prefix(LOCAL_PREFIX)
+        .and_then(|n| n.parse::<u32>().ok())
+    else {
+        return workspace.to_string();
+    };
+    let owner = subordinates.owner_of(uid);
+    if owner == uid {
+        workspace.to_string()
+    } else {
+        warren_core::local_workspace(owner)
+    }
 }
 
 impl Principal {

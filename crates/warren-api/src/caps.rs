@@ -20,8 +20,9 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 
-use crate::auth::{Principal, Via};
+use crate::auth::{counted_via, Principal, Via};
 use crate::error::ApiError;
+use crate::subuid::Subordinates;
 
 /// Tools whose `wait_ms` makes them wait for a job.
 const LONG_POLL_TOOLS: &[&str] = &["vm_exec", "vm_job_output"];
@@ -129,6 +130,8 @@ impl Drop for Slot {
 pub struct CallerCaps {
     requests: Arc<Counter>,
     long_polls: Arc<Counter>,
+    /// Whom a local uid counts as.
+    subordinates: Subordinates,
 }
 
 impl CallerCaps {
@@ -136,22 +139,33 @@ impl CallerCaps {
         CallerCaps {
             requests: Arc::new(Counter::new(Kind::Request, max_requests)),
             long_polls: Arc::new(Counter::new(Kind::LongPoll, max_long_polls)),
+            subordinates: Subordinates::shared(),
         }
     }
 
-    /// One more request in flight for `p`'s credential, or `quota_exceeded`.
+    /// These caps with subordinate uids counted as `subordinates` says.
+    #[cfg(test)]
+    pub(crate) fn with_subordinates(mut self, subordinates: Subordinates) -> CallerCaps {
+        self.subordinates = subordinates;
+        self
+    }
+
+    /// One more request in flight for `p`'s credential (a subordinate uid's is its owner's:
+    /// `crate::auth::counted_via`), or `quota_exceeded`.
     pub fn request(&self, p: &Principal) -> Result<Slot, ApiError> {
-        self.requests.claim(&p.via)
+        self.requests
+            .claim(&counted_via(&p.via, &self.subordinates))
     }
 
     /// One more long-poll for `p`'s credential, or `quota_exceeded`.
     pub fn long_poll(&self, p: &Principal) -> Result<Slot, ApiError> {
-        self.long_polls.claim(&p.via)
+        self.long_polls
+            .claim(&counted_via(&p.via, &self.subordinates))
     }
 
     /// Requests `p`'s credential has in flight (for tests and diagnostics).
     pub fn requests_held(&self, p: &Principal) -> usize {
-        self.requests.held(&p.via)
+        self.requests.held(&counted_via(&p.via, &self.subordinates))
     }
 }
 
@@ -189,6 +203,32 @@ mod tests {
         let _again = caps.request(&a).expect("released");
         drop((other, local, poll));
         let _poll = caps.long_poll(&a).expect("released");
+    }
+
+    /// Subordinate uids of one user (a user namespace's) share that user's caps: one user
+    /// cannot hold the caps many times over by acting as many uids (found by a hostile
+    /// review). Control: another local user, and a uid in no range, have caps of their own.
+    #[test]
+    fn test_subordinate_uids_share_their_owners_caps() {
+        let caps = CallerCaps::new(2, 1)
+            .with_subordinates(Subordinates::fixed(vec![(100_000, 65_536, 1000)]));
+        let local = |uid| Principal::local(uid);
+        let _a = caps.request(&local(100_001)).expect("first");
+        let _b = caps.request(&local(100_002)).expect("second");
+        let e = caps
+            .request(&local(100_003))
+            .expect_err("a third subordinate uid");
+        assert_eq!(e.code, "quota_exceeded");
+        let e = caps.request(&local(1000)).expect_err("the owner itself");
+        assert_eq!(e.code, "quota_exceeded");
+        assert_eq!(caps.requests_held(&local(165_535)), 2);
+        let _c = caps.request(&local(2000)).expect("another user");
+        let _d = caps.request(&local(165_536)).expect("a uid past the range");
+        let _p = caps.long_poll(&local(100_004)).expect("a long-poll");
+        let e = caps
+            .long_poll(&local(1000))
+            .expect_err("the owner's second long-poll");
+        assert_eq!(e.code, "quota_exceeded");
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //!
 //! A stream holds a [`Ticket`] from admission until it ends; dropping the ticket frees its
 //! place. Closing a VM's streams sends each of them its reason over a watch channel; the
-//! stream's own task closes the WebSocket with it.
+//! stream's own task closes the WebSocket with it. A subordinate uid's local workspace
+//! counts as its owner's (`crate::auth::counted_workspace`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -12,8 +13,10 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use crate::auth::counted_workspace;
 use crate::config::StreamsConfig;
 use crate::error::ApiError;
+use crate::subuid::Subordinates;
 
 /// Ports below this are never streamed to (the reference keeps 1023 and 1024 for the broker
 /// pipe and the guest supervisor; Warren keeps the whole privileged range out).
@@ -57,6 +60,8 @@ struct Inner {
 pub struct Streams {
     cfg: StreamsConfig,
     inner: Arc<Mutex<Inner>>,
+    /// Whom a local uid's workspace counts as.
+    subordinates: Subordinates,
 }
 
 /// One admitted stream's place; dropping it frees the place.
@@ -82,7 +87,15 @@ impl Streams {
         Streams {
             cfg,
             inner: Arc::default(),
+            subordinates: Subordinates::shared(),
         }
+    }
+
+    /// These quotas with subordinate uids' workspaces counted as `subordinates` says.
+    #[cfg(test)]
+    pub(crate) fn with_subordinates(mut self, subordinates: Subordinates) -> Streams {
+        self.subordinates = subordinates;
+        self
     }
 
     pub fn config(&self) -> &StreamsConfig {
@@ -121,7 +134,8 @@ impl Streams {
     /// Whether [`Streams::admit_exclusive`] would admit now: `busy` otherwise. Changes
     /// nothing (the holder of `key` is not replaced yet).
     pub fn check_exclusive(&self, workspace: &str, vm: &str, key: &str) -> Result<(), ApiError> {
-        self.check(&lock(&self.inner), workspace, vm, Some(key))
+        let workspace = counted_workspace(workspace, &self.subordinates);
+        self.check(&lock(&self.inner), &workspace, vm, Some(key))
     }
 
     fn check(
@@ -160,8 +174,9 @@ impl Streams {
         vm: &str,
         key: Option<&str>,
     ) -> Result<Ticket, ApiError> {
+        let workspace = counted_workspace(workspace, &self.subordinates);
         let mut inner = lock(&self.inner);
-        self.check(&inner, workspace, vm, key)?;
+        self.check(&inner, &workspace, vm, key)?;
         let replaced = |e: &Entry| key.is_some() && e.exclusive.as_deref() == key;
         let mut gone = Vec::new();
         for (id, e) in inner.open.iter() {
@@ -179,7 +194,7 @@ impl Streams {
         inner.open.insert(
             id,
             Entry {
-                workspace: workspace.to_string(),
+                workspace,
                 vm: vm.to_string(),
                 exclusive: key.map(str::to_string),
                 close,
@@ -268,6 +283,32 @@ mod tests {
             max_streams_per_vm: 1,
             rate_bytes: 0,
         }
+    }
+
+    /// Subordinate uids' local workspaces share their owner's workspace quota (found by a
+    /// hostile review: four such uids held all of the host's streams). Control: another
+    /// user's local workspace, and a token's, have quotas of their own.
+    #[test]
+    fn test_subordinate_uids_share_their_owners_stream_quota() {
+        let s = Streams::new(StreamsConfig {
+            max_streams: 10,
+            ..cfg()
+        })
+        .with_subordinates(Subordinates::fixed(vec![(100_000, 65_536, 1000)]));
+        let _a = s.admit("local-100001", "vm1").expect("first");
+        let _b = s.admit("local-100002", "vm2").expect("second");
+        let e = s
+            .admit("local-100003", "vm3")
+            .err()
+            .expect("the owner's quota");
+        assert!(e.message.contains("the workspace"), "{}", e.message);
+        let e = s.admit("local-1000", "vm4").err().expect("the owner's own");
+        assert!(e.message.contains("the workspace"), "{}", e.message);
+        let _c = s.admit("local-2000", "vm5").expect("another user");
+        let _d = s
+            .admit("local-165536", "vm6")
+            .expect("a uid past the range");
+        let _e = s.admit("local-x", "vm7").expect("not a uid");
     }
 
     #[test]

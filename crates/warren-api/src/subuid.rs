@@ -1,8 +1,9 @@
 //! The owners of subordinate uids (`/etc/subuid`): a user given a range there (Debian's
 //! `useradd` gives every new user 65,536) can act as any uid of it through `newuidmap`
 //! while staying in the host's network namespace, so a share of connections per uid would
-//! give that user 65,536 shares. The service's connection shares (`crate::conn`) count a
-//! subordinate uid under the user owning its range.
+//! give that user 65,536 shares. The service's connection shares (`crate::conn`) and its
+//! per-credential and per-workspace caps (`crate::auth::counted_via`) count a subordinate
+//! uid under the user owning its range.
 //!
 //! By hand because no kept crate reads the file: it is `name:start:count` lines, a name
 //! being a user name or a uid. A thread of its own reads it ([`Subordinates::shared`]):
@@ -50,6 +51,13 @@ impl Subordinates {
         SHARED
             .get_or_init(|| Subordinates::watch(PathBuf::from(PATH), user_uid, REREAD_EVERY))
             .clone()
+    }
+
+    /// Fixed ranges `(start, count, owner)`, read by no thread (for tests).
+    #[cfg(test)]
+    pub(crate) fn fixed(ranges: Vec<(u32, u32, u32)>) -> Subordinates {
+        let (_tx, rx) = watch::channel(Some(Arc::new(ranges)));
+        Subordinates(rx)
     }
 
     /// Starts a thread that reads `path` (names resolved by `resolve`), and again on every

@@ -284,6 +284,8 @@ impl SessionLimits {
 #[derive(Debug)]
 pub(super) struct SessionCounts {
     limits: SessionLimits,
+    /// Whom a local uid counts as.
+    subordinates: crate::subuid::Subordinates,
     /// Guards only the counts; never held across an await.
     held: Mutex<Held>,
 }
@@ -317,6 +319,7 @@ impl SessionCounts {
     pub(super) fn new(limits: SessionLimits) -> SessionCounts {
         SessionCounts {
             limits,
+            subordinates: crate::subuid::Subordinates::shared(),
             held: Mutex::new(Held::default()),
         }
     }
@@ -330,11 +333,16 @@ impl SessionCounts {
     /// Counts one more session for `owner`, unless it, its workspace or the service already
     /// holds the maximum.
     pub(super) fn claim(self: &Arc<Self>, owner: Owner) -> Result<SessionSlot, ApiError> {
+        // A subordinate uid's sessions count under the user owning its range.
+        let counted = Owner {
+            workspace: crate::auth::counted_workspace(&owner.workspace, &self.subordinates),
+            via: crate::auth::counted_via(&owner.via, &self.subordinates),
+        };
         let mut held = self.lock();
         let l = self.limits;
-        let workspace = &owner.workspace;
+        let workspace = &counted.workspace;
         let in_ws = held.per_workspace.get(workspace).copied().unwrap_or(0);
-        let of_owner = held.per_owner.get(&owner).copied().unwrap_or(0);
+        let of_owner = held.per_owner.get(&counted).copied().unwrap_or(0);
         let refusal = if of_owner >= l.per_token {
             Some(format!(
                 "this credential already holds {} MCP sessions",
@@ -361,10 +369,11 @@ impl SessionCounts {
         }
         held.total += 1;
         *held.per_workspace.entry(workspace.clone()).or_insert(0) += 1;
-        *held.per_owner.entry(owner.clone()).or_insert(0) += 1;
+        *held.per_owner.entry(counted.clone()).or_insert(0) += 1;
         Ok(SessionSlot {
             counts: self.clone(),
             owner,
+            counted,
         })
     }
 
@@ -391,14 +400,16 @@ pub(super) struct SessionSlot {
     counts: Arc<SessionCounts>,
     /// Who initialized the session and alone may use it.
     pub(super) owner: Owner,
+    /// Whom it counts under (a subordinate uid's owner).
+    counted: Owner,
 }
 
 impl Drop for SessionSlot {
     fn drop(&mut self) {
         let mut held = self.counts.lock();
         held.total = held.total.saturating_sub(1);
-        decrement(&mut held.per_workspace, &self.owner.workspace);
-        decrement(&mut held.per_owner, &self.owner);
+        decrement(&mut held.per_workspace, &self.counted.workspace);
+        decrement(&mut held.per_owner, &self.counted);
     }
 }
 
@@ -478,5 +489,34 @@ mod tests {
         drop(a1);
         let _c = counts.claim(owner("ws-b", "t3")).expect("released");
         drop((a2, b));
+    }
+
+    /// Subordinate uids of one user share that user's session caps, per credential and per
+    /// workspace, and give their places back under it (found by a hostile review: 32 such
+    /// uids held all of the service's sessions). Control: another user has caps of its own.
+    #[test]
+    fn test_subordinate_uids_share_their_owners_session_caps() {
+        let mut counts = SessionCounts::new(SessionLimits {
+            total: 100,
+            per_token: 2,
+            per_workspace: 3,
+        });
+        counts.subordinates = crate::subuid::Subordinates::fixed(vec![(100_000, 65_536, 1000)]);
+        let counts = Arc::new(counts);
+        let local = |uid: u32| Owner::of(&Principal::local(uid));
+        let a = counts.claim(local(100_001)).expect("first");
+        let b = counts.claim(local(100_002)).expect("second");
+        let e = counts
+            .claim(local(100_003))
+            .expect_err("over the owner's per-credential cap");
+        assert!(e.message.contains("credential"), "{e}");
+        assert_eq!(counts.held("local-1000"), 2);
+        assert_eq!(counts.held("local-100001"), 0);
+        // The binding stays the exact uid's: only the count is the owner's.
+        assert_eq!(a.owner, local(100_001));
+        let _c = counts.claim(local(2000)).expect("another user");
+        drop((a, b));
+        assert_eq!(counts.held("local-1000"), 0);
+        let _d = counts.claim(local(1000)).expect("released under the owner");
     }
 }
