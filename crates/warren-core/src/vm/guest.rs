@@ -307,12 +307,6 @@ fn nothing_for_the_wait(req: &JobOutputRequest, o: &JobOutput) -> bool {
     }
 }
 
-/// `o`, held until [`EMPTY_READ_HOLD`] (at most the read's wait) after `started` when the
-/// guest answered a waiting read early with nothing: every host loop that follows a job's
-/// output (the service's exec page and output streams, `vm exec` in the CLI) long-polls
-/// through here, and a guest answering such reads at once would make each of them spin,
-/// thousands of round trips a second through the supervisor. A well-behaved agent answers
-/// early only with news, so this costs it nothing.
 /// The guest's page, refused when a stream holds more than was asked for (at most
 /// `MAX_READ_PER_STREAM`): the readers size their buffers and pages by the request.
 fn bounded(req: &JobOutputRequest, o: JobOutput) -> Result<JobOutput, CoreError> {
@@ -328,10 +322,41 @@ fn bounded(req: &JobOutputRequest, o: JobOutput) -> Result<JobOutput, CoreError>
     Ok(o)
 }
 
+/// Least time a waiting read takes when the guest answers it early, while more output may
+/// come, with less than a full page on both streams (see [`paced`]).
+const PART_READ_HOLD: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// How long after its start a waiting read answered with `o` is held (`None`: not held).
+fn hold_for(req: &JobOutputRequest, o: &JobOutput) -> Option<std::time::Duration> {
+    if req.wait_ms == 0 {
+        return None;
+    }
+    if nothing_for_the_wait(req, o) {
+        return Some(EMPTY_READ_HOLD);
+    }
+    let page = req
+        .max_bytes
+        .min(warren_protocol::limits::MAX_READ_PER_STREAM) as usize;
+    // Output may still come: the job runs, or processes it left behind may still write.
+    let more = matches!(o.state, warren_protocol::JobState::Running) || !o.output_complete;
+    (more && o.stdout.len() < page && o.stderr.len() < page).then_some(PART_READ_HOLD)
+}
+
+/// `o`, held until [`EMPTY_READ_HOLD`] (at most the read's wait) after `started` when the
+/// guest answered a waiting read early with nothing, and until [`PART_READ_HOLD`] when it
+/// answered one early with less than a page while more output may come (the job runs, or
+/// processes it left behind still hold its output). Every host loop that
+/// follows a job's output (the service's exec page and output streams, `vm exec` in the
+/// CLI) long-polls through here, and each turn costs the service work outside the VM (the
+/// record, its locks, a supervisor connection): a guest answering such reads at once with
+/// nothing, or with a byte each (a job printing one byte every few hundred microseconds
+/// does), would make each of them spin, thousands of turns a second. A well-behaved agent
+/// answers early only with news; holding a short answer only batches what follows into the
+/// next read (at most 10 ms later), and a reader that is behind gets full pages at once.
 async fn paced(req: &JobOutputRequest, o: JobOutput, started: tokio::time::Instant) -> JobOutput {
-    if req.wait_ms > 0 && nothing_for_the_wait(req, &o) {
+    if let Some(hold) = hold_for(req, &o) {
         let wait = std::time::Duration::from_millis(u64::from(req.wait_ms));
-        tokio::time::sleep_until(started + EMPTY_READ_HOLD.min(wait)).await;
+        tokio::time::sleep_until(started + hold.min(wait)).await;
     }
     o
 }
@@ -532,14 +557,79 @@ mod tests {
             follow(&w, id, req(10, 0)).await;
             assert!(reads(&n) - before > 20, "{what}: no-wait reads were held");
         }
+        // A byte per answer (found by a hostile review: a job printing a byte every 150 us
+        // made every follower spin as before): each read takes at least 10 ms.
         let (_state, w, _supervisor) = engine_with_vm(id);
         let n = supervisor_answering_reads(&w, id, answer(b"x", 11)).await;
         follow(&w, id, req(10, 5000)).await;
-        assert!(
-            reads(&n) > 20,
-            "answers with bytes were held: {}",
-            reads(&n)
+        assert!(reads(&n) <= 52, "{} one-byte reads in 0.5 s", reads(&n));
+        // Control: full pages (a reader behind a job's output) are not held.
+        let (_state, w, _supervisor) = engine_with_vm(id);
+        let n = supervisor_answering_reads(&w, id, answer(&[b'x'; 4096], 4106)).await;
+        follow(&w, id, req(10, 5000)).await;
+        assert!(reads(&n) > 20, "full pages were held: {}", reads(&n));
+    }
+
+    /// Which answers to a waiting read are held, and how long: nothing while the job runs
+    /// 100 ms, less than a page on both streams while more may come 10 ms; a full page on
+    /// either stream, the answer of an ended job whose output is complete, and any answer to
+    /// a read that does not wait, never.
+    #[test]
+    fn test_short_answers_to_waiting_reads_are_held() {
+        use std::time::Duration;
+        let req = |max_bytes: u32, wait_ms: u32| JobOutputRequest {
+            job: JobId(3),
+            stdout_cursor: 0,
+            stderr_cursor: 0,
+            max_bytes,
+            wait_ms,
+        };
+        let answer = |out: usize, err: usize, state: JobState| JobOutput {
+            stdout: vec![b'o'; out],
+            stderr: vec![b'e'; err],
+            stdout_retained: out as u64,
+            stderr_retained: err as u64,
+            output_complete: !matches!(state, JobState::Running),
+            state,
+            truncated: false,
+            background_processes: 0,
+        };
+        let running = JobState::Running;
+        let ended = JobState::Finished(warren_protocol::JobExit {
+            code: Some(0),
+            signal: None,
+            timed_out: false,
+            cancelled: false,
+        });
+        let ms = Duration::from_millis;
+        assert_eq!(
+            hold_for(&req(4096, 1000), &answer(0, 0, running)),
+            Some(ms(100))
         );
+        assert_eq!(
+            hold_for(&req(4096, 1000), &answer(1, 0, running)),
+            Some(ms(10))
+        );
+        assert_eq!(
+            hold_for(&req(4096, 1000), &answer(4095, 4095, running)),
+            Some(ms(10))
+        );
+        assert_eq!(hold_for(&req(4096, 1000), &answer(4096, 0, running)), None);
+        assert_eq!(hold_for(&req(4096, 1000), &answer(0, 4096, running)), None);
+        // The page is at most the protocol's per-stream limit, whatever was asked.
+        let most = warren_protocol::limits::MAX_READ_PER_STREAM as usize;
+        assert_eq!(
+            hold_for(&req(u32::MAX, 1000), &answer(most, 0, running)),
+            None
+        );
+        assert_eq!(hold_for(&req(4096, 1000), &answer(1, 0, ended)), None);
+        // Ended, but processes it left behind still write (found by a hostile review's
+        // follow-up: an ended job's byte-sized answers spun the followers).
+        let mut left_behind = answer(1, 0, ended);
+        left_behind.output_complete = false;
+        assert_eq!(hold_for(&req(4096, 1000), &left_behind), Some(ms(10)));
+        assert_eq!(hold_for(&req(4096, 0), &answer(1, 0, running)), None);
+        assert_eq!(hold_for(&req(4096, 0), &answer(0, 0, running)), None);
     }
 
     /// A guest answering a page of job output with more than was asked for (up to the
