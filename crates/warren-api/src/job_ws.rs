@@ -388,6 +388,8 @@ async fn read_output(spec: ReadSpec, mut at: Cursor, tx: mpsc::Sender<Read>) {
         if finished && caught_up {
             // Nothing new now, and the guest does not wait for background output.
             tokio::time::sleep(BACKGROUND_POLL).await;
+        } else if end.is_some() && out.is_empty() && err.is_empty() {
+            tokio::time::sleep(warren_core::interactive::STALLED_READ_PAUSE).await;
         }
     }
 }

@@ -12,10 +12,12 @@ use std::sync::Mutex;
 use rusqlite::{params, Connection, OptionalExtension};
 use sha2::{Digest, Sha256};
 
-use crate::auth::{now_unix, open_db};
+use crate::auth::{counted_workspace, now_unix, open_db};
 use crate::error::ApiError;
+use crate::subuid::Subordinates;
 
-/// Receipts kept per workspace; the oldest are forgotten first.
+/// Receipts kept per workspace (the workspaces of a user's subordinate uids and its own
+/// together, `crate::auth::counted_workspace`); the oldest are forgotten first.
 pub const MAX_RECEIPTS_PER_WORKSPACE: u64 = 4096;
 
 const SCHEMA: &str = "
@@ -45,6 +47,8 @@ pub enum Claim {
 
 pub struct Receipts {
     conn: Mutex<Connection>,
+    /// Whom a local uid's workspace counts as (`crate::auth::counted_workspace`).
+    subordinates: Subordinates,
 }
 
 /// Checks a request id: 1-128 characters of `A-Za-z0-9._:-`.
@@ -74,9 +78,26 @@ impl Receipts {
     pub fn open(db: &Path) -> Result<Receipts, ApiError> {
         let conn = open_db(db)?;
         conn.execute_batch(SCHEMA)?;
+        // Added later: the workspace a receipt counts under (its own, or for a subordinate
+        // uid's, its owner's); rows from before have none and count only per workspace.
+        let has_counted = conn
+            .prepare("SELECT 1 FROM pragma_table_info('receipts') WHERE name = 'counted'")?
+            .exists([])?;
+        if !has_counted {
+            conn.execute_batch("ALTER TABLE receipts ADD COLUMN counted TEXT;")?;
+        }
+        conn.execute_batch("CREATE INDEX IF NOT EXISTS receipts_counted ON receipts (counted);")?;
         Ok(Receipts {
             conn: Mutex::new(conn),
+            subordinates: Subordinates::shared(),
         })
+    }
+
+    /// These receipts with subordinate uids' workspaces counted as `subordinates` says.
+    #[cfg(test)]
+    pub(crate) fn with_subordinates(mut self, subordinates: Subordinates) -> Receipts {
+        self.subordinates = subordinates;
+        self
     }
 
     fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
@@ -120,16 +141,28 @@ impl Receipts {
                     [workspace],
                     |r| r.get(0),
                 )?;
+                let counted = counted_workspace(workspace, &self.subordinates);
                 tx.execute(
-                    "INSERT INTO receipts (workspace, tool, request_id, args_hash, state, seq, created_unix)
-                     VALUES (?1, ?2, ?3, ?4, 'pending', ?5, ?6)",
-                    params![workspace, tool, request_id, hash, seq, now_unix() as i64],
+                    "INSERT INTO receipts (workspace, tool, request_id, args_hash, state, seq, created_unix, counted)
+                     VALUES (?1, ?2, ?3, ?4, 'pending', ?5, ?6, ?7)",
+                    params![workspace, tool, request_id, hash, seq, now_unix() as i64, counted],
                 )?;
                 // Forget the oldest beyond the cap.
                 tx.execute(
                     "DELETE FROM receipts WHERE workspace = ?1 AND seq <= ?2",
                     params![workspace, seq - MAX_RECEIPTS_PER_WORKSPACE as i64],
                 )?;
+                if counted != workspace {
+                    // A subordinate uid's: the cap is its owner's, for all of its range's
+                    // workspaces and its own together (found by a hostile review: each of
+                    // 65,536 uids kept 4,096 receipts of its own in root's database).
+                    tx.execute(
+                        "DELETE FROM receipts WHERE counted = ?1 AND rowid <= (
+                             SELECT rowid FROM receipts WHERE counted = ?1
+                             ORDER BY rowid DESC LIMIT 1 OFFSET ?2)",
+                        params![counted, MAX_RECEIPTS_PER_WORKSPACE as i64],
+                    )?;
+                }
                 Claim::New
             }
         };
@@ -226,6 +259,39 @@ mod tests {
         assert_eq!(r.count("w"), MAX_RECEIPTS_PER_WORKSPACE as i64);
         // The oldest were forgotten, the newest kept.
         assert_eq!(r.claim("w", "t", "r0", "x").expect("old"), Claim::New);
+    }
+
+    /// The workspaces of one user's subordinate uids share its cap, its own included (found
+    /// by a hostile review: each uid of a range kept a cap of its own). Control: another
+    /// user's workspace keeps its own receipts.
+    #[test]
+    fn test_history_capped_per_owner_of_subordinate_uids() {
+        let (d, r) = receipts();
+        let r = r.with_subordinates(Subordinates::fixed(vec![(100_000, 65_536, 1000)]));
+        r.claim("local-1000", "t", "own", "h").expect("the owner's");
+        r.claim("local-2000", "t", "other", "h")
+            .expect("another user's");
+        for i in 0..(MAX_RECEIPTS_PER_WORKSPACE + 10) {
+            let ws = format!("local-{}", 100_000 + i % 8);
+            r.claim(&ws, "t", &format!("r{i}"), "h").expect("claim");
+        }
+        let group: i64 = (0..8)
+            .map(|u| r.count(&format!("local-{}", 100_000 + u)))
+            .sum::<i64>()
+            + r.count("local-1000");
+        assert_eq!(group, MAX_RECEIPTS_PER_WORKSPACE as i64);
+        assert_eq!(
+            r.claim("local-100000", "t", "r0", "x").expect("old"),
+            Claim::New
+        );
+        assert_eq!(
+            r.claim("local-1000", "t", "own", "x").expect("old"),
+            Claim::New
+        );
+        assert_eq!(r.count("local-2000"), 1);
+        // A database from before the column reopens with it.
+        drop(r);
+        Receipts::open(&d.path().join("db")).expect("reopen");
     }
 
     #[test]

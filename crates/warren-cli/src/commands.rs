@@ -983,6 +983,9 @@ pub(crate) async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> 
             }
             return Ok(x.code.unwrap_or(EXIT_WARREN_ERROR));
         }
+        if end.is_some() && stdout.is_empty() && stderr.is_empty() {
+            tokio::time::sleep(warren_core::interactive::STALLED_READ_PAUSE).await;
+        }
     }
 }
 

@@ -45,6 +45,12 @@ use crate::vm::{unexpected, Warren};
 /// the CLI (a closed terminal's SIGHUP comes once).
 pub const CANCEL_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// The pause of an output follower after a turn that brought it nothing towards the end
+/// it knows, once the job has ended: a well-behaved agent always sends what lies between a
+/// cursor and that end, so only a guest contradicting its own earlier answer does this, and
+/// it must not make the follower spin (found by a hostile review).
+pub const STALLED_READ_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Resolves at `deadline`, never without one.
 pub async fn grace_over(deadline: Option<tokio::time::Instant>) {
     match deadline {
@@ -450,6 +456,9 @@ impl Warren {
                     None => exit_code(&x),
                 });
             }
+            if end.is_some() && stdout.is_empty() && stderr.is_empty() {
+                tokio::time::sleep(STALLED_READ_PAUSE).await;
+            }
         }
     }
 }
@@ -472,6 +481,72 @@ fn write_all(mut w: impl Write, bytes: &[u8]) -> Result<(), CoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A follower that knows where the job's output ends does not spin on a guest whose
+    /// later answers contradict that end (found by a hostile review): each answer here is,
+    /// on its own, the job's last (ended, complete, reaching the ends it claims), so the
+    /// engine does not hold it, but it brings the follower nothing before the end the first
+    /// answer gave. The follower pauses after each such turn: a few reads a second, not
+    /// thousands.
+    #[tokio::test]
+    async fn test_a_follower_pauses_on_answers_short_of_the_end_it_knows() {
+        use warren_protocol::{GuestResponse, HostRequest, JobState};
+        use warren_supervisor::proto::{read_frame, write_frame, Reply, SupervisorRequest};
+        let id = "vm-0123456789ab";
+        let (_state, w, _) = crate::vm::test_engine_with_vm(id);
+        let dir = w.vm_dir(id);
+        std::fs::create_dir_all(dir.path()).expect("vm dir");
+        let lock = std::fs::File::create(dir.lock()).expect("lock file");
+        let _held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            .expect("lock");
+        let listener = tokio::net::UnixListener::bind(dir.socket()).expect("bind");
+        let reads = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = reads.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let counted = counted.clone();
+                tokio::spawn(async move {
+                    while let Ok(req) = read_frame::<_, SupervisorRequest>(&mut s).await {
+                        let SupervisorRequest::Guest(HostRequest::JobOutput(r)) = req else {
+                            panic!("{req:?}");
+                        };
+                        let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+                        // First: ended with 1,000 bytes of stderr to come; then: one more
+                        // stdout byte each time and no stderr at all.
+                        let answer = JobOutput {
+                            stdout: b"x".to_vec(),
+                            stderr: Vec::new(),
+                            stdout_retained: r.stdout_cursor + 1,
+                            stderr_retained: if first { 1000 } else { r.stderr_cursor },
+                            state: JobState::Finished(JobExit {
+                                code: Some(0),
+                                signal: None,
+                                timed_out: false,
+                                cancelled: false,
+                            }),
+                            truncated: false,
+                            output_complete: true,
+                            background_processes: 0,
+                        };
+                        let reply: Reply = Ok(warren_supervisor::SupervisorResponse::Guest(
+                            GuestResponse::JobOutput(answer),
+                        ));
+                        if write_frame(&mut s, &reply).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let followed = tokio::time::timeout(
+            std::time::Duration::from_secs(1),
+            w.pump_output(id, JobId(3), false),
+        )
+        .await;
+        assert!(followed.is_err(), "the follower ended: {followed:?}");
+        let n = reads.load(Ordering::SeqCst);
+        assert!((2..=15).contains(&n), "{n} reads in 1 s");
+    }
 
     #[test]
     fn test_exit_code_follows_shell_convention() {

@@ -695,14 +695,16 @@ impl Warren {
             )
             .await?;
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        // Past what was seen, so output does not end the wait early (only the job's end).
+        let mut at = (0, 0);
         while std::time::Instant::now() < deadline {
             let out = self
                 .job_output(
                     id,
                     warren_protocol::JobOutputRequest {
                         job,
-                        stdout_cursor: 0,
-                        stderr_cursor: 0,
+                        stdout_cursor: at.0,
+                        stderr_cursor: at.1,
                         max_bytes: 0,
                         wait_ms: 5_000,
                     },
@@ -711,6 +713,7 @@ impl Warren {
             if matches!(out.state, warren_protocol::JobState::Finished(_)) {
                 return Ok(());
             }
+            at = (out.stdout_retained.max(at.0), out.stderr_retained.max(at.1));
         }
         Err(CoreError::BootFailed(format!(
             "warming {id}: `{}` did not finish",
