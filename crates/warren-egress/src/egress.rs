@@ -29,9 +29,23 @@ pub(crate) struct Inner {
     pub(crate) rules: Vec<RuleState>,
     /// Every task of this VM, so that shutdown reaches relays too.
     pub(crate) tasks: tokio_util_lite::TaskSet,
+    /// The rate of upstream connections ([`Inner::connect_remote`]).
+    pub(crate) connects: crate::pace::Pace,
+    /// The rate of upstream DNS lookups (`crate::resolver::lookup`).
+    pub(crate) lookups: crate::pace::Pace,
 }
 
 impl Inner {
+    /// An upstream connection to `addr`, a destination the guest chose
+    /// ([`Outbound::tcp_connect_remote`]), in its turn under the VM's connection rate.
+    pub(crate) async fn connect_remote(
+        &self,
+        addr: std::net::SocketAddrV4,
+    ) -> std::io::Result<tokio::net::TcpStream> {
+        self.connects.take().await;
+        self.outbound.tcp_connect_remote(addr).await
+    }
+
     /// Whether TLS connections to `host` are terminated (it has secrets or rules, or every
     /// TLS connection is).
     pub(crate) fn intercepts(&self, host: &str) -> bool {
@@ -91,6 +105,14 @@ impl Egress {
                 tls,
                 rules,
                 tasks: tokio_util_lite::TaskSet::default(),
+                connects: crate::pace::Pace::new(
+                    crate::pace::CONNECT_RATE,
+                    crate::pace::CONNECT_BURST,
+                ),
+                lookups: crate::pace::Pace::new(
+                    crate::pace::LOOKUP_RATE,
+                    crate::pace::LOOKUP_BURST,
+                ),
             }),
         })
     }

@@ -74,12 +74,12 @@ async fn connect(inner: &Inner, up: &mut Upstream) -> Result<Box<dyn Io>, ConnEr
     match up {
         Upstream::Plain(addr, pre) => Ok(Box::new(match pre.take() {
             Some(s) => s,
-            None => inner.outbound.tcp_connect_remote(*addr).await?,
+            None => inner.connect_remote(*addr).await?,
         })),
         Upstream::Tls(addr, pre, name) => {
             let tcp = match pre.take() {
                 Some(s) => s,
-                None => inner.outbound.tcp_connect_remote(*addr).await?,
+                None => inner.connect_remote(*addr).await?,
             };
             let tls = &inner.tls;
             let server_name =
@@ -166,6 +166,23 @@ fn encode_basic(user_pass: &[u8]) -> Vec<u8> {
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// How many times `needle` occurs in `hay`, without overlaps, as [`replace`] finds them.
+fn occurrences(hay: &[u8], needle: &[u8]) -> usize {
+    if needle.is_empty() {
+        return 0;
+    }
+    let (mut n, mut i) = (0, 0);
+    while i < hay.len() {
+        if hay[i..].starts_with(needle) {
+            n += 1;
+            i += needle.len();
+        } else {
+            i += 1;
+        }
+    }
+    n
 }
 
 fn replace(hay: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {
@@ -433,6 +450,10 @@ impl Session {
 
         // Substitution in Authorization and the configured headers only.
         let mut out_headers = Vec::with_capacity(req.headers.len());
+        // What substitutions add to the head, at most [`MAX_HEAD`] in all: a placeholder
+        // repeated through a header would otherwise grow a 64 KiB head ~50 times, each copy
+        // of it holding the real value (found by a hostile review).
+        let mut grown = 0usize;
         let mut expect_continue = false;
         let mut upgrade = false;
         let forwarded = forwarded_headers();
@@ -493,6 +514,15 @@ impl Session {
                         }
                     }
                     if let Some(v) = self.values.get(&i) {
+                        let n = occurrences(&text, p);
+                        grown = grown
+                            .saturating_add(n.saturating_mul(v.0.len().saturating_sub(p.len())));
+                        if grown > MAX_HEAD {
+                            tracing::info!(vm = %inner.cfg.vm, host = %host,
+                                "egress refused a request whose substituted head grew too large");
+                            return Self::refuse(guest, 431, "Request Header Fields Too Large")
+                                .await;
+                        }
                         text = replace(&text, p, v.0.as_bytes());
                     }
                 }

@@ -22,6 +22,7 @@ mod host_ca;
 mod http1;
 mod intercept;
 mod outbound;
+mod pace;
 mod policy;
 pub mod presets;
 mod proxy;

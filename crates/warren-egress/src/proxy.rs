@@ -139,7 +139,7 @@ async fn handle(
                 inner.log.record(Kind::Tcp, None, Some(dst), Err(reason));
                 return Ok(());
             }
-            let upstream = inner.outbound.tcp_connect_remote(dst).await?;
+            let upstream = inner.connect_remote(dst).await?;
             tokio::select! {
                 r = conn.readable() => {
                     r?;
@@ -260,7 +260,7 @@ async fn dispatch(
         }
         let upstream = match pre {
             Some(s) => s,
-            None => inner.outbound.tcp_connect_remote(dst).await?,
+            None => inner.connect_remote(dst).await?,
         };
         return relay(guest, upstream).await;
     };
@@ -296,7 +296,7 @@ async fn dispatch(
         _ => {
             let upstream = match pre {
                 Some(s) => s,
-                None => inner.outbound.tcp_connect_remote(dst).await?,
+                None => inner.connect_remote(dst).await?,
             };
             relay(guest, upstream).await
         }

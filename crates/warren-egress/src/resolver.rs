@@ -174,6 +174,8 @@ pub(crate) async fn lookup(inner: &Inner, name: &str) -> Result<Lookup, ResolveE
     let id = msg.metadata.id;
     let wire = msg.to_vec().map_err(|_| ResolveError::BadAnswer)?;
     let upstream = inner.cfg.upstream_dns;
+    // In its turn under the VM's lookup rate (`crate::pace`).
+    inner.lookups.take().await;
     let mut answer = query_udp(&inner.outbound, upstream, &wire).await?;
     let mut resp = Message::from_vec(&answer).map_err(|_| ResolveError::BadAnswer)?;
     if resp.metadata.truncation {

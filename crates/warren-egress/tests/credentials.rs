@@ -20,6 +20,8 @@ const KEY: &str = "sk-ant-api03-real-key-3b9d";
 const KEY_PH: &str = "sk-ant-api03-warren-placeholder-key";
 const TOKEN: &str = "gho_realtoken0123456789abcdef";
 const TOKEN_PH: &str = "gho_warrenPlaceholderToken0000";
+/// A placeholder much shorter than its value (a JWT's length).
+const BIG_PH: &str = "warren-big-ph";
 
 fn pat(s: &str) -> DomainPattern {
     s.parse().expect("pattern")
@@ -50,13 +52,64 @@ fn config(topo: &Topology) -> EgressConfig {
             source: SecretSource::Static(TOKEN.into()),
             headers: vec![],
         },
+        SecretSpec {
+            name: "big-token".into(),
+            placeholder: BIG_PH.into(),
+            hosts: vec![pat("secret.allowed.test")],
+            source: SecretSource::Static(big_value()),
+            headers: vec!["x-big".into()],
+        },
     ];
     cfg
+}
+
+/// The value behind [`BIG_PH`]: 2,000 bytes.
+fn big_value() -> String {
+    "J".repeat(2000)
 }
 
 /// Whether any stand-in received `needle` in a request head.
 fn seen(topo: &Topology, needle: &str) -> bool {
     topo.seen().iter().any(|h| h.contains(needle))
+}
+
+/// A placeholder repeated through a header cannot grow the head past 64 KiB with copies of
+/// its value (found by a hostile review: ~1,850 copies of a 2 KB token grew a 64 KiB head to
+/// 3.5 MiB): such a request is refused with 431 and nothing reaches the upstream. Control:
+/// a few occurrences are substituted.
+#[tokio::test]
+async fn test_substitution_cannot_grow_the_head_past_its_limit() -> Result<()> {
+    let (topo, egress, _h) = up_with("", config).await?;
+    topo.guest_dns("secret.allowed.test", RecordType::A).await?;
+    let mut tls = topo
+        .guest_tls(API, "secret.allowed.test", egress.ca_cert_pem())
+        .await?;
+    let (code, body) = exchange(
+        &mut tls,
+        &get(
+            "secret.allowed.test",
+            "/few",
+            &format!("x-big: {BIG_PH} {BIG_PH}\r\n"),
+        ),
+    )
+    .await?
+    .expect("response");
+    assert_eq!(code, 200);
+    let big = big_value();
+    assert!(body.contains(&format!("x-big: {big} {big}")), "{body}");
+    let many = vec![BIG_PH; 40].join(" ");
+    let r = exchange(
+        &mut tls,
+        &get(
+            "secret.allowed.test",
+            "/many",
+            &format!("x-big: {many}\r\n"),
+        ),
+    )
+    .await?;
+    assert_eq!(r.map(|(c, _)| c), Some(431));
+    assert!(!seen(&topo, "/many"));
+    Ok(())
 }
 
 #[tokio::test]
