@@ -388,7 +388,12 @@ async fn read_output(spec: ReadSpec, mut at: Cursor, tx: mpsc::Sender<Read>) {
         if finished && caught_up {
             // Nothing new now, and the guest does not wait for background output.
             tokio::time::sleep(BACKGROUND_POLL).await;
-        } else if end.is_some() && out.is_empty() && err.is_empty() {
+        } else if warren_core::interactive::stalled(
+            end.is_some(),
+            end.is_some_and(|(so, se)| at.stdout >= so && at.stderr >= se),
+            out.len(),
+            err.len(),
+        ) {
             tokio::time::sleep(warren_core::interactive::STALLED_READ_PAUSE).await;
         }
     }

@@ -983,7 +983,7 @@ pub(crate) async fn stream_job(w: &Warren, vm: &str, job: JobId) -> Result<i32> 
             }
             return Ok(x.code.unwrap_or(EXIT_WARREN_ERROR));
         }
-        if end.is_some() && stdout.is_empty() && stderr.is_empty() {
+        if warren_core::interactive::stalled(end.is_some(), caught_up, stdout.len(), stderr.len()) {
             tokio::time::sleep(warren_core::interactive::STALLED_READ_PAUSE).await;
         }
     }

@@ -454,6 +454,7 @@ impl Session {
         // repeated through a header would otherwise grow a 64 KiB head ~50 times, each copy
         // of it holding the real value (found by a hostile review).
         let mut grown = 0usize;
+        let mut grown_sent = 0usize;
         let mut expect_continue = false;
         let mut upgrade = false;
         let forwarded = forwarded_headers();
@@ -526,11 +527,20 @@ impl Session {
                         text = replace(&text, p, v.0.as_bytes());
                     }
                 }
+                let sent = value.len();
                 value = match basic {
                     Some(decoded) if decoded != text => encode_basic(&text),
                     Some(_) => value,
                     None => text,
                 };
+                // What the header grew as sent (a Basic credential's by a third more than
+                // what was substituted into it, once re-encoded).
+                grown_sent = grown_sent.saturating_add(value.len().saturating_sub(sent));
+                if grown_sent > MAX_HEAD {
+                    tracing::info!(vm = %inner.cfg.vm, host = %host,
+                        "egress refused a request whose substituted head grew too large");
+                    return Self::refuse(guest, 431, "Request Header Fields Too Large").await;
+                }
             }
             out_headers.push((name, value));
         }

@@ -179,6 +179,8 @@ pub(crate) async fn lookup(inner: &Inner, name: &str) -> Result<Lookup, ResolveE
     let mut answer = query_udp(&inner.outbound, upstream, &wire).await?;
     let mut resp = Message::from_vec(&answer).map_err(|_| ResolveError::BadAnswer)?;
     if resp.metadata.truncation {
+        // A TCP connection to the host's resolver: in its turn under the connection rate.
+        inner.connects.take().await;
         answer = query_tcp(&inner.outbound, upstream, &wire).await?;
         resp = Message::from_vec(&answer).map_err(|_| ResolveError::BadAnswer)?;
     }

@@ -57,7 +57,7 @@ fn config(topo: &Topology) -> EgressConfig {
             placeholder: BIG_PH.into(),
             hosts: vec![pat("secret.allowed.test")],
             source: SecretSource::Static(big_value()),
-            headers: vec!["x-big".into()],
+            headers: vec!["x-big".into(), "authorization".into()],
         },
     ];
     cfg
@@ -109,6 +109,23 @@ async fn test_substitution_cannot_grow_the_head_past_its_limit() -> Result<()> {
     .await?;
     assert_eq!(r.map(|(c, _)| c), Some(431));
     assert!(!seen(&topo, "/many"));
+    // Inside a Basic credential the growth is counted as sent, re-encoded (found by a
+    // hostile review of the first fix): 32 copies add ~62 KiB decoded, ~83 KiB encoded.
+    let mut tls = topo
+        .guest_tls(API, "secret.allowed.test", egress.ca_cert_pem())
+        .await?;
+    let basic = b64(&format!("u:{}", vec![BIG_PH; 32].join(" ")));
+    let r = exchange(
+        &mut tls,
+        &get(
+            "secret.allowed.test",
+            "/basic-many",
+            &format!("Authorization: Basic {basic}\r\n"),
+        ),
+    )
+    .await?;
+    assert_eq!(r.map(|(c, _)| c), Some(431));
+    assert!(!seen(&topo, "/basic-many"));
     Ok(())
 }
 

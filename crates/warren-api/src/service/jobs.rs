@@ -154,12 +154,16 @@ impl Service {
     ) -> Result<OutputPage, ApiError> {
         let deadline = Instant::now() + Duration::from_millis(u64::from(wait_ms));
         let left = || deadline.saturating_duration_since(Instant::now());
+        // The wait past the output said the job ended: the next page is the answer, whatever
+        // the guest says of the state then (a guest saying `Running` with full pages and
+        // `Finished` in between made this loop spin unheld; found by a hostile review).
+        let mut ended = false;
         loop {
             // From the start: answers at once when there is output, else waits for news.
             let o = self
                 .job_read(vm, job, Cursor::default(), MAX_READ_PER_STREAM, left())
                 .await?;
-            if matches!(o.state, JobState::Finished(_)) || left().is_zero() {
+            if ended || matches!(o.state, JobState::Finished(_)) || left().is_zero() {
                 return Ok(output::page(
                     &job.to_string(),
                     Cursor::default(),
@@ -172,7 +176,8 @@ impl Service {
                 stdout: o.stdout_retained,
                 stderr: o.stderr_retained,
             };
-            self.job_read(vm, job, at, 0, left()).await?;
+            let news = self.job_read(vm, job, at, 0, left()).await?;
+            ended = matches!(news.state, JobState::Finished(_));
         }
     }
 

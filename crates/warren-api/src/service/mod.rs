@@ -657,7 +657,12 @@ impl Service {
             .create_vm(&req, &mut |w| tracing::warn!("{w}"))
             .await;
         match r {
-            Ok(rec) => self.settle_create(p, rid, rec),
+            Ok(rec) => {
+                // The idle time counts from here, not from the create's start: a boot longer
+                // than the VM's idle time left it idle the moment it was handed over.
+                self.warren.note_activity(&rec.id);
+                self.settle_create(p, rid, rec)
+            }
             Err(e) => {
                 let e = ApiError::from(e);
                 if self.warren.vm_by_request(&p.workspace, rid)?.is_some() {

@@ -439,16 +439,38 @@ impl Warren {
     /// clock starts again. Each VM's suspension is
     /// independent (its own supervisor, every call under its deadline), so the idle policy
     /// runs them concurrently and a silent guest holds only its own.
+    ///
+    /// Work that arrived while the suspension ran (its wake found the VM still running, so
+    /// its request may be in flight to a guest now paused) wakes the VM again at once: its
+    /// activity time moved. Before, such a request waited out its whole deadline (50 s for
+    /// an exec's output) and failed `unavailable` (seen when a create took longer than the
+    /// VM's idle time, and possible whenever a call comes as the idle time runs out).
     pub async fn suspend_idle_vm(
         &self,
         id: &str,
         mode: SuspendMode,
     ) -> Option<Result<VmState, CoreError>> {
+        let since = now_unix();
         match self.suspend_vm(id, mode, false).await {
             // Running jobs keep a VM awake: look again after another idle period.
             Err(CoreError::Busy(_)) => {
                 let _ = self.store.touch(id, now_unix());
                 None
+            }
+            Ok(r)
+                if self
+                    .get_vm(id)
+                    .is_ok_and(|rec| rec.last_active_unix >= since) =>
+            {
+                tracing::info!(
+                    vm = id,
+                    state = r.state.as_str(),
+                    "work arrived during an idle suspension: waking the VM again"
+                );
+                match self.resume_vm(id).await {
+                    Ok(_) => None,
+                    Err(e) => Some(Err(e)),
+                }
             }
             r => Some(r.map(|r| r.state)),
         }
