@@ -510,13 +510,8 @@ mod tests {
         use warren_protocol::{GuestResponse, HostRequest, JobState};
         use warren_supervisor::proto::{read_frame, write_frame, Reply, SupervisorRequest};
         let id = "vm-0123456789ab";
-        let (_state, w, _) = crate::vm::test_engine_with_vm(id);
-        let dir = w.vm_dir(id);
-        std::fs::create_dir_all(dir.path()).expect("vm dir");
-        let lock = std::fs::File::create(dir.lock()).expect("lock file");
-        let _held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock)
-            .expect("lock");
-        let listener = tokio::net::UnixListener::bind(dir.socket()).expect("bind");
+        let (_state, w, _held) = crate::vm::test_engine_with_running_vm(id);
+        let listener = tokio::net::UnixListener::bind(w.vm_dir(id).socket()).expect("bind");
         let reads = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let counted = reads.clone();
         tokio::spawn(async move {

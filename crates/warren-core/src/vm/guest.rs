@@ -401,23 +401,7 @@ mod tests {
         })
     }
 
-    /// An engine holding one running VM `id`, whose supervisor's lock the returned guard
-    /// holds (what the engine checks before it trusts a running record).
-    fn engine_with_vm(
-        id: &str,
-    ) -> (
-        tempfile::TempDir,
-        crate::Warren,
-        nix::fcntl::Flock<std::fs::File>,
-    ) {
-        let (state, w, _) = crate::vm::test_engine_with_vm(id);
-        let dir = w.vm_dir(id);
-        std::fs::create_dir_all(dir.path()).expect("vm dir");
-        let lock = std::fs::File::create(dir.lock()).expect("lock file");
-        let lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock)
-            .expect("lock");
-        (state, w, lock)
-    }
+    use crate::vm::test_engine_with_running_vm as engine_with_vm;
 
     /// A start of `true`, as the broker tests send it.
     fn start_true() -> ExecStart {

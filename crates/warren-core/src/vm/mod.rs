@@ -592,6 +592,21 @@ pub(crate) fn test_engine_with_vm(id: &str) -> (tempfile::TempDir, Warren, crate
     (state, w, rec)
 }
 
+/// [`test_engine_with_vm`] with the VM's directory and its supervisor's lock, which the
+/// returned guard holds (what the engine checks before it trusts a running record).
+#[cfg(test)]
+pub(crate) fn test_engine_with_running_vm(
+    id: &str,
+) -> (tempfile::TempDir, Warren, nix::fcntl::Flock<std::fs::File>) {
+    let (state, w, _) = test_engine_with_vm(id);
+    let dir = w.vm_dir(id);
+    std::fs::create_dir_all(dir.path()).expect("vm dir");
+    let lock = std::fs::File::create(dir.lock()).expect("lock file");
+    let lock =
+        nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock).expect("lock");
+    (state, w, lock)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
