@@ -322,7 +322,7 @@ impl Service {
         loop {
             tokio::select! {
                 _ = tick.tick() => {
-                    for (vm, mode) in self.warren.idle_vms() {
+                    for (vm, mode, seen) in self.warren.idle_vms() {
                         if busy.values().any(|b| *b == vm) {
                             continue;
                         }
@@ -334,7 +334,7 @@ impl Service {
                         let service = self.clone();
                         let id = vm.clone();
                         let task = tasks.spawn(async move {
-                            service.warren.suspend_idle_vm(&id, mode).await
+                            service.warren.suspend_idle_vm(&id, mode, seen).await
                         });
                         busy.insert(task.id(), vm);
                     }
@@ -657,12 +657,7 @@ impl Service {
             .create_vm(&req, &mut |w| tracing::warn!("{w}"))
             .await;
         match r {
-            Ok(rec) => {
-                // The idle time counts from here, not from the create's start: a boot longer
-                // than the VM's idle time left it idle the moment it was handed over.
-                self.warren.note_activity(&rec.id);
-                self.settle_create(p, rid, rec)
-            }
+            Ok(rec) => self.settle_create(p, rid, rec),
             Err(e) => {
                 let e = ApiError::from(e);
                 if self.warren.vm_by_request(&p.workspace, rid)?.is_some() {

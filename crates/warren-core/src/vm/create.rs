@@ -167,6 +167,9 @@ impl Warren {
             Ok(boot_ms) => self
                 .store
                 .set_state(&id, VmState::Running, None, Some(boot_ms))
+                // The idle time counts from here, not from the create's start: a boot longer
+                // than the VM's idle time left it idle the moment it was handed over.
+                .and_then(|()| self.store.touch(&id, now_unix()))
                 .map(|()| boot_ms)
                 .map_err(CoreError::from),
             Err(e) => Err(e),

@@ -415,8 +415,9 @@ impl Warren {
     }
 
     /// The running VMs that have been idle for their `idle_seconds` (status and list calls
-    /// never count as work), each with the mode its idle policy suspends it in.
-    pub fn idle_vms(&self) -> Vec<(String, SuspendMode)> {
+    /// never count as work), each with the mode its idle policy suspends it in and its
+    /// activity time ([`Warren::suspend_idle_vm`] wakes it again when that moves).
+    pub fn idle_vms(&self) -> Vec<(String, SuspendMode, u64)> {
         let now = now_unix();
         let Ok(list) = self.list_vms() else {
             return Vec::new();
@@ -429,7 +430,7 @@ impl Warren {
             })
             .map(|rec| {
                 let mode = SuspendMode::parse(&rec.idle_mode).unwrap_or(SuspendMode::Hibernate);
-                (rec.id, mode)
+                (rec.id, mode, rec.last_active_unix)
             })
             .collect()
     }
@@ -440,37 +441,37 @@ impl Warren {
     /// independent (its own supervisor, every call under its deadline), so the idle policy
     /// runs them concurrently and a silent guest holds only its own.
     ///
-    /// Work that arrived while the suspension ran (its wake found the VM still running, so
-    /// its request may be in flight to a guest now paused) wakes the VM again at once: its
-    /// activity time moved. Before, such a request waited out its whole deadline (50 s for
-    /// an exec's output) and failed `unavailable` (seen when a create took longer than the
-    /// VM's idle time, and possible whenever a call comes as the idle time runs out).
+    /// Work that arrived since the VM was found idle (`seen`: its activity time then; a
+    /// wake that found the VM still running leaves its request in flight to a guest now
+    /// paused) wakes the VM again at once: its activity time moved past `seen` (an activity
+    /// time only ever moves forward). Before, such a request waited out its whole deadline
+    /// (50 s for an exec's output) and failed `unavailable` (seen when a create took longer
+    /// than the VM's idle time, and possible whenever a call comes as the idle time runs
+    /// out). Work arriving while a hibernation saves is refused `conflict` (the VM is
+    /// hibernating), and the VM is then restored at once.
     pub async fn suspend_idle_vm(
         &self,
         id: &str,
         mode: SuspendMode,
+        seen: u64,
     ) -> Option<Result<VmState, CoreError>> {
-        let since = now_unix();
         match self.suspend_vm(id, mode, false).await {
             // Running jobs keep a VM awake: look again after another idle period.
             Err(CoreError::Busy(_)) => {
                 let _ = self.store.touch(id, now_unix());
                 None
             }
-            Ok(r)
-                if self
-                    .get_vm(id)
-                    .is_ok_and(|rec| rec.last_active_unix >= since) =>
-            {
+            Ok(r) if self.get_vm(id).is_ok_and(|rec| rec.last_active_unix > seen) => {
                 tracing::info!(
                     vm = id,
                     state = r.state.as_str(),
                     "work arrived during an idle suspension: waking the VM again"
                 );
-                match self.resume_vm(id).await {
-                    Ok(_) => None,
-                    Err(e) => Some(Err(e)),
+                if let Err(e) = self.resume_vm(id).await {
+                    tracing::warn!(vm = id, error = %e,
+                        "waking the VM again after its idle suspension failed");
                 }
+                None
             }
             r => Some(r.map(|r| r.state)),
         }
@@ -568,5 +569,88 @@ pub(crate) fn try_transition(
         Ok(lock) => Ok(Some(lock)),
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
         Err((_, e)) => Err(CoreError::io("lock", &path, e.into())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use warren_protocol::{GuestResponse, HostRequest};
+    use warren_supervisor::proto::{read_frame, write_frame, Reply, SupervisorRequest};
+    use warren_supervisor::SupervisorResponse;
+
+    use super::*;
+
+    /// A stand-in supervisor that lists no jobs, pauses and resumes, running `on_pause`
+    /// before it answers a pause; returns the requests it answered, by kind.
+    fn supervisor(
+        w: &Warren,
+        id: &str,
+        on_pause: impl Fn() + Send + Sync + 'static,
+    ) -> Arc<Mutex<Vec<&'static str>>> {
+        let listener = tokio::net::UnixListener::bind(w.vm_dir(id).socket()).expect("bind");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let on_pause = Arc::new(on_pause);
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let (log, on_pause) = (log.clone(), on_pause.clone());
+                tokio::spawn(async move {
+                    while let Ok(req) = read_frame::<_, SupervisorRequest>(&mut s).await {
+                        let (kind, answer) = match req {
+                            SupervisorRequest::Guest(HostRequest::JobList) => (
+                                "jobs",
+                                SupervisorResponse::Guest(GuestResponse::Jobs(vec![])),
+                            ),
+                            SupervisorRequest::Pause => {
+                                on_pause();
+                                ("pause", SupervisorResponse::Paused)
+                            }
+                            SupervisorRequest::Resume => ("resume", SupervisorResponse::Resumed),
+                            _ => return,
+                        };
+                        log.lock().expect("log").push(kind);
+                        let reply: Reply = Ok(answer);
+                        if write_frame(&mut s, &reply).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        seen
+    }
+
+    /// Work that arrives while an idle suspension runs (its wake found the VM running, so
+    /// its request may be in flight to the paused guest) wakes the VM again at once (found
+    /// by CI: an exec waited out its 50 s deadline). Control: with no work, the VM stays
+    /// paused.
+    #[tokio::test]
+    async fn test_work_arriving_during_an_idle_suspension_wakes_the_vm_again() {
+        let id = "vm-0123456789ab";
+        for work in [false, true] {
+            let (_state, w, _held) = crate::vm::test_engine_with_running_vm(id);
+            let w = Arc::new(w);
+            let seen = w.get_vm(id).expect("vm").last_active_unix;
+            let engine = w.clone();
+            let requests = supervisor(&w, id, move || {
+                if work {
+                    engine.store.touch(id, now_unix()).expect("touch");
+                }
+            });
+            let r = w.suspend_idle_vm(id, SuspendMode::Pause, seen).await;
+            let state = w.get_vm(id).expect("vm").state;
+            let asked = requests.lock().expect("log").clone();
+            if work {
+                assert!(r.is_none(), "{r:?}");
+                assert_eq!(state, VmState::Running);
+                assert_eq!(asked, ["jobs", "pause", "resume"]);
+            } else {
+                assert!(matches!(r, Some(Ok(VmState::Paused))), "{r:?}");
+                assert_eq!(state, VmState::Paused);
+                assert_eq!(asked, ["jobs", "pause"]);
+            }
+        }
     }
 }
